@@ -1,0 +1,168 @@
+"""Scheduler and cache configuration: frozen dataclasses, validated on construction.
+
+``SchedulerConfig`` holds what the user chooses (concurrency, token budget, context length,
+caching knobs); the bucket sets and the plan's static sizes are derived properties.
+``CacheConfig`` holds what the memory planner learned at start-up (pool sizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from serving.plan import StepShape
+
+KERNEL_CHUNK = 64  # token chunk of the chunked GDN/KDA kernels: checkpoints must land on it
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def _powers_of_two(first: int, cap: int) -> tuple[int, ...]:
+    """``first, 2*first, 4*first, ...`` below ``cap``, then ``cap`` itself."""
+    out = []
+    b = first
+    while b < cap:
+        out.append(b)
+        b *= 2
+    out.append(cap)
+    return tuple(out)
+
+
+def _smallest_at_least(buckets: tuple[int, ...], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n=} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler may put in one step, and how prefixes are cached.
+
+    Attributes:
+      max_num_seqs: most sequences (rows) in one step; also the most running requests.
+      max_num_batched_tokens: token budget of one step (prefill chunks plus decodes).
+      max_model_len: most tokens (prompt plus output) of one request.
+      block_size: tokens per KV block.
+      enable_prefix_caching: look up, register and checkpoint prefixes.
+      checkpoint_interval: the checkpoint granularity G; ``None`` means ``lcm(64, block_size)``.
+        Every prefill chunk but a request's last starts and ends on a multiple of G, and
+        checkpoints sit only at multiples of G.
+      retention_interval: R; a checkpoint is kept every R tokens of a prompt (0 = none in the
+        middle, only at the prompt end and the latest decode boundary). A multiple of G.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    checkpoint_interval: int | None = None
+    retention_interval: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            _check_positive(name, getattr(self, name))
+        base = math.lcm(KERNEL_CHUNK, self.block_size)
+        g = self.checkpoint_interval
+        if g is not None and (not isinstance(g, int) or g < 1 or g % base):
+            raise ValueError(
+                f"checkpoint_interval={g!r} must be a positive multiple of "
+                f"lcm({KERNEL_CHUNK}, block_size={self.block_size}) = {base}"
+            )
+        r = self.retention_interval
+        if not isinstance(r, int) or r < 0 or r % self.granularity:
+            raise ValueError(
+                f"retention_interval={r!r} must be 0 or a positive multiple of the checkpoint "
+                f"granularity {self.granularity}"
+            )
+        if self.max_num_batched_tokens < self.granularity:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least the "
+                f"checkpoint granularity {self.granularity} (prefill chunks are multiples of it)"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least "
+                f"max_num_seqs={self.max_num_seqs} (every running sequence may decode at once)"
+            )
+
+    @property
+    def granularity(self) -> int:
+        """G: checkpoint positions and non-final prefill chunk edges are multiples of it."""
+        if self.checkpoint_interval is not None:
+            return self.checkpoint_interval
+        return math.lcm(KERNEL_CHUNK, self.block_size)
+
+    @functools.cached_property
+    def token_buckets(self) -> tuple[int, ...]:
+        """Token capacities T of mixed steps: 8, 16, 32, ... up to the budget, budget included."""
+        return _powers_of_two(min(8, self.max_num_batched_tokens), self.max_num_batched_tokens)
+
+    @functools.cached_property
+    def seq_buckets(self) -> tuple[int, ...]:
+        """Sequence capacities S: 1, 2, 4, ... up to ``max_num_seqs``, cap included."""
+        return _powers_of_two(1, self.max_num_seqs)
+
+    @property
+    def max_blocks(self) -> int:
+        """Block table columns per sequence: ``cdiv(max_model_len, block_size)``."""
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def max_ckpt(self) -> int:
+        """Most checkpoint writes of one sequence in one step.
+
+        A chunk of at most ``max_num_batched_tokens`` tokens crosses at most
+        ``cdiv(budget, R)`` multiples of R, plus the prompt-end boundary and the latest
+        boundary of a resumed request's replay.
+        """
+        r = self.retention_interval
+        extra = -(-self.max_num_batched_tokens // r) if r else 0
+        return extra + 2
+
+    def step_shape(self, num_tokens: int, num_seqs: int, decode_only: bool) -> StepShape:
+        """The bucket of a step with ``num_tokens`` tokens over ``num_seqs`` rows."""
+        s = _smallest_at_least(self.seq_buckets, num_seqs)
+        t = s if decode_only else _smallest_at_least(self.token_buckets, num_tokens)
+        return StepShape(t, s, self.max_blocks, self.max_ckpt, decode_only)
+
+    def step_shapes(self) -> list[StepShape]:
+        """Every shape ``schedule()`` can produce: what the runner compiles at start-up."""
+        shapes = [StepShape(s, s, self.max_blocks, self.max_ckpt, True) for s in self.seq_buckets]
+        for t in self.token_buckets:
+            prev = 0
+            for s in self.seq_buckets:
+                if prev + 1 > t:  # needs more rows than tokens: unreachable
+                    break
+                shapes.append(StepShape(t, s, self.max_blocks, self.max_ckpt, False))
+                prev = s
+        return shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Pool sizes learned at start-up (see ``serving.memory_planner``).
+
+    Attributes:
+      num_kv_blocks: KV blocks including the null block 0.
+      num_state_slots: state slots including the NULL slot 0; at least ``max_num_seqs + 1``
+        (one running slot per request), the rest hold checkpoints.
+    """
+
+    num_kv_blocks: int
+    num_state_slots: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2:
+            raise ValueError(
+                f"num_kv_blocks={self.num_kv_blocks!r} must be at least 2 (null block + one)"
+            )
+        if not isinstance(self.num_state_slots, int) or self.num_state_slots < 2:
+            raise ValueError(
+                f"num_state_slots={self.num_state_slots!r} must be at least 2 (NULL slot + one)"
+            )

@@ -1,0 +1,102 @@
+"""Requests and their sampling parameters, as the scheduler sees them (plain Python)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort", "error")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and queued again: holds no KV block or slot
+    RUNNING = "running"  # holds a running state slot and its KV blocks
+    FINISHED = "finished"  # freed; ``finish_reason`` says why
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How a request's tokens are sampled and when it stops.
+
+    ``temperature == 0`` is greedy. ``top_k`` 0 or -1 is off; ``top_p`` 1 is off; ``min_p`` 0
+    is off. ``max_tokens=None`` means "up to the model's context length" (the scheduler fills
+    it in). ``stop`` strings are only carried: the engine detokenizes and checks them, then calls
+    ``Scheduler.finish_request``.
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad field. Normalises ``top_k=-1`` to 0."""
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be at least 1")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 or -1 = off)")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed={self.seed} must be >= 0")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation request. The scheduler mutates everything below the first four fields.
+
+    ``all_token_ids`` is the prompt followed by the outputs so far; ``block_hashes[j]`` is the
+    chained hash of its full KV block ``j`` (kept up to date by the scheduler as tokens arrive).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    eos_token_id: int | None = None
+    cache_salt: str | None = None
+
+    arrival: int = -1
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    all_token_ids: list[int] = dataclasses.field(default_factory=list)
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_cached_tokens: int = -1  # effective prefix hit at first schedule; -1 = not yet
+    num_preemptions: int = 0
+    seed: int = 0  # uint32 actually used (the params' seed or a random one)
+    max_tokens: int = 0  # resolved: the params' max_tokens, or what max_model_len leaves
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens: prompt plus outputs."""
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,394 @@
+"""The continuous-batching scheduler (align mode): which tokens of which requests run next.
+
+One engine step::
+
+    out = scheduler.schedule()          # None: nothing to run
+    sampled = runner.execute(out.plan)  # i32[S]
+    updates = scheduler.update(out, sampled)
+
+Each step fills a token budget: running requests first, in admission order (a decode takes 1
+token, an unfinished prefill its next chunk), then waiting requests in FCFS order, each
+admitted through a prefix-cache lookup. Prefill chunks obey align mode (G = granularity)::
+
+    prompt P = 300, G = 64, budget 128 tokens a step, R = 0
+    tokens     0       64      128     192     256    300
+               |-------|-------|-------|-------|------|
+    step 1     [==== chunk ====)                              ends on a multiple of G
+    step 2                     [==== chunk ====)              ends on a multiple of G
+    step 3                                     [=last=)       ends anywhere; samples a token
+    ckpt                                       ^ 256 = (P-1)//G*G, written by step 2 at
+                                                 offset 128 = q_len (an identical prompt hits)
+
+Every chunk but a request's last starts and ends on a multiple of G; when less than G of
+the budget is left and the rest does not fit, the request waits. Chunks are never split at
+checkpoints: a row carries ``(offset, slot)`` pairs and the kernels write the state after
+``offset`` of its tokens. A boundary ``p`` (``p % G == 0``) inside a row's tokens is
+checkpointed when it is a multiple of R (R > 0), the prompt end ``(P-1)//G*G``, or the
+request's latest boundary ``N//G*G >= P`` (N known tokens: the decode boundary just reached,
+or the end of a resumed request's replay); the latest one replaces the request's previous one.
+
+When the KV pool runs dry, the most recently admitted running request is preempted (by
+recompute): its blocks and running slot are freed and it goes back to the front of the
+waiting queue with every known token to prefill again, through the same lookup.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import random
+
+import numpy as np
+
+from serving.block_pool import NULL_ID
+from serving.cache_manager import CacheManager, CacheMetrics
+from serving.config import CacheConfig, SchedulerConfig
+from serving.request import FinishReason, Request, RequestStatus
+from serving.scheduler_output import RequestUpdate, RowSampling, SchedulerOutput, build_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot for logging and metrics endpoints."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks held by requests
+    state_usage: float  # fraction of state slots held (running slots and held checkpoints)
+    num_preemptions: int
+    cache: CacheMetrics
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill, align-mode prefix caching, preemption.
+
+    Args:
+      sched_cfg: budgets and caching knobs.
+      cache_cfg: pool sizes.
+      rng_seed: seeds the generator of per-request sampling seeds (for requests without one).
+    """
+
+    def __init__(
+        self, sched_cfg: SchedulerConfig, cache_cfg: CacheConfig, *, rng_seed: int | None = None
+    ) -> None:
+        self.cfg = sched_cfg
+        self.cache = CacheManager(sched_cfg, cache_cfg)
+        self.running: list[Request] = []  # admission order; finished ones dropped lazily
+        self.waiting: collections.deque[Request] = collections.deque()
+        self._requests: dict[str, Request] = {}  # unfinished requests by id
+        self._rejected: list[RequestUpdate] = []  # finished before running, not yet reported
+        self._sampling = RowSampling.zeros(sched_cfg.max_num_seqs)
+        self._rng = random.Random(rng_seed)
+        self._arrivals = 0
+        self._step_id = 0
+        self._num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, req: Request) -> None:
+        """Queues ``req`` (mutates it: status, seed, max_tokens, block hashes).
+
+        Raises ValueError for an unusable request (duplicate id, empty prompt, bad sampling
+        parameters, prompt plus completion over ``max_model_len``). A request that could never
+        fit the KV pool is accepted but finished at once with reason ``error`` (``req.error``
+        says why); the next ``schedule``/``update`` reports it.
+        """
+        if req.request_id in self._requests:
+            raise ValueError(f"request_id={req.request_id!r} is already in use")
+        prompt_len = req.num_prompt_tokens
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty: at least one token is required")
+        if min(req.prompt_token_ids) < 0:
+            raise ValueError(f"prompt token ids must be >= 0, got {min(req.prompt_token_ids)}")
+        req.sampling_params.validate()
+        max_len = self.cfg.max_model_len
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is None:
+            max_tokens = max_len - prompt_len
+            if max_tokens < 1:
+                raise ValueError(
+                    f"This model's maximum context length is {max_len} tokens. However, your "
+                    f"prompt has {prompt_len} tokens, which leaves no room for a completion."
+                )
+        if prompt_len + max_tokens > max_len:
+            raise ValueError(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                f"{max_tokens} in the completion). Please reduce the length of the prompt or "
+                "the completion."
+            )
+        req.max_tokens = max_tokens
+        seed = req.sampling_params.seed
+        req.seed = (seed if seed is not None else self._rng.getrandbits(32)) % 2**32
+        req.arrival = self._arrivals
+        self._arrivals += 1
+        req.status = RequestStatus.WAITING
+
+        # The last sampled token is never fed back, so it needs no KV slot.
+        need = -(-(prompt_len + max_tokens - 1) // self.cfg.block_size)
+        have = self.cache.kv.num - 1
+        if need > have:
+            req.error = (
+                f"request needs {need} KV blocks for {prompt_len} prompt + {max_tokens} "
+                f"completion tokens, but the KV cache only has {have} blocks of "
+                f"{self.cfg.block_size} tokens"
+            )
+            self._set_finished(req, "error")
+            self._rejected.append(self._report(req, [], "error"))
+            return
+        self.cache.hash_new_blocks(req)
+        self._requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_request(self, request_id: str, reason: FinishReason = "abort") -> None:
+        """Finishes a request now (abort, or a stop string the engine found) and frees all it
+        holds. A no-op for an unknown or already finished id. Its rows in a step that is
+        scheduled but not yet updated are ignored by that ``update``."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        self.cache.free(req)
+        self._set_finished(req, reason)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether ``schedule`` has anything left to run or report."""
+        return bool(self._requests or self._rejected)
+
+    @property
+    def num_running(self) -> int:
+        return self.cache.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._requests) - self.cache.num_running
+
+    @property
+    def kv_usage(self) -> float:
+        return self.cache.kv.usage
+
+    @property
+    def state_usage(self) -> float:
+        return self.cache.state.usage
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            self.num_running,
+            self.num_waiting,
+            self.kv_usage,
+            self.state_usage,
+            self._num_preemptions,
+            dataclasses.replace(self.cache.metrics),
+        )
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput | None:
+        """Picks this step's rows and builds its plan; None when there is nothing to do.
+
+        Mutates: requests' ``num_computed_tokens`` (advanced to the end of their scheduled
+        tokens), status and queues (admission, preemption), the pools (blocks and slots taken,
+        blocks registered, checkpoints registered as pending until ``update``).
+        """
+        self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        b = _StepBuilder(self._step_id)
+        budget = self.cfg.max_num_batched_tokens
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            start = req.num_computed_tokens
+            n = self._chunk_len(req, start, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self.cache.allocate_blocks(req, start + n):
+                preempted = True
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                slot = self.cache.alloc(req.request_id).running_slot
+                self._add_row(b, req, start, n, src=slot)
+                budget -= n
+                i += 1
+
+        while self.waiting and budget > 0 and not preempted:
+            req = self.waiting[0]
+            if req.status is not RequestStatus.WAITING:  # finished while queued
+                self.waiting.popleft()
+                continue
+            if self.cache.num_running >= self.cfg.max_num_seqs:
+                break
+            hit = self.cache.lookup(req)
+            if hit is None:  # its best checkpoint is written by a step not yet updated
+                self.cache.metrics.deferred_same_step += 1
+                break
+            n = self._chunk_len(req, hit.num_tokens, budget)
+            if n == 0 or not self.cache.can_admit(hit, hit.num_tokens + n):
+                break
+            self.waiting.popleft()
+            alloc, held = self.cache.admit(req, hit, hit.num_tokens + n)
+            b.slots_held += held
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = hit.num_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit.num_tokens
+            self._sampling.set(alloc.row, req)
+            self.running.append(req)
+            self._add_row(b, req, hit.num_tokens, n, src=hit.ckpt_slot)
+            budget -= n
+
+        rejected, self._rejected = self._rejected, []
+        if not b.requests:
+            if not rejected:
+                return None
+            self._step_id += 1
+            return SchedulerOutput(None, b.step_id, [], [], [], finished=rejected)
+        plan = build_plan(
+            self.cfg,
+            self.cache.block_table,
+            self._sampling,
+            b.table_rows,
+            b.starts,
+            b.q_lens,
+            b.input_ids,
+            b.src,
+            b.dst,
+            b.ckpts,
+        )
+        self._step_id += 1
+        return SchedulerOutput(
+            plan,
+            b.step_id,
+            b.requests,
+            b.q_lens,
+            b.samples,
+            finished=rejected,
+            ckpt_written=b.ckpt_written,
+            slots_held=b.slots_held,
+        )
+
+    def update(self, output: SchedulerOutput, sampled: np.ndarray) -> list[RequestUpdate]:
+        """Takes a step's sampled tokens (``i32[S]``, row order; padding rows ignored).
+
+        Mutates: appends each sampling row's token to its request, finishes and frees requests
+        that hit EOS, a stop token id, ``max_tokens`` or ``max_model_len``, and makes the
+        step's checkpoints usable. Returns one ``RequestUpdate`` per request that got a token
+        or finished (rows of requests finished meanwhile, e.g. aborted, are skipped).
+        """
+        assert not output.updated, f"step {output.step_id} was already updated"
+        output.updated = True
+        self.cache.release_step(output.ckpt_written, output.slots_held)
+        updates = list(output.finished)
+        tokens = np.asarray(sampled).tolist()
+        for s, req in enumerate(output.requests):
+            if not output.samples[s] or req.is_finished:
+                continue
+            tok = int(tokens[s])
+            req.output_token_ids.append(tok)
+            req.all_token_ids.append(tok)
+            self.cache.hash_new_blocks(req)
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self.cache.free(req)
+                self._set_finished(req, reason)
+            updates.append(self._report(req, [tok], reason))
+        return updates
+
+    # ------------------------------------------------------------------ helpers
+
+    def _chunk_len(self, req: Request, start: int, budget: int) -> int:
+        """Tokens of ``req`` to compute from ``start`` within ``budget`` (align mode)."""
+        remaining = req.num_tokens - start
+        if remaining <= budget:
+            return max(remaining, 0)
+        g = self.cfg.granularity
+        assert start % g == 0, f"a partial prefill chunk must start on a multiple of {g=}"
+        return budget // g * g
+
+    def _add_row(self, b: _StepBuilder, req: Request, start: int, n: int, src: int) -> None:
+        """Schedules tokens ``[start, start + n)`` of running ``req`` (blocks already held)."""
+        alloc = self.cache.alloc(req.request_id)
+        end = start + n
+        self.cache.register_blocks(req, end)
+        row = len(b.requests)
+        if self.cfg.enable_prefix_caching:
+            for p, latest in self._checkpoint_positions(req, start, end):
+                slot = self.cache.add_checkpoint(req, p, latest)
+                if slot != NULL_ID:
+                    b.ckpts.append((row, p - start, slot))
+                    b.ckpt_written.append(slot)
+                    b.slots_held.append(slot)
+        b.requests.append(req)
+        b.table_rows.append(alloc.row)
+        b.starts.append(start)
+        b.q_lens.append(n)
+        b.input_ids += req.all_token_ids[start:end]
+        b.src.append(src)
+        b.dst.append(alloc.running_slot)
+        b.samples.append(end == req.num_tokens)
+        req.num_computed_tokens = end
+
+    def _checkpoint_positions(self, req: Request, start: int, end: int) -> list[tuple[int, bool]]:
+        """Boundaries in ``(start, end]`` to checkpoint, each with "is the latest" flag."""
+        g, r = self.cfg.granularity, self.cfg.retention_interval
+        first = (start // g + 1) * g
+        if first > end:
+            return []
+        prompt_end = (req.num_prompt_tokens - 1) // g * g
+        latest = req.num_tokens // g * g
+        if latest < req.num_prompt_tokens:
+            latest = -1
+        out = []
+        for p in range(first, end + 1, g):
+            if p in (latest, prompt_end) or (r and p % r == 0):
+                out.append((p, p == latest))
+        assert len(out) <= self.cfg.max_ckpt, (out, self.cfg.max_ckpt)
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.cache.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
+        sp = req.sampling_params
+        if (not sp.ignore_eos and tok == req.eos_token_id) or tok in sp.stop_token_ids:
+            return "stop"
+        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+            return "length"
+        return None
+
+    def _set_finished(self, req: Request, reason: FinishReason) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self._requests.pop(req.request_id, None)
+
+    @staticmethod
+    def _report(req: Request, tokens: list[int], reason: FinishReason | None) -> RequestUpdate:
+        return RequestUpdate(
+            req.request_id, tokens, reason is not None, reason, req.num_cached_tokens, req.error
+        )
+
+
+@dataclasses.dataclass
+class _StepBuilder:
+    """The rows of the step being scheduled, as flat lists for ``build_plan``."""
+
+    step_id: int
+    requests: list[Request] = dataclasses.field(default_factory=list)
+    table_rows: list[int] = dataclasses.field(default_factory=list)
+    starts: list[int] = dataclasses.field(default_factory=list)
+    q_lens: list[int] = dataclasses.field(default_factory=list)
+    input_ids: list[int] = dataclasses.field(default_factory=list)
+    src: list[int] = dataclasses.field(default_factory=list)
+    dst: list[int] = dataclasses.field(default_factory=list)
+    samples: list[bool] = dataclasses.field(default_factory=list)
+    ckpts: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    ckpt_written: list[int] = dataclasses.field(default_factory=list)
+    slots_held: list[int] = dataclasses.field(default_factory=list)

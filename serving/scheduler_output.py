@@ -1,0 +1,159 @@
+"""What ``Scheduler.schedule`` returns and ``Scheduler.update`` reports, and the plan builder.
+
+``build_plan`` turns the step's rows into a ``StepPlan`` with numpy gathers only: its Python
+work is O(rows + checkpoint writes); token-level arrays are filled by vectorised numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from serving.config import SchedulerConfig
+from serving.plan import StepPlan
+from serving.request import FinishReason, Request
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestUpdate:
+    """What one request did in a step (returned by ``Scheduler.update``).
+
+    ``new_token_ids`` holds the token sampled this step (the stop token included when it
+    finished the request); it is empty for a request finished before it ran (``error``).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One scheduled step: the plan for the runner plus per-row bookkeeping.
+
+    Row ``s`` of the plan is ``requests[s]``; it computes ``num_new_tokens[s]`` tokens and
+    yields a sampled token only if ``samples[s]`` (a prefill chunk that stops short of the end
+    of the known tokens does not). ``plan`` is None only when the step runs nothing and just
+    reports ``finished`` (requests rejected at admission); call ``update(out, np.empty(0))``.
+    """
+
+    plan: StepPlan | None
+    step_id: int
+    requests: list[Request]
+    num_new_tokens: list[int]
+    samples: list[bool]
+    finished: list[RequestUpdate] = dataclasses.field(default_factory=list)
+    # Scheduler-internal: checkpoints this step writes, and the state slot references it holds
+    # (those plus the hit checkpoints it reads) until ``update``.
+    ckpt_written: list[int] = dataclasses.field(default_factory=list, repr=False)
+    slots_held: list[int] = dataclasses.field(default_factory=list, repr=False)
+    updated: bool = dataclasses.field(default=False, repr=False)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [r.request_id for r in self.requests]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+@dataclasses.dataclass
+class RowSampling:
+    """Per-row sampling parameters, persistent by block-table row (set at admission)."""
+
+    temperature: np.ndarray  # f32[max_num_seqs]
+    top_p: np.ndarray  # f32[max_num_seqs]
+    top_k: np.ndarray  # i32[max_num_seqs]
+    min_p: np.ndarray  # f32[max_num_seqs]
+    seeds: np.ndarray  # u32[max_num_seqs]
+
+    @classmethod
+    def zeros(cls, n: int) -> RowSampling:
+        return cls(
+            np.zeros(n, np.float32),
+            np.ones(n, np.float32),
+            np.zeros(n, np.int32),
+            np.zeros(n, np.float32),
+            np.zeros(n, np.uint32),
+        )
+
+    def set(self, row: int, req: Request) -> None:
+        sp = req.sampling_params
+        self.temperature[row] = sp.temperature
+        self.top_p[row] = sp.top_p
+        self.top_k[row] = sp.top_k
+        self.min_p[row] = sp.min_p
+        self.seeds[row] = req.seed
+
+
+def build_plan(
+    cfg: SchedulerConfig,
+    block_table: np.ndarray,  # i32[max_num_seqs, max_blocks] persistent, by table row
+    sampling: RowSampling,
+    table_rows: list[int],  # table row of each plan row
+    starts: list[int],  # first new token position of each plan row
+    q_lens: list[int],  # new tokens of each plan row
+    input_ids: list[int],  # all new tokens, rows concatenated
+    src: list[int],
+    dst: list[int],
+    ckpts: list[tuple[int, int, int]],  # (plan row, token offset, slot)
+) -> StepPlan:
+    """A fresh ``StepPlan`` in the smallest bucket that holds these rows.
+
+    Token ``t`` of row ``s`` sits at position ``pos = starts[s] + t``, its K/V goes to
+    ``block_table[row, pos // B] * B + pos % B``::
+
+        plan tokens  | a0 a1 a2 a3 | b0 | c0 c1 | pad ...
+        tok_row        0  0  0  0    1    2  2
+        positions     s_a ... s_a+3  s_b  s_c s_c+1   0 ...
+        slot_mapping  block_table[row_a, pos // B] * B + pos % B, ...  0 (null block) ...
+    """
+    n_seqs, n_tok = len(q_lens), len(input_ids)
+    assert n_seqs > 0 and n_tok == sum(q_lens)
+    decode_only = n_tok == n_seqs
+    plan = StepPlan.empty(cfg.step_shape(n_tok, n_seqs, decode_only))
+    rows = np.asarray(table_rows, np.intp)
+    start = np.asarray(starts, np.int32)
+    qlen = np.asarray(q_lens, np.int32)
+    qsl = plan.query_start_loc
+    np.cumsum(qlen, out=qsl[1 : n_seqs + 1])
+    qsl[n_seqs + 1 :] = n_tok
+    plan.seq_lens[:n_seqs] = start + qlen
+    plan.num_seqs[...] = n_seqs
+    plan.input_ids[:n_tok] = input_ids
+
+    if decode_only:
+        tok_row = np.arange(n_seqs)
+        pos = start
+    else:
+        tok_row = np.repeat(np.arange(n_seqs), qlen)
+        pos = np.arange(n_tok, dtype=np.int32) + (start - qsl[:n_seqs])[tok_row]
+    bs = cfg.block_size
+    plan.positions[:n_tok] = pos
+    plan.slot_mapping[:n_tok] = block_table[rows[tok_row], pos // bs] * bs + pos % bs
+    plan.block_tables[:n_seqs] = block_table[rows]
+
+    plan.src_slot[:n_seqs] = src
+    plan.dst_slot[:n_seqs] = dst
+    col = [0] * n_seqs
+    for s, offset, slot in ckpts:
+        plan.ckpt_offsets[s, col[s]] = offset
+        plan.ckpt_slots[s, col[s]] = slot
+        col[s] += 1
+    plan.logits_indices[:n_seqs] = qsl[1 : n_seqs + 1] - 1
+
+    plan.temperature[:n_seqs] = sampling.temperature[rows]
+    plan.top_p[:n_seqs] = sampling.top_p[rows]
+    plan.top_k[:n_seqs] = sampling.top_k[rows]
+    plan.min_p[:n_seqs] = sampling.min_p[rows]
+    plan.seeds[:n_seqs] = sampling.seeds[rows]
+    return plan
