@@ -1,0 +1,38 @@
+"""What one forward pass of a model reads: a flat ragged batch on the paged and slotted caches.
+
+Field names match :class:`serving.plan.StepPlan` (DESIGN.md §5), so the runner builds a
+``Batch`` straight from the plan's arrays. ``decode_only`` is static (part of the bucket).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    input_ids: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    slot_mapping: jax.Array  # i32[T]
+    query_start_loc: jax.Array  # i32[S+1]
+    seq_lens: jax.Array  # i32[S]
+    num_seqs: jax.Array  # i32[]
+    block_tables: jax.Array  # i32[S, max_blocks]
+    src_slot: jax.Array  # i32[S]
+    dst_slot: jax.Array  # i32[S]
+    ckpt_offsets: jax.Array  # i32[S, max_ckpt]
+    ckpt_slots: jax.Array  # i32[S, max_ckpt]
+    logits_indices: jax.Array  # i32[S]
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray | jax.Array]) -> Batch:
+        """Picks this batch's fields out of a larger dict (e.g. a plan with sampling fields)."""
+        return cls(**{f.name: jnp.asarray(arrays[f.name]) for f in dataclasses.fields(cls)})
+
+
+BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(Batch))

@@ -1,0 +1,82 @@
+"""Qwen3-Next Gated DeltaNet layer on the state pool (conv window + recurrent state per slot)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hyjax.batch import Batch
+from hyjax.config import Qwen3NextConfig
+from hyjax.layers.linear import Linear
+from hyjax.layers.norms import GatedRMSNorm
+from hyjax.ops import Ops
+
+StateCache = tuple[jax.Array, jax.Array]  # conv [slots, K-1, C], ssm f32[slots, Hv, Dk, Dv]
+
+
+class GatedDeltaNet(nnx.Module):
+    """in_proj -> causal conv1d + SiLU -> gated delta rule -> gated RMSNorm(z) -> out_proj.
+
+    ``in_proj_qkvz`` / ``in_proj_ba`` keep the checkpoint's per-key-head-group interleave::
+
+        qkvz row group g (one per key head): | q_g (Dk) | k_g (Dk) | v (r*Dv) | z (r*Dv) |
+        ba   row group g:                    | b (r) | a (r) |          r = Hv // Hk
+
+    and are de-interleaved here; the conv channels are ``q (all heads) | k | v``.
+    """
+
+    def __init__(self, cfg: Qwen3NextConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.ratio = self.hv // self.hk
+        d, kk = cfg.hidden_size, cfg.linear_conv_kernel_dim
+        self.in_proj_qkvz = Linear(
+            d, 2 * cfg.linear_key_dim + 2 * cfg.linear_value_dim, dtype=dtype, rngs=rngs
+        )
+        self.in_proj_ba = Linear(d, 2 * self.hv, dtype=dtype, rngs=rngs)
+        init = nnx.initializers.normal(0.5)
+        self.conv1d = nnx.Param(init(rngs.params(), (cfg.conv_dim, kk), dtype))  # [C, K]
+        self.A_log = nnx.Param(
+            jnp.log(jax.random.uniform(rngs.params(), (self.hv,), minval=1.0, maxval=16.0))
+        )
+        self.dt_bias = nnx.Param(jnp.ones((self.hv,), jnp.float32))
+        self.norm = GatedRMSNorm(self.dv, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.out_proj = Linear(cfg.linear_value_dim, d, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self, x: jax.Array, cache: StateCache, batch: Batch, ops: Ops, *, decode_only: bool
+    ) -> tuple[StateCache, jax.Array]:
+        n = x.shape[0]
+        hk, hv, dk, dv, r = self.hk, self.hv, self.dk, self.dv, self.ratio
+        qkvz = self.in_proj_qkvz(x).reshape(n, hk, 2 * dk + 2 * r * dv)
+        ba = self.in_proj_ba(x).reshape(n, hk, 2 * r)
+        q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]
+        v = qkvz[..., 2 * dk : 2 * dk + r * dv].reshape(n, hv, dv)
+        z = qkvz[..., 2 * dk + r * dv :].reshape(n, hv, dv)
+        b, a = ba[..., :r].reshape(n, hv), ba[..., r:].reshape(n, hv)
+
+        mixed = jnp.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=-1)
+        conv_state, ssm_state = cache
+        slots = (batch.src_slot, batch.dst_slot)
+        gates = (self.A_log[...], self.dt_bias[...])
+        if decode_only:
+            mixed, conv_state = ops.conv1d_update(
+                mixed, self.conv1d[...], conv_state, *slots, batch.num_seqs
+            )
+        else:
+            ckpt = (batch.ckpt_offsets, batch.ckpt_slots, batch.num_seqs)
+            mixed, conv_state = ops.conv1d_prefill(
+                mixed, self.conv1d[...], conv_state, batch.query_start_loc, *slots, *ckpt
+            )
+        q = mixed[:, : hk * dk].reshape(n, hk, dk)
+        k = mixed[:, hk * dk : 2 * hk * dk].reshape(n, hk, dk)
+        v = mixed[:, 2 * hk * dk :].reshape(n, hv, dv)
+        if decode_only:
+            o, ssm_state = ops.gdn_decode(q, k, v, a, b, *gates, ssm_state, *slots, batch.num_seqs)
+        else:
+            o, ssm_state = ops.gdn_prefill(
+                q, k, v, a, b, *gates, ssm_state, batch.query_start_loc, *slots, *ckpt
+            )
+        o = self.norm(o, z).reshape(n, hv * dv)
+        return (conv_state, ssm_state), self.out_proj(o)

@@ -1,0 +1,178 @@
+"""Test helpers: tiny real Hugging Face checkpoints, and hand-built ragged batches.
+
+``save_tiny_qwen3_next`` uses transformers + torch (the test extra) to write a genuine HF
+checkpoint, with the parameters whose default values hide convention mistakes (norm weights,
+``A_log``, ``dt_bias``) randomised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from hyjax.batch import Batch
+
+
+def tiny_qwen3_next_config(**overrides) -> dict:
+    """A 4-layer Qwen3-Next with GVA ratio 3, GQA 2, Dk != Dv, a dense layer and conv K=4."""
+    cfg = dict(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        partial_rotary_factor=0.25,
+        rope_theta=10000.0,
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=12,
+        shared_expert_intermediate_size=20,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[2],
+        intermediate_size=24,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def save_tiny_qwen3_next(
+    path: str | os.PathLike, *, seed: int = 0, dtype: str = "float32", **overrides
+) -> dict:
+    """Writes a random tiny Qwen3-Next with ``save_pretrained``; returns its config dict."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    hf_cfg = Qwen3NextConfig(**tiny_qwen3_next_config(**overrides))
+    model = Qwen3NextForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(-1.0, 1.5))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p))
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(p + 0.3 * torch.randn_like(p))
+            elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * 0.2)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(os.fspath(path))
+    return hf_cfg.to_dict()
+
+
+def hf_logits(path: str | os.PathLike, token_ids: Sequence[int]) -> np.ndarray:
+    """The transformers forward of a saved checkpoint over one sequence: f32[T, vocab].
+
+    It runs in float64, so the oracle carries no float32 rounding of its own (transformers'
+    float32 chunked delta rule alone differs from its float64 result by ~1.5e-4 here).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.fspath(path), dtype=torch.float64, experts_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([list(token_ids)]), use_cache=False)
+    return out.logits[0].float().numpy()
+
+
+@dataclasses.dataclass
+class SeqChunk:
+    """One row of a hand-built batch: new tokens of a sequence on top of ``num_cached``."""
+
+    token_ids: Sequence[int]
+    num_cached: int
+    blocks: Sequence[int]
+    src_slot: int = 0
+    dst_slot: int = 0
+    ckpts: Sequence[tuple[int, int]] = ()  # (offset, slot)
+    all_logits: bool = False  # tests: logits of every new token, not just the last
+
+
+def make_batch(
+    rows: Sequence[SeqChunk],
+    *,
+    block_size: int,
+    num_tokens: int,
+    num_seqs: int,
+    max_blocks: int,
+    max_ckpt: int = 2,
+) -> tuple[Batch, list[list[int]]]:
+    """Packs rows into a padded :class:`Batch`; returns it and each row's logits indices.
+
+    When a row asks for all logits, the batch's ``logits_indices`` (capacity ``num_seqs``)
+    would be too small, so the returned per-row index lists address the hidden states that a
+    test reads through ``logits_indices = arange``. Keep ``num_seqs >= num_tokens`` then.
+    """
+    ids = np.zeros(num_tokens, np.int32)
+    pos = np.zeros(num_tokens, np.int32)
+    slot_mapping = np.zeros(num_tokens, np.int32)
+    qsl = np.zeros(num_seqs + 1, np.int32)
+    seq_lens = np.zeros(num_seqs, np.int32)
+    tables = np.zeros((num_seqs, max_blocks), np.int32)
+    src = np.zeros(num_seqs, np.int32)
+    dst = np.zeros(num_seqs, np.int32)
+    ck_off = np.zeros((num_seqs, max_ckpt), np.int32)
+    ck_slot = np.zeros((num_seqs, max_ckpt), np.int32)
+    logits_rows: list[list[int]] = []
+    t = 0
+    for s, row in enumerate(rows):
+        n = len(row.token_ids)
+        p = np.arange(row.num_cached, row.num_cached + n)
+        ids[t : t + n] = row.token_ids
+        pos[t : t + n] = p
+        blocks = np.asarray(row.blocks)
+        slot_mapping[t : t + n] = blocks[p // block_size] * block_size + p % block_size
+        tables[s, : len(blocks)] = blocks
+        seq_lens[s] = row.num_cached + n
+        src[s], dst[s] = row.src_slot, row.dst_slot
+        for j, (off, sl) in enumerate(row.ckpts):
+            ck_off[s, j], ck_slot[s, j] = off, sl
+        logits_rows.append(list(range(t, t + n)) if row.all_logits else [t + n - 1])
+        t += n
+        qsl[s + 1] = t
+    qsl[len(rows) + 1 :] = t
+    flat = [i for r in logits_rows for i in r]
+    logits_idx = np.zeros(num_seqs, np.int32)
+    logits_idx[: len(flat)] = flat
+    batch = Batch.from_arrays(
+        dict(
+            input_ids=ids,
+            positions=pos,
+            slot_mapping=slot_mapping,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            num_seqs=np.int32(len(rows)),
+            block_tables=tables,
+            src_slot=src,
+            dst_slot=dst,
+            ckpt_offsets=ck_off,
+            ckpt_slots=ck_slot,
+            logits_indices=logits_idx,
+        )
+    )
+    out, k = [], 0
+    for r in logits_rows:
+        out.append(list(range(k, k + len(r))))
+        k += len(r)
+    return batch, out

@@ -1,0 +1,40 @@
+"""Index helpers shared by the ragged reference ops (pure jnp, traced inside jit)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def token_seq_ids(
+    query_start_loc: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[]
+    num_tokens: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Maps every token of a flat ragged batch to its sequence.
+
+    Returns:
+      seq_id: i32[T], the sequence of each token, clamped to S - 1 for padding tokens.
+      local: i32[T], the token's index inside its sequence's new tokens.
+      live: bool[T], False for padding tokens (past ``query_start_loc[num_seqs]``).
+    """
+    num_rows = query_start_loc.shape[0] - 1
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    #   query_start_loc: | 0 | 4 | 5 | 7 | 7 ... |   tokens 0..3 -> 0, 4 -> 1, 5..6 -> 2
+    seq_id = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
+    live = t < query_start_loc[num_seqs]
+    seq_id = jnp.minimum(seq_id, num_rows - 1)
+    local = t - query_start_loc[seq_id]
+    return seq_id, local, live
+
+
+def write_index(slot: jax.Array, enabled: jax.Array, num_slots: int) -> jax.Array:
+    """A scatter index that drops the write (out of bounds) unless enabled and slot != 0."""
+    return jnp.where(enabled & (slot > 0), slot, num_slots)
+
+
+def read_slots(pool: jax.Array, src_slot: jax.Array) -> jax.Array:
+    """Gathers ``pool[src_slot]`` with slot 0 meaning a zero state (nothing read)."""
+    gathered = pool[src_slot]
+    mask = (src_slot > 0).reshape((-1,) + (1,) * (pool.ndim - 1))
+    return jnp.where(mask, gathered, jnp.zeros_like(gathered))

@@ -1,0 +1,107 @@
+"""Causal depthwise conv1d + SiLU over a ragged batch, with explicit state slots (pure JAX).
+
+The conv window of a sequence is its last ``K - 1`` pre-conv inputs, oldest first, stored per
+slot in ``conv_state[slot] : [K - 1, C]`` (model dtype). DESIGN.md §3:
+
+- ``src_slot[s] == 0``: the window before the first new token is zeros (nothing is read);
+- ``dst_slot[s] == 0``: the final window is not written;
+- ``(ckpt_offsets[s, j], ckpt_slots[s, j])``: the window after that many of this step's tokens
+  is written to that slot (0 = no write).
+
+Window arithmetic for one sequence with K = 4 and 3 new tokens x0 x1 x2::
+
+    prior window (src):  p0 p1 p2            y0 = w . [p0 p1 p2 x0]
+    inputs:                       x0 x1 x2   y2 = w . [p2 x0 x1 x2]
+    window after 2 tokens:     p2 x0 x1      (a checkpoint at offset 2)
+    final window:                 x0 x1 x2   (written to dst)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common.ragged import read_slots, token_seq_ids, write_index
+
+
+def _silu(x):
+    return x * jax.nn.sigmoid(x)
+
+
+def _window_after(
+    x: jax.Array,  # [T, C]
+    init: jax.Array,  # [S, K-1, C]
+    qsl: jax.Array,  # i32[S+1]
+    seq: jax.Array,  # i32[N]   sequences
+    offset: jax.Array,  # i32[N]   number of new tokens consumed
+) -> jax.Array:
+    """The K-1 inputs preceding new-token index ``offset`` of each sequence: [N, K-1, C]."""
+    km1 = init.shape[1]
+    # local index of each window element: offset - (K-1) .. offset - 1
+    local = offset[:, None] + jnp.arange(-km1, 0, dtype=jnp.int32)[None, :]  # [N, K-1]
+    from_x = x[jnp.clip(qsl[seq][:, None] + local, 0, x.shape[0] - 1)]  # [N, K-1, C]
+    from_state = init[seq[:, None], jnp.clip(km1 + local, 0, km1 - 1)]  # [N, K-1, C]
+    return jnp.where((local >= 0)[..., None], from_x, from_state)
+
+
+def causal_conv1d_prefill_reference(
+    x: jax.Array,  # [T, C] pre-conv inputs, model dtype
+    weight: jax.Array,  # [C, K]
+    conv_state: jax.Array,  # [num_slots, K-1, C]
+    query_start_loc: jax.Array,  # i32[S+1]
+    src_slot: jax.Array,  # i32[S]
+    dst_slot: jax.Array,  # i32[S]
+    ckpt_offsets: jax.Array,  # i32[S, M]
+    ckpt_slots: jax.Array,  # i32[S, M]
+    num_seqs: jax.Array,  # i32[]
+) -> tuple[jax.Array, jax.Array]:
+    """Returns ``(y [T, C] in x.dtype, updated conv_state)``; padding tokens give 0."""
+    num_tokens, _ = x.shape
+    num_slots = conv_state.shape[0]
+    num_rows = src_slot.shape[0]
+    seq_id, local, live = token_seq_ids(query_start_loc, num_seqs, num_tokens)
+    init = read_slots(conv_state, src_slot)  # [S, K-1, C]
+
+    # Window of inputs for each token: the K-1 before it, then itself.
+    prev = _window_after(x, init, query_start_loc, seq_id, local)  # [T, K-1, C]
+    window = jnp.concatenate([prev, x[:, None, :]], axis=1).astype(jnp.float32)  # [T, K, C]
+    y = _silu(jnp.einsum("TKC,CK->TC", window, weight.astype(jnp.float32)))
+    y = jnp.where(live[:, None], y, 0).astype(x.dtype)
+
+    # Final windows -> dst, checkpoint windows -> their slots.
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    row_live = rows < num_seqs
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    final = _window_after(x, init, query_start_loc, rows, q_len)
+    ckpt_seq = jnp.repeat(rows, ckpt_offsets.shape[1])
+    ckpt = _window_after(x, init, query_start_loc, ckpt_seq, ckpt_offsets.reshape(-1))
+    idx = jnp.concatenate(
+        [
+            write_index(ckpt_slots.reshape(-1), row_live[ckpt_seq], num_slots),
+            write_index(dst_slot, row_live, num_slots),
+        ]
+    )
+    vals = jnp.concatenate([ckpt, final]).astype(conv_state.dtype)
+    conv_state = conv_state.at[idx].set(vals, mode="drop")
+    return y, conv_state
+
+
+def causal_conv1d_update_reference(
+    x: jax.Array,  # [S, C] one new token per sequence
+    weight: jax.Array,  # [C, K]
+    conv_state: jax.Array,  # [num_slots, K-1, C]
+    src_slot: jax.Array,  # i32[S]
+    dst_slot: jax.Array,  # i32[S]
+    num_seqs: jax.Array,  # i32[]
+) -> tuple[jax.Array, jax.Array]:
+    """Decode: one token per sequence. Returns ``(y [S, C], updated conv_state)``."""
+    num_slots = conv_state.shape[0]
+    num_rows = x.shape[0]
+    init = read_slots(conv_state, src_slot)  # [S, K-1, C]
+    window = jnp.concatenate([init, x[:, None, :]], axis=1)  # [S, K, C]
+    y = _silu(jnp.einsum("SKC,CK->SC", window.astype(jnp.float32), weight.astype(jnp.float32)))
+    live = jnp.arange(num_rows) < num_seqs
+    y = jnp.where(live[:, None], y, 0).astype(x.dtype)
+    idx = write_index(dst_slot, live, num_slots)
+    conv_state = conv_state.at[idx].set(window[:, 1:].astype(conv_state.dtype), mode="drop")
+    return y, conv_state

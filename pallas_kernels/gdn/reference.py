@@ -1,0 +1,137 @@
+"""The gated delta rule over a ragged batch with explicit state slots (pure JAX, float32).
+
+Per value head ``h`` (key head ``h // (Hv // Hk)``) and token ``t``, with state
+``S: [Dk, Dv]`` (float32)::
+
+    q, k  = l2norm(q_t), l2norm(k_t)                 # eps 1e-6 inside the sqrt
+    g     = -exp(A_log) * softplus(a_t + dt_bias)    # log decay <= 0
+    beta  = sigmoid(b_t)
+    S     = exp(g) * S
+    S     = S + k (beta * (v_t - S^T k))^T
+    o_t   = Dk**-0.5 * S^T q
+
+Slots follow DESIGN.md §3: ``src_slot`` 0 reads a zero state, ``dst_slot`` 0 writes nothing,
+and ``(ckpt_offsets, ckpt_slots)`` pairs write the state after that many of the step's tokens.
+The prefill reference scans token by token: it is the oracle, not the fast path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common.ragged import read_slots, token_seq_ids, write_index
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def softplus(x: jax.Array) -> jax.Array:
+    """PyTorch's softplus (beta 1, threshold 20), which the checkpoints were trained with."""
+    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
+def gdn_gates(
+    a: jax.Array,  # [..., Hv]
+    b: jax.Array,  # [..., Hv]
+    A_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+) -> tuple[jax.Array, jax.Array]:
+    """Returns ``(g, beta)`` in float32."""
+    g = -jnp.exp(A_log.astype(jnp.float32)) * softplus(
+        a.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+    )
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    return g, beta
+
+
+def _prepare(q, k, v, a, b, A_log, dt_bias):
+    """l2norm, GVA expansion to value heads, gates. Shapes [N, Hv, D] / [N, Hv]."""
+    ratio = v.shape[-2] // q.shape[-2]
+    q = jnp.repeat(l2norm(q), ratio, axis=-2) * (q.shape[-1] ** -0.5)
+    k = jnp.repeat(l2norm(k), ratio, axis=-2)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    return q, k, v.astype(jnp.float32), g, beta
+
+
+def _step(state, q, k, v, g, beta):
+    """One token for every head: state [Hv, Dk, Dv]; q, k [Hv, Dk]; v [Hv, Dv]; g, beta [Hv]."""
+    state = state * jnp.exp(g)[:, None, None]
+    pred = jnp.einsum("HKV,HK->HV", state, k)
+    delta = beta[:, None] * (v - pred)
+    state = state + jnp.einsum("HK,HV->HKV", k, delta)
+    o = jnp.einsum("HKV,HK->HV", state, q)
+    return state, o
+
+
+def gdn_prefill_reference(
+    q: jax.Array,  # [T, Hk, Dk]  post-conv, before l2norm
+    k: jax.Array,  # [T, Hk, Dk]
+    v: jax.Array,  # [T, Hv, Dv]
+    a: jax.Array,  # [T, Hv]  decay logits
+    b: jax.Array,  # [T, Hv]  beta logits
+    A_log: jax.Array,  # f32[Hv]
+    dt_bias: jax.Array,  # f32[Hv]
+    state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]
+    query_start_loc: jax.Array,  # i32[S+1]
+    src_slot: jax.Array,  # i32[S]
+    dst_slot: jax.Array,  # i32[S]
+    ckpt_offsets: jax.Array,  # i32[S, M]
+    ckpt_slots: jax.Array,  # i32[S, M]
+    num_seqs: jax.Array,  # i32[]
+) -> tuple[jax.Array, jax.Array]:
+    """Ragged prefill (any mix of lengths). Returns ``(o [T, Hv, Dv] in v.dtype, state)``."""
+    num_tokens = q.shape[0]
+    num_slots = state.shape[0]
+    num_rows = src_slot.shape[0]
+    seq_id, local, live = token_seq_ids(query_start_loc, num_seqs, num_tokens)
+    q32, k32, v32, g, beta = _prepare(q, k, v, a, b, A_log, dt_bias)
+    init = read_slots(state, src_slot)  # [S, Hv, Dk, Dv], read before any write
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    row_live = jnp.arange(num_rows) < num_seqs
+
+    def body(carry, t):
+        cur, pool = carry
+        s, i = seq_id[t], local[t]
+        cur = jnp.where(i == 0, init[s], cur)
+        cur, o = _step(cur, q32[t], k32[t], v32[t], g[t], beta[t])
+        ok = live[t] & row_live[s]
+        n = i + 1  # tokens of this sequence consumed so far
+        slots = jnp.concatenate(
+            [
+                write_index(ckpt_slots[s], ok & (ckpt_offsets[s] == n), num_slots),
+                write_index(dst_slot[s][None], ok & (n == q_len[s])[None], num_slots),
+            ]
+        )
+        pool = pool.at[slots].set(jnp.broadcast_to(cur, (slots.shape[0],) + cur.shape), mode="drop")
+        return (cur, pool), jnp.where(live[t], o, 0.0)
+
+    cur0 = jnp.zeros(state.shape[1:], jnp.float32)
+    (_, state), o = jax.lax.scan(body, (cur0, state), jnp.arange(num_tokens))
+    return o.astype(v.dtype), state
+
+
+def gdn_decode_reference(
+    q: jax.Array,  # [S, Hk, Dk]
+    k: jax.Array,  # [S, Hk, Dk]
+    v: jax.Array,  # [S, Hv, Dv]
+    a: jax.Array,  # [S, Hv]
+    b: jax.Array,  # [S, Hv]
+    A_log: jax.Array,  # f32[Hv]
+    dt_bias: jax.Array,  # f32[Hv]
+    state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]
+    src_slot: jax.Array,  # i32[S]
+    dst_slot: jax.Array,  # i32[S]
+    num_seqs: jax.Array,  # i32[]
+) -> tuple[jax.Array, jax.Array]:
+    """One token per sequence. Returns ``(o [S, Hv, Dv] in v.dtype, state)``."""
+    num_slots = state.shape[0]
+    num_rows = q.shape[0]
+    q32, k32, v32, g, beta = _prepare(q, k, v, a, b, A_log, dt_bias)
+    init = read_slots(state, src_slot)
+    new, o = jax.vmap(_step)(init, q32, k32, v32, g, beta)
+    live = jnp.arange(num_rows) < num_seqs
+    state = state.at[write_index(dst_slot, live, num_slots)].set(new, mode="drop")
+    return jnp.where(live[:, None, None], o, 0.0).astype(v.dtype), state

@@ -1,0 +1,99 @@
+"""The step plan: what the scheduler hands the runner, as fixed-capacity numpy arrays.
+
+This module is the contract between the plain-Python scheduler and the jitted step
+(DESIGN.md §5). It imports numpy only. Every array has a static capacity chosen from a
+small bucket set; rows past ``num_seqs`` and tokens past ``query_start_loc[num_seqs]``
+are padding and must be harmless:
+
+- padding tokens write their K/V into the null block 0 (``slot_mapping`` 0..block_size-1
+  are the null block's slots, never read unmasked);
+- padding sequences have ``src_slot = dst_slot = 0`` and no checkpoint writes, so the
+  recurrent kernels neither read nor write any state for them.
+
+Token layout of one step (S = 3 live sequences, T = 8 token capacity)::
+
+    tokens:          | a0 a1 a2 a3 | b0 | c0 c1 | pad |
+    query_start_loc:  0             4    5       7     7 ... (repeated for padding rows)
+    seq_lens:        [ctx_a + 4,    ctx_b + 1, ctx_c + 2, 0 ...]
+
+``seq_lens[s]`` counts all tokens of sequence ``s`` once this step has run (cached context
+plus the new ones), so the new tokens of ``s`` sit at positions
+``seq_lens[s] - q_len(s) .. seq_lens[s] - 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The static part of a step: its bucket. One compiled executable per StepShape."""
+
+    num_tokens: int  # T: token capacity
+    num_seqs: int  # S: sequence capacity
+    max_blocks: int  # block table columns per sequence
+    max_ckpt: int  # checkpoint writes per sequence in one step
+    decode_only: bool  # every live sequence has exactly one new token (T == S)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One engine step, ready for a single host-to-device transfer.
+
+    Attributes mirror the arguments of the model's ragged forward. ``ckpt_offsets[s, j]`` is a
+    count of this step's tokens of sequence ``s`` (1..q_len) after which the recurrent state
+    and conv window are written to ``ckpt_slots[s, j]``; slot 0 means "no write".
+    """
+
+    shape: StepShape
+    input_ids: np.ndarray  # i32[T]
+    positions: np.ndarray  # i32[T]
+    slot_mapping: np.ndarray  # i32[T]   KV cache slot = block_id * block_size + offset
+    query_start_loc: np.ndarray  # i32[S + 1]
+    seq_lens: np.ndarray  # i32[S]
+    num_seqs: np.ndarray  # i32[]     live sequences
+    block_tables: np.ndarray  # i32[S, max_blocks]   0 = null block
+    src_slot: np.ndarray  # i32[S]   state slot read at the start; 0 = zero state
+    dst_slot: np.ndarray  # i32[S]   state slot written at the end; 0 = not written
+    ckpt_offsets: np.ndarray  # i32[S, max_ckpt]
+    ckpt_slots: np.ndarray  # i32[S, max_ckpt]   0 = no write
+    logits_indices: np.ndarray  # i32[S]   token index whose logits are sampled
+    temperature: np.ndarray  # f32[S]   0 = greedy
+    top_p: np.ndarray  # f32[S]   1 = off
+    top_k: np.ndarray  # i32[S]   0 = off
+    min_p: np.ndarray  # f32[S]   0 = off
+    seeds: np.ndarray  # u32[S]   per-request seed, mixed with the position by the sampler
+
+    @classmethod
+    def empty(cls, shape: StepShape) -> StepPlan:
+        """A plan with every row padding: what the scheduler fills in place."""
+        t, s = shape.num_tokens, shape.num_seqs
+        return cls(
+            shape=shape,
+            input_ids=np.zeros(t, np.int32),
+            positions=np.zeros(t, np.int32),
+            slot_mapping=np.zeros(t, np.int32),
+            query_start_loc=np.zeros(s + 1, np.int32),
+            seq_lens=np.zeros(s, np.int32),
+            num_seqs=np.zeros((), np.int32),
+            block_tables=np.zeros((s, shape.max_blocks), np.int32),
+            src_slot=np.zeros(s, np.int32),
+            dst_slot=np.zeros(s, np.int32),
+            ckpt_offsets=np.zeros((s, shape.max_ckpt), np.int32),
+            ckpt_slots=np.zeros((s, shape.max_ckpt), np.int32),
+            logits_indices=np.zeros(s, np.int32),
+            temperature=np.zeros(s, np.float32),
+            top_p=np.ones(s, np.float32),
+            top_k=np.zeros(s, np.int32),
+            min_p=np.zeros(s, np.float32),
+            seeds=np.zeros(s, np.uint32),
+        )
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The device-bound arrays (everything but the static shape)."""
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "shape"
+        }
