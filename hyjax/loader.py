@@ -226,7 +226,7 @@ def load_model(
             raise CheckpointError(
                 f"missing experts for {'.'.join(map(str, path))}: got {covered} of {want_shape[0]}"
             )
-        var.value = jnp.array(host, dtype=want_dtype)  # a copy: nothing aliases the map
+        var.set_value(jnp.array(host, dtype=want_dtype))  # a copy: nothing aliases the map
         del host
     opened.clear()  # the maps close once the last view is gone
     model = nnx.merge(graphdef, nnx.from_flat_state(params))
