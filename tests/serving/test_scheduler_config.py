@@ -1,0 +1,128 @@
+"""SchedulerConfig / CacheConfig validation and derived values; the memory planner."""
+
+import pytest
+
+from serving.config import CacheConfig, SchedulerConfig
+from serving.memory_planner import plan_memory
+from serving.plan import StepShape
+
+
+@pytest.mark.parametrize(
+    ("block_size", "expected"), [(16, 64), (32, 64), (64, 64), (128, 128), (48, 192)]
+)
+def test_default_granularity_is_lcm_of_64_and_block_size(block_size, expected):
+    cfg = SchedulerConfig(block_size=block_size, max_num_batched_tokens=2048)
+    assert cfg.granularity == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param({"checkpoint_interval": 96}, "checkpoint_interval=96", id="G-not-multiple"),
+        pytest.param({"checkpoint_interval": 0}, "checkpoint_interval=0", id="G-zero"),
+        pytest.param({"retention_interval": 32}, "retention_interval=32", id="R-not-multiple"),
+        pytest.param({"retention_interval": -64}, "retention_interval=-64", id="R-negative"),
+        pytest.param({"max_num_batched_tokens": 32}, "max_num_batched_tokens=32", id="budget<G"),
+        pytest.param(
+            {"max_num_seqs": 512, "max_num_batched_tokens": 256}, "max_num_seqs=512", id="seqs"
+        ),
+        pytest.param({"block_size": 0}, "block_size=0", id="block-size-zero"),
+        pytest.param({"max_model_len": -1}, "max_model_len=-1", id="max-model-len"),
+    ],
+)
+def test_invalid_scheduler_config_names_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**kwargs)
+
+
+def test_buckets_are_powers_of_two_with_the_cap_included():
+    cfg = SchedulerConfig(max_num_seqs=48, max_num_batched_tokens=200)
+    assert cfg.token_buckets == (8, 16, 32, 64, 128, 200)
+    assert cfg.seq_buckets == (1, 2, 4, 8, 16, 32, 48)
+    assert cfg.max_blocks == 4096 // 16
+
+
+@pytest.mark.parametrize(
+    ("retention", "expected"), [(0, 2), (64, 2048 // 64 + 2), (192, -(-2048 // 192) + 2)]
+)
+def test_max_ckpt(retention, expected):
+    assert SchedulerConfig(retention_interval=retention).max_ckpt == expected
+
+
+def test_step_shape_picks_the_smallest_bucket():
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100)
+    assert cfg.step_shape(9, 3, False) == StepShape(16, 4, 256, 2, False)
+    assert cfg.step_shape(3, 3, True) == StepShape(4, 4, 256, 2, True)
+    assert cfg.step_shape(100, 8, False).num_tokens == 100
+
+
+def test_step_shapes_cover_every_reachable_step():
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100)
+    shapes = set(cfg.step_shapes())
+    assert len(shapes) == len(cfg.step_shapes())
+    for rows in range(1, 9):
+        assert cfg.step_shape(rows, rows, True) in shapes
+        for tokens in range(rows, 101):
+            assert cfg.step_shape(tokens, rows, False) in shapes
+    assert StepShape(8, 8, 256, 2, False) in shapes  # 5..8 rows with 5..8 tokens
+    assert not any(s.num_seqs > 8 for s in shapes if s.num_tokens == 4 and not s.decode_only)
+
+
+def test_cache_config_needs_a_real_block_and_slot():
+    with pytest.raises(ValueError, match="num_kv_blocks=1"):
+        CacheConfig(1, 4)
+    with pytest.raises(ValueError, match="num_state_slots=1"):
+        CacheConfig(4, 1)
+
+
+MiB = 1 << 20
+
+
+def test_memory_plan_reserves_running_slots_and_checkpoints_then_gives_kv_the_rest():
+    plan = plan_memory(
+        1000 * MiB,
+        kv_block_bytes=MiB,
+        state_slot_bytes=2 * MiB,
+        block_size=16,
+        max_num_seqs=10,
+        max_model_len=1024,
+        num_checkpoint_slots=40,
+    )
+    assert plan.num_state_slots == 1 + 10 + 40
+    assert plan.num_kv_blocks == 1000 - 51 * 2
+    assert plan.kv_bytes + plan.state_bytes <= 1000 * MiB
+    assert plan.cache_config() == CacheConfig(898, 51)
+    text = plan.describe()
+    assert "897 blocks" in text and "10 running + 40 checkpoints" in text
+
+
+def test_memory_plan_checkpoint_fraction():
+    plan = plan_memory(
+        1000 * MiB,
+        kv_block_bytes=MiB,
+        state_slot_bytes=MiB,
+        block_size=16,
+        max_num_seqs=10,
+        max_model_len=1024,
+        checkpoint_fraction=0.25,
+    )
+    assert plan.num_checkpoint_slots == 250
+    assert plan.num_kv_blocks == 1000 - 261
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param({"max_num_seqs": 1000}, "max_num_seqs=1000", id="running-slots"),
+        pytest.param({"max_model_len": 1 << 20}, "max_model_len=1048576", id="one-request"),
+        pytest.param({"num_checkpoint_slots": 90}, "checkpoint budget", id="ckpt-budget"),
+        pytest.param({"checkpoint_fraction": 1.0}, "checkpoint_fraction=1.0", id="fraction"),
+    ],
+)
+def test_memory_plan_errors(kwargs, message):
+    args = dict(
+        kv_block_bytes=MiB, state_slot_bytes=MiB, block_size=16, max_num_seqs=4, max_model_len=256
+    )
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        plan_memory(100 * MiB, **args)
