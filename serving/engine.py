@@ -1,0 +1,273 @@
+"""The engine: requests in, token and text deltas out, one step at a time.
+
+One engine step reads as three lines (CONVENTIONS.md §3)::
+
+    out = self.scheduler.schedule()
+    sampled = self.runner.execute(out.plan)
+    updates = self.scheduler.update(out, sampled)
+
+around which the engine detokenizes, checks stop strings (then finishes the request through
+the scheduler, which frees its blocks and slot) and reports :class:`RequestOutput` s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from hyjax.detokenizer import DetokenizerStream, check_stop_strings
+from hyjax.loader import load_model
+from hyjax.tokenizer import Tokenizer, TokenizerFilesError
+from serving.config import CacheConfig, SchedulerConfig
+from serving.request import Request, SamplingParams
+from serving.runner import ModelRunner
+from serving.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineArgs:
+    """The flags shared by ``hyjax generate`` and ``hyjax serve``."""
+
+    model: str
+    dtype: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: min(config's max positions, 4096)
+    enable_prefix_caching: bool = True
+    checkpoint_interval: int | None = None
+    retention_interval: int = 0
+    kernel_backend: str = "auto"
+    num_checkpoint_slots: int | None = None
+    cache_bytes: int | None = None
+    seed: int | None = 0
+    warmup: bool = True
+    progress: bool = True
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's progress after a step (cumulative fields plus this step's deltas)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    delta_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class _Tracked:
+    req: Request
+    detok: DetokenizerStream | None
+    text: str = ""  # text decoded so far (stop strings searched here)
+    sent: int = 0  # characters of ``text`` already reported
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineMetrics:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    state_usage: float
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    kv_query_tokens: int
+    kv_hit_tokens: int
+    state_query_tokens: int
+    state_hit_tokens: int
+    effective_hit_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        model, self.model_config = load_model(args.model, dtype=args.dtype)
+        try:
+            self.tokenizer: Tokenizer | None = Tokenizer.from_dir(args.model)
+        except TokenizerFilesError:
+            self.tokenizer = None
+            log.warning("no tokenizer in %s: only token-id prompts are accepted", args.model)
+        max_len = args.max_model_len or min(self.model_config.max_position_embeddings, 4096)
+        self.sched_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_len,
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            checkpoint_interval=args.checkpoint_interval,
+            retention_interval=args.retention_interval,
+        )
+        self.runner = ModelRunner(
+            model,
+            self.model_config,
+            self.sched_config,
+            kernel_backend=args.kernel_backend,
+            cache_bytes=args.cache_bytes,
+            num_checkpoint_slots=args.num_checkpoint_slots,
+        )
+        cache_cfg = CacheConfig(
+            self.runner.memory.num_kv_blocks, self.runner.memory.num_state_slots
+        )
+        self.scheduler = Scheduler(self.sched_config, cache_cfg, rng_seed=args.seed)
+        self.vocab_size = self.model_config.vocab_size
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = tuple(sorted(eos))
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        if args.warmup:
+            self.runner.warmup(progress=args.progress)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validates and queues a request. Raises ValueError with a message for the client."""
+        params = dataclasses.replace(params) if params is not None else SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: send prompt token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if not params.ignore_eos and self.eos_token_ids:
+            extra = [e for e in self.eos_token_ids[1:] if e not in params.stop_token_ids]
+            params.stop_token_ids = tuple(params.stop_token_ids) + tuple(extra)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+        )
+        self.scheduler.add_request(req)  # raises ValueError for what the scheduler rejects
+        detok = self.tokenizer.detokenizer(context_ids=ids) if self.tokenizer else None
+        self._tracked[request_id] = _Tracked(req, detok)
+        self.prompt_tokens += len(ids)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stops a request wherever it is; its blocks and slot are freed."""
+        self.scheduler.finish_request(request_id, "abort")
+        self._tracked.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step; returns the requests that made progress or finished."""
+        out = self.scheduler.schedule()
+        if out is None:
+            return []
+        sampled = self.runner.execute(out.plan) if out.plan is not None else np.empty(0)
+        updates = self.scheduler.update(out, sampled)
+        return [o for o in (self._process(u) for u in updates) if o is not None]
+
+    def _process(self, u) -> RequestOutput | None:
+        tr = self._tracked.get(u.request_id)
+        if tr is None:  # aborted while in flight
+            return None
+        params = tr.req.sampling_params
+        finished, reason = u.finished, u.finish_reason
+        new_ids = list(u.new_token_ids)
+        self.generation_tokens += len(new_ids)
+        visible_ids = new_ids
+        if finished and reason == "stop" and new_ids and not params.ignore_eos:
+            # The stop token itself is not part of the output text.
+            if new_ids[-1] == tr.req.eos_token_id or new_ids[-1] in params.stop_token_ids:
+                visible_ids = new_ids[:-1]
+        tr.output_ids.extend(new_ids)
+        if tr.detok is not None:
+            tr.text += tr.detok.extend(visible_ids)
+            if finished:
+                tr.text += tr.detok.flush()
+        visible = len(tr.text)
+        if params.stop and tr.detok is not None:
+            check = check_stop_strings(tr.text, params.stop)
+            visible = check.visible_len
+            if check.stopped and not finished:
+                self.scheduler.finish_request(u.request_id, "stop")
+                finished, reason = True, "stop"
+            if check.stopped:
+                tr.text = tr.text[:visible]
+            elif finished:
+                visible = len(tr.text)
+        delta = tr.text[tr.sent : visible]
+        tr.sent = max(tr.sent, visible)
+        if finished:
+            del self._tracked[u.request_id]
+        return RequestOutput(
+            request_id=u.request_id,
+            prompt_token_ids=tr.req.prompt_token_ids,
+            output_token_ids=list(tr.output_ids),
+            text=tr.text[: tr.sent] if not finished else tr.text,
+            delta_token_ids=new_ids,
+            delta_text=delta,
+            finished=finished,
+            finish_reason=reason,
+            num_cached_tokens=max(u.num_cached_tokens, 0),
+            error=u.error,
+        )
+
+    # ------------------------------------------------------------------ observability
+
+    def metrics(self) -> EngineMetrics:
+        st = self.scheduler.stats()
+        c = st.cache
+        return EngineMetrics(
+            num_running=st.num_running,
+            num_waiting=st.num_waiting,
+            kv_usage=st.kv_usage,
+            state_usage=st.state_usage,
+            num_preemptions=st.num_preemptions,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            kv_query_tokens=c.kv_query_tokens,
+            kv_hit_tokens=c.kv_hit_tokens,
+            state_query_tokens=c.state_query_tokens,
+            state_hit_tokens=c.state_hit_tokens,
+            effective_hit_tokens=c.effective_hit_tokens,
+        )
+
+    def run_to_completion(self) -> dict[str, RequestOutput]:
+        """Steps until every request has finished; returns each request's final output."""
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return final
+
+
+def default_model_dir() -> str | None:
+    """The embedded default model shipped with the package, if present."""
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hyjax")
+    path = os.path.join(here, "assets", "default_model")
+    return path if os.path.exists(os.path.join(path, "config.json")) else None

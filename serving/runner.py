@@ -1,0 +1,133 @@
+"""The model runner: the only owner of ``jax.jit`` and device arrays (DESIGN.md §5).
+
+``step(params, caches, plan) -> (caches, sampled)`` is one jitted function per bucket
+(:class:`serving.plan.StepShape`); every bucket is compiled at start-up, caches are donated,
+and a step costs one host-to-device transfer of the plan's arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from hyjax.batch import Batch
+from hyjax.cache import Caches, init_caches, kv_block_bytes, state_slot_bytes
+from hyjax.config import ModelConfig
+from hyjax.ops import Ops, get_ops
+from serving.config import SchedulerConfig
+from serving.memory_planner import MemoryPlan, plan_memory
+from serving.plan import StepPlan
+from serving.sampler import sample
+
+log = logging.getLogger(__name__)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def _step(graphdef, ops: Ops, decode_only: bool, state, caches: Caches, arrays: dict):
+    """The whole step on device: forward over the ragged batch, then sampling."""
+    model = nnx.merge(graphdef, state)
+    batch = Batch.from_arrays(arrays)
+    caches, logits = model(batch, caches, ops, decode_only=decode_only)
+    tokens = sample(
+        logits,
+        arrays["temperature"],
+        arrays["top_p"],
+        arrays["top_k"],
+        arrays["min_p"],
+        arrays["seeds"],
+        arrays["seq_lens"],  # the sampled token's position
+    )
+    return caches, tokens
+
+
+class ModelRunner:
+    """Holds the model's parameters and the caches; runs plans.
+
+    Args:
+      model: the loaded NNX model.
+      cfg: its config.
+      sched_cfg: the scheduler's config (buckets, block size).
+      kernel_backend: ``auto``, ``reference``, ``pallas`` or ``interpret``.
+      cache_bytes: bytes for both pools; ``None`` asks the device (90 % of what is free) or,
+        on CPU, sizes the pools for ``max_num_seqs`` full-length requests.
+      num_checkpoint_slots: state slots kept for checkpoints (``None``: 10 % of the memory).
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        cfg: ModelConfig,
+        sched_cfg: SchedulerConfig,
+        *,
+        kernel_backend: str = "auto",
+        cache_bytes: int | None = None,
+        num_checkpoint_slots: int | None = None,
+    ):
+        self.cfg = cfg
+        self.sched_cfg = sched_cfg
+        self.ops = get_ops(kernel_backend)
+        self.graphdef, self.state = nnx.split(model)
+        self.dtype = model.dtype
+        kv_bytes = kv_block_bytes(cfg, sched_cfg.block_size, self.dtype)
+        slot_bytes = state_slot_bytes(cfg, self.dtype)
+        if cache_bytes is None:
+            cache_bytes = _default_cache_bytes(sched_cfg, kv_bytes, slot_bytes)
+        self.memory: MemoryPlan = plan_memory(
+            cache_bytes,
+            kv_block_bytes=kv_bytes,
+            state_slot_bytes=slot_bytes,
+            block_size=sched_cfg.block_size,
+            max_num_seqs=sched_cfg.max_num_seqs,
+            max_model_len=sched_cfg.max_model_len,
+            num_checkpoint_slots=num_checkpoint_slots,
+        )
+        for line in self.memory.describe().splitlines():
+            log.info(line)
+        self.caches = init_caches(
+            cfg,
+            num_blocks=self.memory.num_kv_blocks,
+            block_size=sched_cfg.block_size,
+            num_slots=self.memory.num_state_slots,
+            dtype=self.dtype,
+        )
+
+    def warmup(self, *, progress: bool = True) -> float:
+        """Compiles every bucket the scheduler can produce. Returns the seconds it took."""
+        start = time.perf_counter()
+        shapes = self.sched_cfg.step_shapes()
+        for shape in tqdm(shapes, desc="compiling buckets", disable=not progress, leave=False):
+            self.execute(StepPlan.empty(shape))
+        seconds = time.perf_counter() - start
+        log.info("compiled %d buckets in %.1f s", len(shapes), seconds)
+        return seconds
+
+    def execute(self, plan: StepPlan) -> np.ndarray:
+        """Runs one step. Returns the sampled token of every row (i32[S], padding included)."""
+        arrays = jax.device_put(plan.arrays())  # the step's one host-to-device transfer
+        self.caches, tokens = _step(
+            self.graphdef, self.ops, plan.shape.decode_only, self.state, self.caches, arrays
+        )
+        return np.asarray(tokens)
+
+    @staticmethod
+    def compile_count() -> int:
+        """Executables compiled so far for the step function (all runners of this process)."""
+        return _step._cache_size()
+
+
+def _default_cache_bytes(sched_cfg: SchedulerConfig, kv_bytes: int, slot_bytes: int) -> int:
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        return int(free * 0.9)
+    # CPU: enough for every sequence at full length, plus 25 % for cached prefixes.
+    blocks = sched_cfg.max_num_seqs * sched_cfg.max_blocks
+    slots = sched_cfg.max_num_seqs + 1
+    return int(1.25 * (blocks * kv_bytes + slots * slot_bytes) / 0.9) + 4 * slot_bytes
