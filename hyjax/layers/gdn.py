@@ -60,12 +60,12 @@ class GatedDeltaNet(nnx.Module):
         conv_state, ssm_state = cache
         slots = (batch.src_slot, batch.dst_slot)
         gates = (self.A_log[...], self.dt_bias[...])
+        ckpt = (batch.ckpt_offsets, batch.ckpt_slots, batch.num_seqs)
         if decode_only:
             mixed, conv_state = ops.conv1d_update(
-                mixed, self.conv1d[...], conv_state, *slots, batch.num_seqs
+                mixed, self.conv1d[...], conv_state, *slots, *ckpt
             )
         else:
-            ckpt = (batch.ckpt_offsets, batch.ckpt_slots, batch.num_seqs)
             mixed, conv_state = ops.conv1d_prefill(
                 mixed, self.conv1d[...], conv_state, batch.query_start_loc, *slots, *ckpt
             )
@@ -73,7 +73,7 @@ class GatedDeltaNet(nnx.Module):
         k = mixed[:, hk * dk : 2 * hk * dk].reshape(n, hk, dk)
         v = mixed[:, 2 * hk * dk :].reshape(n, hv, dv)
         if decode_only:
-            o, ssm_state = ops.gdn_decode(q, k, v, a, b, *gates, ssm_state, *slots, batch.num_seqs)
+            o, ssm_state = ops.gdn_decode(q, k, v, a, b, *gates, ssm_state, *slots, *ckpt)
         else:
             o, ssm_state = ops.gdn_prefill(
                 q, k, v, a, b, *gates, ssm_state, batch.query_start_loc, *slots, *ckpt

@@ -38,3 +38,20 @@ def read_slots(pool: jax.Array, src_slot: jax.Array) -> jax.Array:
     gathered = pool[src_slot]
     mask = (src_slot > 0).reshape((-1,) + (1,) * (pool.ndim - 1))
     return jnp.where(mask, gathered, jnp.zeros_like(gathered))
+
+
+def write_decode_states(
+    pool: jax.Array,  # [num_slots, ...]
+    new: jax.Array,  # [S, ...]  the state after each row's one token
+    live: jax.Array,  # bool[S]
+    dst_slot: jax.Array,  # i32[S]
+    ckpt_offsets: jax.Array,  # i32[S, M]
+    ckpt_slots: jax.Array,  # i32[S, M]
+) -> jax.Array:
+    """Scatters decode states to ``dst_slot`` and to checkpoint slots at offset 1."""
+    num_slots = pool.shape[0]
+    m = ckpt_slots.shape[1]
+    ckpt_idx = write_index(ckpt_slots, live[:, None] & (ckpt_offsets == 1), num_slots)
+    idx = jnp.concatenate([ckpt_idx.reshape(-1), write_index(dst_slot, live, num_slots)])
+    vals = jnp.concatenate([jnp.repeat(new, m, axis=0), new]).astype(pool.dtype)
+    return pool.at[idx].set(vals, mode="drop")

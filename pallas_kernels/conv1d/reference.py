@@ -21,7 +21,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common.ragged import read_slots, token_seq_ids, write_index
+from pallas_kernels.common.ragged import (
+    read_slots,
+    token_seq_ids,
+    write_decode_states,
+    write_index,
+)
 
 
 def _silu(x):
@@ -92,16 +97,21 @@ def causal_conv1d_update_reference(
     conv_state: jax.Array,  # [num_slots, K-1, C]
     src_slot: jax.Array,  # i32[S]
     dst_slot: jax.Array,  # i32[S]
+    ckpt_offsets: jax.Array,  # i32[S, M]  only offset 1 is meaningful
+    ckpt_slots: jax.Array,  # i32[S, M]
     num_seqs: jax.Array,  # i32[]
 ) -> tuple[jax.Array, jax.Array]:
-    """Decode: one token per sequence. Returns ``(y [S, C], updated conv_state)``."""
-    num_slots = conv_state.shape[0]
+    """Decode: one token per sequence. Returns ``(y [S, C], updated conv_state)``.
+
+    The new window goes to ``dst_slot`` and, where ``ckpt_offsets == 1``, to that checkpoint.
+    """
     num_rows = x.shape[0]
     init = read_slots(conv_state, src_slot)  # [S, K-1, C]
     window = jnp.concatenate([init, x[:, None, :]], axis=1)  # [S, K, C]
     y = _silu(jnp.einsum("SKC,CK->SC", window.astype(jnp.float32), weight.astype(jnp.float32)))
     live = jnp.arange(num_rows) < num_seqs
     y = jnp.where(live[:, None], y, 0).astype(x.dtype)
-    idx = write_index(dst_slot, live, num_slots)
-    conv_state = conv_state.at[idx].set(window[:, 1:].astype(conv_state.dtype), mode="drop")
+    conv_state = write_decode_states(
+        conv_state, window[:, 1:], live, dst_slot, ckpt_offsets, ckpt_slots
+    )
     return y, conv_state

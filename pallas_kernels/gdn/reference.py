@@ -20,7 +20,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common.ragged import read_slots, token_seq_ids, write_index
+from pallas_kernels.common.ragged import (
+    read_slots,
+    token_seq_ids,
+    write_decode_states,
+    write_index,
+)
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -124,14 +129,19 @@ def gdn_decode_reference(
     state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]
     src_slot: jax.Array,  # i32[S]
     dst_slot: jax.Array,  # i32[S]
+    ckpt_offsets: jax.Array,  # i32[S, M]  only offset 1 (after the one token) is meaningful
+    ckpt_slots: jax.Array,  # i32[S, M]
     num_seqs: jax.Array,  # i32[]
 ) -> tuple[jax.Array, jax.Array]:
-    """One token per sequence. Returns ``(o [S, Hv, Dv] in v.dtype, state)``."""
-    num_slots = state.shape[0]
+    """One token per sequence. Returns ``(o [S, Hv, Dv] in v.dtype, state)``.
+
+    The new state goes to ``dst_slot`` and, where ``ckpt_offsets == 1``, to the checkpoint
+    slot too (a decode step that reaches a checkpoint boundary).
+    """
     num_rows = q.shape[0]
     q32, k32, v32, g, beta = _prepare(q, k, v, a, b, A_log, dt_bias)
     init = read_slots(state, src_slot)
     new, o = jax.vmap(_step)(init, q32, k32, v32, g, beta)
     live = jnp.arange(num_rows) < num_seqs
-    state = state.at[write_index(dst_slot, live, num_slots)].set(new, mode="drop")
+    state = write_decode_states(state, new, live, dst_slot, ckpt_offsets, ckpt_slots)
     return jnp.where(live[:, None, None], o, 0.0).astype(v.dtype), state
