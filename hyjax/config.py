@@ -59,6 +59,8 @@ class Qwen3NextConfig:
             raise ValueError(
                 f"{self.linear_num_value_heads=} must be divisible by {self.linear_num_key_heads=}"
             )
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"{self.num_experts_per_tok=} must be at most {self.num_experts=}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"{self.num_attention_heads=} must be divisible by {self.num_key_value_heads=}"

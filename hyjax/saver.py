@@ -23,7 +23,7 @@ _NP = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.floa
 def save_hf_checkpoint(model: nnx.Module, cfg: ModelConfig, out_dir: str | os.PathLike) -> None:
     """Writes ``config.json`` and ``model.safetensors`` (weights in ``cfg.dtype``)."""
     os.makedirs(out_dir, exist_ok=True)
-    params = {k: v.value for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    params = {k: v[...] for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     dtype = _NP[cfg.dtype]
     tensors = {}
     for name, tg in TARGETS[cfg.model_type](cfg).items():

@@ -63,6 +63,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     checkpoint_interval: int | None = None
     retention_interval: int = 0
+    min_token_bucket: int = 8  # the smallest token bucket of mixed steps (fewer compiles)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -101,7 +102,8 @@ class SchedulerConfig:
     @functools.cached_property
     def token_buckets(self) -> tuple[int, ...]:
         """Token capacities T of mixed steps: 8, 16, 32, ... up to the budget, budget included."""
-        return _powers_of_two(min(8, self.max_num_batched_tokens), self.max_num_batched_tokens)
+        first = min(self.min_token_bucket, self.max_num_batched_tokens)
+        return _powers_of_two(first, self.max_num_batched_tokens)
 
     @functools.cached_property
     def seq_buckets(self) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -48,6 +49,7 @@ class EngineArgs:
     num_checkpoint_slots: int | None = None
     cache_bytes: int | None = None
     seed: int | None = 0
+    min_token_bucket: int = 8
     warmup: bool = True
     progress: bool = True
 
@@ -77,6 +79,26 @@ class _Tracked:
     output_ids: list[int] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass
+class StepTiming:
+    """Seconds per step spent on the host (schedule, update, detokenize) and on the device
+    (``runner.execute``: transfer, step, and the wait for its tokens)."""
+
+    steps: int = 0
+    host: float = 0.0
+    device: float = 0.0
+    last: tuple[int, bool, float, float] = (0, False, 0.0, 0.0)  # rows, decode_only, host, dev
+
+    def add(self, rows: int, decode_only: bool, *, host: float, device: float) -> None:
+        self.steps += 1
+        self.host += host
+        self.device += device
+        self.last = (rows, decode_only, host, device)
+
+    def reset(self) -> None:
+        self.steps, self.host, self.device = 0, 0.0, 0.0
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineMetrics:
     num_running: int
@@ -94,9 +116,15 @@ class EngineMetrics:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
+    """Args: ``args``; ``preloaded``: an already built ``(model, config)`` (benchmarks), in which
+    case ``args.model`` is only searched for a tokenizer."""
+
+    def __init__(self, args: EngineArgs, preloaded=None):
         self.args = args
-        model, self.model_config = load_model(args.model, dtype=args.dtype)
+        if preloaded is None:
+            model, self.model_config = load_model(args.model, dtype=args.dtype)
+        else:
+            model, self.model_config = preloaded
         try:
             self.tokenizer: Tokenizer | None = Tokenizer.from_dir(args.model)
         except TokenizerFilesError:
@@ -111,6 +139,7 @@ class LLMEngine:
             enable_prefix_caching=args.enable_prefix_caching,
             checkpoint_interval=args.checkpoint_interval,
             retention_interval=args.retention_interval,
+            min_token_bucket=args.min_token_bucket,
         )
         self.runner = ModelRunner(
             model,
@@ -130,6 +159,7 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))
         self._tracked: dict[str, _Tracked] = {}
+        self.timing = StepTiming()
         self._ids = itertools.count()
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -183,12 +213,22 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled step; returns the requests that made progress or finished."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out is None:
             return []
+        t1 = time.perf_counter()
         sampled = self.runner.execute(out.plan) if out.plan is not None else np.empty(0)
+        t2 = time.perf_counter()
         updates = self.scheduler.update(out, sampled)
-        return [o for o in (self._process(u) for u in updates) if o is not None]
+        outputs = [o for o in (self._process(u) for u in updates) if o is not None]
+        self.timing.add(
+            out.num_rows,
+            out.plan is not None and out.plan.shape.decode_only,
+            host=(t1 - t0) + (time.perf_counter() - t2),
+            device=t2 - t1,
+        )
+        return outputs
 
     def _process(self, u) -> RequestOutput | None:
         tr = self._tracked.get(u.request_id)

@@ -77,7 +77,11 @@ class ModelRunner:
         kv_bytes = kv_block_bytes(cfg, sched_cfg.block_size, self.dtype)
         slot_bytes = state_slot_bytes(cfg, self.dtype)
         if cache_bytes is None:
-            cache_bytes = _default_cache_bytes(sched_cfg, kv_bytes, slot_bytes)
+            cache_bytes = _default_cache_bytes(
+                sched_cfg, kv_bytes, slot_bytes, num_checkpoint_slots
+            )
+            if jax.devices()[0].platform == "cpu" and num_checkpoint_slots is None:
+                num_checkpoint_slots = 4 * sched_cfg.max_num_seqs
         self.memory: MemoryPlan = plan_memory(
             cache_bytes,
             kv_block_bytes=kv_bytes,
@@ -121,13 +125,16 @@ class ModelRunner:
         return _step._cache_size()
 
 
-def _default_cache_bytes(sched_cfg: SchedulerConfig, kv_bytes: int, slot_bytes: int) -> int:
+def _default_cache_bytes(
+    sched_cfg: SchedulerConfig, kv_bytes: int, slot_bytes: int, num_checkpoint_slots: int | None
+) -> int:
     device = jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         return int(free * 0.9)
-    # CPU: enough for every sequence at full length, plus 25 % for cached prefixes.
-    blocks = sched_cfg.max_num_seqs * sched_cfg.max_blocks
-    slots = sched_cfg.max_num_seqs + 1
-    return int(1.25 * (blocks * kv_bytes + slots * slot_bytes) / 0.9) + 4 * slot_bytes
+    # CPU: every sequence at full length plus 25 % for cached prefixes, the running slots, and
+    # the checkpoint slots (given, or four per sequence).
+    ckpt = num_checkpoint_slots if num_checkpoint_slots is not None else 4 * sched_cfg.max_num_seqs
+    blocks = 1.25 * sched_cfg.max_num_seqs * sched_cfg.max_blocks + 1
+    return int(blocks * kv_bytes + (sched_cfg.max_num_seqs + 1 + ckpt) * slot_bytes)

@@ -25,6 +25,9 @@ from hyjax.layers.moe import MLP, SparseMoe
 from hyjax.layers.norms import RMSNorm
 from hyjax.ops import Ops
 
+# flax >= 0.12 wants lists of modules wrapped; older versions take plain lists.
+_ModuleList = getattr(nnx, "List", list)
+
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: Qwen3NextConfig, i: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
@@ -67,7 +70,7 @@ class Qwen3NextForCausalLM(nnx.Module):
         self.dtype = dtype
         init = nnx.initializers.normal(0.02)
         self.embed_tokens = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
-        self.layers = nnx.List(
+        self.layers = _ModuleList(
             [DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, zero_centred=True, dtype=dtype)

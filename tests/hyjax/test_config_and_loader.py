@@ -38,7 +38,7 @@ def _rewrite(path, edit):
 
 
 def _flat_params(model):
-    return {k: np.asarray(v.value) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
 def test_80b_preset_layout():

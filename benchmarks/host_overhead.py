@@ -1,0 +1,78 @@
+"""Host time per engine step with 256 running requests, next to the device step it feeds.
+
+Host: ``schedule`` + ``update`` + detokenize/report (``LLMEngine.timing``); device:
+``runner.execute`` (transfer, the jitted step, waiting for the sampled tokens). Only steps in
+which all requests decode are counted.
+
+    python -m benchmarks.host_overhead --out HOST.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import numpy as np
+
+from benchmarks.common import bench_config, device_name, random_model
+from serving.engine import EngineArgs, LLMEngine
+from serving.request import SamplingParams
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=96)
+    p.add_argument("--kernel-backend", default="auto")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    cfg = bench_config(args.layers, args.experts)
+    model = random_model(cfg)
+    n = args.num_requests
+    engine = LLMEngine(
+        EngineArgs(
+            model=".",
+            max_num_seqs=n,
+            max_num_batched_tokens=max(2048, n),
+            max_model_len=args.prompt_len + args.output_len + 64,
+            kernel_backend=args.kernel_backend,
+            min_token_bucket=1024,
+            cache_bytes=16 * 2**30,
+            warmup=False,  # compile lazily: only the buckets this workload meets
+        ),
+        preloaded=(model, cfg),
+    )
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.8, top_p=0.95, seed=1)
+    for _ in range(n):
+        engine.add_request(rng.integers(0, 150000, args.prompt_len).tolist(), params)
+    host, device = [], []
+    seen_full = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        rows, decode_only, h, d = engine.timing.last
+        if decode_only and rows == n:
+            seen_full += 1
+            if seen_full > 3:  # skip the first (compiling) steps of the bucket
+                host.append(h)
+                device.append(d)
+    res = {
+        "device": device_name(),
+        "running_requests": n,
+        "steps_measured": len(host),
+        "host_ms_per_step": round(1e3 * statistics.median(host), 3),
+        "device_ms_per_step": round(1e3 * statistics.median(device), 3),
+    }
+    res["host_over_device"] = round(res["host_ms_per_step"] / res["device_ms_per_step"], 4)
+    print(json.dumps(res, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

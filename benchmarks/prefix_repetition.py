@@ -1,0 +1,131 @@
+"""Prefix-repetition workload, prefix caching on vs off, in one run on one model.
+
+In the style of vLLM's ``bench serve --dataset-name prefix_repetition``: ``num_prefixes``
+random prefixes of ``prefix_len`` tokens, each request one of them plus a random suffix of
+``suffix_len`` tokens, ``output_len`` tokens out (ignore_eos), at most ``concurrency`` requests
+in flight (a new one is sent when one finishes). TTFT is from a request's submission to its
+first token; all times are host wall clock around the engine's synchronous steps.
+
+    python -m benchmarks.prefix_repetition --out BENCH.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import numpy as np
+
+from benchmarks.common import bench_config, device_name, random_model
+from serving.engine import EngineArgs, LLMEngine
+from serving.request import SamplingParams
+
+
+def workload(args) -> list[list[int]]:
+    rng = np.random.default_rng(args.seed)
+    prefixes = [rng.integers(0, 150000, args.prefix_len).tolist() for _ in range(args.num_prefixes)]
+    prompts = []
+    for i in range(args.num_prompts):
+        suffix = rng.integers(0, 150000, args.suffix_len).tolist()
+        prompts.append(prefixes[i % args.num_prefixes] + suffix)
+    return prompts
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], args) -> dict:
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    pending = list(prompts)
+    submitted: dict[str, float] = {}
+    ttft: dict[str, float] = {}
+    out_tokens = 0
+    cached = 0
+    engine.timing.reset()
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and _in_flight(submitted) < args.concurrency:
+            rid = engine.add_request(pending.pop(0), params)
+            submitted[rid] = time.perf_counter()
+        for o in engine.step():
+            now = time.perf_counter()
+            if o.request_id not in ttft and o.delta_token_ids:
+                ttft[o.request_id] = now - submitted[o.request_id]
+            if o.finished:
+                out_tokens += len(o.output_token_ids)
+                cached += o.num_cached_tokens
+                submitted[o.request_id] = -1.0  # done: no longer in flight
+    seconds = time.perf_counter() - start
+    t = sorted(ttft.values())
+    return {
+        "requests": len(prompts),
+        "seconds": round(seconds, 3),
+        "output_tok_per_s": round(out_tokens / seconds, 1),
+        "ttft_mean_s": round(statistics.mean(t), 4),
+        "ttft_p50_s": round(t[len(t) // 2], 4),
+        "ttft_p99_s": round(t[min(len(t) - 1, int(len(t) * 0.99))], 4),
+        "cached_tokens": cached,
+        "host_s_per_step": round(engine.timing.host / max(engine.timing.steps, 1), 6),
+        "device_s_per_step": round(engine.timing.device / max(engine.timing.steps, 1), 6),
+    }
+
+
+def _in_flight(submitted: dict[str, float]) -> int:
+    return sum(1 for v in submitted.values() if v >= 0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--prefix-len", type=int, default=4096)
+    p.add_argument("--suffix-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--num-prefixes", type=int, default=2)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kernel-backend", default="auto")
+    p.add_argument("--cache-gib", type=float, default=16.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    cfg = bench_config(args.layers, args.experts)
+    model = random_model(cfg)
+    prompts = workload(args)
+    results = {"device": device_name(), "config": vars(args)}
+    for caching in (False, True):
+        engine_args = EngineArgs(
+            model=".",  # no tokenizer: token-id prompts
+            block_size=args.block_size,
+            max_num_seqs=args.concurrency,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.prefix_len + args.suffix_len + args.output_len + 64,
+            enable_prefix_caching=caching,
+            kernel_backend=args.kernel_backend,
+            min_token_bucket=512,
+            cache_bytes=int(args.cache_gib * 2**30),  # the same pools (and buckets) both runs
+            num_checkpoint_slots=4 * args.num_prefixes + 2 * args.concurrency,
+        )
+        t0 = time.perf_counter()
+        engine = LLMEngine(engine_args, preloaded=(model, cfg))
+        compile_s = time.perf_counter() - t0
+        r = run(engine, prompts, args)
+        r["startup_s"] = round(compile_s, 1)
+        results["on" if caching else "off"] = r
+        print(("on " if caching else "off"), json.dumps(r), flush=True)
+        del engine
+        gc.collect()
+    on, off = results["on"], results["off"]
+    results["ttft_on_over_off"] = round(on["ttft_mean_s"] / off["ttft_mean_s"], 4)
+    results["output_tps_on_over_off"] = round(on["output_tok_per_s"] / off["output_tok_per_s"], 3)
+    print(json.dumps(results, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

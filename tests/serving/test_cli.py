@@ -1,0 +1,89 @@
+"""``hyjax generate`` as a user runs it (a real subprocess), and the ``hyjax.LLM`` API."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import hyjax
+from hyjax.tiny import make_tiny_model
+
+SMALL = ["--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--max-model-len", "128"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), seed=1)
+
+
+def test_generate_cli(model_dir, tmp_path):
+    rows = [
+        {"prompt": "Hello there", "max_tokens": 5, "id": "a"},
+        {"prompt_token_ids": [5, 6, 7], "max_tokens": 3, "temperature": 0.7, "seed": 3},
+        {"prompt": "x" * 300},  # over --max-model-len: a per-row error, the rest carry on
+        {"prompt": "Hello there", "max_tokens": 5, "stop": ["\u0000"]},
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmd = [
+        sys.executable,
+        "-m",
+        "serving.cli",
+        "generate",
+        "--model",
+        model_dir,
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+        *SMALL,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "4 requests (1 rejected)" in proc.stdout and "prefix-cache hit rate" in proc.stdout
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(got) == 4
+    for r_in, r_out in zip(rows, got):
+        for k, v in r_in.items():
+            assert r_out[k] == v  # input fields kept, in input order
+    assert got[0]["num_prompt_tokens"] == len("Hello there")
+    assert len(got[0]["output_token_ids"]) == 5 and got[0]["finish_reason"] == "length"
+    assert isinstance(got[0]["text"], str) and got[0]["num_cached_tokens"] == 0
+    assert len(got[1]["output_token_ids"]) == 3
+    assert got[2]["finish_reason"] == "error" and "maximum context length" in got[2]["error"]
+    assert got[3]["output_token_ids"][:5] == got[0]["output_token_ids"][:5] or (
+        got[3]["finish_reason"] == "stop"
+    )
+
+
+def test_generate_cli_bad_input_file(model_dir, tmp_path):
+    inp = tmp_path / "bad.jsonl"
+    inp.write_text('{"prompt": "ok"}\n{not json\n')
+    cmd = [
+        sys.executable,
+        "-m",
+        "serving.cli",
+        "generate",
+        "--model",
+        model_dir,
+        "--input",
+        str(inp),
+        "--output",
+        str(tmp_path / "o.jsonl"),
+        *SMALL,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "bad.jsonl:2: not valid JSON" in proc.stderr
+
+
+def test_llm_api(model_dir):
+    llm = hyjax.LLM(model=model_dir, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+    params = hyjax.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(["The cat", "The cat sat"], params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+    assert outs[0].prompt == "The cat" and outs[0].outputs[0].finish_reason == "length"
+    again = llm.generate("The cat", params)
+    assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="does not match"):
+        llm.generate(["a", "b"], [params])
