@@ -180,7 +180,8 @@ class CacheManager:
         step-held slots: release it with ``release_step``). Counts the lookup in the metrics.
         """
         assert req.request_id not in self._allocs and self.can_admit(hit, end)
-        assert self.spare_state_slots() >= (hit.ckpt_slot != NULL_ID), "state reserve broken"
+        revived = hit.ckpt_slot != NULL_ID and self.state.ref_cnt[hit.ckpt_slot] == 0
+        assert self.spare_state_slots() >= revived, "reviving the checkpoint breaks the reserve"
         self.kv.touch(hit.kv_blocks)
         step_held = []
         if hit.ckpt_slot != NULL_ID:
@@ -191,7 +192,8 @@ class CacheManager:
         a = _Alloc(self._free_rows.pop(), slot, list(hit.kv_blocks), num_registered=nb)
         self.block_table[a.row, :nb] = hit.kv_blocks
         self._allocs[req.request_id] = a
-        self.allocate_blocks(req, end)
+        ok = self.allocate_blocks(req, end)
+        assert ok
         m = self.metrics
         m.kv_query_tokens += req.num_tokens
         m.state_query_tokens += req.num_tokens

@@ -27,6 +27,13 @@ checkpointed when it is a multiple of R (R > 0), the prompt end ``(P-1)//G*G``, 
 request's latest boundary ``N//G*G >= P`` (N known tokens: the decode boundary just reached,
 or the end of a resumed request's replay); the latest one replaces the request's previous one.
 
+Same-step rule: a checkpoint registered by a step serves hits only after that step's
+``update()``. A waiting request whose best checkpoint is still pending waits (FCFS: the queue
+behind it waits too) instead of recomputing what the checkpoint will hold.
+
+Decode rows: a step with ``decode_only`` writes at most one checkpoint per row, at offset 1
+(the row's final state, also written to ``dst``).
+
 When the KV pool runs dry, the most recently admitted running request is preempted (by
 recompute): its blocks and running slot are freed and it goes back to the front of the
 waiting queue with every known token to prefill again, through the same lookup.
@@ -289,7 +296,8 @@ class Scheduler:
             tok = int(tokens[s])
             req.output_token_ids.append(tok)
             req.all_token_ids.append(tok)
-            self.cache.hash_new_blocks(req)
+            if len(req.all_token_ids) % self.cfg.block_size == 0:
+                self.cache.hash_new_blocks(req)
             reason = self._stop_reason(req, tok)
             if reason is not None:
                 self.cache.free(req)
@@ -312,15 +320,17 @@ class Scheduler:
         """Schedules tokens ``[start, start + n)`` of running ``req`` (blocks already held)."""
         alloc = self.cache.alloc(req.request_id)
         end = start + n
-        self.cache.register_blocks(req, end)
-        row = len(b.requests)
         if self.cfg.enable_prefix_caching:
-            for p, latest in self._checkpoint_positions(req, start, end):
-                slot = self.cache.add_checkpoint(req, p, latest)
-                if slot != NULL_ID:
-                    b.ckpts.append((row, p - start, slot))
-                    b.ckpt_written.append(slot)
-                    b.slots_held.append(slot)
+            if end // self.cfg.block_size > alloc.num_registered:  # a block got full
+                self.cache.register_blocks(req, end)
+            if end - end % self.cfg.granularity > start:  # crosses a boundary
+                row = len(b.requests)
+                for p, latest in self._checkpoint_positions(req, start, end):
+                    slot = self.cache.add_checkpoint(req, p, latest)
+                    if slot != NULL_ID:
+                        b.ckpts.append((row, p - start, slot))
+                        b.ckpt_written.append(slot)
+                        b.slots_held.append(slot)
         b.requests.append(req)
         b.table_rows.append(alloc.row)
         b.starts.append(start)
@@ -328,7 +338,7 @@ class Scheduler:
         b.input_ids += req.all_token_ids[start:end]
         b.src.append(src)
         b.dst.append(alloc.running_slot)
-        b.samples.append(end == req.num_tokens)
+        b.samples.append(end == len(req.all_token_ids))
         req.num_computed_tokens = end
 
     def _checkpoint_positions(self, req: Request, start: int, end: int) -> list[tuple[int, bool]]:

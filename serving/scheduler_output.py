@@ -146,6 +146,8 @@ def build_plan(
     plan.dst_slot[:n_seqs] = dst
     col = [0] * n_seqs
     for s, offset, slot in ckpts:
+        # A decode row writes at most one checkpoint, at offset 1: its final state.
+        assert not decode_only or (offset == 1 and col[s] == 0), (s, offset)
         plan.ckpt_offsets[s, col[s]] = offset
         plan.ckpt_slots[s, col[s]] = slot
         col[s] += 1

@@ -86,6 +86,8 @@ class FakeRunner:
         assert len(set(dsts)) == n and 0 not in dsts
         assert not set(written) & set(dsts) and not set(written) & set(plan.src_slot[:n].tolist())
         sampled = np.zeros(plan.shape.num_seqs, np.int32)
+        # The kernels read every row's src state before any row's writes land.
+        srcs = [self.state[int(x)] if x else () for x in plan.src_slot[:n]]
         for s, req in enumerate(out.requests):
             q = int(qsl[s + 1] - qsl[s])
             seq_len = int(plan.seq_lens[s])
@@ -100,9 +102,8 @@ class FakeRunner:
                 seq.append(tok)
             assert seq == req.all_token_ids[:seq_len], f"{req.request_id}: KV mismatch"
             src = int(plan.src_slot[s])
-            prefix = self.state[src] if src else ()
-            assert prefix == tuple(seq[:start]), (
-                f"{req.request_id}: src slot {src} holds {len(prefix)} tokens, start={start}"
+            assert srcs[s] == tuple(seq[:start]), (
+                f"{req.request_id}: src slot {src} holds {len(srcs[s])} tokens, start={start}"
             )
             self.reads.append((req.request_id, src, start))
             for off, slot in zip(plan.ckpt_offsets[s], plan.ckpt_slots[s], strict=True):

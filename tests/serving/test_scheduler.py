@@ -264,3 +264,32 @@ def test_many_requests_with_shared_prefixes_match_the_uncached_outputs():
         results[caching] = [r.output_token_ids for r in live]
         assert s.cache.kv.num_free == 79
     assert results[True] == results[False]
+
+
+def test_exact_block_ids_and_eviction_order():
+    s, runner = make_scheduler(num_kv_blocks=12), FakeRunner(16)
+    a = make_request("a", prompt(40), max_tokens=1)
+    s.add_request(a)
+    out, _ = step(s, runner)
+    assert list(out.plan.block_tables[0, :4]) == [1, 2, 3, 0]
+    # a finished: block 3 (partial, unhashed) goes to the head; 2 then 1 (hashed) to the tail.
+    assert list(s.cache.kv.free_queue) == [3, 4, 5, 6, 7, 8, 9, 10, 11, 2, 1]
+    b = make_request("b", prompt(20, 5000), max_tokens=1)
+    s.add_request(b)
+    out, _ = step(s, runner)
+    assert list(out.plan.block_tables[0, :3]) == [3, 4, 0]
+    assert list(s.cache.kv.free_queue) == [4, 5, 6, 7, 8, 9, 10, 11, 2, 1, 3]
+    # c repeats a's prompt: 32 KV tokens hit but no checkpoint exists below 40, so c computes
+    # everything into fresh blocks; its full blocks duplicate a's hashes and stay unhashed.
+    s.add_request(make_request("c", prompt(40), max_tokens=1))
+    out, _ = step(s, runner)
+    assert list(out.plan.block_tables[0, :4]) == [4, 5, 6, 0] and out.plan.src_slot[0] == 0
+    assert s.cache.kv.lookup(a.block_hashes[0]) == 1
+    assert list(s.cache.kv.free_queue) == [4, 5, 6, 7, 8, 9, 10, 11, 2, 1, 3]
+    # Filling the pool takes unhashed blocks first, then evicts the least recently freed.
+    s.add_request(make_request("d", prompt(144, 7000), max_tokens=1))  # 9 blocks
+    out, _ = step(s, runner)
+    assert list(out.plan.block_tables[0, :9]) == [4, 5, 6, 7, 8, 9, 10, 11, 2]
+    assert s.cache.kv.lookup(a.block_hashes[1]) is None  # a's block 2: evicted
+    assert s.cache.kv.lookup(a.block_hashes[0]) == 1  # a's block 1: still cached
+    assert s.cache.kv.lookup(b.block_hashes[0]) == 3  # b's block 3: still cached
