@@ -1,15 +1,22 @@
 """Op dispatch: each op of the model by backend (DESIGN.md §6).
 
-``reference`` is pure JAX (the CPU path and the oracle). ``pallas`` and ``interpret`` register
-here as their kernels land; ``auto`` picks by platform.
+- ``reference``: pure JAX (the CPU path and the oracle).
+- ``interpret``: the Mosaic TPU kernels run by the TPU interpreter on CPU (how CI tests them).
+- ``pallas``: Mosaic TPU kernels on TPU, Pallas GPU kernels on NVIDIA, chosen at trace time
+  from ``jax.default_backend()``.
+
+``auto`` picks ``pallas`` on GPU/TPU. Where a kernel does not exist yet, a backend falls back
+to the reference op; each such entry below says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.attention.reference import (
     ragged_paged_attention_reference,
@@ -19,6 +26,7 @@ from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
     causal_conv1d_update_reference,
 )
+from pallas_kernels.gdn import tpu as gdn_tpu
 from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_reference
 
 
@@ -32,14 +40,49 @@ class Ops:
     paged_attention: Callable
 
 
+REFERENCE = Ops(
+    conv1d_prefill=causal_conv1d_prefill_reference,
+    conv1d_update=causal_conv1d_update_reference,
+    gdn_prefill=gdn_prefill_reference,
+    gdn_decode=gdn_decode_reference,
+    write_kv=write_kv_reference,
+    paged_attention=ragged_paged_attention_reference,
+)
+
+
+def _interpret(kernel: Callable) -> Callable:
+    return functools.partial(kernel, interpret=pltpu.InterpretParams())
+
+
+def _by_platform(*, tpu: Callable, gpu: Callable, other: Callable) -> Callable:
+    """One op whose implementation is picked from ``jax.default_backend()`` when traced."""
+
+    def op(*args, **kwargs):
+        platform = jax.default_backend()
+        fn = tpu if platform == "tpu" else gpu if platform in ("gpu", "cuda", "rocm") else other
+        return fn(*args, **kwargs)
+
+    return op
+
+
 BACKENDS: dict[str, Ops] = {
-    "reference": Ops(
-        conv1d_prefill=causal_conv1d_prefill_reference,
-        conv1d_update=causal_conv1d_update_reference,
-        gdn_prefill=gdn_prefill_reference,
-        gdn_decode=gdn_decode_reference,
-        write_kv=write_kv_reference,
-        paged_attention=ragged_paged_attention_reference,
+    "reference": REFERENCE,
+    "interpret": dataclasses.replace(
+        REFERENCE,
+        gdn_prefill=_interpret(gdn_tpu.gdn_prefill),
+        gdn_decode=_interpret(gdn_tpu.gdn_decode),
+        # conv1d: reference until its kernels land; write_kv / paged_attention: reference
+        # (their kernels are another issue).
+    ),
+    "pallas": dataclasses.replace(
+        REFERENCE,
+        # GPU kernels: reference until they land.
+        gdn_prefill=_by_platform(
+            tpu=gdn_tpu.gdn_prefill, gpu=gdn_prefill_reference, other=gdn_prefill_reference
+        ),
+        gdn_decode=_by_platform(
+            tpu=gdn_tpu.gdn_decode, gpu=gdn_decode_reference, other=gdn_decode_reference
+        ),
     ),
 }
 

@@ -1,0 +1,89 @@
+"""Ragged batches with NaN-poisoned state pools, shared by the kernel-vs-reference tests.
+
+Layout of a case with ``n`` live rows (two padding rows and five padding tokens follow)::
+
+    rows:        0      1      2      3   ...   n-1  | pad  pad
+    src_slot:    0      2      0      4   ...        |  0    0     odd rows read a slot
+    dst_slot:   S+0     0     S+2    S+3  ...        |  0    0     row 1 writes nothing
+    ckpts:      up to M (offset, slot) pairs per row at offsets 1, 64, len // 2, len
+
+Every slot that no row reads holds NaN, so a stray read shows up in the outputs, and a slot
+that no row writes must come back bit-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class RaggedCase:
+    lens: list[int]
+    query_start_loc: np.ndarray  # i32[S+1]
+    num_tokens: int
+    src: np.ndarray  # i32[S]
+    dst: np.ndarray  # i32[S]
+    ckpt_offsets: np.ndarray  # i32[S, M]
+    ckpt_slots: np.ndarray  # i32[S, M]
+    num_slots: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lens)
+
+    def pool(self, rng: np.random.Generator, slot_shape: tuple[int, ...], dtype) -> np.ndarray:
+        """A NaN-poisoned pool with random states in the slots that rows read."""
+        pool = np.full((self.num_slots,) + slot_shape, np.nan, np.float32)
+        for s in self.src[self.src > 0]:
+            pool[s] = rng.normal(size=slot_shape)
+        return pool.astype(dtype)
+
+
+def ragged_case(lens: list[int], *, max_ckpt: int = 2, extra_tokens: int = 5, extra_rows: int = 2):
+    n = len(lens)
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    total = int(qsl[-1])
+    qsl = np.concatenate([qsl, np.full(extra_rows, total, np.int32)])
+    rows = n + extra_rows
+    src = np.zeros(rows, np.int32)
+    dst = np.zeros(rows, np.int32)
+    src[:n] = [1 + i if i % 2 else 0 for i in range(n)]
+    dst[:n] = [n + 1 + i if i != 1 else 0 for i in range(n)]
+    ck_off = np.zeros((rows, max_ckpt), np.int32)
+    ck_slot = np.zeros((rows, max_ckpt), np.int32)
+    next_slot = 2 * n + 2
+    for i, length in enumerate(lens):
+        offs = sorted({o for o in (1, 64, length // 2, length) if 1 <= o <= length})
+        for j, o in enumerate(offs[:max_ckpt]):
+            ck_off[i, j], ck_slot[i, j] = o, next_slot
+            next_slot += 1
+    return RaggedCase(
+        lens=list(lens),
+        query_start_loc=qsl,
+        num_tokens=total + extra_tokens,
+        src=src,
+        dst=dst,
+        ckpt_offsets=ck_off,
+        ckpt_slots=ck_slot,
+        num_slots=next_slot + 2,  # two slots nobody touches
+    )
+
+
+def assert_close(got, want, *, rtol: float, atol: float, what: str):
+    """Elementwise closeness with NaN == NaN (untouched poisoned slots must stay NaN)."""
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=rtol, atol=atol,
+        err_msg=what,
+    )  # fmt: skip
+
+
+def assert_rel_close(got, want, *, tol: float, what: str):
+    """``max |got - want| / max |want|`` below ``tol`` (for bf16 runs), NaN patterns equal."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{what}: NaN pattern")
+    ok = ~np.isnan(want)
+    scale = max(float(np.abs(want[ok]).max(initial=0.0)), 1e-6)
+    err = float(np.abs(got[ok] - want[ok]).max(initial=0.0)) / scale
+    assert err < tol, f"{what}: relative error {err:.2e} >= {tol}"
