@@ -1,0 +1,160 @@
+"""The engine loop against a fake engine, in a thread: message handling and failure paths."""
+
+import dataclasses
+import queue
+import threading
+
+import pytest
+
+from serving.engine_process import EngineLoop
+from serving.messages import (
+    AbortRequest,
+    Accepted,
+    AddRequest,
+    Delta,
+    GetStats,
+    Rejected,
+    Shutdown,
+    StatsReply,
+)
+from serving.request import SamplingParams
+
+
+@dataclasses.dataclass
+class _Out:
+    request_id: str
+    prompt_token_ids: list
+    delta_token_ids: list
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class _Metrics:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    state_usage: float = 0.0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    kv_query_tokens: int = 0
+    kv_hit_tokens: int = 0
+    state_query_tokens: int = 0
+    state_hit_tokens: int = 0
+    effective_hit_tokens: int = 0
+
+
+class FakeEngine:
+    """Each request emits one token per step until it has ``max_tokens``; a prompt
+    ``[666]`` makes ``add_request`` crash, ``[13]`` makes the next ``step`` crash."""
+
+    def __init__(self):
+        self.reqs: dict[str, list] = {}
+        self.aborted: list[str] = []
+        self.crash_step = False
+
+    def add_request(self, prompt, params, request_id):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if prompt == [666]:
+            raise RuntimeError("boom")
+        if prompt == [13]:
+            self.crash_step = True
+        self.reqs[request_id] = [list(prompt), params.max_tokens, 0]
+        return request_id
+
+    def abort_request(self, rid):
+        self.aborted.append(rid)
+        self.reqs.pop(rid, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.reqs)
+
+    def step(self):
+        if self.crash_step:
+            self.crash_step = False
+            raise RuntimeError("device fell over")
+        outs = []
+        for rid, r in list(self.reqs.items()):
+            r[2] += 1
+            done = r[2] >= r[1]
+            outs.append(_Out(rid, r[0], [7], "x", done, "length" if done else None))
+            if done:
+                del self.reqs[rid]
+        return outs
+
+    def metrics(self):
+        return _Metrics(num_running=len(self.reqs))
+
+
+@pytest.fixture
+def loop():
+    engine, inbox, outbox = FakeEngine(), queue.Queue(), queue.Queue()
+    t = threading.Thread(target=EngineLoop(engine, inbox, outbox).run, daemon=True)
+    t.start()
+    yield engine, inbox, outbox
+    inbox.put(Shutdown())
+    t.join(5)
+    assert not t.is_alive()
+
+
+def _collect(outbox, until, timeout=5.0):
+    got = []
+    while not until(got):
+        got.extend(outbox.get(timeout=timeout))
+    return got
+
+
+def _finished(rid):
+    return lambda got: any(isinstance(m, Delta) and m.request_id == rid and m.finished for m in got)
+
+
+def test_add_stream_finish(loop):
+    engine, inbox, outbox = loop
+    inbox.put(AddRequest("a", [1, 2, 3], SamplingParams(max_tokens=3)))
+    got = _collect(outbox, _finished("a"))
+    assert isinstance(got[0], Accepted)
+    deltas = [m for m in got if isinstance(m, Delta)]
+    assert [d.text for d in deltas] == ["x"] * 3 and deltas[-1].finish_reason == "length"
+    assert deltas[0].num_prompt_tokens == 3
+
+
+def test_rejections_and_internal_errors(loop):
+    engine, inbox, outbox = loop
+    inbox.put(AddRequest("bad", [], SamplingParams()))
+    inbox.put(AddRequest("crash", [666], SamplingParams()))
+    inbox.put(AddRequest("ok", [1], SamplingParams(max_tokens=2)))
+    got = _collect(outbox, _finished("ok"))
+    rej = {m.request_id: m for m in got if isinstance(m, Rejected)}
+    assert rej["bad"].client_error and "empty" in rej["bad"].message
+    assert not rej["crash"].client_error and "boom" in rej["crash"].message
+
+
+def test_step_error_fails_live_requests_and_loop_goes_on(loop):
+    engine, inbox, outbox = loop
+    inbox.put(AddRequest("a", [1], SamplingParams(max_tokens=100)))
+    inbox.put(AddRequest("b", [13], SamplingParams(max_tokens=100)))
+    got = _collect(outbox, lambda g: _finished("a")(g) and _finished("b")(g))
+    ends = [m for m in got if isinstance(m, Delta) and m.finished]
+    assert {m.finish_reason for m in ends} == {"error"}
+    assert all("device fell over" in m.error and not m.client_error for m in ends)
+    assert sorted(engine.aborted) == ["a", "b"]
+    inbox.put(AddRequest("c", [1], SamplingParams(max_tokens=1)))  # still serving
+    assert _collect(outbox, _finished("c"))
+
+
+def test_abort_and_stats(loop):
+    engine, inbox, outbox = loop
+    inbox.put(AddRequest("a", [1], SamplingParams(max_tokens=10_000)))
+    _collect(outbox, lambda g: any(isinstance(m, Accepted) for m in g))
+    inbox.put(AbortRequest("a"))
+    inbox.put(AbortRequest("unknown"))  # ignored
+    inbox.put(GetStats(7))
+    got = _collect(outbox, lambda g: any(isinstance(m, StatsReply) for m in g))
+    reply = next(m for m in got if isinstance(m, StatsReply))
+    assert reply.token == 7 and reply.stats.num_running == 0
+    assert engine.aborted == ["a"]
