@@ -1,10 +1,12 @@
-"""The ``hyjax`` command: ``generate`` (batch generation) and ``make-tiny-model``."""
+"""The ``hyjax`` command: ``generate`` (batch generation), ``serve`` (an OpenAI-compatible
+server) and ``make-tiny-model``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -31,10 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def engine_args(ns: argparse.Namespace, **extra):
-    from serving.engine import EngineArgs
-
-    return EngineArgs(
+def engine_kwargs(ns: argparse.Namespace, **extra) -> dict:
+    """``EngineArgs`` fields from the flags, as a dict (``serve`` sends it to the engine
+    process without importing the engine, hence jax, itself)."""
+    return dict(
         model=ns.model,
         dtype=ns.dtype,
         block_size=ns.block_size,
@@ -49,6 +51,12 @@ def engine_args(ns: argparse.Namespace, **extra):
         seed=ns.seed,
         **extra,
     )
+
+
+def engine_args(ns: argparse.Namespace, **extra):
+    from serving.engine import EngineArgs
+
+    return EngineArgs(**engine_kwargs(ns, **extra))
 
 
 def read_rows(path: str) -> list[dict]:
@@ -140,6 +148,45 @@ def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from serving.engine_client import EngineStartError
+    from serving.server import serve
+
+    try:
+        return serve(
+            engine_kwargs(ns, progress=not ns.quiet),
+            host=ns.host,
+            port=ns.port,
+            served_model_name=ns.served_model_name,
+            api_key=ns.api_key,
+            max_request_bytes=ns.max_request_bytes,
+            shutdown_timeout=ns.shutdown_timeout,
+            log_level="warning" if ns.quiet else "info",
+        )
+    except EngineStartError as e:
+        print(f"hyjax serve: the engine failed to start: {e}", file=sys.stderr)
+        return 1
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("HYJAX_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $HYJAX_API_KEY, else none)",
+    )
+    p.add_argument("--served-model-name", default=None, help="default: the model dir's name")
+    p.add_argument("--max-request-bytes", type=int, default=8 * 2**20, help="larger bodies: 413")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests may finish before they are aborted",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hyjax", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -151,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="default per row")
     g.add_argument("--quiet", action="store_true")
     g.set_defaults(fn=cmd_generate)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    add_engine_args(s)
+    add_serve_args(s)
+    s.set_defaults(fn=cmd_serve)
     t = sub.add_parser("make-tiny-model", help="write a tiny random Qwen3-Next (HF layout)")
     t.add_argument("out")
     t.add_argument("--seed", type=int, default=0)

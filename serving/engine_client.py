@@ -1,0 +1,300 @@
+"""The HTTP side of the engine process: spawn it, send it messages, route its replies.
+
+No jax here: the engine runs in a child process (``serving.engine_process.engine_main``,
+started with the ``spawn`` method, so the child imports jax and the parent never does). A
+reader thread blocks on the outbox and hands each message list to the event loop, which
+routes deltas to per-request ``asyncio.Queue`` s and resolves the futures of pending adds and
+stats queries. If the engine process dies, every waiter gets an error and ``alive`` turns
+False (``/health`` then answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from serving.messages import (
+    AbortRequest,
+    Accepted,
+    AddRequest,
+    Delta,
+    EngineInfo,
+    EngineStats,
+    Failed,
+    GetStats,
+    Ready,
+    Rejected,
+    Shutdown,
+    StatsReply,
+)
+from serving.request import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineStartError(RuntimeError):
+    """The engine process failed to start (bad model directory, out of memory, ...)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; nothing more can be served."""
+
+
+class RequestRejected(ValueError):
+    """``add_request`` refused the request; ``client_error`` tells a 400 from a 500."""
+
+    def __init__(self, message: str, client_error: bool) -> None:
+        super().__init__(message)
+        self.client_error = client_error
+
+
+@dataclasses.dataclass
+class _Pending:
+    accepted: asyncio.Future
+    deltas: asyncio.Queue
+
+
+class EngineClient:
+    """Owns the engine process and speaks :mod:`serving.messages` with it.
+
+    Use: ``client.start()`` (blocks until the engine is ready), then inside the event loop
+    ``client.attach()``; ``async for delta in client.generate(...)``; ``client.close()``.
+    """
+
+    def __init__(self, engine_kwargs: dict) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._inbox = ctx.Queue()
+        self._outbox = ctx.Queue()
+        self._proc = ctx.Process(
+            target=_engine_main,
+            args=(engine_kwargs, self._inbox, self._outbox),
+            name="hyjax-engine",
+            daemon=True,
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: dict[str, _Pending] = {}
+        self._stats: dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count()
+        self._reader: threading.Thread | None = None
+        self._closing = False
+        self.dead_reason: str | None = None
+        self.info: EngineInfo | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, timeout: float | None = None) -> EngineInfo:
+        """Spawns the engine process and blocks until it is ready (compilation included)."""
+        self._proc.start()
+        while True:
+            try:
+                msgs = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    raise EngineStartError(
+                        f"the engine process exited with code {self._proc.exitcode}"
+                    ) from None
+                if timeout is not None:
+                    timeout -= 1.0
+                    if timeout <= 0:
+                        self._proc.kill()
+                        raise EngineStartError("the engine did not start in time") from None
+                continue
+            for m in msgs:
+                if isinstance(m, Failed):
+                    self._proc.join(timeout=10)
+                    raise EngineStartError(m.message)
+                if isinstance(m, Ready):
+                    self.info = m.info
+                    return m.info
+
+    def attach(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Starts routing the engine's messages into ``loop`` (default: the running one)."""
+        self._loop = loop or asyncio.get_running_loop()
+        self._reader = threading.Thread(target=self._read, name="hyjax-engine-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None and self._proc.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._pending)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Asks the engine to abort what is left and exit; kills it if it does not."""
+        self._closing = True
+        if self._proc.is_alive():
+            self._inbox.put(Shutdown())
+            self._proc.join(timeout)
+        if self._proc.is_alive():
+            log.warning("the engine process did not exit: killing it")
+            self._proc.kill()
+            self._proc.join(5)
+        self._inbox.cancel_join_thread()
+        self._outbox.cancel_join_thread()
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[Delta]:
+        """Adds a request and yields its deltas until the finished one.
+
+        Raises ``RequestRejected`` (before the first delta) when the engine refuses it, and
+        ``EngineDeadError`` if the engine goes away. Closing the iterator early (a client
+        that disconnected, a cancelled task) aborts the request, which frees its blocks and
+        slot.
+        """
+        deltas = await self.add(request_id, prompt_token_ids, params)
+        finished = False
+        try:
+            while not finished:
+                delta = await deltas.get()
+                if isinstance(delta, BaseException):
+                    raise delta
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    async def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        deltas: asyncio.Queue | None = None,
+    ) -> asyncio.Queue:
+        """Sends ``AddRequest`` and waits for ``Accepted`` (raises ``RequestRejected``).
+
+        Returns the queue the request's ``Delta`` s arrive on (``deltas``, which several
+        requests may share, or a new one); an ``EngineDeadError`` instance arrives there if
+        the engine dies. The last delta of a request has ``finished`` set; then the client
+        forgets it. Until then, call ``abort`` to stop it.
+        """
+        self._check_alive()
+        assert self._loop is not None, "attach() first"
+        p = _Pending(self._loop.create_future(), deltas if deltas is not None else asyncio.Queue())
+        self._pending[request_id] = p
+        self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params))
+        try:
+            await p.accepted
+        except BaseException:
+            if p.accepted.cancelled():
+                self.abort(request_id)  # cancelled while waiting: the engine may take it still
+            self._pending.pop(request_id, None)
+            raise
+        return p.deltas
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request (a no-op for one that already finished)."""
+        if self._pending.pop(request_id, None) is not None and self.alive:
+            self._inbox.put(AbortRequest(request_id))
+
+    def abort_all(self) -> int:
+        """Aborts every request in flight; each one's queue gets a last delta with reason
+        "abort", so whoever streams it ends cleanly. Returns how many were aborted."""
+        pending = list(self._pending.items())
+        for rid, p in pending:
+            self.abort(rid)
+            if p.accepted.done():
+                p.deltas.put_nowait(Delta(rid, [], "", True, "abort", 0, 0))
+            else:
+                p.accepted.set_exception(EngineDeadError("the server is shutting down"))
+        return len(pending)
+
+    async def stats(self) -> EngineStats:
+        """The engine's metrics right now (queued behind the current step)."""
+        self._check_alive()
+        assert self._loop is not None, "attach() first"
+        token = next(self._tokens)
+        fut = self._loop.create_future()
+        self._stats[token] = fut
+        self._inbox.put(GetStats(token))
+        try:
+            return await fut
+        finally:
+            self._stats.pop(token, None)
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise EngineDeadError(self.dead_reason or "the engine process is not running")
+
+    # ------------------------------------------------------------------ routing
+
+    def _read(self) -> None:
+        """Reader thread: blocks on the outbox, hands message lists to the event loop."""
+        assert self._loop is not None
+        while True:
+            try:
+                msgs = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    break
+                continue
+            except (EOFError, OSError):
+                break
+            try:
+                self._loop.call_soon_threadsafe(self._route, msgs)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                return
+        reason = (
+            "the engine process stopped"
+            if self._closing
+            else (f"the engine process died (exit code {self._proc.exitcode})")
+        )
+        if not self._closing:
+            log.error(reason)
+        with contextlib.suppress(RuntimeError):  # the event loop may be closed already
+            self._loop.call_soon_threadsafe(self._fail_all, reason)
+
+    def _route(self, msgs: list) -> None:
+        for m in msgs:
+            if isinstance(m, Delta):
+                p = self._pending.get(m.request_id)
+                if p is not None:
+                    if m.finished:
+                        del self._pending[m.request_id]
+                    p.deltas.put_nowait(m)
+            elif isinstance(m, Accepted):
+                p = self._pending.get(m.request_id)
+                if p is not None and not p.accepted.done():
+                    p.accepted.set_result(None)
+            elif isinstance(m, Rejected):
+                p = self._pending.get(m.request_id)
+                if p is not None and not p.accepted.done():
+                    p.accepted.set_exception(RequestRejected(m.message, m.client_error))
+            elif isinstance(m, StatsReply):
+                fut = self._stats.get(m.token)
+                if fut is not None and not fut.done():
+                    fut.set_result(m.stats)
+            elif isinstance(m, Failed):
+                self._fail_all(m.message)
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead_reason = reason
+        err = EngineDeadError(reason)
+        for p in self._pending.values():
+            if not p.accepted.done():
+                p.accepted.set_exception(err)
+            else:
+                p.deltas.put_nowait(err)
+        for fut in self._stats.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+
+def _engine_main(engine_kwargs: dict, inbox, outbox) -> None:
+    # Imported in the child only: serving.engine_process pulls in nothing heavy itself, but
+    # keeping the import here makes the parent's module graph obviously jax-free.
+    from serving.engine_process import engine_main
+
+    engine_main(engine_kwargs, inbox, outbox)

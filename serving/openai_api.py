@@ -1,0 +1,504 @@
+"""The OpenAI completions and chat completions endpoints, on top of ``EngineClient``.
+
+One HTTP request becomes ``len(prompts) * n`` engine requests (choice ``i * n + j`` is the
+``j``-th sample of prompt ``i``; sample ``j > 0`` gets a seed derived from the given one). All
+of them are added first, so a rejected one turns the whole HTTP request into a 400 before any
+byte is streamed; their deltas then share one queue, from which the response is streamed (SSE)
+or collected. Whatever ends a response early (a client that disconnects, a cancelled task)
+aborts the engine requests still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from hyjax.tokenizer import ChatTemplateError, Tokenizer
+from serving.engine_client import EngineClient, EngineDeadError, RequestRejected
+from serving.http_metrics import ServerMetrics
+from serving.messages import Delta
+from serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Usage,
+    _SamplingFields,
+    error_body,
+)
+from serving.request import SamplingParams
+
+MAX_CHOICES = 256  # engine requests per HTTP request (prompts x n)
+SEED_STRIDE = 0x9E3779B9  # sample j of n gets seed + j * stride (mod 2**32)
+ENCODE_IN_THREAD_CHARS = 20_000  # longer texts are tokenized off the event loop
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-style body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            error_body(self.message, self.type, self.param, self.code), status_code=self.status
+        )
+
+
+def engine_unavailable(e: Exception) -> ApiError:
+    return ApiError(503, str(e), "service_unavailable_error", code="engine_unavailable")
+
+
+@dataclasses.dataclass
+class _Choice:
+    index: int
+    request_id: str
+    text: list[str] = dataclasses.field(default_factory=list)
+    num_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+class _Group:
+    """The engine requests of one HTTP request, and their shared delta queue."""
+
+    def __init__(self, client: EngineClient, metrics: ServerMetrics, prefix: str, n: int):
+        self.client = client
+        self.metrics = metrics
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.arrival = time.perf_counter()
+        self.n = n
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.choices: list[_Choice] = []
+        self.by_id: dict[str, _Choice] = {}
+        self.unfinished: set[str] = set()
+
+    async def add_all(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Adds ``len(prompts) * n`` requests; on any rejection aborts the rest and raises."""
+        for i, _ in enumerate(prompts):
+            for j in range(self.n):
+                c = _Choice(i * self.n + j, f"{self.id}-{i * self.n + j}")
+                self.choices.append(c)
+                self.by_id[c.request_id] = c
+        adds = []
+        for c in self.choices:
+            p = dataclasses.replace(params)
+            j = c.index % self.n
+            if j and params.seed is not None:
+                p.seed = (params.seed + j * SEED_STRIDE) % 2**32
+            ids = prompts[c.index // self.n]
+            adds.append(self.client.add(c.request_id, ids, p, self.queue))
+        results = await asyncio.gather(*adds, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        self.unfinished = {
+            c.request_id for c, r in zip(self.choices, results) if not isinstance(r, BaseException)
+        }
+        if errors:
+            self.abort()
+            e = errors[0]
+            if isinstance(e, RequestRejected):
+                if e.client_error:
+                    raise ApiError(400, str(e), param=_param_of(str(e)))
+                raise ApiError(500, str(e), "server_error", code="engine_error")
+            if isinstance(e, EngineDeadError):
+                raise engine_unavailable(e)
+            raise e
+
+    def abort(self) -> None:
+        for rid in self.unfinished:
+            self.client.abort(rid)
+        self.unfinished.clear()
+
+    async def deltas(self) -> AsyncIterator[tuple[_Choice, Delta]]:
+        """Yields each choice's deltas as they come, until every choice has finished."""
+        try:
+            while self.unfinished:
+                d = await self.queue.get()
+                if isinstance(d, BaseException):
+                    raise engine_unavailable(d) if isinstance(d, EngineDeadError) else d
+                c = self.by_id[d.request_id]
+                self._account(c, d)
+                if d.finished:
+                    self.unfinished.discard(d.request_id)
+                yield c, d
+        finally:
+            self.abort()
+
+    def _account(self, c: _Choice, d: Delta) -> None:
+        now = time.perf_counter()
+        c.num_prompt_tokens = max(c.num_prompt_tokens, d.num_prompt_tokens)
+        c.num_cached_tokens = max(c.num_cached_tokens, d.num_cached_tokens)
+        if d.token_ids:
+            if c.first_token_at is None:
+                c.first_token_at = now
+                self.metrics.ttft.observe(now - self.arrival)
+                rest = len(d.token_ids) - 1
+            else:
+                rest = len(d.token_ids)
+            if rest and c.last_token_at is not None:
+                gap = (now - c.last_token_at) / rest
+                for _ in range(rest):
+                    self.metrics.itl.observe(gap)
+            c.last_token_at = now
+            c.num_tokens += len(d.token_ids)
+        if d.text:
+            c.text.append(d.text)
+        if d.finished:
+            c.finish_reason = d.finish_reason
+            self.metrics.finished(d.finish_reason)
+            self.metrics.e2e.observe(now - self.arrival)
+
+    def usage(self) -> Usage:
+        first = [c for c in self.choices if c.index % self.n == 0]  # one per prompt
+        prompt = sum(c.num_prompt_tokens for c in first)
+        completion = sum(c.num_tokens for c in self.choices)
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details={"cached_tokens": sum(c.num_cached_tokens for c in first)},
+        )
+
+
+def _param_of(message: str) -> str | None:
+    """``"max_tokens=0 must be ..."`` -> ``"max_tokens"``: the field an engine message names."""
+    head = message.split("=", 1)[0]
+    return head if head.isidentifier() and head != message else None
+
+
+def _error_of(d: Delta) -> ApiError:
+    if d.client_error:
+        return ApiError(400, d.error or "request failed")
+    return ApiError(500, d.error or "engine error", "server_error", code="engine_error")
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _SSEResponse(StreamingResponse):
+    """Closes its body iterator however the response ends, so the ``finally`` that aborts
+    the engine requests runs at once (not when the generator is garbage collected)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client goes away (the request body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class OpenAIServing:
+    """The two generation endpoints; built once per server."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer: Tokenizer | None,
+        model_name: str,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = metrics
+
+    # ------------------------------------------------------------------ inputs
+
+    def check_model(self, req: _SamplingFields) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(
+                404,
+                f"The model `{req.model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        bad = req.unsupported_fields()
+        if bad:
+            raise ApiError(
+                400, f"{bad[0]} is not supported yet", param=bad[0], code="unsupported_parameter"
+            )
+
+    def sampling_params(self, req: _SamplingFields, max_tokens: int | None) -> SamplingParams:
+        stop = req.stop if req.stop is not None else ()
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            ignore_eos=req.ignore_eos,
+        )
+        try:
+            params.validate()
+        except ValueError as e:
+            raise ApiError(400, str(e), param=_param_of(str(e))) from None
+        if any(s == "" for s in params.stop):
+            raise ApiError(400, "stop strings must not be empty", param="stop")
+        return params
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send prompt token ids")
+        return self.tokenizer
+
+    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        tok = self._require_tokenizer()
+        if len(text) > ENCODE_IN_THREAD_CHARS:
+            return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+        return tok.encode(text, add_special_tokens)
+
+    async def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [await self._encode(p)]
+        elif p and isinstance(p[0], str):
+            prompts = [await self._encode(s) for s in p]
+        elif p and isinstance(p[0], list):
+            prompts = [list(ids) for ids in p]
+        else:
+            prompts = [list(p)]
+        if not prompts or not all(prompts):
+            raise ApiError(
+                400, "the prompt is empty: at least one token is required", param="prompt"
+            )
+        return prompts
+
+    async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        tok = self._require_tokenizer()
+        try:
+            text = tok.apply_chat_template(
+                [m.template_dict() for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt,
+                tools=req.tools,
+                **(req.chat_template_kwargs or {}),
+            )
+        except ChatTemplateError as e:
+            raise ApiError(400, f"chat template error: {e}", param="messages") from None
+        except TypeError as e:  # a chat_template_kwargs key that clashes with an argument
+            raise ApiError(400, str(e), param="chat_template_kwargs") from None
+        return await self._encode(text, add_special_tokens=False)
+
+    async def _start(
+        self, prefix: str, prompts: list[list[int]], params: SamplingParams, n: int
+    ) -> _Group:
+        if len(prompts) * n > MAX_CHOICES:
+            raise ApiError(
+                400, f"{len(prompts)} prompts x n={n} exceeds {MAX_CHOICES} choices", param="n"
+            )
+        group = _Group(self.client, self.metrics, prefix, n)
+        try:
+            await group.add_all(prompts, params)
+        except EngineDeadError as e:
+            raise engine_unavailable(e) from None
+        return group
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def completions(self, req: CompletionRequest, raw: Request):
+        self.check_model(req)
+        params = self.sampling_params(req, req.max_tokens)
+        prompts = await self.completion_prompts(req)
+        group = await self._start("cmpl", prompts, params, req.n)
+
+        def chunk(c: _Choice | None, d: Delta | None) -> dict:
+            body = {
+                "id": group.id,
+                "object": "text_completion",
+                "created": group.created,
+                "model": self.model_name,
+                "choices": [],
+            }
+            if c is not None and d is not None:
+                body["choices"] = [
+                    {
+                        "index": c.index,
+                        "text": d.text,
+                        "logprobs": None,
+                        "finish_reason": d.finish_reason if d.finished else None,
+                    }
+                ]
+            return body
+
+        def final() -> dict:
+            return {
+                "id": group.id,
+                "object": "text_completion",
+                "created": group.created,
+                "model": self.model_name,
+                "choices": [
+                    {
+                        "index": c.index,
+                        "text": "".join(c.text),
+                        "logprobs": None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    for c in group.choices
+                ],
+                "usage": group.usage().model_dump(),
+            }
+
+        return await self._respond(req, raw, group, chunk, final, first=None)
+
+    async def chat_completions(self, req: ChatCompletionRequest, raw: Request):
+        self.check_model(req)
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
+        params = self.sampling_params(req, max_tokens)
+        prompt = await self.chat_prompt(req)
+        group = await self._start("chatcmpl", [prompt], params, req.n)
+
+        def chunk(c: _Choice | None, d: Delta | None, role: bool = False) -> dict:
+            body = {
+                "id": group.id,
+                "object": "chat.completion.chunk",
+                "created": group.created,
+                "model": self.model_name,
+                "choices": [],
+            }
+            if c is not None:
+                delta: dict = {"role": "assistant", "content": ""} if role else {}
+                if d is not None and d.text:
+                    delta["content"] = d.text
+                body["choices"] = [
+                    {
+                        "index": c.index,
+                        "delta": delta,
+                        "logprobs": None,
+                        "finish_reason": d.finish_reason if d is not None and d.finished else None,
+                    }
+                ]
+            return body
+
+        def first() -> list[dict]:
+            return [chunk(c, None, role=True) for c in group.choices]
+
+        def final() -> dict:
+            return {
+                "id": group.id,
+                "object": "chat.completion",
+                "created": group.created,
+                "model": self.model_name,
+                "choices": [
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": "".join(c.text)},
+                        "logprobs": None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    for c in group.choices
+                ],
+                "usage": group.usage().model_dump(),
+            }
+
+        return await self._respond(req, raw, group, chunk, final, first=first)
+
+    # ------------------------------------------------------------------ responses
+
+    async def _respond(
+        self,
+        req: _SamplingFields,
+        raw: Request,
+        group: _Group,
+        chunk: Callable,
+        final: Callable[[], dict],
+        first: Callable[[], list[dict]] | None,
+    ):
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _SSEResponse(
+                self._stream(group, chunk, first, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        collect = asyncio.ensure_future(self._collect(group))
+        gone = asyncio.ensure_future(_until_disconnected(raw))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client left (or we are cancelled): stop generating
+                collect.cancel()
+                group.abort()
+        if collect.cancelled():
+            return JSONResponse(error_body("client disconnected", "invalid_request_error"), 499)
+        error = collect.result()
+        if error is not None:
+            return error.response()
+        return JSONResponse(final())
+
+    async def _collect(self, group: _Group) -> ApiError | None:
+        error = None
+        async for _, d in group.deltas():
+            if d.finished and d.finish_reason == "error" and error is None:
+                error = _error_of(d)
+        return error
+
+    async def _stream(
+        self,
+        group: _Group,
+        chunk: Callable,
+        first: Callable[[], list[dict]] | None,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        def with_usage(body: dict) -> dict:
+            if include_usage:
+                body["usage"] = None
+            return body
+
+        try:
+            for body in first() if first else []:
+                yield _sse(with_usage(body))
+            async for c, d in group.deltas():
+                if d.finished and d.finish_reason == "error":
+                    yield _sse(error_body(*_error_fields(_error_of(d))))
+                    continue
+                if d.text or d.finished:
+                    yield _sse(with_usage(chunk(c, d)))
+            if include_usage:
+                body = chunk(None, None)
+                body["usage"] = group.usage().model_dump()
+                yield _sse(body)
+        except ApiError as e:  # the engine went away mid-stream
+            yield _sse(error_body(*_error_fields(e)))
+        finally:
+            group.abort()  # a no-op unless the client left mid-stream
+        yield "data: [DONE]\n\n"
+
+
+def _error_fields(e: ApiError) -> tuple[str, str, str | None, str | None]:
+    return e.message, e.type, e.param, e.code

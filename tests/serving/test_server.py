@@ -1,0 +1,411 @@
+"""``hyjax serve`` as users run it: a real server subprocess, the official ``openai`` client,
+raw HTTP for what that client cannot send. One server for the whole module (start-up compiles
+every bucket); the SIGTERM test is last because it stops it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+from hyjax.tiny import make_tiny_model
+from tests.serving.server_helpers import ServerProcess, metrics, request
+
+KEY = "test-key-123"
+NAME = "tiny-served"
+MAX_BODY = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve")
+    model_dir = make_tiny_model(d / "tiny", seed=1)
+    srv = ServerProcess(
+        model_dir,
+        d / "server.log",
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        NAME,
+        "--max-request-bytes",
+        str(MAX_BODY),
+        "--shutdown-timeout",
+        "20",
+    )
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def post(server, path: str, body, headers=None):
+    return request("POST", server.url + path, body, {**AUTH, **(headers or {})})
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
+    """Polls /metrics until nothing runs or waits and both pools are free."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        idle = (
+            m["hyjax:num_requests_running"] == 0
+            and m["hyjax:num_requests_waiting"] == 0
+            and m["hyjax:kv_cache_usage_perc"] == 0
+            and m["hyjax:state_cache_usage_perc"] == 0
+        )
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+# ------------------------------------------------------------------------------ no jax
+
+
+def test_http_layer_does_not_import_jax():
+    code = (
+        "import sys, serving.server, serving.cli, serving.openai_api, serving.engine_client;"
+        "serving.cli.build_parser().parse_args(['serve', '--model', 'x']);"
+        "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib', 'flax'))];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ------------------------------------------------------------------------------ happy paths
+
+
+def test_health_models_metrics(server, client):
+    assert request("GET", server.url + "/health")[0] == 200  # no key needed
+    models = client.models.list()
+    assert [m.id for m in models.data] == [NAME]
+    m = metrics(server.url)
+    for name in (
+        "hyjax:num_requests_running",
+        "hyjax:kv_cache_usage_perc",
+        "hyjax:state_cache_usage_perc",
+        'hyjax:prefix_cache_queries_total{pool="kv"}',
+        'hyjax:prefix_cache_hits_total{pool="state"}',
+        "hyjax:prefix_cache_effective_hits_total",
+        "hyjax:prompt_tokens_total",
+        "hyjax:generation_tokens_total",
+        "hyjax:time_to_first_token_seconds_count",
+        "hyjax:inter_token_latency_seconds_count",
+    ):
+        assert name in m, name
+
+
+def test_completion(client):
+    r = client.completions.create(model=NAME, prompt="Hello there", max_tokens=7, temperature=0)
+    assert r.object == "text_completion" and r.model == NAME and len(r.choices) == 1
+    c = r.choices[0]
+    assert c.finish_reason == "length" and isinstance(c.text, str)
+    assert r.usage.prompt_tokens == len("Hello there") and r.usage.completion_tokens == 7
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 7
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def _stream_text(stream) -> tuple[dict[int, str], dict[int, str], object]:
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            piece = ch.text if hasattr(ch, "text") else (ch.delta.content or "")
+            texts[ch.index] = texts.get(ch.index, "") + piece
+            if ch.finish_reason:
+                reasons[ch.index] = ch.finish_reason
+    return texts, reasons, usage
+
+
+def test_streaming_completion_matches_non_streamed(client):
+    kw = dict(model=NAME, prompt="Streaming is", max_tokens=24, temperature=0)
+    full = client.completions.create(**kw)
+    stream = client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    texts, reasons, usage = _stream_text(stream)
+    assert texts == {0: full.choices[0].text} and reasons == {0: "length"}
+    assert usage.completion_tokens == 24 and usage.prompt_tokens == len("Streaming is")
+
+
+def test_chat_and_streaming_chat(client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    full = client.chat.completions.create(
+        model=NAME, messages=msgs, max_completion_tokens=12, temperature=0
+    )
+    assert full.object == "chat.completion"
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and full.usage.completion_tokens <= 12
+    # ChatML: the rendered prompt is longer than the raw contents.
+    assert full.usage.prompt_tokens > len("be brief") + len("hi") + 10
+    stream = client.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=12, temperature=0, stream=True
+    )
+    texts, reasons, _ = _stream_text(stream)
+    assert texts == {0: msg.content} and reasons == {0: full.choices[0].finish_reason}
+
+
+def test_token_id_prompts(client):
+    text = client.completions.create(model=NAME, prompt="abc", max_tokens=5, temperature=0)
+    ids = list(b"abc")  # the tiny tokenizer is byte-level: id = byte rank
+    r = client.completions.create(model=NAME, prompt=[ids, ids[:2]], max_tokens=5, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    single = client.completions.create(model=NAME, prompt=ids, max_tokens=5, temperature=0)
+    assert single.choices[0].text == r.choices[0].text
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 10
+    # the byte rank is not the byte value, so compare through the text prompt's usage only
+    assert text.usage.prompt_tokens == 3
+
+
+def test_n_and_seed(client):
+    kw = dict(model=NAME, prompt="Sample", max_tokens=16, temperature=1.0, seed=1234, n=2)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded
+    assert a.choices[0].text != a.choices[1].text  # different derived seeds
+    assert a.usage.completion_tokens == 32 and a.usage.prompt_tokens == len("Sample")
+    one = client.completions.create(**{**kw, "n": 1})
+    assert one.choices[0].text == a.choices[0].text  # sample 0 keeps the given seed
+
+
+def test_stop_strings(client):
+    kw = dict(model=NAME, prompt="Stop me", max_tokens=40, temperature=0)
+    text = client.completions.create(**kw).choices[0].text
+    # A character first seen at position i >= 1 stops the text right before it.
+    i = next(
+        (i for i in range(1, len(text)) if text[i].isascii() and text[i] not in text[:i]), None
+    )
+    if i is None:
+        pytest.skip(f"no usable stop character in {text!r}")
+    r = client.completions.create(**kw, stop=text[i])
+    assert r.choices[0].text == text[:i] and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(**kw, stop=["\x00never", text[i]], stream=True)
+    texts, reasons, _ = _stream_text(r)
+    assert texts == {0: text[:i]} and reasons == {0: "stop"}
+
+
+def test_cached_tokens_on_repeated_long_prefix(client):
+    prefix = "The quick brown fox jumps over the lazy dog; " * 4  # 180 tokens > 64
+    kw = dict(model=NAME, max_tokens=4, temperature=0)
+    first = client.completions.create(prompt=prefix + "one", **kw)
+    second = client.completions.create(prompt=prefix + "two", **kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 64 <= cached <= len(prefix) and cached % 64 == 0
+    chat = [{"role": "user", "content": prefix}]
+    a = client.chat.completions.create(model=NAME, messages=chat, max_tokens=2)
+    b = client.chat.completions.create(model=NAME, messages=chat, max_tokens=2)
+    assert b.usage.prompt_tokens_details.cached_tokens >= 64
+    assert (
+        b.usage.prompt_tokens_details.cached_tokens >= a.usage.prompt_tokens_details.cached_tokens
+    )
+
+
+def test_concurrent_streams(client):
+    results: list = [None] * 6
+
+    def run(i):
+        s = client.completions.create(
+            model=NAME, prompt=f"client {i}", max_tokens=20, temperature=0, stream=True
+        )
+        results[i] = _stream_text(s)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(r is not None and r[1] == {0: "length"} for r in results)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+LONG = "x" * 300  # over --max-model-len 256
+BAD = [
+    ("malformed_json", C, b'{"prompt": "hi", ', 400, None),
+    ("not_an_object", C, b"[1, 2]", 400, None),
+    ("missing_prompt", C, {"max_tokens": 3}, 400, "prompt"),
+    ("missing_messages", CHAT, {"max_tokens": 3}, 400, "messages"),
+    ("prompt_wrong_type", C, {"prompt": 5}, 400, None),
+    ("prompt_mixed_list", C, {"prompt": [1, "a"]}, 400, None),
+    ("max_tokens_string", C, {"prompt": "a", "max_tokens": "lots"}, 400, "max_tokens"),
+    ("negative_max_tokens", C, {"prompt": "a", "max_tokens": -5}, 400, "max_tokens"),
+    (
+        "zero_max_tokens",
+        CHAT,
+        {"messages": [{"role": "user", "content": "a"}], "max_tokens": 0},
+        400,
+        "max_tokens",
+    ),
+    ("absurd_max_tokens", C, {"prompt": "a", "max_tokens": 10**30}, 400, None),
+    ("negative_temperature", C, {"prompt": "a", "temperature": -0.5}, 400, "temperature"),
+    ("top_p_zero", C, {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    (
+        "top_p_above_one",
+        CHAT,
+        {"messages": [{"role": "user", "content": "a"}], "top_p": 1.5},
+        400,
+        "top_p",
+    ),
+    ("top_k_negative", C, {"prompt": "a", "top_k": -3}, 400, "top_k"),
+    ("n_zero", C, {"prompt": "a", "n": 0}, 400, "n"),
+    ("prompt_too_long", C, {"prompt": LONG, "max_tokens": 1}, 400, None),
+    ("chat_too_long", CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, None),
+    ("empty_prompt", C, {"prompt": ""}, 400, None),
+    ("empty_prompt_list", C, {"prompt": []}, 400, "prompt"),
+    ("empty_messages", CHAT, {"messages": []}, 400, "messages"),
+    ("bad_role", CHAT, {"messages": [{"role": "wizard", "content": "a"}]}, 400, None),
+    ("unknown_model", C, {"model": "gpt-17", "prompt": "a"}, 404, "model"),
+    ("id_outside_vocab", C, {"prompt": [1, 2, 10**6]}, 400, None),
+    ("negative_id", C, {"prompt": [[1], [-1]]}, 400, None),
+    ("logprobs", C, {"prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    (
+        "chat_logprobs",
+        CHAT,
+        {"messages": [{"role": "user", "content": "a"}], "logprobs": True},
+        400,
+        "logprobs",
+    ),
+    ("stop_not_string", C, {"prompt": "a", "stop": 3}, 400, None),
+    ("empty_stop", C, {"prompt": "a", "stop": [""]}, 400, "stop"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input(server, path, body, status, param):
+    got, err = post(server, path, body)
+    assert got == status, err
+    assert set(err["error"]) == {"message", "type", "param", "code"}, err
+    assert err["error"]["message"] and err["error"]["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["error"]["param"] == param, err
+
+
+def test_bad_input_through_the_openai_client(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="x" * 300, max_tokens=1)
+    assert "maximum context length is 256" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="a")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "a"}], temperature=-1
+        )
+    with pytest.raises(openai.BadRequestError) as e:  # stream: rejected before any byte
+        client.completions.create(model=NAME, prompt=[300], stream=True)
+    assert "outside the vocabulary" in e.value.body["message"]
+
+
+def test_oversized_body(server):
+    big = json.dumps({"prompt": "a" * (MAX_BODY + 10)}).encode()
+    status, err = post(server, C, big)
+    assert status == 413 and err["error"]["code"] == "request_too_large"
+    # Without a Content-Length (chunked): still 413, counted while reading.
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        head = (
+            f"POST {C} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        s.sendall(head.encode())
+        piece = b"a" * 16384
+        try:
+            for _ in range(MAX_BODY // len(piece) + 2):
+                s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+        except OSError:
+            pass  # the server may answer and close before we are done
+        assert s.recv(64).startswith(b"HTTP/1.1 413")
+
+
+def test_api_key(server, client):
+    body = {"prompt": "a", "max_tokens": 1}
+    status, err = request("POST", server.url + C, body)
+    assert status == 401 and err["error"]["code"] == "invalid_api_key"
+    status, _ = request("POST", server.url + C, body, {"Authorization": "Bearer wrong"})
+    assert status == 401
+    status, _ = request("GET", server.url + "/v1/models", None, {"Authorization": KEY})
+    assert status == 401  # no "Bearer"
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=NAME, prompt="a", max_tokens=1)
+    assert request("GET", server.url + "/metrics")[0] == 200  # not under /v1
+
+
+def test_still_serving_after_bad_input(client):
+    r = client.completions.create(model=NAME, prompt="still here", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
+
+
+# ------------------------------------------------------------------------------ disconnects
+
+
+def _raw_post(port: int, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(
+        f"POST {C} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return s
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non_stream"])
+def test_disconnect_aborts_and_frees_pools(server, stream):
+    before = wait_idle(server.url)["hyjax:generation_tokens_total"]
+    body = {"prompt": "Disconnect", "max_tokens": 240, "n": 8, "ignore_eos": True}
+    s = _raw_post(server.port, {**body, "stream": stream})
+    if stream:
+        got = b""
+        while got.count(b"data: ") < 3:  # the stream is under way
+            got += s.recv(4096)
+    else:
+        time.sleep(0.2)
+        assert metrics(server.url)["hyjax:num_requests_running"] > 0
+    s.close()
+    m = wait_idle(server.url)
+    assert m["hyjax:num_requests_running"] == 0 and m["hyjax:num_requests_waiting"] == 0
+    assert m["hyjax:kv_cache_usage_perc"] == 0 and m["hyjax:state_cache_usage_perc"] == 0
+    # 8 x 240 tokens take seconds here: far fewer were generated before the abort.
+    assert m["hyjax:generation_tokens_total"] - before < 8 * 240 / 2
+
+
+# ------------------------------------------------------------------------------ SIGTERM (last)
+
+
+def test_sigterm_drains_and_exits_0(server):
+    s = _raw_post(
+        server.port,
+        {"prompt": "Drain", "max_tokens": 200, "n": 16, "ignore_eos": True, "stream": True},
+    )
+    got = s.recv(4096)
+    assert got.startswith(b"HTTP/1.1 200")
+    server.proc.terminate()
+    time.sleep(0.2)
+    status, err = request("GET", server.url + "/health")
+    assert status == 503 and "shutting down" in err["error"]["message"]
+    status, _ = post(server, C, {"prompt": "late", "max_tokens": 1})
+    assert status == 503
+    while b"data: [DONE]" not in got:  # the in-flight stream is finished, not cut
+        chunk = s.recv(65536)
+        assert chunk, "stream cut before [DONE]"
+        got += chunk
+    s.close()
+    assert got.count(b'"finish_reason":"length"') == 16
+    assert server.proc.wait(60) == 0, server.log()
