@@ -22,6 +22,7 @@ from pallas_kernels.attention.reference import (
     ragged_paged_attention_reference,
     write_kv_reference,
 )
+from pallas_kernels.conv1d import tpu as conv1d_tpu
 from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
     causal_conv1d_update_reference,
@@ -69,14 +70,25 @@ BACKENDS: dict[str, Ops] = {
     "reference": REFERENCE,
     "interpret": dataclasses.replace(
         REFERENCE,
+        conv1d_prefill=_interpret(conv1d_tpu.causal_conv1d_prefill),
+        conv1d_update=_interpret(conv1d_tpu.causal_conv1d_update),
         gdn_prefill=_interpret(gdn_tpu.gdn_prefill),
         gdn_decode=_interpret(gdn_tpu.gdn_decode),
-        # conv1d: reference until its kernels land; write_kv / paged_attention: reference
-        # (their kernels are another issue).
+        # write_kv / paged_attention: reference (their kernels are another issue).
     ),
     "pallas": dataclasses.replace(
         REFERENCE,
         # GPU kernels: reference until they land.
+        conv1d_prefill=_by_platform(
+            tpu=conv1d_tpu.causal_conv1d_prefill,
+            gpu=causal_conv1d_prefill_reference,
+            other=causal_conv1d_prefill_reference,
+        ),
+        conv1d_update=_by_platform(
+            tpu=conv1d_tpu.causal_conv1d_update,
+            gpu=causal_conv1d_update_reference,
+            other=causal_conv1d_update_reference,
+        ),
         gdn_prefill=_by_platform(
             tpu=gdn_tpu.gdn_prefill, gpu=gdn_prefill_reference, other=gdn_prefill_reference
         ),
