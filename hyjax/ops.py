@@ -27,6 +27,7 @@ from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
     causal_conv1d_update_reference,
 )
+from pallas_kernels.gdn import gpu as gdn_gpu
 from pallas_kernels.gdn import tpu as gdn_tpu
 from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_reference
 
@@ -78,7 +79,7 @@ BACKENDS: dict[str, Ops] = {
     ),
     "pallas": dataclasses.replace(
         REFERENCE,
-        # GPU kernels: reference until they land.
+        # conv1d on GPU: reference (XLA) until its Pallas GPU kernels land.
         conv1d_prefill=_by_platform(
             tpu=conv1d_tpu.causal_conv1d_prefill,
             gpu=causal_conv1d_prefill_reference,
@@ -90,10 +91,10 @@ BACKENDS: dict[str, Ops] = {
             other=causal_conv1d_update_reference,
         ),
         gdn_prefill=_by_platform(
-            tpu=gdn_tpu.gdn_prefill, gpu=gdn_prefill_reference, other=gdn_prefill_reference
+            tpu=gdn_tpu.gdn_prefill, gpu=gdn_gpu.gdn_prefill, other=gdn_prefill_reference
         ),
         gdn_decode=_by_platform(
-            tpu=gdn_tpu.gdn_decode, gpu=gdn_decode_reference, other=gdn_decode_reference
+            tpu=gdn_tpu.gdn_decode, gpu=gdn_gpu.gdn_decode, other=gdn_decode_reference
         ),
     ),
 }

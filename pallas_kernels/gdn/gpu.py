@@ -1,0 +1,335 @@
+"""Gated delta rule Pallas kernels for NVIDIA GPUs (Triton lowering), with explicit slots.
+
+Same signatures and semantics as :mod:`pallas_kernels.gdn.reference` (DESIGN.md §3). The
+kernels use ``jax.experimental.pallas.triton`` (masked loads/stores, ``tl.dot``); JAX 0.11
+marks that lowering deprecated in favour of Mosaic GPU, but it is the one that compiles these
+ragged, masked access patterns today. ``interpret=True`` runs them with Pallas' generic
+interpreter on CPU (how the indexing logic is tested here); nothing below is tuned yet.
+
+Decode (memory bound: one read of the source state, one write per destination)
+------------------------------------------------------------------------------
+grid = (S, Hv, Dv // BV); a program owns ``state[:, h, :, v0:v0+BV]`` of one row::
+
+    S  = src > 0 ? pool[src, h, :, vblk] : 0           [Dk, BV] f32 (masked load: nothing read)
+    S *= exp(g);  S += k (beta (v - S^T k))^T;  o = S^T q
+    pool[dst, h, :, vblk] = S   (masked store: dst 0 writes nothing)
+    pool[ckpt_slots[m], ...] = S where ckpt_offsets[m] == 1
+
+Prefill (chunked WY/UT form, one program per row, value head and Dv block)
+--------------------------------------------------------------------------
+grid = (S, Hv, Dv // BV); the program walks its row's chunks in order (the chunk plan of
+:mod:`pallas_kernels.common.chunking`: chunks never straddle sequences or checkpoint
+offsets), keeping ``S [Dk, BV]`` in registers. A chunk is read as a 64-row window whose start
+is clamped into ``[0, T - 64]``; rows outside the chunk are masked to zero, which is exact
+(``g = beta = 0`` rows contribute nothing)::
+
+    tokens:   ... | x x x [c c c c c] x x ... |        window = 64 rows starting at s0
+    rows:          0 ...  ^start-s0  ^end-s0     63     mask = start <= s0 + i < start + len
+
+Each program recomputes the chunk's ``Tm = (I + A)^-1``, ``W`` (Dv / BV times per head);
+splitting into FLA's three kernels (intra-chunk parallel, inter-chunk scan, output) is the
+next step for long prompts. Requirements: ``Dk`` and ``BV`` powers of two, ``T >= 64`` (the
+wrapper pads shorter batches).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from pallas_kernels.common.chunking import max_chunks, plan_chunks
+from pallas_kernels.gdn.tpu import check_gdn_shapes
+
+CHUNK = 64
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _block_v(dv: int, requested: int | None) -> int:
+    bv = min(dv, 32) if requested is None else requested
+    if not (_is_pow2(bv) and dv % bv == 0):
+        raise ValueError(f"block_v={bv} must be a power of two dividing {dv=}")
+    return bv
+
+
+def _compiler_params(num_warps: int, num_stages: int):
+    return pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _softplus(x):
+    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
+def _l2norm(x, axis=-1):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + 1e-6)
+
+
+def _mm(x, y, contract, precision):
+    return jax.lax.dot_general(
+        x, y, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+def _gates(gates_ref, h, a, b):
+    """``g = -exp(A_log) softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` for value head h."""
+    g = gates_ref[0, h] * _softplus(a.astype(jnp.float32) + gates_ref[1, h])
+    return g, jax.nn.sigmoid(b.astype(jnp.float32))
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def _decode_kernel(
+    src_ref, dst_ref, ck_off_ref, ck_slot_ref, n_ref,  # i32[S], i32[S], i32[S, M] x2, i32[1]
+    gates_ref,  # f32[2, Hv]: -exp(A_log), dt_bias
+    q_ref, k_ref,  # [S, Hk, Dk]
+    v_ref,  # [S, Hv, Dv]
+    a_ref, b_ref,  # [S, Hv]
+    pool_in,  # f32[num_slots, Hv, Dk, Dv]
+    o_ref,  # [S, Hv, Dv]
+    pool_out,  # aliased to pool_in
+    *, bv: int, ratio: int, scale: float,
+):  # fmt: skip
+    r, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(vb * bv, bv)
+    dk = q_ref.shape[-1]
+    live = r < n_ref[0]
+    src, dst = src_ref[r], dst_ref[r]
+
+    q = _l2norm(q_ref[r, h // ratio, :].astype(jnp.float32)) * scale  # [Dk]
+    k = _l2norm(k_ref[r, h // ratio, :].astype(jnp.float32))
+    v = v_ref[r, h, vs].astype(jnp.float32)  # [BV]
+    g, beta = _gates(gates_ref, h, a_ref[r, h], b_ref[r, h])
+    read = jnp.full((dk, bv), live & (src > 0))
+    s = pltr.load(pool_in.at[src, h, :, vs], mask=read, other=0.0) * jnp.exp(g)  # [Dk, BV]
+    pred = jnp.sum(s * k[:, None], axis=0)  # [BV] = S^T k
+    s = s + k[:, None] * (beta * (v - pred))[None, :]
+    o = jnp.sum(s * q[:, None], axis=0)
+    o_ref[r, h, vs] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
+
+    pltr.store(pool_out.at[dst, h, :, vs], s, mask=jnp.full((dk, bv), live & (dst > 0)))
+    for m in range(ck_off_ref.shape[1]):
+        slot = ck_slot_ref[r, m]
+        hit = live & (slot > 0) & (ck_off_ref[r, m] == 1)
+        pltr.store(pool_out.at[slot, h, :, vs], s, mask=jnp.full((dk, bv), hit))
+
+
+def gdn_decode(
+    q: jax.Array,  # [S, Hk, Dk]
+    k: jax.Array,  # [S, Hk, Dk]
+    v: jax.Array,  # [S, Hv, Dv]
+    a: jax.Array,  # [S, Hv]
+    b: jax.Array,  # [S, Hv]
+    A_log: jax.Array,  # f32[Hv]
+    dt_bias: jax.Array,  # f32[Hv]
+    state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]  donated: updated in place
+    src_slot: jax.Array,  # i32[S]
+    dst_slot: jax.Array,  # i32[S]
+    ckpt_offsets: jax.Array,  # i32[S, M]  only offset 1 is meaningful
+    ckpt_slots: jax.Array,  # i32[S, M]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    block_v: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 1,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """One token per row; see the module docstring. Returns ``(o [S, Hv, Dv], state)``."""
+    check_gdn_shapes(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets,
+                     ckpt_slots)  # fmt: skip
+    rows, hk, dk = q.shape
+    _, hv, dv = v.shape
+    if rows != src_slot.shape[0]:
+        raise ValueError(f"decode rows {rows} must equal {src_slot.shape[0]=} (one token each)")
+    if not _is_pow2(dk):
+        raise ValueError(f"{dk=} must be a power of two for the Triton kernels")
+    bv = _block_v(dv, block_v)
+    args = (
+        src_slot.astype(jnp.int32), dst_slot.astype(jnp.int32), ckpt_offsets.astype(jnp.int32),
+        ckpt_slots.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32).reshape(1),
+        _gate_params(A_log, dt_bias), q, k, v, a, b, state,
+    )  # fmt: skip
+    kernel = functools.partial(_decode_kernel, bv=bv, ratio=hv // hk, scale=float(dk) ** -0.5)
+    return pl.pallas_call(
+        kernel,
+        grid=(rows, hv, dv // bv),
+        out_shape=[
+            jax.ShapeDtypeStruct((rows, hv, dv), v.dtype),
+            jax.ShapeDtypeStruct(state.shape, state.dtype),
+        ],
+        input_output_aliases={len(args) - 1: 1},
+        compiler_params=_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="gdn_decode_gpu",
+    )(*args)
+
+
+def _gate_params(A_log, dt_bias):
+    return jnp.stack([-jnp.exp(A_log.astype(jnp.float32)), dt_bias.astype(jnp.float32)])
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+def _prefill_kernel(
+    row_first_ref, row_chunks_ref,  # i32[S]: first chunk of each row in the plan, chunk count
+    c_start_ref, c_len_ref, c_end_ref,  # i32[NC]
+    src_ref, dst_ref, ck_off_ref, ck_slot_ref,  # i32[S], i32[S], i32[S, M] x2
+    gates_ref,  # f32[2, Hv]
+    q_ref, k_ref,  # [Tp, Hk, Dk]
+    v_ref,  # [Tp, Hv, Dv]
+    a_ref, b_ref,  # [Tp, Hv]
+    pool_in,  # f32[num_slots, Hv, Dk, Dv]
+    o_ref,  # [Tp, Hv, Dv]  (rows outside every chunk are left unwritten)
+    pool_out,
+    *, bv: int, ratio: int, scale: float, precision,
+):  # fmt: skip
+    r, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(vb * bv, bv)
+    num_tokens, _, dk = q_ref.shape
+    hk = h // ratio
+    n_chunks = row_chunks_ref[r]
+    src, dst = src_ref[r], dst_ref[r]
+    c = CHUNK
+    ii = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    jj = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+
+    def mm(x, y, contract=((1,), (0,))):
+        return _mm(x, y, contract, precision)
+
+    read = jnp.full((dk, bv), (n_chunks > 0) & (src > 0))
+    s0 = pltr.load(pool_in.at[src, h, :, vs], mask=read, other=0.0)  # [Dk, BV]
+
+    def chunk_step(i, s):
+        ci = row_first_ref[r] + i
+        start, length, end = c_start_ref[ci], c_len_ref[ci], c_end_ref[ci]
+        w0 = jnp.minimum(start, num_tokens - c)  # window start, clamped in bounds
+        tok = w0 + jnp.arange(c, dtype=jnp.int32)
+        valid = (tok >= start) & (tok < start + length)  # [C]
+        win = pl.ds(w0, c)
+        q = pltr.load(q_ref.at[win, hk, :], mask=valid[:, None], other=0.0).astype(jnp.float32)
+        k = pltr.load(k_ref.at[win, hk, :], mask=valid[:, None], other=0.0).astype(jnp.float32)
+        v = pltr.load(v_ref.at[win, h, vs], mask=valid[:, None], other=0.0).astype(jnp.float32)
+        a = pltr.load(a_ref.at[win, h], mask=valid, other=0.0)
+        b = pltr.load(b_ref.at[win, h], mask=valid, other=0.0)
+        q = _l2norm(q) * scale
+        k = _l2norm(k)
+        g, beta = _gates(gates_ref, h, a, b)
+        g = jnp.where(valid, g, 0.0)
+        beta = jnp.where(valid, beta, 0.0)
+        gam = jnp.cumsum(g)  # [C]
+        gam_last = jnp.sum(g)
+        decay = jnp.exp(jnp.where(ii >= jj, gam[:, None] - gam[None, :], -1e30))
+        a_mat = jnp.where(ii > jj, beta[:, None] * mm(k, k, ((1,), (1,))) * decay, 0.0)
+        tm = _unit_lower_inverse(a_mat, ii, jj, mm)
+        eg = jnp.exp(gam)[:, None]
+        w = mm(tm, k * (beta[:, None] * eg))  # [C, Dk]
+        u = mm(tm, v * beta[:, None])  # [C, BV]
+        vnew = u - mm(w, s)
+        qk = mm(q, k, ((1,), (1,))) * decay
+        o = mm(q * eg, s) + mm(qk, vnew)
+        pltr.store(o_ref.at[win, h, vs], o.astype(o_ref.dtype), mask=valid[:, None])
+        k_dec = k * jnp.exp(gam_last - gam)[:, None]
+        s = s * jnp.exp(gam_last) + mm(k_dec, vnew, ((0,), (0,)))
+        for m in range(ck_off_ref.shape[1]):
+            slot = ck_slot_ref[r, m]
+            hit = (slot > 0) & (ck_off_ref[r, m] == end)
+            pltr.store(pool_out.at[slot, h, :, vs], s, mask=jnp.full((dk, bv), hit))
+        last = (i == n_chunks - 1) & (dst > 0)
+        pltr.store(pool_out.at[dst, h, :, vs], s, mask=jnp.full((dk, bv), last))
+        return s
+
+    jax.lax.fori_loop(0, n_chunks, chunk_step, s0)
+
+
+def _unit_lower_inverse(a, ii, jj, mm):
+    """``(I + a)^-1`` for strictly lower ``a``: recursive 2x2 block inversion (see tpu.py)."""
+    n = a.shape[0]
+    x = (ii == jj).astype(jnp.float32)
+    s = 1
+    while s < n:
+        c = jnp.where((ii // (2 * s) == jj // (2 * s)) & (ii // s != jj // s), a, 0.0)
+        x = x - mm(x, mm(c, x))
+        s *= 2
+    return x
+
+
+def gdn_prefill(
+    q: jax.Array,  # [T, Hk, Dk]  post-conv, before l2norm
+    k: jax.Array,  # [T, Hk, Dk]
+    v: jax.Array,  # [T, Hv, Dv]
+    a: jax.Array,  # [T, Hv]
+    b: jax.Array,  # [T, Hv]
+    A_log: jax.Array,  # f32[Hv]
+    dt_bias: jax.Array,  # f32[Hv]
+    state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]  donated: updated in place
+    query_start_loc: jax.Array,  # i32[S+1]
+    src_slot: jax.Array,  # i32[S]
+    dst_slot: jax.Array,  # i32[S]
+    ckpt_offsets: jax.Array,  # i32[S, M]
+    ckpt_slots: jax.Array,  # i32[S, M]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    block_v: int | None = None,
+    precision=jax.lax.Precision.HIGHEST,
+    num_warps: int = 4,
+    num_stages: int = 1,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Chunked ragged prefill; see the module docstring. Returns ``(o [T, Hv, Dv], state)``.
+
+    ``precision`` is the matmul precision inside the chunk (``HIGHEST``: IEEE f32; a
+    ``DotAlgorithmPreset`` such as ``BF16_BF16_F32_X3`` or ``DEFAULT`` (TF32) trade accuracy
+    for tensor-core speed).
+    """
+    check_gdn_shapes(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets,
+                     ckpt_slots, query_start_loc)  # fmt: skip
+    n, hk, dk = q.shape
+    _, hv, dv = v.shape
+    rows, max_ckpt = ckpt_offsets.shape
+    if not _is_pow2(dk):
+        raise ValueError(f"{dk=} must be a power of two for the Triton kernels")
+    bv = _block_v(dv, block_v)
+    plan = plan_chunks(query_start_loc, num_seqs, ckpt_offsets, num_tokens=n, chunk=CHUNK)
+    nc = max_chunks(n, rows, max_ckpt, CHUNK)
+    # Chunks of a row are consecutive in the plan: its first chunk and how many.
+    is_first = (plan.first == 1) & (plan.length > 0)
+    row_first = (
+        jnp.zeros(rows, jnp.int32)
+        .at[jnp.where(is_first, plan.seq, rows)]
+        .set(jnp.arange(nc, dtype=jnp.int32), mode="drop")
+    )
+    row_chunks = jnp.zeros(rows, jnp.int32).at[plan.seq].add((plan.length > 0).astype(jnp.int32))
+    pad = max(0, CHUNK - n)  # the 64-row window needs T >= 64
+
+    def padded(x):
+        return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
+
+    args = (
+        row_first, row_chunks, plan.start, plan.length, plan.end,
+        src_slot.astype(jnp.int32), dst_slot.astype(jnp.int32),
+        ckpt_offsets.astype(jnp.int32), ckpt_slots.astype(jnp.int32),
+        _gate_params(A_log, dt_bias), *map(padded, (q, k, v, a, b)), state,
+    )  # fmt: skip
+    kernel = functools.partial(
+        _prefill_kernel, bv=bv, ratio=hv // hk, scale=float(dk) ** -0.5, precision=precision
+    )
+    o, state = pl.pallas_call(
+        kernel,
+        grid=(rows, hv, dv // bv),
+        out_shape=[
+            jax.ShapeDtypeStruct((n + pad, hv, dv), v.dtype),
+            jax.ShapeDtypeStruct(state.shape, state.dtype),
+        ],
+        input_output_aliases={len(args) - 1: 1},
+        compiler_params=_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="gdn_prefill_gpu",
+    )(*args)
+    return jnp.where(plan.live[:, None, None], o[:n], 0).astype(v.dtype), state
