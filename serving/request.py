@@ -80,6 +80,7 @@ class Request:
     error: str | None = None
     num_cached_tokens: int = -1  # effective prefix hit at first schedule; -1 = not yet
     num_preemptions: int = 0
+    awaiting_token: bool = False  # a scheduled step samples its next token
     seed: int = 0  # uint32 actually used (the params' seed or a random one)
     max_tokens: int = 0  # resolved: the params' max_tokens, or what max_model_len leaves
 

@@ -226,6 +226,8 @@ class Scheduler:
             if req.status is not RequestStatus.WAITING:  # finished while queued
                 self.waiting.popleft()
                 continue
+            if req.awaiting_token:  # preempted while a step samples for it: keep order
+                break
             if self.cache.num_running >= self.cfg.max_num_seqs:
                 break
             hit = self.cache.lookup(req)
@@ -291,7 +293,10 @@ class Scheduler:
         updates = list(output.finished)
         tokens = np.asarray(sampled).tolist()
         for s, req in enumerate(output.requests):
-            if not output.samples[s] or req.is_finished:
+            if not output.samples[s]:
+                continue
+            req.awaiting_token = False
+            if req.is_finished:
                 continue
             tok = int(tokens[s])
             req.output_token_ids.append(tok)
@@ -338,8 +343,12 @@ class Scheduler:
         b.input_ids += req.all_token_ids[start:end]
         b.src.append(src)
         b.dst.append(alloc.running_slot)
-        b.samples.append(end == len(req.all_token_ids))
+        samples = end == len(req.all_token_ids)
+        b.samples.append(samples)
         req.num_computed_tokens = end
+        if samples:
+            assert not req.awaiting_token, req.request_id
+            req.awaiting_token = True
 
     def _checkpoint_positions(self, req: Request, start: int, end: int) -> list[tuple[int, bool]]:
         """Boundaries in ``(start, end]`` to checkpoint, each with "is the latest" flag."""

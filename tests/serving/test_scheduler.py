@@ -293,3 +293,32 @@ def test_exact_block_ids_and_eviction_order():
     assert s.cache.kv.lookup(a.block_hashes[1]) is None  # a's block 2: evicted
     assert s.cache.kv.lookup(a.block_hashes[0]) == 1  # a's block 1: still cached
     assert s.cache.kv.lookup(b.block_hashes[0]) == 3  # b's block 3: still cached
+
+
+def test_overlap_preempted_request_waits_for_its_in_flight_token():
+    # Steps scheduled before the previous one is updated (the engine's overlap). 19 usable
+    # blocks: x holds 7, p (a 200-token prefill) 8, q 2 and awaits the token of step 2.
+    s, runner = make_scheduler(budget=160, num_kv_blocks=20), FakeRunner(16)
+    x = make_request("x", prompt(100), max_tokens=10)
+    s.add_request(x)
+    step(s, runner)
+    p = make_request("p", prompt(200, 5000), max_tokens=1)
+    q = make_request("q", prompt(20, 9000), max_tokens=2)
+    s.add_request(p)
+    s.add_request(q)
+    out2 = s.schedule()
+    assert out2.request_ids == ["x", "p", "q"] and out2.num_new_tokens == [1, 128, 20]
+    sampled2 = runner.execute(out2)
+    # p's last 72 tokens need 5 blocks: preempting q frees 2, so p preempts itself too and
+    # nothing can run until step 2's tokens arrive.
+    assert s.schedule() is None
+    assert q.num_preemptions == 1 and p.num_preemptions == 1 and q.awaiting_token
+    out3 = s.schedule()  # p is admitted again; q waits for its in-flight token, not resampled
+    assert out3.request_ids == ["p"]
+    sampled3 = runner.execute(out3)
+    s.update(out2, sampled2)
+    s.update(out3, sampled3)
+    assert len(q.output_token_ids) == 1 and not q.awaiting_token
+    run_all(s, runner)
+    for r, n in ((x, 10), (p, 1), (q, 2)):
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, n), r.request_id
