@@ -147,7 +147,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestScheduler = SchedulerMachine.TestCase
 TestScheduler.settings = settings(
-    max_examples=int(os.environ.get("HYJAX_SCHED_EXAMPLES", 60)),
+    max_examples=int(os.environ.get("HYJAX_SCHED_EXAMPLES", 30)),
     stateful_step_count=50,
     deadline=None,
     derandomize="HYJAX_SCHED_EXAMPLES" not in os.environ,  # CI: the same examples every run
