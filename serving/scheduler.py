@@ -242,6 +242,11 @@ class Scheduler:
             b.slots_held += held
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = hit.num_tokens
+            # Shared-prefix junction: the KV prefix is cached further than any checkpoint, so
+            # another request shares it; checkpoint its last boundary as this prefill passes
+            # it (inside the chunk, no split), and the next request with that prefix hits it.
+            junction = hit.kv_hit_tokens // self.cfg.granularity * self.cfg.granularity
+            req.junction = junction if junction > hit.num_tokens else 0
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
             self._sampling.set(alloc.row, req)
@@ -351,7 +356,11 @@ class Scheduler:
             req.awaiting_token = True
 
     def _checkpoint_positions(self, req: Request, start: int, end: int) -> list[tuple[int, bool]]:
-        """Boundaries in ``(start, end]`` to checkpoint, each with "is the latest" flag."""
+        """Boundaries in ``(start, end]`` to checkpoint, each with "is the latest" flag.
+
+        Retained: multiples of R, the prompt end, the request's latest boundary, and the
+        shared-prefix junction found at admission (``req.junction``).
+        """
         g, r = self.cfg.granularity, self.cfg.retention_interval
         first = (start // g + 1) * g
         if first > end:
@@ -362,7 +371,7 @@ class Scheduler:
             latest = -1
         out = []
         for p in range(first, end + 1, g):
-            if p in (latest, prompt_end) or (r and p % r == 0):
+            if p in (latest, prompt_end, req.junction) or (r and p % r == 0):
                 out.append((p, p == latest))
         assert len(out) <= self.cfg.max_ckpt, (out, self.cfg.max_ckpt)
         return out

@@ -147,3 +147,24 @@ def test_caching_disabled_never_hits_or_checkpoints():
     b = serve(s, runner, make_request("b", prompt(200)))
     assert b.num_cached_tokens == 0
     assert s.cache.metrics.checkpoints_written == 0 and not s.cache.kv.table
+
+
+def test_shared_prefix_junction_is_checkpointed_by_the_second_request():
+    """a's checkpoints sit past the shared prefix; b finds KV to 144 but no state, so b's
+    prefill writes the junction 128 inside its chunk, and c hits it."""
+    s, runner = make_scheduler(), FakeRunner(16)
+    shared = prompt(150)
+    a = serve(s, runner, make_request("a", shared + prompt(100, 5000)))
+    b = serve(s, runner, make_request("b", shared + prompt(40, 7000)))
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0
+    assert b.junction == 128
+    c = serve(s, runner, make_request("c", shared + prompt(60, 9000)))
+    assert c.num_cached_tokens == 128
+    assert s.cache.metrics.effective_hit_tokens == 128
+
+
+def test_no_junction_when_the_state_hit_reaches_the_kv_hit():
+    s, runner = make_scheduler(), FakeRunner(16)
+    serve(s, runner, make_request("a", prompt(128) + prompt(30, 5000)))
+    b = serve(s, runner, make_request("b", prompt(128) + prompt(50, 7000)))
+    assert b.num_cached_tokens == 128 and b.junction == 0
