@@ -34,6 +34,11 @@ behind it waits too) instead of recomputing what the checkpoint will hold.
 Decode rows: a step with ``decode_only`` writes at most one checkpoint per row, at offset 1
 (the row's final state, also written to ``dst``).
 
+Overlap: ``schedule()`` may run before the previous step's ``update()``. A request's
+``num_computed_tokens`` advances when its tokens are scheduled, so a request whose sampled
+token is still in flight has nothing to schedule and is skipped; one preempted meanwhile is
+not admitted again before that token arrives (``awaiting_token``).
+
 When the KV pool runs dry, the most recently admitted running request is preempted (by
 recompute): its blocks and running slot are freed and it goes back to the front of the
 waiting queue with every known token to prefill again, through the same lookup.
