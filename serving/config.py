@@ -120,12 +120,12 @@ class SchedulerConfig:
         """Most checkpoint writes of one sequence in one step.
 
         A chunk of at most ``max_num_batched_tokens`` tokens crosses at most
-        ``cdiv(budget, R)`` multiples of R, plus the prompt-end boundary, the shared-prefix
-        junction and the latest boundary of a resumed request's replay.
+        ``cdiv(budget, R)`` multiples of R, plus the prompt-end boundary, two shared-prefix
+        junctions and the latest boundary of a resumed request's replay.
         """
         r = self.retention_interval
         extra = -(-self.max_num_batched_tokens // r) if r else 0
-        return extra + 3
+        return extra + 4
 
     def step_shape(self, num_tokens: int, num_seqs: int, decode_only: bool) -> StepShape:
         """The bucket of a step with ``num_tokens`` tokens over ``num_seqs`` rows."""

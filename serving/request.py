@@ -81,7 +81,7 @@ class Request:
     num_cached_tokens: int = -1  # effective prefix hit at first schedule; -1 = not yet
     num_preemptions: int = 0
     awaiting_token: bool = False  # a scheduled step samples its next token
-    junction: int = 0  # shared-prefix boundary to checkpoint during prefill (0 = none)
+    junctions: tuple[int, ...] = ()  # shared-prefix boundaries to checkpoint in prefill
     seed: int = 0  # uint32 actually used (the params' seed or a random one)
     max_tokens: int = 0  # resolved: the params' max_tokens, or what max_model_len leaves
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import random
 
 import numpy as np
@@ -57,6 +58,20 @@ from serving.cache_manager import CacheManager, CacheMetrics
 from serving.config import CacheConfig, SchedulerConfig
 from serving.request import FinishReason, Request, RequestStatus
 from serving.scheduler_output import RequestUpdate, RowSampling, SchedulerOutput, build_plan
+
+JUNCTION_LOOKAHEAD = 32  # waiting requests compared with each admitted one
+
+
+def _common_prefix_blocks(a: list[bytes], b: list[bytes]) -> int:
+    """Leading blocks two requests share. Chained hashes: equal at j means equal below j."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,11 +262,7 @@ class Scheduler:
             b.slots_held += held
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = hit.num_tokens
-            # Shared-prefix junction: the KV prefix is cached further than any checkpoint, so
-            # another request shares it; checkpoint its last boundary as this prefill passes
-            # it (inside the chunk, no split), and the next request with that prefix hits it.
-            junction = hit.kv_hit_tokens // self.cfg.granularity * self.cfg.granularity
-            req.junction = junction if junction > hit.num_tokens else 0
+            req.junctions = self._junctions(req, hit.num_tokens, hit.kv_hit_tokens)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
             self._sampling.set(alloc.row, req)
@@ -364,7 +375,7 @@ class Scheduler:
         """Boundaries in ``(start, end]`` to checkpoint, each with "is the latest" flag.
 
         Retained: multiples of R, the prompt end, the request's latest boundary, and the
-        shared-prefix junction found at admission (``req.junction``).
+        shared-prefix junctions found at admission (``req.junctions``).
         """
         g, r = self.cfg.granularity, self.cfg.retention_interval
         first = (start // g + 1) * g
@@ -376,10 +387,37 @@ class Scheduler:
             latest = -1
         out = []
         for p in range(first, end + 1, g):
-            if p in (latest, prompt_end, req.junction) or (r and p % r == 0):
+            if p in (latest, prompt_end) or p in req.junctions or (r and p % r == 0):
                 out.append((p, p == latest))
         assert len(out) <= self.cfg.max_ckpt, (out, self.cfg.max_ckpt)
         return out
+
+    def _junctions(self, req: Request, hit: int, kv_hit: int) -> tuple[int, ...]:
+        """Shared-prefix boundaries ``req``'s prefill should checkpoint (at most two).
+
+        Checkpoints are written inside the chunk that crosses them, so they cost no split:
+
+        - the KV prefix is cached past the state hit: another request computed it, so a
+          third one is likely; checkpoint its last boundary (Marconi-style junction);
+        - a waiting request shares a prefix with ``req`` (compared by chained block hashes,
+          binary search over the first ``JUNCTION_LOOKAHEAD`` waiting requests): checkpoint
+          where they branch, so it hits when admitted instead of recomputing the prefix.
+        """
+        if not self.cfg.enable_prefix_caching:
+            return ()
+        g, bs = self.cfg.granularity, self.cfg.block_size
+        out = set()
+        if kv_hit // g * g > hit:
+            out.add(kv_hit // g * g)
+        best = 0
+        for other in itertools.islice(self.waiting, JUNCTION_LOOKAHEAD):
+            if other.status is not RequestStatus.WAITING:
+                continue
+            common = _common_prefix_blocks(req.block_hashes, other.block_hashes) * bs
+            best = max(best, min(common, other.num_tokens - 1, req.num_tokens) // g * g)
+        if best > hit:
+            out.add(best)
+        return tuple(sorted(out))
 
     def _preempt(self, req: Request) -> None:
         self.cache.free(req)

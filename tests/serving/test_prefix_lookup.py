@@ -157,7 +157,7 @@ def test_shared_prefix_junction_is_checkpointed_by_the_second_request():
     a = serve(s, runner, make_request("a", shared + prompt(100, 5000)))
     b = serve(s, runner, make_request("b", shared + prompt(40, 7000)))
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0
-    assert b.junction == 128
+    assert b.junctions == (128,)
     c = serve(s, runner, make_request("c", shared + prompt(60, 9000)))
     assert c.num_cached_tokens == 128
     assert s.cache.metrics.effective_hit_tokens == 128
@@ -167,4 +167,20 @@ def test_no_junction_when_the_state_hit_reaches_the_kv_hit():
     s, runner = make_scheduler(), FakeRunner(16)
     serve(s, runner, make_request("a", prompt(128) + prompt(30, 5000)))
     b = serve(s, runner, make_request("b", prompt(128) + prompt(50, 7000)))
-    assert b.num_cached_tokens == 128 and b.junction == 0
+    assert b.num_cached_tokens == 128 and b.junctions == ()
+
+
+def test_waiting_requests_that_share_a_prefix_get_it_checkpointed_by_the_first():
+    """Three requests with a 200-token shared prefix arrive together; the first one's prefill
+    checkpoints 192 (where the waiting ones branch), so only it computes the prefix."""
+    s, runner = make_scheduler(budget=256), FakeRunner(16)
+    shared = prompt(200)
+    reqs = [make_request(x, shared + prompt(30, 5000 + 100 * i)) for i, x in enumerate("abc")]
+    for r in reqs:
+        s.add_request(r)
+    run_all(s, runner)
+    a, b, c = reqs
+    assert 192 in a.junctions
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == c.num_cached_tokens == 192
+    for r in reqs:
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_tokens)

@@ -43,7 +43,7 @@ def test_buckets_are_powers_of_two_with_the_cap_included():
 
 
 @pytest.mark.parametrize(
-    ("retention", "expected"), [(0, 3), (64, 2048 // 64 + 3), (192, -(-2048 // 192) + 3)]
+    ("retention", "expected"), [(0, 4), (64, 2048 // 64 + 4), (192, -(-2048 // 192) + 4)]
 )
 def test_max_ckpt(retention, expected):
     assert SchedulerConfig(retention_interval=retention).max_ckpt == expected
@@ -51,8 +51,8 @@ def test_max_ckpt(retention, expected):
 
 def test_step_shape_picks_the_smallest_bucket():
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100)
-    assert cfg.step_shape(9, 3, False) == StepShape(16, 4, 256, 3, False)
-    assert cfg.step_shape(3, 3, True) == StepShape(4, 4, 256, 3, True)
+    assert cfg.step_shape(9, 3, False) == StepShape(16, 4, 256, 4, False)
+    assert cfg.step_shape(3, 3, True) == StepShape(4, 4, 256, 4, True)
     assert cfg.step_shape(100, 8, False).num_tokens == 100
 
 
@@ -64,7 +64,7 @@ def test_step_shapes_cover_every_reachable_step():
         assert cfg.step_shape(rows, rows, True) in shapes
         for tokens in range(rows, 101):
             assert cfg.step_shape(tokens, rows, False) in shapes
-    assert StepShape(8, 8, 256, 3, False) in shapes  # 5..8 rows with 5..8 tokens
+    assert StepShape(8, 8, 256, 4, False) in shapes  # 5..8 rows with 5..8 tokens
     assert not any(s.num_seqs > 8 for s in shapes if s.num_tokens == 4 and not s.decode_only)
 
 
