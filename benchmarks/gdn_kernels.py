@@ -1,0 +1,341 @@
+"""GDN kernels on a GPU at Qwen3-Next-80B shapes: correctness, then time, next to the floors.
+
+For each Pallas GPU kernel (``pallas_kernels/gdn/gpu.py``) this script
+
+1. checks it against the pure-JAX reference (ragged batch with src/dst slots and checkpoint
+   writes; FLA's error ratio ``rms(got - want) / rms(want)``, outputs and states);
+2. times prefill (B=1 T=4096, B=1 T=16384, B=8 T=4096) and decode (B=1, 16, 64, 256) with the
+   state donated, in a jitted loop (device time, no dispatch), at each matmul precision;
+3. times flash-linear-attention's ``chunk_gated_delta_rule`` /
+   ``fused_recurrent_gated_delta_rule`` on the same shapes when ``fla`` imports (else says why);
+4. measures the floors: device-to-device copy bandwidth and bf16/f32 matmul rates, and prints
+   what they imply (decode: bytes of state read + written / bandwidth).
+
+It prints one JSON summary (and writes it to ``--out``)::
+
+    python -m benchmarks.gdn_kernels --out GDN_KERNELS.json
+    python -m benchmarks.gdn_kernels --quick          # smaller shapes, a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import device_name
+from pallas_kernels.gdn import gpu
+from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_reference
+
+HK, HV, D = 16, 32, 128
+INTERPRET = False  # --interpret: run the kernels in Pallas interpret mode (CPU smoke runs)
+PRECISIONS = {
+    "f32": jax.lax.Precision.HIGHEST,
+    "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+    "tf32": jax.lax.Precision.DEFAULT,
+}
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _activations(key, n, dtype=jnp.bfloat16):
+    ks = jax.random.split(key, 5)
+    q = jax.random.normal(ks[0], (n, HK, D), dtype)
+    k = jax.random.normal(ks[1], (n, HK, D), dtype)
+    v = jax.random.normal(ks[2], (n, HV, D), dtype)
+    a = jax.random.normal(ks[3], (n, HV), dtype)
+    b = jax.random.normal(ks[4], (n, HV), dtype)
+    A_log = jnp.log(jnp.linspace(1.0, 16.0, HV, dtype=jnp.float32))
+    dt_bias = jnp.ones(HV, jnp.float32)
+    return q, k, v, a, b, A_log, dt_bias
+
+
+def _prefill_batch(batch, seq_len, max_ckpt=2, ckpt_every=None):
+    """``batch`` sequences of ``seq_len`` tokens; slots 1..B are src (even rows) and dst."""
+    s = batch
+    qsl = jnp.arange(s + 1, dtype=jnp.int32) * seq_len
+    src = jnp.where(jnp.arange(s) % 2 == 0, 1 + jnp.arange(s), 0).astype(jnp.int32)
+    dst = (1 + jnp.arange(s)).astype(jnp.int32)
+    ck_off = jnp.zeros((s, max_ckpt), jnp.int32)
+    ck_slot = jnp.zeros((s, max_ckpt), jnp.int32)
+    if ckpt_every:
+        offs = jnp.arange(1, max_ckpt + 1, dtype=jnp.int32) * ckpt_every
+        ck_off = jnp.broadcast_to(jnp.where(offs <= seq_len, offs, 0), (s, max_ckpt))
+        slots = s + 1 + jnp.arange(s * max_ckpt, dtype=jnp.int32).reshape(s, max_ckpt)
+        ck_slot = jnp.where(ck_off > 0, slots, 0)
+    num_slots = 1 + s + s * max_ckpt
+    return qsl, src, dst, ck_off, ck_slot, jnp.int32(s), num_slots
+
+
+def _pool(key, num_slots):
+    return 0.1 * jax.random.normal(key, (num_slots, HV, D, D), jnp.float32)
+
+
+def _err_ratio(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.sqrt(np.mean((got - want) ** 2)) / max(np.sqrt(np.mean(want**2)), 1e-30))
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _time_loop(step, state, operands, *, iters: int, repeats: int = 3) -> float:
+    """Median seconds of one ``state = step(state, *operands)``, from a jitted loop of
+    ``iters`` calls with the state donated (so the kernels update it in place)."""
+
+    if INTERPRET:  # CPU smoke run: exercise the code path only
+        iters, repeats = 1, 1
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def loop(state, operands):
+        return jax.lax.fori_loop(0, iters, lambda i, s: step(s, *operands), state)
+
+    state = loop(state, operands)  # compile + warm up
+    state.block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state = loop(state, operands)
+        state.block_until_ready()
+        times.append((time.perf_counter() - t0) / iters)
+    return float(np.median(times))
+
+
+def floors() -> dict:
+    """Copy bandwidth (read + write bytes / s) and dense matmul rates."""
+    out = {}
+    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)  # 1 GiB
+
+    copy = jax.jit(lambda x: x * 1.0001)
+    copy(x).block_until_ready()
+    t = _median_time(functools.partial(copy, x))
+    out["copy_bandwidth_GBps"] = 2 * x.nbytes / t / 1e9
+    for name, dtype, n in [("bf16", jnp.bfloat16, 8192), ("f32", jnp.float32, 4096)]:
+        a = jnp.ones((n, n), dtype)
+        mm = jax.jit(
+            lambda a: jnp.dot(a, a, preferred_element_type=jnp.float32,
+                              precision=jax.lax.Precision.HIGHEST)
+        )  # fmt: skip
+        mm(a).block_until_ready()
+        out[f"matmul_{name}_TFLOPs"] = 2 * n**3 / _median_time(lambda a=a, mm=mm: mm(a)) / 1e12
+    return out
+
+
+def _median_time(fn, repeats: int = 10) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_prefill(precision) -> dict:
+    key = jax.random.PRNGKey(0)
+    lens = [1, 63, 64, 65, 700, 2000]
+    n = sum(lens) + 7
+    acts = _activations(key, n)
+    qsl = jnp.array([0, *np.cumsum(lens), sum(lens)], jnp.int32)
+    s = len(lens) + 1
+    src = jnp.array([0, 1, 0, 2, 3, 0, 0], jnp.int32)
+    dst = jnp.array([4, 1, 0, 2, 3, 5, 0], jnp.int32)
+    ck_off = np.zeros((s, 2), np.int32)
+    ck_slot = np.zeros((s, 2), np.int32)
+    ck_off[4], ck_slot[4] = [64, 640], [6, 7]
+    ck_off[5], ck_slot[5] = [1024, 1999], [8, 9]
+    pool = _pool(jax.random.PRNGKey(1), 10).at[0].set(jnp.nan).at[4:].set(jnp.nan)
+    args = (*acts, pool, qsl, src, dst, jnp.asarray(ck_off), jnp.asarray(ck_slot),
+            jnp.int32(len(lens)))  # fmt: skip
+    want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
+    kernel = functools.partial(gpu.gdn_prefill, precision=precision, interpret=INTERPRET)
+    got_o, got_s = jax.jit(kernel)(*args)
+    written = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    return {
+        "output_err_ratio": _err_ratio(got_o, want_o),
+        "state_err_ratio": _err_ratio(np.asarray(got_s)[written], np.asarray(want_s)[written]),
+        "untouched_slot0_still_nan": bool(np.isnan(np.asarray(got_s)[0]).all()),
+        "output_has_nan": bool(np.isnan(np.asarray(got_o, np.float32)).any()),
+    }  # fmt: skip
+
+
+def check_decode() -> dict:
+    rows = 16
+    acts = _activations(jax.random.PRNGKey(2), rows)
+    pool = _pool(jax.random.PRNGKey(3), 2 * rows + 2)
+    src = jnp.arange(rows, dtype=jnp.int32).at[3].set(0)
+    dst = (1 + jnp.arange(rows, dtype=jnp.int32)).at[5].set(0)
+    ck_off = jnp.zeros((rows, 2), jnp.int32).at[0, 0].set(1)
+    ck_slot = jnp.zeros((rows, 2), jnp.int32).at[0, 0].set(2 * rows + 1)
+    args = (*acts, pool, src, dst, ck_off, ck_slot, jnp.int32(rows - 2))
+    want_o, want_s = jax.jit(gdn_decode_reference)(*args)
+    got_o, got_s = jax.jit(functools.partial(gpu.gdn_decode, interpret=INTERPRET))(*args)
+    return {
+        "output_err_ratio": _err_ratio(got_o, want_o),
+        "state_err_ratio": _err_ratio(got_s, want_s),
+    }
+
+
+# ----------------------------------------------------------------------------- timings
+
+
+def time_prefill(batch, seq_len, precision, *, reference: bool) -> dict:
+    qsl, src, dst, ck_off, ck_slot, num_seqs, num_slots = _prefill_batch(batch, seq_len)
+    acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
+    pool = _pool(jax.random.PRNGKey(5), num_slots)
+    slots = (qsl, src, dst, ck_off, ck_slot, num_seqs)
+    out = {}
+    kernel = functools.partial(gpu.gdn_prefill, precision=precision, interpret=INTERPRET)
+
+    def step(fn):
+        return lambda st, acts, slots: fn(*acts, st, *slots)[1]
+
+    t = _time_loop(step(kernel), pool, (acts, slots), iters=3)
+    out["pallas_ms"] = 1e3 * t
+    out["pallas_Mtok_per_s"] = batch * seq_len / t / 1e6
+    if reference:
+        t = _time_loop(step(gdn_prefill_reference), _pool(jax.random.PRNGKey(5), num_slots),
+                       (acts, slots), iters=1)  # fmt: skip
+        out["reference_ms"] = 1e3 * t
+    return out
+
+
+def time_decode(rows) -> dict:
+    acts = _activations(jax.random.PRNGKey(6), rows)
+    pool = _pool(jax.random.PRNGKey(7), rows + 1)
+    slots = (
+        1 + jnp.arange(rows, dtype=jnp.int32), 1 + jnp.arange(rows, dtype=jnp.int32),
+        jnp.zeros((rows, 2), jnp.int32), jnp.zeros((rows, 2), jnp.int32), jnp.int32(rows),
+    )  # fmt: skip
+
+    def step(fn):
+        return lambda st, acts, slots: fn(*acts, st, *slots)[1]
+
+    kernel = functools.partial(gpu.gdn_decode, interpret=INTERPRET)
+    t = _time_loop(step(kernel), pool, (acts, slots), iters=50)
+    pool = _pool(jax.random.PRNGKey(7), rows + 1)
+    t_ref = _time_loop(step(gdn_decode_reference), pool, (acts, slots), iters=50)
+    state_bytes = 2 * rows * HV * D * D * 4  # read src + write dst
+    return {
+        "pallas_us": 1e6 * t,
+        "reference_us": 1e6 * t_ref,
+        "pallas_state_GBps": state_bytes / t / 1e9,
+    }
+
+
+def time_fla(prefill_shapes, decode_rows) -> dict:
+    try:
+        import torch
+        from fla.ops.gated_delta_rule import (
+            chunk_gated_delta_rule,
+            fused_recurrent_gated_delta_rule,
+        )
+    except Exception as e:  # noqa: BLE001 - report any import failure and go on
+        return {"skipped": f"{type(e).__name__}: {e}"}
+    dev = "cuda"
+    out = {}
+
+    def cuda_time(fn, iters):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters  # ms
+
+    def inputs(b, t):
+        q = torch.randn(b, t, HK, D, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(b, t, HK, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(b, t, HV, D, device=dev, dtype=torch.bfloat16)
+        g = torch.nn.functional.logsigmoid(torch.randn(b, t, HV, device=dev, dtype=torch.float32))
+        beta = torch.rand(b, t, HV, device=dev, dtype=torch.float32).sigmoid()
+        h0 = torch.randn(b, HV, D, D, device=dev, dtype=torch.float32)
+        return q, k, v, g, beta, h0
+
+    def call(fn, q, k, v, g, beta, h0):
+        return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                  use_qk_l2norm_in_kernel=True)  # fmt: skip
+
+    for b, t in prefill_shapes:
+        try:
+            ms = cuda_time(functools.partial(call, chunk_gated_delta_rule, *inputs(b, t)), 3)
+            out[f"prefill_B{b}_T{t}_ms"] = ms
+        except Exception as e:  # noqa: BLE001
+            out[f"prefill_B{b}_T{t}"] = f"failed: {type(e).__name__}: {e}"
+    for rows in decode_rows:
+        try:
+            fn = functools.partial(call, fused_recurrent_gated_delta_rule, *inputs(rows, 1))
+            ms = cuda_time(fn, 50)
+            out[f"decode_B{rows}_us"] = 1e3 * ms
+        except Exception as e:  # noqa: BLE001
+            out[f"decode_B{rows}"] = f"failed: {type(e).__name__}: {e}"
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
+    p.add_argument("--precisions", default="f32,bf16x3,tf32")
+    p.add_argument("--out", default=None)
+    p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
+    p.add_argument("--skip-floors", action="store_true")
+    args = p.parse_args()
+    global INTERPRET
+    INTERPRET = args.interpret
+    prefill_shapes = [(1, 4096), (1, 16384), (8, 4096)]
+    decode_rows = [1, 16, 64, 256]
+    if args.quick:
+        prefill_shapes, decode_rows = [(1, 256)], [1, 4]
+    summary = {"device": device_name(), "jax": jax.__version__, "shapes": f"Hk={HK} Hv={HV} D={D}"}
+
+    def guarded(name, fn):
+        try:
+            summary[name] = fn()
+        except Exception as e:  # noqa: BLE001 - keep going, report the failure
+            summary[name] = {"failed": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()
+        print(name, json.dumps(summary[name]), flush=True)
+
+    if not args.skip_floors:
+        guarded("floors", floors)
+    guarded("check_decode", check_decode)
+    precisions = {k: PRECISIONS[k] for k in args.precisions.split(",")}
+    for name, prec in precisions.items():
+        guarded(f"check_prefill_{name}", lambda prec=prec: check_prefill(prec))
+    for b, t in prefill_shapes:
+        for name, prec in precisions.items():
+            guarded(
+                f"prefill_B{b}_T{t}_{name}",
+                lambda b=b, t=t, prec=prec, name=name: time_prefill(
+                    b, t, prec, reference=(b, t) == prefill_shapes[0] and name == "f32"
+                ),
+            )
+    for rows in decode_rows:
+        guarded(f"decode_B{rows}", lambda rows=rows: time_decode(rows))
+    guarded("fla", lambda: time_fla(prefill_shapes, decode_rows))
+    bw = summary.get("floors", {}).get("copy_bandwidth_GBps")
+    if bw:
+        summary["decode_floor_us"] = {
+            f"B{r}": 1e6 * 2 * r * HV * D * D * 4 / (bw * 1e9) for r in decode_rows
+        }
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
