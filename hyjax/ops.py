@@ -5,8 +5,12 @@
 - ``pallas``: Mosaic TPU kernels on TPU, Pallas GPU kernels on NVIDIA, chosen at trace time
   from ``jax.default_backend()``.
 
-``auto`` picks ``pallas`` on GPU/TPU. Where a kernel does not exist yet, a backend falls back
-to the reference op; each such entry below says so.
+``auto`` picks ``reference`` everywhere for now: the Pallas kernels pass their interpret-mode
+tests, but on an H200 the GPU decode kernel's output is off by a 1.6e-2 error ratio (FLA's bar:
+5e-3) and the TPU kernels have not run on a TPU yet (BENCHMARKS.md). ``auto`` moves to
+``pallas`` per platform once its check passes there; ``--kernel-backend pallas`` opts in now.
+Where a kernel does not exist yet, a backend falls back to the reference op; each such entry
+below says so.
 """
 
 from __future__ import annotations
@@ -100,11 +104,15 @@ BACKENDS: dict[str, Ops] = {
 }
 
 
+# Platforms where the Pallas kernels passed their on-device check (benchmarks/gdn_kernels.py).
+VALIDATED_PALLAS_PLATFORMS: tuple[str, ...] = ()
+
+
 def resolve_backend(name: str) -> str:
     """Maps ``auto`` to the best backend available on this platform."""
     if name == "auto":
         platform = jax.default_backend()
-        return "pallas" if platform in ("gpu", "tpu") and "pallas" in BACKENDS else "reference"
+        return "pallas" if platform in VALIDATED_PALLAS_PLATFORMS else "reference"
     if name not in BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}; available: {sorted(BACKENDS)}, auto")
     return name
