@@ -54,6 +54,15 @@ class EngineArgs:
     progress: bool = True
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's logprob and the ``n`` most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclasses.dataclass
 class RequestOutput:
     """A request's progress after a step (cumulative fields plus this step's deltas)."""
@@ -68,6 +77,7 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_tokens: int
     error: str | None = None
+    delta_logprobs: list[TokenLogprob] | None = None  # per new token, if the request asked
 
 
 @dataclasses.dataclass
@@ -218,10 +228,11 @@ class LLMEngine:
         if out is None:
             return []
         t1 = time.perf_counter()
-        sampled = self.runner.execute(out.plan) if out.plan is not None else np.empty(0)
+        result = self.runner.execute(out.plan) if out.plan is not None else None
         t2 = time.perf_counter()
-        updates = self.scheduler.update(out, sampled)
-        outputs = [o for o in (self._process(u) for u in updates) if o is not None]
+        updates = self.scheduler.update(out, result.tokens if result else np.empty(0))
+        rows = {rid: i for i, rid in enumerate(out.request_ids)}
+        outputs = [o for o in (self._process(u, result, rows) for u in updates) if o is not None]
         self.timing.add(
             out.num_rows,
             out.plan is not None and out.plan.shape.decode_only,
@@ -230,11 +241,16 @@ class LLMEngine:
         )
         return outputs
 
-    def _process(self, u) -> RequestOutput | None:
+    def _process(self, u, result, rows: dict[str, int]) -> RequestOutput | None:
         tr = self._tracked.get(u.request_id)
         if tr is None:  # aborted while in flight
             return None
         params = tr.req.sampling_params
+        logprobs = None
+        if params.logprobs is not None and u.new_token_ids and result is not None:
+            r, n = rows[u.request_id], params.logprobs
+            top = list(zip(result.top_ids[r, :n].tolist(), result.top_logprobs[r, :n].tolist()))
+            logprobs = [TokenLogprob(u.new_token_ids[-1], float(result.logprobs[r]), top)]
         finished, reason = u.finished, u.finish_reason
         new_ids = list(u.new_token_ids)
         self.generation_tokens += len(new_ids)
@@ -274,6 +290,7 @@ class LLMEngine:
             finish_reason=reason,
             num_cached_tokens=max(u.num_cached_tokens, 0),
             error=u.error,
+            delta_logprobs=logprobs,
         )
 
     # ------------------------------------------------------------------ observability

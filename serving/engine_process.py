@@ -161,6 +161,9 @@ class EngineLoop:
                     o.num_cached_tokens,
                     error=o.error,
                     client_error=o.error is not None,
+                    logprobs=[(t.token_id, t.logprob, t.top) for t in o.delta_logprobs]
+                    if o.delta_logprobs
+                    else None,
                 )
             )
 

@@ -106,6 +106,8 @@ class Delta:
     num_cached_tokens: int
     error: str | None = None
     client_error: bool = False
+    # per new token, when asked: (token id, logprob, [(top id, logprob), ...])
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,6 +79,7 @@ class _Choice:
     finish_reason: str | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    logprobs: list = dataclasses.field(default_factory=list)
 
 
 class _Group:
@@ -166,6 +167,8 @@ class _Group:
             c.num_tokens += len(d.token_ids)
         if d.text:
             c.text.append(d.text)
+        if d.logprobs:
+            c.logprobs.extend(d.logprobs)
         if d.finished:
             c.finish_reason = d.finish_reason
             self.metrics.finished(d.finish_reason)
@@ -249,7 +252,9 @@ class OpenAIServing:
                 400, f"{bad[0]} is not supported yet", param=bad[0], code="unsupported_parameter"
             )
 
-    def sampling_params(self, req: _SamplingFields, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(
+        self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None = None
+    ) -> SamplingParams:
         stop = req.stop if req.stop is not None else ()
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -261,6 +266,7 @@ class OpenAIServing:
             stop_token_ids=tuple(req.stop_token_ids or ()),
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
         )
         try:
             params.validate()
@@ -330,9 +336,10 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, raw: Request):
         self.check_model(req)
-        params = self.sampling_params(req, req.max_tokens)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs)
         prompts = await self.completion_prompts(req)
         group = await self._start("cmpl", prompts, params, req.n)
+        wants = params.logprobs is not None
 
         def chunk(c: _Choice | None, d: Delta | None) -> dict:
             body = {
@@ -347,7 +354,7 @@ class OpenAIServing:
                     {
                         "index": c.index,
                         "text": d.text,
-                        "logprobs": None,
+                        "logprobs": self._completion_logprobs(d.logprobs),
                         "finish_reason": d.finish_reason if d.finished else None,
                     }
                 ]
@@ -363,7 +370,7 @@ class OpenAIServing:
                     {
                         "index": c.index,
                         "text": "".join(c.text),
-                        "logprobs": None,
+                        "logprobs": self._completion_logprobs(c.logprobs if wants else None),
                         "finish_reason": c.finish_reason,
                     }
                     for c in group.choices
@@ -378,9 +385,14 @@ class OpenAIServing:
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
-        params = self.sampling_params(req, max_tokens)
+        try:
+            n_logprobs = req.requested_logprobs()
+        except ValueError as e:
+            raise ApiError(400, str(e), param="top_logprobs") from None
+        params = self.sampling_params(req, max_tokens, n_logprobs)
         prompt = await self.chat_prompt(req)
         group = await self._start("chatcmpl", [prompt], params, req.n)
+        wants = params.logprobs is not None
 
         def chunk(c: _Choice | None, d: Delta | None, role: bool = False) -> dict:
             body = {
@@ -398,7 +410,7 @@ class OpenAIServing:
                     {
                         "index": c.index,
                         "delta": delta,
-                        "logprobs": None,
+                        "logprobs": self._chat_logprobs(d.logprobs if d is not None else None),
                         "finish_reason": d.finish_reason if d is not None and d.finished else None,
                     }
                 ]
@@ -417,7 +429,7 @@ class OpenAIServing:
                     {
                         "index": c.index,
                         "message": {"role": "assistant", "content": "".join(c.text)},
-                        "logprobs": None,
+                        "logprobs": self._chat_logprobs(c.logprobs if wants else None),
                         "finish_reason": c.finish_reason,
                     }
                     for c in group.choices
@@ -426,6 +438,45 @@ class OpenAIServing:
             }
 
         return await self._respond(req, raw, group, chunk, final, first=first)
+
+    # ------------------------------------------------------------------ logprobs
+
+    def _piece(self, token_id: int) -> str:
+        return (
+            self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else ""
+        )
+
+    def _completion_logprobs(self, entries: list | None) -> dict | None:
+        """The completions ``logprobs`` object: tokens, token_logprobs, top_logprobs."""
+        if not entries:
+            return None
+        tokens = [self._piece(t) for t, _, _ in entries]
+        offsets, pos = [], 0
+        for piece in tokens:
+            offsets.append(pos)
+            pos += len(piece)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{self._piece(i): v for i, v in top} for _, _, top in entries],
+            "text_offset": offsets,
+        }
+
+    def _chat_logprobs(self, entries: list | None) -> dict | None:
+        """The chat ``logprobs`` object: one entry per content token, with its top tokens."""
+        if not entries:
+            return None
+
+        def item(token_id: int, lp: float) -> dict:
+            piece = self._piece(token_id)
+            return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+
+        return {
+            "content": [
+                {**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]}
+                for t, lp, top in entries
+            ]
+        }
 
     # ------------------------------------------------------------------ responses
 

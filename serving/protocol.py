@@ -3,7 +3,7 @@
 Requests accept the OpenAI fields hyjax implements plus vLLM-style extras (``top_k``,
 ``min_p``, ``ignore_eos``, ``stop_token_ids``); unknown fields are ignored, as the OpenAI
 clients send new fields before servers know them. Fields that would change the output in a way
-hyjax does not implement yet (``logprobs``, ``echo``, penalties, ``logit_bias`` ...) are
+hyjax does not implement yet (``echo``, penalties, ``logit_bias`` ...) are
 rejected with a 400 rather than silently dropped (``unsupported_fields``).
 """
 
@@ -89,8 +89,6 @@ class CompletionRequest(_SamplingFields):
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
-        if self.logprobs is not None:
-            bad.append("logprobs")
         if self.echo:
             bad.append("echo")
         if self.best_of is not None and self.best_of != self.n:
@@ -130,13 +128,13 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def unsupported_fields(self) -> list[str]:
-        bad = super().unsupported_fields()
-        if self.logprobs:
-            bad.append("logprobs")
-        if self.top_logprobs:
-            bad.append("top_logprobs")
-        return bad
+    def requested_logprobs(self) -> int | None:
+        """How many top logprobs to report (None: no logprobs)."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ValueError("top_logprobs needs logprobs: true")
+            return None
+        return self.top_logprobs or 0
 
 
 # ---------------------------------------------------------------------------------- responses
@@ -156,7 +154,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
@@ -177,7 +175,7 @@ class ChatCompletionMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatCompletionMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
@@ -198,7 +196,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 

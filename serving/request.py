@@ -35,6 +35,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # report the sampled token's logprob and this many top ones
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field. Normalises ``top_k=-1`` to 0."""
@@ -50,6 +51,8 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 or -1 = off)")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs={self.logprobs} must be in [0, 20]")
         if self.seed is not None and self.seed < 0:
             raise ValueError(f"seed={self.seed} must be >= 0")
         self.stop_token_ids = tuple(self.stop_token_ids)

@@ -7,6 +7,7 @@ and a step costs one host-to-device transfer of the plan's arrays.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -23,7 +24,7 @@ from hyjax.ops import Ops, get_ops
 from serving.config import SchedulerConfig
 from serving.memory_planner import MemoryPlan, plan_memory
 from serving.plan import StepPlan
-from serving.sampler import sample
+from serving.sampler import sample, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,17 @@ def _step(graphdef, ops: Ops, decode_only: bool, state, caches: Caches, arrays: 
         arrays["seeds"],
         arrays["seq_lens"],  # the sampled token's position
     )
-    return caches, tokens
+    return caches, (tokens, *token_logprobs(logits, tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What a step sends back to the host, per row."""
+
+    tokens: np.ndarray  # i32[S]
+    logprobs: np.ndarray  # f32[S]   the sampled token's logprob
+    top_ids: np.ndarray  # i32[S, K] the K most likely tokens (K = MAX_LOGPROBS), best first
+    top_logprobs: np.ndarray  # f32[S, K]
 
 
 class ModelRunner:
@@ -111,13 +122,13 @@ class ModelRunner:
         log.info("compiled %d buckets in %.1f s", len(shapes), seconds)
         return seconds
 
-    def execute(self, plan: StepPlan) -> np.ndarray:
-        """Runs one step. Returns the sampled token of every row (i32[S], padding included)."""
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Runs one step. Returns every row's sampled token and logprobs (padding included)."""
         arrays = jax.device_put(plan.arrays())  # the step's one host-to-device transfer
-        self.caches, tokens = _step(
+        self.caches, out = _step(
             self.graphdef, self.ops, plan.shape.decode_only, self.state, self.caches, arrays
         )
-        return np.asarray(tokens)
+        return StepResult(*jax.device_get(out))
 
     @staticmethod
     def compile_count() -> int:

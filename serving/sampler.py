@@ -46,3 +46,22 @@ def sample(
 
     sampled = jax.vmap(draw)(seeds, positions, masked)
     return jnp.where(temperature > 0, sampled, greedy)
+
+
+MAX_LOGPROBS = 20  # top logprobs a request may ask for (OpenAI's chat limit)
+
+
+def token_logprobs(
+    logits: jax.Array,  # f32[S, V]  raw model logits (before temperature and filters)
+    tokens: jax.Array,  # i32[S]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities of the model's distribution, as vLLM reports them by default.
+
+    Returns the sampled token's logprob f32[S] and the ``MAX_LOGPROBS`` most likely tokens
+    (i32[S, K], f32[S, K]), best first.
+    """
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    k = min(MAX_LOGPROBS, logits.shape[-1])
+    top_lp, top_ids = jax.lax.top_k(lp, k)
+    return chosen, top_ids.astype(jnp.int32), top_lp

@@ -275,13 +275,13 @@ BAD = [
     ("unknown_model", C, {"model": "gpt-17", "prompt": "a"}, 404, "model"),
     ("id_outside_vocab", C, {"prompt": [1, 2, 10**6]}, 400, None),
     ("negative_id", C, {"prompt": [[1], [-1]]}, 400, None),
-    ("logprobs", C, {"prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ("logprobs_too_many", C, {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
     (
-        "chat_logprobs",
+        "top_logprobs_without_logprobs",
         CHAT,
-        {"messages": [{"role": "user", "content": "a"}], "logprobs": True},
+        {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 3},
         400,
-        "logprobs",
+        "top_logprobs",
     ),
     ("stop_not_string", C, {"prompt": "a", "stop": 3}, 400, None),
     ("empty_stop", C, {"prompt": "a", "stop": [""]}, 400, "stop"),
@@ -387,6 +387,40 @@ def test_disconnect_aborts_and_frees_pools(server, stream):
 
 
 # ------------------------------------------------------------------------------ SIGTERM (last)
+
+
+def test_logprobs(client):
+    """Greedy: the chosen token is the most likely one, and its logprob leads the top list."""
+    r = client.completions.create(
+        model=NAME,
+        prompt="Hello",
+        max_tokens=4,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        # Keys are decoded pieces: byte tokens that decode alike share one key.
+        assert chosen <= 0 and 1 <= len(top) <= 3
+        assert max(top.values()) <= chosen + 1e-5
+    c = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = c.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    for t in content:
+        assert abs(t.top_logprobs[0].logprob - t.logprob) < 1e-5  # greedy picked the best
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+    plain = client.completions.create(model=NAME, prompt="Hello", max_tokens=2)
+    assert plain.choices[0].logprobs is None
 
 
 def test_sigterm_drains_and_exits_0(server):
