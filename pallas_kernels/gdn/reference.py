@@ -91,18 +91,18 @@ def gdn_prefill_reference(
     num_tokens = q.shape[0]
     num_slots = state.shape[0]
     num_rows = src_slot.shape[0]
-    seq_id, local, _ = token_seq_ids(query_start_loc, num_seqs, num_tokens)
+    seq_id, local, live = token_seq_ids(query_start_loc, num_seqs, num_tokens)
     q32, k32, v32, g, beta = _prepare(q, k, v, a, b, A_log, dt_bias)
     init = read_slots(state, src_slot)  # [S, Hv, Dk, Dv], read before any write
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     row_live = jnp.arange(num_rows) < num_seqs
 
-    def body(t, carry):
-        cur, pool, out = carry
+    def body(carry, t):
+        cur, pool = carry
         s, i = seq_id[t], local[t]
         cur = jnp.where(i == 0, init[s], cur)
         cur, o = _step(cur, q32[t], k32[t], v32[t], g[t], beta[t])
-        ok = row_live[s]
+        ok = live[t] & row_live[s]
         n = i + 1  # tokens of this sequence consumed so far
         slots = jnp.concatenate(
             [
@@ -111,13 +111,10 @@ def gdn_prefill_reference(
             ]
         )
         pool = pool.at[slots].set(jnp.broadcast_to(cur, (slots.shape[0],) + cur.shape), mode="drop")
-        return cur, pool, out.at[t].set(o)
+        return (cur, pool), jnp.where(live[t], o, 0.0)
 
-    # Only the live tokens are scanned (a dynamic trip count): padding costs nothing.
     cur0 = jnp.zeros(state.shape[1:], jnp.float32)
-    out0 = jnp.zeros((num_tokens,) + v.shape[1:], jnp.float32)
-    n_live = query_start_loc[num_seqs]
-    _, state, o = jax.lax.fori_loop(0, n_live, body, (cur0, state, out0))
+    (_, state), o = jax.lax.scan(body, (cur0, state), jnp.arange(num_tokens))
     return o.astype(v.dtype), state
 
 
