@@ -25,6 +25,7 @@ from hyjax.detokenizer import DetokenizerStream, check_stop_strings
 from hyjax.loader import load_model
 from hyjax.tokenizer import Tokenizer, TokenizerFilesError
 from serving.config import CacheConfig, SchedulerConfig
+from serving.messages import EngineStats
 from serving.request import Request, SamplingParams
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler
@@ -107,22 +108,6 @@ class StepTiming:
 
     def reset(self) -> None:
         self.steps, self.host, self.device = 0, 0.0, 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineMetrics:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    state_usage: float
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-    kv_query_tokens: int
-    kv_hit_tokens: int
-    state_query_tokens: int
-    state_hit_tokens: int
-    effective_hit_tokens: int
 
 
 class LLMEngine:
@@ -295,10 +280,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ observability
 
-    def metrics(self) -> EngineMetrics:
+    def metrics(self) -> EngineStats:
         st = self.scheduler.stats()
         c = st.cache
-        return EngineMetrics(
+        return EngineStats(
             num_running=st.num_running,
             num_waiting=st.num_waiting,
             kv_usage=st.kv_usage,

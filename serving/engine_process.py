@@ -32,7 +32,6 @@ from serving.messages import (
     AddRequest,
     Delta,
     EngineInfo,
-    EngineStats,
     Failed,
     GetStats,
     Ready,
@@ -125,7 +124,7 @@ class EngineLoop:
                 self.live.discard(msg.request_id)
                 self._safe_abort(msg.request_id)
         elif isinstance(msg, GetStats):
-            out.append(StatsReply(msg.token, EngineStats.from_metrics(self.engine.metrics())))
+            out.append(StatsReply(msg.token, self.engine.metrics()))
         elif isinstance(msg, Shutdown):
             for rid in sorted(self.live):
                 self._safe_abort(rid)

@@ -112,7 +112,7 @@ class Delta:
 
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
-    """A snapshot of ``LLMEngine.metrics()`` (same field names)."""
+    """What ``LLMEngine.metrics()`` returns: a picklable snapshot for logs and ``/metrics``."""
 
     num_running: int
     num_waiting: int
@@ -126,10 +126,6 @@ class EngineStats:
     state_query_tokens: int
     state_hit_tokens: int
     effective_hit_tokens: int
-
-    @classmethod
-    def from_metrics(cls, m: object) -> EngineStats:
-        return cls(**{f.name: getattr(m, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass(frozen=True)

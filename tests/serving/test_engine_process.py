@@ -12,6 +12,7 @@ from serving.messages import (
     Accepted,
     AddRequest,
     Delta,
+    EngineStats,
     GetStats,
     Rejected,
     Shutdown,
@@ -30,22 +31,7 @@ class _Out:
     finish_reason: str | None
     num_cached_tokens: int = 0
     error: str | None = None
-
-
-@dataclasses.dataclass
-class _Metrics:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    state_usage: float = 0.0
-    num_preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    kv_query_tokens: int = 0
-    kv_hit_tokens: int = 0
-    state_query_tokens: int = 0
-    state_hit_tokens: int = 0
-    effective_hit_tokens: int = 0
+    delta_logprobs: list | None = None
 
 
 class FakeEngine:
@@ -88,7 +74,8 @@ class FakeEngine:
         return outs
 
     def metrics(self):
-        return _Metrics(num_running=len(self.reqs))
+        zeros = {f.name: 0 for f in dataclasses.fields(EngineStats)}
+        return EngineStats(**{**zeros, "num_running": len(self.reqs)})
 
 
 @pytest.fixture
