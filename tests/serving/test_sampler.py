@@ -1,0 +1,73 @@
+"""On-device sampling: each filter keeps exactly the tokens it should, seeds reproduce."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.sampler import MAX_LOGPROBS, sample, token_logprobs
+
+V = 32
+
+
+def _draws(logits, n=400, **kw):
+    """n draws of one row (distinct positions give independent keys)."""
+    s = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, V))
+    args = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=3)
+    args.update(kw)
+    out = jax.jit(sample)(
+        s,
+        jnp.full(n, args["temperature"], jnp.float32),
+        jnp.full(n, args["top_p"], jnp.float32),
+        jnp.full(n, args["top_k"], jnp.int32),
+        jnp.full(n, args["min_p"], jnp.float32),
+        jnp.full(n, args["seed"], jnp.uint32),
+        jnp.arange(n, dtype=jnp.int32),
+    )
+    return np.asarray(out)
+
+
+LOGITS = np.linspace(2.0, -2.0, V)  # token 0 most likely, then 1, 2, ...
+
+
+def test_greedy_is_argmax():
+    assert set(_draws(LOGITS[::-1], temperature=0.0)) == {V - 1}
+
+
+def test_top_k_keeps_the_k_best():
+    got = set(_draws(LOGITS, top_k=3))
+    assert got <= {0, 1, 2} and len(got) == 3
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    probs = np.exp(LOGITS) / np.exp(LOGITS).sum()
+    need = int(np.searchsorted(np.cumsum(probs), 0.5)) + 1  # tokens to reach 50 % mass
+    got = set(_draws(LOGITS, top_p=0.5))
+    assert got <= set(range(need)) and len(got) == need
+    assert set(_draws(LOGITS, top_p=1e-6)) == {0}  # the first token always stays
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    probs = np.exp(LOGITS) / np.exp(LOGITS).sum()
+    keep = set(np.nonzero(probs >= 0.6 * probs[0])[0].tolist())
+    got = set(_draws(LOGITS, min_p=0.6))
+    assert got <= keep and len(got) == len(keep)
+
+
+def test_temperature_sharpens_and_seeds_reproduce():
+    hot = _draws(LOGITS, temperature=5.0)
+    cold = _draws(LOGITS, temperature=0.2)
+    assert len(set(hot)) > len(set(cold))
+    np.testing.assert_array_equal(_draws(LOGITS, seed=9), _draws(LOGITS, seed=9))
+    assert (_draws(LOGITS, seed=9) != _draws(LOGITS, seed=10)).any()
+
+
+def test_token_logprobs():
+    logits = jnp.asarray(np.stack([LOGITS, LOGITS[::-1]]), jnp.float32)
+    tokens = jnp.array([1, V - 1], jnp.int32)
+    chosen, top_ids, top_lp = token_logprobs(logits, tokens)
+    lp = np.asarray(jax.nn.log_softmax(logits))
+    np.testing.assert_allclose(np.asarray(chosen), [lp[0, 1], lp[1, V - 1]], rtol=1e-6)
+    assert top_ids.shape == (2, min(MAX_LOGPROBS, V))
+    assert np.asarray(top_ids)[0, :3].tolist() == [0, 1, 2]
+    assert np.asarray(top_ids)[1, 0] == V - 1
+    assert np.all(np.diff(np.asarray(top_lp), axis=1) <= 0)
