@@ -28,6 +28,8 @@ from pallas_kernels.common.ragged import (
     write_index,
 )
 
+EXACT = jax.lax.Precision.HIGHEST  # IEEE f32 on every platform (no TF32 on GPU)
+
 
 def _silu(x):
     return x * jax.nn.sigmoid(x)
@@ -70,7 +72,7 @@ def causal_conv1d_prefill_reference(
     # Window of inputs for each token: the K-1 before it, then itself.
     prev = _window_after(x, init, query_start_loc, seq_id, local)  # [T, K-1, C]
     window = jnp.concatenate([prev, x[:, None, :]], axis=1).astype(jnp.float32)  # [T, K, C]
-    y = _silu(jnp.einsum("TKC,CK->TC", window, weight.astype(jnp.float32)))
+    y = _silu(jnp.einsum("TKC,CK->TC", window, weight.astype(jnp.float32), precision=EXACT))
     y = jnp.where(live[:, None], y, 0).astype(x.dtype)
 
     # Final windows -> dst, checkpoint windows -> their slots.
@@ -108,7 +110,8 @@ def causal_conv1d_update_reference(
     num_rows = x.shape[0]
     init = read_slots(conv_state, src_slot)  # [S, K-1, C]
     window = jnp.concatenate([init, x[:, None, :]], axis=1)  # [S, K, C]
-    y = _silu(jnp.einsum("SKC,CK->SC", window.astype(jnp.float32), weight.astype(jnp.float32)))
+    w32 = weight.astype(jnp.float32)
+    y = _silu(jnp.einsum("SKC,CK->SC", window.astype(jnp.float32), w32, precision=EXACT))
     live = jnp.arange(num_rows) < num_seqs
     y = jnp.where(live[:, None], y, 0).astype(x.dtype)
     conv_state = write_decode_states(

@@ -27,6 +27,10 @@ from pallas_kernels.common.ragged import (
     write_index,
 )
 
+# The oracle is IEEE float32 on every platform: at XLA's default precision an NVIDIA GPU may
+# run f32 contractions in TF32 (10-bit mantissa), and the recurrent state accumulates that.
+EXACT = jax.lax.Precision.HIGHEST
+
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     x = x.astype(jnp.float32)
@@ -64,10 +68,10 @@ def _prepare(q, k, v, a, b, A_log, dt_bias):
 def _step(state, q, k, v, g, beta):
     """One token for every head: state [Hv, Dk, Dv]; q, k [Hv, Dk]; v [Hv, Dv]; g, beta [Hv]."""
     state = state * jnp.exp(g)[:, None, None]
-    pred = jnp.einsum("HKV,HK->HV", state, k)
+    pred = jnp.einsum("HKV,HK->HV", state, k, precision=EXACT)
     delta = beta[:, None] * (v - pred)
-    state = state + jnp.einsum("HK,HV->HKV", k, delta)
-    o = jnp.einsum("HKV,HK->HV", state, q)
+    state = state + jnp.einsum("HK,HV->HKV", k, delta, precision=EXACT)
+    o = jnp.einsum("HKV,HK->HV", state, q, precision=EXACT)
     return state, o
 
 
