@@ -6,8 +6,9 @@
   from ``jax.default_backend()``.
 
 ``auto`` picks ``reference`` everywhere for now: the Pallas kernels pass their interpret-mode
-tests, but on an H200 the GPU decode kernel's output is off by a 1.6e-2 error ratio (FLA's bar:
-5e-3) and the TPU kernels have not run on a TPU yet (BENCHMARKS.md). ``auto`` moves to
+tests, but on an H200 the GPU decode kernel's output error ratio is 4.8e-3 against the IEEE-f32
+reference (FLA's bar: 5e-3, too close to call), the GPU prefill is slower than FLA, and the TPU
+kernels have not run on a TPU yet (BENCHMARKS.md). ``auto`` moves to
 ``pallas`` per platform once its check passes there; ``--kernel-backend pallas`` opts in now.
 Where a kernel does not exist yet, a backend falls back to the reference op; each such entry
 below says so.
