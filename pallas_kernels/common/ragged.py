@@ -55,3 +55,16 @@ def write_decode_states(
     idx = jnp.concatenate([ckpt_idx.reshape(-1), write_index(dst_slot, live, num_slots)])
     vals = jnp.concatenate([jnp.repeat(new, m, axis=0), new]).astype(pool.dtype)
     return pool.at[idx].set(vals, mode="drop")
+
+
+def check_slot_args(src_slot, dst_slot, ckpt_offsets, ckpt_slots, query_start_loc=None) -> None:
+    """Shape checks shared by every slotted kernel; messages name the bad argument."""
+    rows = src_slot.shape[0]
+    if src_slot.shape != (rows,) or dst_slot.shape != (rows,):
+        raise ValueError(f"src_slot {src_slot.shape} and dst_slot {dst_slot.shape} must be [S]")
+    if ckpt_offsets.ndim != 2 or ckpt_offsets.shape[0] != rows:
+        raise ValueError(f"ckpt_offsets {ckpt_offsets.shape} must be [S={rows}, M]")
+    if ckpt_slots.shape != ckpt_offsets.shape:
+        raise ValueError(f"ckpt_slots {ckpt_slots.shape} must match {ckpt_offsets.shape=}")
+    if query_start_loc is not None and query_start_loc.shape != (rows + 1,):
+        raise ValueError(f"query_start_loc {query_start_loc.shape} must be [S+1 = {rows + 1}]")

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.common.chunking import gather_chunks, max_chunks, plan_chunks, scatter_tokens
-from pallas_kernels.common.ragged import read_slots
+from pallas_kernels.common.ragged import check_slot_args, read_slots
 
 CHUNK = 128
 
@@ -62,15 +62,7 @@ def check_conv_shapes(x, weight, conv_state, src_slot, dst_slot, ckpt_offsets, c
         raise ValueError(f"kernel width K={km1 + 1} must be in [2, 9]")
     if conv_state.ndim != 3 or conv_state.shape[1:] != (km1, c):
         raise ValueError(f"conv_state {conv_state.shape} must be [num_slots, {km1}, {c}]")
-    rows = src_slot.shape[0]
-    if src_slot.shape != (rows,) or dst_slot.shape != (rows,):
-        raise ValueError(f"src_slot {src_slot.shape} and dst_slot {dst_slot.shape} must be [S]")
-    if ckpt_offsets.ndim != 2 or ckpt_offsets.shape[0] != rows:
-        raise ValueError(f"ckpt_offsets {ckpt_offsets.shape} must be [S={rows}, M]")
-    if ckpt_slots.shape != ckpt_offsets.shape:
-        raise ValueError(f"ckpt_slots {ckpt_slots.shape} must match {ckpt_offsets.shape=}")
-    if query_start_loc is not None and query_start_loc.shape != (rows + 1,):
-        raise ValueError(f"query_start_loc {query_start_loc.shape} must be [S+1 = {rows + 1}]")
+    check_slot_args(src_slot, dst_slot, ckpt_offsets, ckpt_slots, query_start_loc)
 
 
 def _channels_per_block(c: int, requested: int | None) -> int:

@@ -75,6 +75,7 @@ from pallas_kernels.common.chunking import (
     plan_chunks,
     scatter_tokens,
 )
+from pallas_kernels.common.ragged import check_slot_args
 
 CHUNK = 64
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -102,15 +103,7 @@ def check_gdn_shapes(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, c
         raise ValueError(f"state {state.shape} must be [num_slots, {hv}, {dk}, {dv}]")
     if state.dtype != jnp.float32:
         raise ValueError(f"state dtype {state.dtype} must be float32")
-    rows = src_slot.shape[0]
-    if src_slot.shape != (rows,) or dst_slot.shape != (rows,):
-        raise ValueError(f"src_slot {src_slot.shape} and dst_slot {dst_slot.shape} must be [S]")
-    if ckpt_offsets.ndim != 2 or ckpt_offsets.shape[0] != rows:
-        raise ValueError(f"ckpt_offsets {ckpt_offsets.shape} must be [S={rows}, M]")
-    if ckpt_slots.shape != ckpt_offsets.shape:
-        raise ValueError(f"ckpt_slots {ckpt_slots.shape} must match {ckpt_offsets.shape=}")
-    if query_start_loc is not None and query_start_loc.shape != (rows + 1,):
-        raise ValueError(f"query_start_loc {query_start_loc.shape} must be [S+1 = {rows + 1}]")
+    check_slot_args(src_slot, dst_slot, ckpt_offsets, ckpt_slots, query_start_loc)
 
 
 def _heads_per_block(hv: int, ratio: int, requested: int | None) -> int:
