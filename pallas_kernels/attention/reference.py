@@ -47,9 +47,9 @@ def ragged_paged_attention_reference(
     scale: float,
 ) -> jax.Array:
     """Causal attention of every query token over its sequence's paged KV. Returns [T, Hq, D]."""
+    check_attention_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    _check_heads(num_q_heads, num_kv_heads)
     group = num_q_heads // num_kv_heads
     max_ctx = block_tables.shape[1] * block_size
     seq_id, local, live = token_seq_ids(query_start_loc, num_seqs, num_tokens)
@@ -74,6 +74,22 @@ def ragged_paged_attention_reference(
     return jnp.where(live[:, None, None], out, 0.0).astype(q.dtype)
 
 
-def _check_heads(num_q_heads: int, num_kv_heads: int) -> None:
+def check_attention_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
+    """Raises ``ValueError`` naming the first inconsistent shape (shared by every backend)."""
+    if q.ndim != 3:
+        raise ValueError(f"q {q.shape} must be [T, Hq, D]")
+    num_q_heads, head_dim = q.shape[1:]
+    if k_cache.ndim != 4 or k_cache.shape[-1] != head_dim:
+        raise ValueError(
+            f"k_cache {k_cache.shape} must be [num_blocks, block_size, Hkv, {head_dim}]"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache {v_cache.shape} must match k_cache {k_cache.shape}")
+    num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads=} must be divisible by {num_kv_heads=}")
+    rows = seq_lens.shape[0]
+    if seq_lens.ndim != 1 or query_start_loc.shape != (rows + 1,):
+        raise ValueError(f"query_start_loc {query_start_loc.shape} must be [S+1], S = {rows}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != rows:
+        raise ValueError(f"block_tables {block_tables.shape} must be [S={rows}, max_blocks]")

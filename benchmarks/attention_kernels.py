@@ -1,0 +1,330 @@
+"""Ragged paged attention on one GPU: checks against the reference, timings, torch SDPA baseline.
+
+Run on an H100/H200 (``python benchmarks/attention_kernels.py --out $OUT/attn.json``):
+
+1. the device copy bandwidth (read + write bytes / s of a 1 GiB elementwise pass), the floor a
+   memory-bound decode is measured against;
+2. checks of the Pallas GPU kernel against the float32 reference at Qwen3-Next-80B attention
+   shapes (Hq=16, Hkv=2, D=256) and at D=128 (Hq=32, Hkv=4): decode, prefill and mixed batches,
+   block sizes 16 and 128, KV pages scattered at random, unused pages NaN;
+3. timings: decode at contexts 4k/16k/64k and batch 1..64 (KV bytes read / time vs the copy
+   bandwidth), a mixed batch (decode rows + one prefill chunk), a prefill chunk (TFLOP/s);
+4. torch ``scaled_dot_product_attention`` (flash backend, GQA) at the same shapes on contiguous
+   KV (no paging: it reads the same bytes), in the same process.
+
+Every JAX timing is a jitted ``fori_loop`` of calls, each call's query depending on the last
+output (so nothing is hoisted), divided by the number of calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.attention import gpu
+from pallas_kernels.attention.reference import ragged_paged_attention_reference
+
+HQ, HKV, D = 16, 2, 256
+INTERPRET = False
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', '?')}"
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def paged_batch(rng, q_lens, ctx_lens, *, hq=HQ, hkv=HKV, d=D, block_size=64, poison=True):
+    """A ragged batch over a KV pool whose pages are handed out in random order.
+
+    Returns (args for the kernel, kv bytes the batch's attention reads)."""
+    q_lens, ctx_lens = np.asarray(q_lens), np.asarray(ctx_lens)
+    s = len(q_lens)
+    blocks_per = -(-ctx_lens // block_size)
+    max_blocks = int(blocks_per.max())
+    num_blocks = int(blocks_per.sum()) + 2  # + null block + one unused page
+    ids = rng.permutation(np.arange(1, num_blocks))
+    bt = np.zeros((s, max_blocks), np.int32)
+    at = 0
+    for i, nb in enumerate(blocks_per):
+        bt[i, :nb] = ids[at : at + nb]
+        at += nb
+    shape = (num_blocks, block_size, hkv, d)
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    k_cache = jax.random.normal(key, shape, jnp.bfloat16)
+    v_cache = jax.random.normal(jax.random.fold_in(key, 1), shape, jnp.bfloat16)
+    if poison:  # the unused page and the null block: a stray read gives NaN
+        unused = jnp.asarray([0, ids[-1]])
+        k_cache = k_cache.at[unused].set(jnp.nan)
+        v_cache = v_cache.at[unused].set(jnp.nan)
+    t = int(q_lens.sum())
+    q = jax.random.normal(jax.random.fold_in(key, 2), (t, hq, d), jnp.bfloat16)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    args = (
+        q, k_cache, v_cache, jnp.asarray(qsl), jnp.asarray(ctx_lens, jnp.int32),
+        jnp.asarray(bt), jnp.int32(s),
+    )  # fmt: skip
+    kv_bytes = int(ctx_lens.sum()) * hkv * d * 2 * 2
+    return args, kv_bytes
+
+
+def attention_flops(q_lens, ctx_lens, hq=HQ, d=D) -> float:
+    """4 * Hq * D per (query, visible key) pair, causal."""
+    total = 0
+    for ql, c in zip(q_lens, ctx_lens, strict=True):
+        first = c - ql + 1  # keys visible to the first new token
+        total += ql * first + ql * (ql - 1) // 2
+    return 4.0 * hq * d * total
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def time_attention(fn, args, iters: int, repeats: int = 3) -> float:
+    """Median seconds per call of ``fn(*args)`` from a jitted loop of ``iters`` chained calls."""
+    if INTERPRET:
+        iters, repeats = 1, 1
+    q, rest = args[0], args[1:]
+
+    @jax.jit
+    def loop(q, rest):
+        def body(_, q):
+            o = fn(q, *rest)
+            return q + (o * 0).astype(q.dtype)
+
+        return jax.lax.fori_loop(0, iters, body, q)
+
+    jax.block_until_ready(loop(q, rest))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(q, rest))
+        times.append((time.perf_counter() - t0) / iters)
+    return float(np.median(times))
+
+
+def copy_bandwidth() -> float:
+    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)  # 1 GiB
+    copy = jax.jit(lambda x: x * 1.0001)
+    jax.block_until_ready(copy(x))
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        jax.block_until_ready(copy(x))
+        times.append(time.perf_counter() - t0)
+    return 2 * x.nbytes / float(np.median(times)) / 1e9
+
+
+def kernel_fn(**tuning):
+    return functools.partial(
+        gpu.ragged_paged_attention, scale=D**-0.5, interpret=INTERPRET, **tuning
+    )
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def err_ratio(got, want) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def check(q_lens, ctx_lens, *, hq=HQ, hkv=HKV, d=D, block_size=64) -> dict:
+    rng = np.random.default_rng(sum(ctx_lens))
+    args, _ = paged_batch(rng, q_lens, ctx_lens, hq=hq, hkv=hkv, d=d, block_size=block_size)
+    # one padding token and one padding row past num_seqs, as the runner's buckets have
+    q, kc, vc, qsl, lens, bt, n = args
+    q = jnp.concatenate([q, jnp.full((1, hq, d), jnp.nan, q.dtype)])
+    qsl = jnp.concatenate([qsl, qsl[-1:]])
+    lens = jnp.concatenate([lens, jnp.zeros(1, jnp.int32)])
+    bt = jnp.concatenate([bt, jnp.zeros((1, bt.shape[1]), jnp.int32)])
+    args = (q, kc, vc, qsl, lens, bt, n)
+    scale = d**-0.5
+    want = jax.jit(functools.partial(ragged_paged_attention_reference, scale=scale))(*args)
+    got = jax.jit(functools.partial(gpu.ragged_paged_attention, scale=scale, interpret=INTERPRET))(
+        *args
+    )
+    got_np = np.asarray(got, np.float32)
+    live = int(qsl[-1])
+    ratio = err_ratio(got_np[:live], want[:live])
+    return {
+        "err_ratio": ratio,
+        "nan": bool(np.isnan(got_np).any()),
+        "pad_zero": bool((got_np[live:] == 0).all()),
+        "ok": ratio < 1e-2 and not np.isnan(got_np).any(),
+    }
+
+
+# ----------------------------------------------------------------------------- torch
+
+
+def torch_sdpa(cases) -> dict:
+    """torch SDPA, flash backend, on contiguous KV at the same shapes (None when unusable)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    dev = "cuda"
+    out = {"torch": torch.__version__}
+
+    def cuda_time(fn, iters=50):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters / 1e3
+
+    for name, q_lens, ctx_lens in cases:
+        try:
+            parts = []
+            for ql, c in zip(q_lens, ctx_lens, strict=True):  # group equal shapes into a batch
+                parts.append((ql, c))
+            groups = {}
+            for ql, c in parts:
+                groups[(ql, c)] = groups.get((ql, c), 0) + 1
+            calls = []
+            for (ql, c), b in groups.items():
+                q = torch.randn(b, HQ, ql, D, device=dev, dtype=torch.bfloat16)
+                k = torch.randn(b, HKV, c, D, device=dev, dtype=torch.bfloat16)
+                v = torch.randn(b, HKV, c, D, device=dev, dtype=torch.bfloat16)
+                mask = causal_lower_right(ql, c) if ql > 1 else None
+                calls.append((q, k, v, mask))
+
+            def run(calls=calls, backends=(SDPBackend.FLASH_ATTENTION,)):
+                with sdpa_kernel(list(backends)):
+                    for q, k, v, mask in calls:
+                        if mask is None:
+                            torch.nn.functional.scaled_dot_product_attention(
+                                q, k, v, enable_gqa=True
+                            )
+                        else:
+                            torch.nn.functional.scaled_dot_product_attention(
+                                q, k, v, attn_mask=mask, enable_gqa=True
+                            )
+
+            try:
+                out[name] = {"s": cuda_time(run), "backend": "flash"}
+            except RuntimeError as e:  # flash refused these shapes: torch's best instead
+                best = (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+                out[name] = {
+                    "s": cuda_time(functools.partial(run, backends=best)),
+                    "backend": "cudnn/efficient",
+                    "flash_failed": str(e)[:200],
+                }
+            del calls
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 - report and go on
+            out[name] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
+    p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="decode tuning sweep")
+    args = p.parse_args()
+    global INTERPRET
+    INTERPRET = args.interpret
+    summary = {"device": device_name(), "jax": jax.__version__, "shapes": f"{HQ=} {HKV=} {D=}"}
+
+    def guarded(name, fn):
+        try:
+            summary[name] = fn()
+        except Exception as e:  # noqa: BLE001 - keep going, report the failure
+            summary[name] = {"failed": f"{type(e).__name__}: {str(e)[:500]}"}
+            traceback.print_exc()
+        print(name, json.dumps(summary[name]), flush=True)
+
+    small = INTERPRET
+    if not small:
+        guarded("copy_bandwidth_GBps", copy_bandwidth)
+    # checks: decode, prefill, mixed; two block sizes; D=256 (16/2) and D=128 (32/4)
+    ck = 64 if small else 4096
+    checks = {
+        "decode": ([1] * 4, [ck, ck // 2 + 3, 17, 1]),
+        "prefill": ([min(ck, 300), 40], [min(ck, 300), 40 + ck // 4]),
+        "mixed": ([1, 1, 37, 1, 130], [ck, 5, 37 + ck // 2, ck // 3, 130]),
+    }
+    for name, (ql, cl) in checks.items():
+        for bs in (16, 128):
+            guarded(
+                f"check_{name}_bs{bs}_d256",
+                lambda ql=ql, cl=cl, bs=bs: check(ql, cl, block_size=bs),
+            )
+        guarded(
+            f"check_{name}_bs64_d128",
+            lambda ql=ql, cl=cl: check(ql, cl, hq=32, hkv=4, d=128),
+        )
+
+    # timings
+    bw = summary.get("copy_bandwidth_GBps")
+    contexts = [256] if small else [4096, 16384, 65536]
+    batches = [1, 2] if small else [1, 8, 32, 64]
+    cases = []
+    for c in contexts:
+        for b in batches:
+            cases.append((f"decode_ctx{c}_b{b}", [1] * b, [c] * b))
+    mixed_ctx = 64 if small else 16384
+    chunk = 32 if small else 2048
+    rows = 4 if small else 32
+    cases.append(
+        (f"mixed_{rows}x{mixed_ctx}_plus_chunk{chunk}_at{mixed_ctx // 2}",
+         [1] * rows + [chunk], [mixed_ctx] * rows + [chunk + mixed_ctx // 2])
+    )  # fmt: skip
+    pf = 64 if small else 4096
+    cases.append((f"prefill_chunk{pf}_fresh", [pf], [pf]))
+    cases.append((f"prefill_chunk{pf // 2}_at{pf * 4}", [pf // 2], [pf * 4 + pf // 2]))
+
+    def timed(q_lens, ctx_lens, **tuning):
+        rng = np.random.default_rng(0)
+        a, kv_bytes = paged_batch(rng, q_lens, ctx_lens, poison=False)
+        s = time_attention(kernel_fn(**tuning), a, iters=20)
+        res = {"s": s, "us": s * 1e6, "kv_GBps": kv_bytes / s / 1e9}
+        res["TFLOPs"] = attention_flops(q_lens, ctx_lens) / s / 1e12
+        if bw:
+            res["frac_copy_bw"] = res["kv_GBps"] / bw
+        return res
+
+    for name, ql, cl in cases:
+        guarded(name, lambda ql=ql, cl=cl: timed(ql, cl))
+    if args.sweep and not small:
+        for nw, ns, bk, tp in [(8, 2, 64, 512), (4, 3, 128, 512), (8, 3, 128, 512),
+                               (4, 2, 64, 1024), (8, 2, 128, 1024)]:  # fmt: skip
+            for name, ql, cl in [cases[8], cases[3], cases[11]]:
+                tag = f"sweep_{name}_w{nw}_s{ns}_bk{bk}_tp{tp}"
+                tuning = dict(num_warps=nw, num_stages=ns, block_k_decode=bk, target_programs=tp)
+                guarded(tag, lambda ql=ql, cl=cl, t=tuning: timed(ql, cl, **t))
+    if not args.skip_torch and not small:
+        guarded("torch_sdpa_flash", lambda: torch_sdpa(cases))
+        t = summary.get("torch_sdpa_flash", {})
+        for name, _, _ in cases:
+            ours, theirs = summary.get(name, {}), t.get(name, {})
+            if "s" in ours and "s" in theirs:
+                ours["torch_s"] = theirs["s"]
+                ours["speedup_vs_torch"] = theirs["s"] / ours["s"]
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Ragged paged attention for NVIDIA GPUs in Pallas (Triton lowering), decode and prefill mixed.
+
+Same signature and semantics as the reference (:mod:`pallas_kernels.attention.reference`)
+(plus tuning keywords). One call covers the whole ragged batch; inside it two launches of one
+kernel body share the output buffers (the second aliases the first's outputs):
+
+- *short* rows (``q_len <= BQs``: decode, a few speculative tokens): ``BQs * Gp = 16`` query
+  rows per program, the smallest tile ``tl.dot`` takes, so a decode row costs one K/V pass;
+- *long* rows (prefill chunks): ``BQl * Gp = 64`` query rows per program.
+
+Query layout: the wrapper regroups ``q [T, Hq, D]`` kv-head-major, ``[Hkv, T, Gp, D]`` (``Gp`` =
+the GQA group padded to a power of two), so a tile of ``BQ`` tokens of one kv head is ``BQ * Gp``
+contiguous rows and a program reads each K/V row once for its whole group::
+
+    work item (tile i, kv head h, split j):
+      tokens  q0 .. q0+nq-1 of one sequence, positions pos0 .. pos0+nq-1
+      keys    [0, pos0+nq) cut in BK-token blocks; split j takes its share of the blocks
+      key p -> block_tables[seq, p // bs], offset p % bs -> row (page*bs + off)*Hkv + h of
+               k_cache viewed as [NB*bs*Hkv, D] (a gathered load; masked past the context, so
+               unused pages are never read)
+
+Flash-decoding: each split writes an unnormalised partial ``(o, m, l)`` in float32; the wrapper
+merges the splits with their log-sum-exp weights. Splits are chosen so that each launch has
+about ``target_programs`` programs (occupancy for a few long decode rows); programs whose share
+is empty exit at once.
+
+Requirements: ``D`` a power of two (Triton ``arange``); element offsets of one layer's cache
+below 2**31 (Triton's 32-bit pointer arithmetic).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from pallas_kernels.attention.reference import check_attention_shapes
+
+_MASKED = -1e30  # finite: a row whose keys are all masked gives p = 0, never NaN
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _kernel(
+    tseq_ref, tq0_ref, tnq_ref, tpos_ref,  # i32[NT] each: the work list (nq = 0: empty tile)
+    bt_ref,  # i32[S * max_blocks]  block tables, flattened
+    q_ref,  # [Hkv, Tp * Gp, D]
+    k_ref, v_ref,  # [NB * bs * Hkv, D]
+    o_in, m_in, l_in,  # aliased to the outputs (the other launch's rows pass through)
+    o_ref,  # f32[splits, Hkv, Tp * Gp, D]
+    m_ref, l_ref,  # f32[splits, Hkv, Tp * Gp]
+    *, bq: int, gp: int, group: int, block_k: int, block_size: int, max_blocks: int,
+    num_kv_heads: int, splits: int, scale: float,
+):  # fmt: skip
+    del o_in, m_in, l_in
+    i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = bq * gp
+    d = q_ref.shape[-1]
+    seq, q0, nq, pos0 = tseq_ref[i], tq0_ref[i], tnq_ref[i], tpos_ref[i]
+
+    r = jnp.arange(rows, dtype=jnp.int32)
+    tok = r // gp
+    row_ok = (tok < nq) & (r % gp < group)  # [M]
+    q_pos = pos0 + tok  # [M]
+    rs = pl.ds(q0 * gp, rows)
+    q = pltr.load(q_ref.at[h, rs, :], mask=row_ok[:, None], other=0.0)  # [M, D]
+
+    ctx = pos0 + nq  # keys [0, ctx)
+    n_kv = _cdiv(ctx, block_k)
+    per = _cdiv(n_kv, splits)
+    start = j * per
+    end = jnp.minimum(n_kv, start + per)
+
+    def body(kb, carry):
+        o, m, l = carry
+        k_pos = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK]
+        k_ok = k_pos < ctx
+        page = pltr.load(
+            bt_ref.at[seq * max_blocks + k_pos // block_size], mask=k_ok, other=0
+        )  # [BK]
+        kv_row = (page * block_size + k_pos % block_size) * num_kv_heads + h
+        at = (kv_row[:, None], jnp.arange(d, dtype=jnp.int32)[None, :])  # a [BK, D] gather
+        k_mask = jnp.broadcast_to(k_ok[:, None], (block_k, d))
+        k = pltr.load(k_ref.at[at], mask=k_mask, other=0.0)  # [BK, D]
+        v = pltr.load(v_ref.at[at], mask=k_mask, other=0.0)
+        s = pl.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [M, BK]
+        ok = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        s = jnp.where(ok, s, _MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
+        l = l * alpha + jnp.sum(p, axis=1)
+        o = o * alpha[:, None] + pl.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        return o, m_new, l
+
+    init = (
+        jnp.zeros((rows, d), jnp.float32),
+        jnp.full((rows,), _MASKED, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    o, m, l = jax.lax.fori_loop(start, end, body, init)
+    pltr.store(o_ref.at[j, h, rs, :], o, mask=row_ok[:, None])
+    pltr.store(m_ref.at[j, h, rs], m, mask=row_ok)
+    pltr.store(l_ref.at[j, h, rs], l, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------- work lists
+
+
+def _work_list(query_start_loc, seq_lens, num_seqs, *, bq: int, capacity: int, short: bool,
+               short_len: int):  # fmt: skip
+    """Tiles of ``bq`` tokens over the sequences of one kind (short or long rows).
+
+    Returns i32[capacity] arrays ``(seq, first token, tokens in tile, first position)``; tiles
+    past the last one have 0 tokens (their programs do nothing)::
+
+        q_len = [1, 40, 1, 9]   short_len = 2, bq = 8 (long):  seq 1 -> tiles at 0, 8, .. 32
+                                                                seq 3 -> tiles at 0, 8
+    """
+    num_rows = seq_lens.shape[0]
+    q_len = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+    kind = (q_len <= short_len) if short else (q_len > short_len)
+    sel = kind & (jnp.arange(num_rows) < num_seqs) & (q_len > 0)
+    n_tiles = jnp.where(sel, _cdiv(q_len, bq), 0)
+    ends = jnp.cumsum(n_tiles)  # [S]
+    t = jnp.arange(capacity, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, t, side="right"), num_rows - 1).astype(jnp.int32)
+    local = (t - (ends[seq] - n_tiles[seq])) * bq
+    valid = t < ends[-1]
+    first = query_start_loc[seq] + local
+    nq = jnp.where(valid, jnp.minimum(bq, q_len[seq] - local), 0)
+    pos0 = jnp.where(valid, seq_lens[seq] - q_len[seq] + local, 0)
+    return [x.astype(jnp.int32) for x in (seq, first, nq, pos0)]
+
+
+def _splits(capacity: int, num_kv_heads: int, kv_blocks: int, target_programs: int) -> int:
+    want = _next_pow2(_cdiv(target_programs, max(1, capacity * num_kv_heads)))
+    return max(1, min(want, _next_pow2(kv_blocks)))
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_cache: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    v_cache: jax.Array,  # [num_blocks, block_size, Hkv, D]
+    query_start_loc: jax.Array,  # i32[S+1]
+    seq_lens: jax.Array,  # i32[S]  context incl. this step's tokens
+    block_tables: jax.Array,  # i32[S, max_blocks]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    scale: float,
+    block_k_decode: int = 64,
+    block_k_prefill: int | None = None,
+    rows_prefill: int = 64,
+    target_programs: int = 512,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal GQA attention of every query token over its sequence's paged KV. [T, Hq, D]."""
+    check_attention_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    num_tokens, num_q_heads, d = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_rows, max_blocks = block_tables.shape
+    if d & (d - 1):
+        raise ValueError(f"head_dim={d} must be a power of two for the Triton kernel")
+    group = num_q_heads // num_kv_heads
+    gp = _next_pow2(group)
+    bq_short = max(1, 16 // gp)
+    bq_long = max(bq_short, rows_prefill // gp)
+    bk_long = block_k_prefill or (64 if d <= 128 else 32)
+    t_pad = num_tokens + bq_long  # a tile's row window never runs past the array
+
+    # [T, Hq, D] -> [Hkv, Tp * Gp, D]: the rows of one kv head's group are contiguous.
+    qg = q.reshape(num_tokens, num_kv_heads, group, d)
+    qg = jnp.pad(qg, ((0, t_pad - num_tokens), (0, 0), (0, gp - group), (0, 0)))
+    qg = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, t_pad * gp, d)
+    kf = k_cache.reshape(num_blocks * block_size * num_kv_heads, d)
+    vf = v_cache.reshape(num_blocks * block_size * num_kv_heads, d)
+    bt = block_tables.astype(jnp.int32).reshape(-1)
+    qsl = query_start_loc.astype(jnp.int32)
+    lens = seq_lens.astype(jnp.int32)
+    n = jnp.asarray(num_seqs, jnp.int32)
+
+    cap_short = num_rows
+    cap_long = min(num_rows, num_tokens // (bq_short + 1)) + num_tokens // bq_long
+    max_ctx = max_blocks * block_size
+    launches = [(bq_short, block_k_decode, cap_short, True)]
+    if cap_long > 0:
+        launches.append((bq_long, bk_long, cap_long, False))
+    splits = max(
+        _splits(cap, num_kv_heads, _cdiv(max_ctx, bk), target_programs)
+        for _, bk, cap, _ in launches
+    )
+    rows_total = t_pad * gp
+    outs = (
+        jnp.zeros((splits, num_kv_heads, rows_total, d), jnp.float32),
+        jnp.zeros((splits, num_kv_heads, rows_total), jnp.float32),
+        jnp.zeros((splits, num_kv_heads, rows_total), jnp.float32),
+    )
+    for bq, bk, cap, short in launches:
+        tiles = _work_list(qsl, lens, n, bq=bq, capacity=cap, short=short, short_len=bq_short)
+        kernel = functools.partial(
+            _kernel, bq=bq, gp=gp, group=group, block_k=bk, block_size=block_size,
+            max_blocks=max_blocks, num_kv_heads=num_kv_heads, splits=splits, scale=scale,
+        )  # fmt: skip
+        args = (*tiles, bt, qg, kf, vf, *outs)
+        outs = pl.pallas_call(
+            kernel,
+            grid=(cap, num_kv_heads, splits),
+            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outs],
+            input_output_aliases={len(args) - 3 + i: i for i in range(3)},
+            compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            interpret=interpret,
+            name="ragged_paged_attention_short" if short else "ragged_paged_attention_long",
+        )(*args)
+
+    o = merge_splits(*outs)  # [Hkv, Tp * Gp, D]
+    o = o.reshape(num_kv_heads, t_pad, gp, d)[:, :num_tokens, :group]
+    o = o.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, d)
+    live = jnp.arange(num_tokens) < qsl[n]
+    return jnp.where(live[:, None, None], o, 0.0).astype(q.dtype)
+
+
+def merge_splits(
+    o: jax.Array,  # f32[splits, ..., D]  unnormalised partial outputs
+    m: jax.Array,  # f32[splits, ...]  running max of each partial
+    l: jax.Array,  # f32[splits, ...]  softmax denominators (0: the split saw no key)
+) -> jax.Array:
+    """Log-sum-exp merge of flash-decoding partials. Returns f32[..., D]."""
+    m_all = jnp.max(m, axis=0)
+    w = jnp.exp(m - m_all[None])  # [splits, ...]
+    den = jnp.sum(w * l, axis=0)
+    num = jnp.sum(w[..., None] * o, axis=0)
+    return num / jnp.where(den > 0, den, 1.0)[..., None]
