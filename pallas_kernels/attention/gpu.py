@@ -46,6 +46,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _mm(x, y, contract):
+    """``x @ y`` over the given dims, accumulated in float32 (``pl.dot`` is gone in JAX 0.12)."""
+    return jax.lax.dot_general(x, y, (contract, ((), ())), preferred_element_type=jnp.float32)
+
+
 def _cdiv(a, b):
     return (a + b - 1) // b
 
@@ -95,14 +100,14 @@ def _kernel(
         k_mask = jnp.broadcast_to(k_ok[:, None], (block_k, d))
         k = pltr.load(k_ref.at[at], mask=k_mask, other=0.0)  # [BK, D]
         v = pltr.load(v_ref.at[at], mask=k_mask, other=0.0)
-        s = pl.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [M, BK]
+        s = _mm(q, k, ((1,), (1,))) * scale  # [M, BK]
         ok = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         s = jnp.where(ok, s, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
         l = l * alpha + jnp.sum(p, axis=1)
-        o = o * alpha[:, None] + pl.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        o = o * alpha[:, None] + _mm(p.astype(v.dtype), v, ((1,), (0,)))
         return o, m_new, l
 
     init = (
