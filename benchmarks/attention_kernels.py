@@ -189,8 +189,8 @@ def torch_sdpa(cases) -> dict:
 
     x = torch.empty(1 << 30, device=dev, dtype=torch.uint8)  # 1 GiB
     y = torch.empty_like(x)
-    out["copy_bandwidth_GBps"] = 2 * x.numel() / cuda_time(lambda: y.copy_(x), 20) / 1e9
-    del x, y
+    out["copy_bandwidth_GBps"] = 2 * x.numel() / cuda_time(lambda x=x, y=y: y.copy_(x), 20) / 1e9
+    x = y = None
     for name, q_lens, ctx_lens in cases:
         try:
             parts = []
