@@ -1,4 +1,4 @@
-"""Device caches: the paged KV pool (full-attention layers) and the state pool (GDN layers).
+"""Device caches: the paged KV pool (full-attention layers) and the state pool (GDN/KDA layers).
 
 One state *slot* holds, for every linear-attention layer, the conv window (last K-1 pre-conv
 inputs, model dtype) and the recurrent state (float32). Slot 0 is NULL; block 0 is null.
@@ -7,6 +7,7 @@ inputs, model dtype) and the recurrent state (float32). Slot 0 is NULL; block 0 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,22 +19,75 @@ from hyjax.config import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Caches:
-    kv: tuple[tuple[jax.Array, jax.Array], ...]  # per attention layer: k, v [NB, bs, Hkv, D]
+    # per attention layer, its paged arrays [NB, bs, *token_shape]: Qwen3-Next k, v
+    # [NB, bs, Hkv, D]; Kimi-Linear's MLA one latent [NB, bs, kv_lora_rank + rope dims]
+    kv: tuple[tuple[jax.Array, ...], ...]
     conv: tuple[jax.Array, ...]  # per linear layer: [num_slots, K-1, conv_dim]
-    ssm: tuple[jax.Array, ...]  # per linear layer: f32[num_slots, Hv, Dk, Dv]
+    ssm: tuple[jax.Array, ...]  # per linear layer: f32[num_slots, H, Dk, Dv]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """What one model keeps per token (KV pool) and per slot (state pool), layer by layer."""
+
+    kv_token_shapes: tuple[tuple[int, ...], ...]  # one attention layer's paged arrays, per token
+    num_attention_layers: int
+    conv_shape: tuple[int, int]  # [K-1, conv channels]
+    ssm_shape: tuple[int, int, int]  # [H, Dk, Dv]
+    num_linear_layers: int
+
+
+def _qwen3_next_spec(cfg) -> CacheSpec:
+    kv = (cfg.num_key_value_heads, cfg.head_dim)
+    return CacheSpec(
+        kv_token_shapes=(kv, kv),
+        num_attention_layers=len(cfg.attention_layers),
+        conv_shape=(cfg.linear_conv_kernel_dim - 1, cfg.conv_dim),
+        ssm_shape=(
+            cfg.linear_num_value_heads,
+            cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
+        ),
+        num_linear_layers=len(cfg.linear_layers),
+    )
+
+
+def _kimi_linear_spec(cfg) -> CacheSpec:
+    # MLA caches the compressed latent, not K/V; KDA keeps the q|k|v conv windows side by side.
+    d = cfg.linear_head_dim
+    return CacheSpec(
+        kv_token_shapes=((cfg.latent_dim,),),
+        num_attention_layers=len(cfg.attention_layers),
+        conv_shape=(cfg.linear_conv_kernel_dim - 1, cfg.conv_dim),
+        ssm_shape=(cfg.linear_num_heads, d, d),
+        num_linear_layers=len(cfg.linear_layers),
+    )
+
+
+# model_type -> cache spec. New families register here.
+CACHE_SPECS: dict[str, Callable[[ModelConfig], CacheSpec]] = {
+    "qwen3_next": _qwen3_next_spec,
+    "kimi_linear": _kimi_linear_spec,
+}
+
+
+def cache_spec(cfg: ModelConfig) -> CacheSpec:
+    return CACHE_SPECS[cfg.model_type](cfg)
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
     """Bytes of one KV block over all attention layers."""
-    per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
-    return per_token * block_size * len(cfg.attention_layers)
+    spec = cache_spec(cfg)
+    per_token = sum(int(np.prod(s)) for s in spec.kv_token_shapes) * jnp.dtype(dtype).itemsize
+    return per_token * block_size * spec.num_attention_layers
 
 
 def state_slot_bytes(cfg: ModelConfig, dtype: jnp.dtype) -> int:
     """Bytes of one state slot over all linear-attention layers."""
-    conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * jnp.dtype(dtype).itemsize
-    ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    return (conv + ssm) * len(cfg.linear_layers)
+    spec = cache_spec(cfg)
+    conv = int(np.prod(spec.conv_shape)) * jnp.dtype(dtype).itemsize
+    ssm = int(np.prod(spec.ssm_shape)) * 4
+    return (conv + ssm) * spec.num_linear_layers
 
 
 def init_caches(
@@ -46,20 +100,15 @@ def init_caches(
     fill: float = 0.0,
 ) -> Caches:
     """Allocates the pools. ``fill=nan`` poisons them so a stray read shows up in tests."""
-    kv_shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    conv_shape = (num_slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim)
-    ssm_shape = (
-        num_slots,
-        cfg.linear_num_value_heads,
-        cfg.linear_key_head_dim,
-        cfg.linear_value_head_dim,
-    )
+    spec = cache_spec(cfg)
     kv = tuple(
-        (jnp.full(kv_shape, fill, dtype), jnp.full(kv_shape, fill, dtype))
-        for _ in cfg.attention_layers
+        tuple(jnp.full((num_blocks, block_size) + s, fill, dtype) for s in spec.kv_token_shapes)
+        for _ in range(spec.num_attention_layers)
     )
-    conv = tuple(jnp.full(conv_shape, fill, dtype) for _ in cfg.linear_layers)
-    ssm = tuple(jnp.full(ssm_shape, fill, jnp.float32) for _ in cfg.linear_layers)
+    conv_shape = (num_slots,) + spec.conv_shape
+    ssm_shape = (num_slots,) + spec.ssm_shape
+    conv = tuple(jnp.full(conv_shape, fill, dtype) for _ in range(spec.num_linear_layers))
+    ssm = tuple(jnp.full(ssm_shape, fill, jnp.float32) for _ in range(spec.num_linear_layers))
     return Caches(kv=kv, conv=conv, ssm=ssm)
 
 

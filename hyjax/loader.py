@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Parameters that stay float32 whatever the model dtype.
-FLOAT32_PARAMS = ("A_log", "dt_bias")
+FLOAT32_PARAMS = ("A_log", "dt_bias", "router", "e_score_correction_bias")
 # Checkpoint tensors that are known and deliberately not loaded (multi-token prediction).
 IGNORED = re.compile(r"^mtp\.")
 
@@ -124,7 +124,82 @@ def _fused_expert_targets(name: str, cfg: ModelConfig) -> list[Target] | None:
     ]
 
 
-TARGETS: dict[str, Callable[[ModelConfig], dict[str, Target]]] = {"qwen3_next": qwen3_next_targets}
+# Kimi's expert names: w1 = gate, w3 = up, w2 = down.
+_KIMI_EXPERTS = (("w1", "experts_gate"), ("w3", "experts_up"), ("w2", "experts_down"))
+
+
+def kimi_linear_targets(cfg: ModelConfig) -> dict[str, Target]:
+    """Checkpoint name -> parameter for Kimi-Linear, in the original checkpoint's names.
+
+    transformers (>= 5.17) saves these names too, except that it may write the dense first
+    layer as ``block_sparse_moe.{gate,up,down}_proj``: :func:`kimi_linear_name` maps that back.
+    """
+    t: dict[str, Target] = {
+        "model.embed_tokens.weight": Target(("embed_tokens",), "copy"),
+        "model.norm.weight": Target(("norm", "weight"), "copy"),
+    }
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = Target(("lm_head", "weight"), "t")
+    for i, kind in enumerate(cfg.layer_types):
+        p, L = f"model.layers.{i}.", ("layers", i)
+        a = L + ("self_attn",)
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            t[p + f"{n}.weight"] = Target(L + (n, "weight"), "copy")
+        if kind == "full_attention":
+            linears = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+            norms = ["kv_a_layernorm"]
+            if cfg.q_lora_rank is None:
+                linears.append("q_proj")
+            else:
+                linears += ["q_a_proj", "q_b_proj"]
+                norms.append("q_a_layernorm")
+            for n in linears:
+                t[p + f"self_attn.{n}.weight"] = Target(a + (n, "weight"), "t")
+            for n in norms:
+                t[p + f"self_attn.{n}.weight"] = Target(a + (n, "weight"), "copy")
+        else:
+            for n in ("q", "k", "v", "f_a", "f_b", "b", "g_a", "g_b", "o"):
+                t[p + f"self_attn.{n}_proj.weight"] = Target(a + (f"{n}_proj", "weight"), "t")
+            for n in ("q", "k", "v"):
+                t[p + f"self_attn.{n}_conv1d.weight"] = Target(a + (f"{n}_conv1d",), "conv")
+            t[p + "self_attn.A_log"] = Target(a + ("A_log",), "flat")  # [1, 1, H, 1] -> [H]
+            t[p + "self_attn.dt_bias"] = Target(a + ("dt_bias",), "copy")
+            t[p + "self_attn.o_norm.weight"] = Target(a + ("o_norm", "weight"), "copy")
+        m = L + ("mlp",)
+        if cfg.is_moe_layer(i):
+            q = p + "block_sparse_moe."
+            t[q + "gate.weight"] = Target(m + ("router",), "t")
+            t[q + "gate.e_score_correction_bias"] = Target(m + ("e_score_correction_bias",), "copy")
+            if cfg.num_shared_experts:
+                for n in ("gate_proj", "up_proj", "down_proj"):
+                    t[q + f"shared_experts.{n}.weight"] = Target(
+                        m + ("shared_experts", n, "weight"), "t"
+                    )
+            for e in range(cfg.num_experts):
+                for n, dst in _KIMI_EXPERTS:
+                    t[q + f"experts.{e}.{n}.weight"] = Target(m + (dst,), "t", expert=e)
+        else:
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                t[p + f"mlp.{n}.weight"] = Target(m + (n, "weight"), "t")
+    return t
+
+
+_KIMI_DENSE_ALIAS = re.compile(
+    r"^(model\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.)"
+)
+
+
+def kimi_linear_name(name: str) -> str:
+    """A dense layer saved under ``block_sparse_moe.*`` (transformers) is ``mlp.*``."""
+    return _KIMI_DENSE_ALIAS.sub(r"\1.mlp.\2", name)
+
+
+TARGETS: dict[str, Callable[[ModelConfig], dict[str, Target]]] = {
+    "qwen3_next": qwen3_next_targets,
+    "kimi_linear": kimi_linear_targets,
+}
+# model_type -> a map from other spellings of a checkpoint name to the one TARGETS uses.
+NAME_ALIASES: dict[str, Callable[[str], str]] = {"kimi_linear": kimi_linear_name}
 
 
 def checkpoint_files(model_dir: str) -> dict[str, str]:
@@ -167,6 +242,9 @@ def load_model(
     params = dict(nnx.to_flat_state(state))
     targets = TARGETS[cfg.model_type](cfg)
     files = checkpoint_files(model_dir)
+    alias = NAME_ALIASES.get(cfg.model_type)
+    stored = {alias(k): k for k in files} if alias else {}  # our name -> the file's name
+    files = {alias(k): v for k, v in files.items()} if alias else files
 
     # Group checkpoint tensors by the parameter they fill.
     by_param: dict[tuple, list[tuple[str, Target]]] = {}
@@ -198,7 +276,7 @@ def load_model(
         if path not in opened:
             opened[path] = SafetensorsFile(path)
         try:
-            return opened[path].get(name)
+            return opened[path].get(stored.get(name, name))
         except KeyError:
             msg = f"tensor {name!r} listed in the index is not in {path}"
             raise CheckpointError(msg) from None

@@ -23,6 +23,11 @@ from collections.abc import Callable
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.attention.mla_reference import (
+    mla_decode_reference,
+    mla_prefill_reference,
+    write_latent_reference,
+)
 from pallas_kernels.attention.reference import (
     ragged_paged_attention_reference,
     write_kv_reference,
@@ -35,6 +40,7 @@ from pallas_kernels.conv1d.reference import (
 from pallas_kernels.gdn import gpu as gdn_gpu
 from pallas_kernels.gdn import tpu as gdn_tpu
 from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_reference
+from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +51,12 @@ class Ops:
     gdn_decode: Callable
     write_kv: Callable
     paged_attention: Callable
+    # Kimi-Linear (defaults: the reference ops, so backends opt in one kernel at a time).
+    kda_prefill: Callable = kda_prefill_reference
+    kda_decode: Callable = kda_decode_reference
+    write_latent: Callable = write_latent_reference
+    mla_prefill: Callable = mla_prefill_reference
+    mla_decode: Callable = mla_decode_reference
 
 
 REFERENCE = Ops(

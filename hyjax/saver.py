@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from hyjax.config import ModelConfig
-from hyjax.loader import TARGETS
+from hyjax.loader import FLOAT32_PARAMS, TARGETS
 from hyjax.safetensors_io import save_file
 
 _NP = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -34,7 +34,9 @@ def save_hf_checkpoint(model: nnx.Module, cfg: ModelConfig, out_dir: str | os.Pa
             arr = np.swapaxes(arr, -1, -2)
         elif tg.transform == "conv":
             arr = arr[:, None, :]
-        keep_f32 = tg.path[-1] in ("A_log", "dt_bias")
+        elif tg.transform == "flat" and tg.path[-1] == "A_log":
+            arr = arr.reshape(1, 1, -1, 1)  # Kimi-Linear stores A_log as [1, 1, H, 1]
+        keep_f32 = tg.path[-1] in FLOAT32_PARAMS
         tensors[name] = np.ascontiguousarray(arr.astype(np.float32 if keep_f32 else dtype))
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:

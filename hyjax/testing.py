@@ -79,6 +79,87 @@ def save_tiny_qwen3_next(
     return hf_cfg.to_dict()
 
 
+def tiny_kimi_linear_config(**overrides) -> dict:
+    """A 4-layer Kimi-Linear: KDA, MLA, KDA, MLA; a dense layer 0, then MoE with 2 expert groups.
+
+    Written the way the original checkpoint writes it (1-indexed ``linear_attn_config``);
+    ``num_experts`` is given explicitly (transformers' own tester forgets it and gets 256).
+    Dk = 16 for KDA, MLA with Dn = 16 != Dv = 12, rope dims 8 and a 16-wide latent.
+    """
+    cfg = dict(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=4,
+        linear_attn_config={
+            "full_attn_layers": [2, 4],
+            "kda_layers": [1, 3],
+            "num_heads": 2,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+        },
+        first_k_dense_replace=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        mla_use_nope=True,
+        num_experts=8,
+        num_experts_per_token=2,
+        moe_intermediate_size=12,
+        num_shared_experts=1,
+        routed_scaling_factor=2.446,
+        moe_renormalize=True,
+        num_expert_group=2,
+        topk_group=1,
+        intermediate_size=24,
+        rms_norm_eps=1e-5,
+        model_max_length=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def save_tiny_kimi_linear(
+    path: str | os.PathLike, *, seed: int = 0, dtype: str = "float32", **overrides
+) -> dict:
+    """Writes a random tiny Kimi-Linear with ``save_pretrained`` (transformers >= 5.17).
+
+    Randomises what defaults would hide: ``A_log``, ``dt_bias``, every norm weight and the
+    routing bias ``e_score_correction_bias`` (a buffer, not a parameter).
+    """
+    import torch
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    torch.manual_seed(seed)
+    hf_cfg = KimiLinearConfig(**tiny_kimi_linear_config(**overrides))
+    model = KimiLinearForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(-1.0, 1.5))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p))
+            elif "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn_like(b))
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(os.fspath(path))
+    return hf_cfg.to_dict()
+
+
 def hf_logits(path: str | os.PathLike, token_ids: Sequence[int]) -> np.ndarray:
     """The transformers forward of a saved checkpoint over one sequence: f32[T, vocab].
 

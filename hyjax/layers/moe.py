@@ -1,4 +1,9 @@
-"""Sparse MoE with a sigmoid-gated shared expert (Qwen3-Next), grouped with ``ragged_dot``."""
+"""Sparse MoE layers, the experts grouped with ``ragged_dot``.
+
+- :class:`SparseMoe` (Qwen3-Next): softmax router, a sigmoid-gated shared expert.
+- :class:`SigmoidMoe` (Kimi-Linear): sigmoid scores, a selection-only bias, grouped top-k,
+  renormalised and scaled weights, an ungated shared expert.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,29 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hyjax.layers.linear import Linear
+
+
+def routed_experts(
+    x: jax.Array,  # [T, D]
+    weights: jax.Array,  # [T, k]  routing weight of each chosen expert
+    experts: jax.Array,  # i32[T, k]
+    w_gate: jax.Array,  # [E, D, F]
+    w_up: jax.Array,  # [E, D, F]
+    w_down: jax.Array,  # [E, F, D]
+) -> jax.Array:
+    """``sum_j weights[:, j] * expert_j(x)`` with SwiGLU experts. Returns [T, D] in x.dtype."""
+    num_experts, top_k = w_gate.shape[0], experts.shape[1]
+    # Sort the T*k (token, expert) pairs by expert so each expert sees one contiguous group.
+    flat_expert = experts.reshape(-1)  # [T*k]
+    order = jnp.argsort(flat_expert, stable=True)
+    token = order // top_k  # [T*k]
+    group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
+    xs = x[token]  # [T*k, D]
+    h = jax.lax.ragged_dot(xs, w_gate, group_sizes)
+    u = jax.lax.ragged_dot(xs, w_up, group_sizes)
+    out = jax.lax.ragged_dot(jax.nn.silu(h) * u, w_down, group_sizes)
+    out = out * weights.reshape(-1)[order][:, None]
+    return jnp.zeros_like(x).at[token].add(out.astype(x.dtype))
 
 
 class MLP(nnx.Module):
@@ -47,24 +75,86 @@ class SparseMoe(nnx.Module):
         self.shared_expert_gate = Linear(d, 1, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        num_experts = self.experts_gate.shape[0]
         probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)  # [T, E]
         weights, experts = jax.lax.top_k(probs, self.top_k)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         weights = weights.astype(x.dtype)
-
-        # Sort the T*k (token, expert) pairs by expert so each expert sees one contiguous group.
-        flat_expert = experts.reshape(-1)  # [T*k]
-        order = jnp.argsort(flat_expert, stable=True)
-        token = order // self.top_k  # [T*k]
-        group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
-        xs = x[token]  # [T*k, D]
-        h = jax.lax.ragged_dot(xs, self.experts_gate[...], group_sizes)
-        u = jax.lax.ragged_dot(xs, self.experts_up[...], group_sizes)
-        out = jax.lax.ragged_dot(jax.nn.silu(h) * u, self.experts_down[...], group_sizes)
-        out = out * weights.reshape(-1)[order][:, None]
-        routed = jnp.zeros_like(x).at[token].add(out)
+        routed = routed_experts(
+            x, weights, experts, self.experts_gate[...], self.experts_up[...],
+            self.experts_down[...],
+        )  # fmt: skip
 
         shared = self.shared_expert(x) * jax.nn.sigmoid(self.shared_expert_gate(x))
         return routed + shared
+
+
+class SigmoidMoe(nnx.Module):
+    """Kimi-Linear's MoE (DeepSeek-V3 style routing)::
+
+    s      = sigmoid(x @ router)                 # f32 [T, E]
+    choice = s + e_score_correction_bias         # the bias only picks experts
+    (groups: keep the topk_group groups of best top-2 choice sum, mask the rest)
+    idx    = top_k(choice)                       # weights are the UNbiased s[idx]
+    w      = s[idx] / (sum + 1e-20) if renormalize, then * routed_scaling_factor
+    y      = sum_j w_j expert_{idx_j}(x) + shared_experts(x)     # shared: not gated
+    """
+
+    def __init__(
+        self,
+        d: int,
+        *,
+        num_experts: int,
+        top_k: int,
+        expert_dim: int,
+        shared_dim: int,
+        renormalize: bool,
+        scaling_factor: float,
+        num_groups: int,
+        topk_groups: int,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        init = nnx.initializers.normal(0.02)
+        self.top_k, self.renormalize, self.scaling_factor = top_k, renormalize, scaling_factor
+        self.num_groups, self.topk_groups = num_groups, topk_groups
+        # Router and bias stay float32 (the checkpoint keeps them so).
+        self.router = nnx.Param(init(rngs.params(), (d, num_experts), jnp.float32))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((num_experts,), jnp.float32))
+        self.experts_gate = nnx.Param(init(rngs.params(), (num_experts, d, expert_dim), dtype))
+        self.experts_up = nnx.Param(init(rngs.params(), (num_experts, d, expert_dim), dtype))
+        self.experts_down = nnx.Param(init(rngs.params(), (num_experts, expert_dim, d), dtype))
+        self.shared_experts = MLP(d, shared_dim, dtype=dtype, rngs=rngs) if shared_dim else None
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Returns ``(weights f32[T, k], experts i32[T, k])``."""
+        logits = jnp.einsum(
+            "TD,DE->TE", x.astype(jnp.float32), self.router[...],
+            precision=jax.lax.Precision.HIGHEST,
+        )  # fmt: skip
+        scores = jax.nn.sigmoid(logits)
+        choice = scores + self.e_score_correction_bias[...]
+        num_tokens, num_experts = choice.shape
+        if self.num_groups > 1 and self.topk_groups < self.num_groups:
+            grouped = choice.reshape(num_tokens, self.num_groups, -1)  # [T, G, E/G]
+            group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+            _, keep = jax.lax.top_k(group_score, self.topk_groups)  # [T, topk_groups]
+            kept = jnp.zeros((num_tokens, self.num_groups), bool)
+            kept = kept.at[jnp.arange(num_tokens)[:, None], keep].set(True)
+            kept = jnp.repeat(kept, num_experts // self.num_groups, axis=-1)  # [T, E]
+            choice = jnp.where(kept, choice, -jnp.inf)
+        _, experts = jax.lax.top_k(choice, self.top_k)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+        if self.renormalize:
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        return weights * self.scaling_factor, experts
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weights, experts = self.route(x)
+        y = routed_experts(
+            x, weights, experts, self.experts_gate[...], self.experts_up[...],
+            self.experts_down[...],
+        )  # fmt: skip
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y

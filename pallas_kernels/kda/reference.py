@@ -1,0 +1,175 @@
+"""Kimi Delta Attention (KDA) over a ragged batch with explicit state slots (pure JAX, f32).
+
+KDA is the gated delta rule with one decay per *key channel* instead of one per head. Per
+head ``h`` and token ``t``, with state ``S: [Dk, Dv]`` (float32)::
+
+    q, k  = l2norm(q_t), l2norm(k_t)                          # eps 1e-6 inside the sqrt
+    g     = -exp(A_log[h]) * softplus(g_t + dt_bias[h])       # [Dk], log decay <= 0
+    beta  = sigmoid(b_t)
+    S     = diag(exp(g)) S                                    # decays the ROWS (key dims)
+    S     = S + k (beta * (v_t - S^T k))^T
+    o_t   = Dk**-0.5 * S^T q
+
+The gate is computed inside the op (as FLA's ``use_gate_in_kernel``), so the layer hands
+over the raw low-rank projection ``g_t`` and the beta logits ``b_t``.
+
+Slots follow DESIGN.md §3 exactly as the GDN ops do: ``src_slot`` 0 reads a zero state,
+``dst_slot`` 0 writes nothing, and ``(ckpt_offsets, ckpt_slots)`` pairs write the state after
+that many of the step's tokens. The prefill reference scans token by token: it is the
+oracle, not the fast path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.common.ragged import (
+    check_slot_args,
+    read_slots,
+    token_seq_ids,
+    write_decode_states,
+    write_index,
+)
+
+# IEEE float32 on every platform (no TF32 on NVIDIA): the recurrent state accumulates it.
+EXACT = jax.lax.Precision.HIGHEST
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """``x / sqrt(sum(x^2) + eps)`` in float32 (FLA's and transformers' form)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def softplus(x: jax.Array) -> jax.Array:
+    """PyTorch's softplus (beta 1, threshold 20), which the checkpoints were trained with."""
+    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
+def kda_gates(
+    g: jax.Array,  # [..., H, Dk]  raw gate projection (f_b_proj output)
+    b: jax.Array,  # [..., H]      beta logits
+    A_log: jax.Array,  # f32[H]
+    dt_bias: jax.Array,  # f32[H, Dk]
+) -> tuple[jax.Array, jax.Array]:
+    """Returns ``(log decay f32[..., H, Dk], beta f32[..., H])``."""
+    decay = -jnp.exp(A_log.astype(jnp.float32))[:, None] * softplus(
+        g.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+    )
+    return decay, jax.nn.sigmoid(b.astype(jnp.float32))
+
+
+def check_kda_args(q, k, v, g, b, A_log, dt_bias, state) -> None:
+    """Shape checks with messages that name the bad argument."""
+    n, h, dk = q.shape
+    if k.shape != (n, h, dk):
+        raise ValueError(f"k {k.shape} must match q {q.shape}")
+    if v.shape[:2] != (n, h):
+        raise ValueError(f"v {v.shape} must be [{n}, {h}, Dv]")
+    if g.shape != (n, h, dk):
+        raise ValueError(f"g {g.shape} must be [N={n}, H={h}, Dk={dk}] (per key channel)")
+    if b.shape != (n, h):
+        raise ValueError(f"b {b.shape} must be [N={n}, H={h}]")
+    if A_log.shape != (h,) or dt_bias.shape != (h, dk):
+        raise ValueError(f"A_log {A_log.shape} must be [{h}], dt_bias {dt_bias.shape} [{h}, {dk}]")
+    if state.shape[1:] != (h, dk, v.shape[2]) or state.dtype != jnp.float32:
+        raise ValueError(
+            f"state {state.shape} {state.dtype} must be f32[num_slots, {h}, {dk}, {v.shape[2]}]"
+        )
+
+
+def _prepare(q, k, v, g, b, A_log, dt_bias):
+    q = l2norm(q) * (q.shape[-1] ** -0.5)
+    k = l2norm(k)
+    decay, beta = kda_gates(g, b, A_log, dt_bias)
+    return q, k, v.astype(jnp.float32), decay, beta
+
+
+def _step(state, q, k, v, decay, beta):
+    """One token of every head: state [H, Dk, Dv]; q, k, decay [H, Dk]; v [H, Dv]; beta [H]."""
+    state = state * jnp.exp(decay)[:, :, None]
+    pred = jnp.einsum("HKV,HK->HV", state, k, precision=EXACT)
+    delta = beta[:, None] * (v - pred)
+    state = state + jnp.einsum("HK,HV->HKV", k, delta, precision=EXACT)
+    o = jnp.einsum("HKV,HK->HV", state, q, precision=EXACT)
+    return state, o
+
+
+def kda_prefill_reference(
+    q: jax.Array,  # [T, H, Dk]  post-conv, before l2norm
+    k: jax.Array,  # [T, H, Dk]
+    v: jax.Array,  # [T, H, Dv]
+    g: jax.Array,  # [T, H, Dk]  raw gate projection
+    b: jax.Array,  # [T, H]      beta logits
+    A_log: jax.Array,  # f32[H]
+    dt_bias: jax.Array,  # f32[H, Dk]
+    state: jax.Array,  # f32[num_slots, H, Dk, Dv]
+    query_start_loc: jax.Array,  # i32[S+1]
+    src_slot: jax.Array,  # i32[S]
+    dst_slot: jax.Array,  # i32[S]
+    ckpt_offsets: jax.Array,  # i32[S, M]
+    ckpt_slots: jax.Array,  # i32[S, M]
+    num_seqs: jax.Array,  # i32[]
+) -> tuple[jax.Array, jax.Array]:
+    """Ragged prefill (any mix of lengths). Returns ``(o [T, H, Dv] in v.dtype, state)``."""
+    check_kda_args(q, k, v, g, b, A_log, dt_bias, state)
+    check_slot_args(src_slot, dst_slot, ckpt_offsets, ckpt_slots, query_start_loc)
+    num_tokens = q.shape[0]
+    num_slots = state.shape[0]
+    num_rows = src_slot.shape[0]
+    seq_id, local, live = token_seq_ids(query_start_loc, num_seqs, num_tokens)
+    q32, k32, v32, decay, beta = _prepare(q, k, v, g, b, A_log, dt_bias)
+    init = read_slots(state, src_slot)  # [S, H, Dk, Dv], read before any write
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    row_live = jnp.arange(num_rows) < num_seqs
+
+    def body(carry, t):
+        cur, pool = carry
+        s, i = seq_id[t], local[t]
+        cur = jnp.where(i == 0, init[s], cur)
+        cur, o = _step(cur, q32[t], k32[t], v32[t], decay[t], beta[t])
+        ok = live[t] & row_live[s]
+        n = i + 1  # tokens of this sequence consumed so far
+        slots = jnp.concatenate(
+            [
+                write_index(ckpt_slots[s], ok & (ckpt_offsets[s] == n), num_slots),
+                write_index(dst_slot[s][None], ok & (n == q_len[s])[None], num_slots),
+            ]
+        )
+        pool = pool.at[slots].set(jnp.broadcast_to(cur, (slots.shape[0],) + cur.shape), mode="drop")
+        return (cur, pool), jnp.where(live[t], o, 0.0)
+
+    cur0 = jnp.zeros(state.shape[1:], jnp.float32)
+    (_, state), o = jax.lax.scan(body, (cur0, state), jnp.arange(num_tokens))
+    return o.astype(v.dtype), state
+
+
+def kda_decode_reference(
+    q: jax.Array,  # [S, H, Dk]
+    k: jax.Array,  # [S, H, Dk]
+    v: jax.Array,  # [S, H, Dv]
+    g: jax.Array,  # [S, H, Dk]
+    b: jax.Array,  # [S, H]
+    A_log: jax.Array,  # f32[H]
+    dt_bias: jax.Array,  # f32[H, Dk]
+    state: jax.Array,  # f32[num_slots, H, Dk, Dv]
+    src_slot: jax.Array,  # i32[S]
+    dst_slot: jax.Array,  # i32[S]
+    ckpt_offsets: jax.Array,  # i32[S, M]  only offset 1 (after the one token) is meaningful
+    ckpt_slots: jax.Array,  # i32[S, M]
+    num_seqs: jax.Array,  # i32[]
+) -> tuple[jax.Array, jax.Array]:
+    """One token per sequence. Returns ``(o [S, H, Dv] in v.dtype, state)``.
+
+    The new state goes to ``dst_slot`` and, where ``ckpt_offsets == 1``, to that checkpoint.
+    """
+    check_kda_args(q, k, v, g, b, A_log, dt_bias, state)
+    check_slot_args(src_slot, dst_slot, ckpt_offsets, ckpt_slots)
+    num_rows = q.shape[0]
+    q32, k32, v32, decay, beta = _prepare(q, k, v, g, b, A_log, dt_bias)
+    init = read_slots(state, src_slot)
+    new, o = jax.vmap(_step)(init, q32, k32, v32, decay, beta)
+    live = jnp.arange(num_rows) < num_seqs
+    state = write_decode_states(state, new, live, dst_slot, ckpt_offsets, ckpt_slots)
+    return jnp.where(live[:, None, None], o, 0.0).astype(v.dtype), state
