@@ -2,7 +2,7 @@
 
 Same signature and semantics as the reference (:mod:`pallas_kernels.attention.reference`)
 (plus tuning keywords). One call covers the whole ragged batch; inside it two launches of one
-kernel body share the output buffers (the second aliases the first's outputs):
+kernel body, each over its own work list of query tiles:
 
 - *short* rows (``q_len <= BQs``: decode, a few speculative tokens): ``BQs * Gp = 16`` query
   rows per program, the smallest tile ``tl.dot`` takes, so a decode row costs one K/V pass;
@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.attention.reference import check_attention_shapes
+from pallas_kernels.common.ragged import token_seq_ids
 
 _MASKED = -1e30  # finite: a row whose keys are all masked gives p = 0, never NaN
 
@@ -63,13 +64,11 @@ def _kernel(
     bt_ref,  # i32[S * max_blocks]  block tables, flattened
     q_ref,  # [Hkv, Tp * Gp, D]
     k_ref, v_ref,  # [NB * bs * Hkv, D]
-    o_in, m_in, l_in,  # aliased to the outputs (the other launch's rows pass through)
-    o_ref,  # f32[splits, Hkv, Tp * Gp, D]
-    m_ref, l_ref,  # f32[splits, Hkv, Tp * Gp]
+    o_ref,  # f32[splits, Hkv, NT * M, D]  rows of tile i: [i * M, (i + 1) * M)
+    m_ref, l_ref,  # f32[splits, Hkv, NT * M]
     *, bq: int, gp: int, group: int, block_k: int, block_size: int, max_blocks: int,
     num_kv_heads: int, splits: int, scale: float,
 ):  # fmt: skip
-    del o_in, m_in, l_in
     i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = bq * gp
     d = q_ref.shape[-1]
@@ -79,8 +78,7 @@ def _kernel(
     tok = r // gp
     row_ok = (tok < nq) & (r % gp < group)  # [M]
     q_pos = pos0 + tok  # [M]
-    rs = pl.ds(q0 * gp, rows)
-    q = pltr.load(q_ref.at[h, rs, :], mask=row_ok[:, None], other=0.0)  # [M, D]
+    q = pltr.load(q_ref.at[h, pl.ds(q0 * gp, rows), :], mask=row_ok[:, None], other=0.0)
 
     ctx = pos0 + nq  # keys [0, ctx)
     n_kv = _cdiv(ctx, block_k)
@@ -116,38 +114,38 @@ def _kernel(
         jnp.zeros((rows,), jnp.float32),
     )
     o, m, l = jax.lax.fori_loop(start, end, body, init)
-    pltr.store(o_ref.at[j, h, rs, :], o, mask=row_ok[:, None])
-    pltr.store(m_ref.at[j, h, rs], m, mask=row_ok)
-    pltr.store(l_ref.at[j, h, rs], l, mask=row_ok)
+    out = pl.ds(i * rows, rows)
+    pltr.store(o_ref.at[j, h, out, :], o, mask=row_ok[:, None])
+    pltr.store(m_ref.at[j, h, out], m, mask=row_ok)
+    pltr.store(l_ref.at[j, h, out], l, mask=row_ok)
 
 
 # ----------------------------------------------------------------------------- work lists
 
 
-def _work_list(query_start_loc, seq_lens, num_seqs, *, bq: int, capacity: int, short: bool,
-               short_len: int):  # fmt: skip
-    """Tiles of ``bq`` tokens over the sequences of one kind (short or long rows).
+def _work_list(q_len, seq_lens, query_start_loc, live_row, *, bq: int, capacity: int):
+    """Tiles of ``bq`` tokens over the rows ``live_row`` selects (one kind: short or long).
 
-    Returns i32[capacity] arrays ``(seq, first token, tokens in tile, first position)``; tiles
-    past the last one have 0 tokens (their programs do nothing)::
+    Returns i32[capacity] arrays ``(seq, first token, tokens in tile, first position)`` (tiles
+    past the last one have 0 tokens: their programs do nothing) and i32[S] ``first_tile``::
 
-        q_len = [1, 40, 1, 9]   short_len = 2, bq = 8 (long):  seq 1 -> tiles at 0, 8, .. 32
-                                                                seq 3 -> tiles at 0, 8
+        q_len = [1, 40, 1, 9], long rows, bq = 8:  tiles 0..4 -> seq 1 (tokens 0, 8, .. 32)
+                                                   tiles 5..6 -> seq 3 (tokens 0, 8)
+                                                   first_tile = [?, 0, ?, 5]
     """
-    num_rows = seq_lens.shape[0]
-    q_len = query_start_loc[1:] - query_start_loc[:-1]  # [S]
-    kind = (q_len <= short_len) if short else (q_len > short_len)
-    sel = kind & (jnp.arange(num_rows) < num_seqs) & (q_len > 0)
-    n_tiles = jnp.where(sel, _cdiv(q_len, bq), 0)
+    num_rows = q_len.shape[0]
+    n_tiles = jnp.where(live_row, _cdiv(q_len, bq), 0)
     ends = jnp.cumsum(n_tiles)  # [S]
     t = jnp.arange(capacity, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(ends, t, side="right"), num_rows - 1).astype(jnp.int32)
-    local = (t - (ends[seq] - n_tiles[seq])) * bq
+    first_tile = ends - n_tiles
+    local = (t - first_tile[seq]) * bq
     valid = t < ends[-1]
     first = query_start_loc[seq] + local
     nq = jnp.where(valid, jnp.minimum(bq, q_len[seq] - local), 0)
     pos0 = jnp.where(valid, seq_lens[seq] - q_len[seq] + local, 0)
-    return [x.astype(jnp.int32) for x in (seq, first, nq, pos0)]
+    tiles = [x.astype(jnp.int32) for x in (seq, first, nq, pos0)]
+    return tiles, first_tile.astype(jnp.int32)
 
 
 def _splits(capacity: int, num_kv_heads: int, kv_blocks: int, target_programs: int) -> int:
@@ -174,6 +172,8 @@ def ragged_paged_attention(
     target_programs: int = 512,
     num_warps: int = 4,
     num_stages: int = 2,
+    num_warps_prefill: int = 8,
+    num_stages_prefill: int = 2,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal GQA attention of every query token over its sequence's paged KV. [T, Hq, D]."""
@@ -200,44 +200,47 @@ def ragged_paged_attention(
     qsl = query_start_loc.astype(jnp.int32)
     lens = seq_lens.astype(jnp.int32)
     n = jnp.asarray(num_seqs, jnp.int32)
+    q_len = qsl[1:] - qsl[:-1]  # [S]
+    live_row = (jnp.arange(num_rows) < n) & (q_len > 0)
+    is_short = q_len <= bq_short  # [S]
+    seq_id, local, live = token_seq_ids(qsl, n, num_tokens)  # [T] each
+    g = jnp.arange(group, dtype=jnp.int32)
 
-    cap_short = num_rows
     cap_long = min(num_rows, num_tokens // (bq_short + 1)) + num_tokens // bq_long
-    max_ctx = max_blocks * block_size
-    launches = [(bq_short, block_k_decode, cap_short, True)]
+    launches = [(True, bq_short, block_k_decode, num_rows, num_warps, num_stages)]
     if cap_long > 0:
-        launches.append((bq_long, bk_long, cap_long, False))
-    splits = max(
-        _splits(cap, num_kv_heads, _cdiv(max_ctx, bk), target_programs)
-        for _, bk, cap, _ in launches
-    )
-    rows_total = t_pad * gp
-    outs = (
-        jnp.zeros((splits, num_kv_heads, rows_total, d), jnp.float32),
-        jnp.zeros((splits, num_kv_heads, rows_total), jnp.float32),
-        jnp.zeros((splits, num_kv_heads, rows_total), jnp.float32),
-    )
-    for bq, bk, cap, short in launches:
-        tiles = _work_list(qsl, lens, n, bq=bq, capacity=cap, short=short, short_len=bq_short)
+        launches.append((False, bq_long, bk_long, cap_long, num_warps_prefill, num_stages_prefill))
+    max_ctx = max_blocks * block_size
+    o = jnp.zeros((num_kv_heads, num_tokens, group, d), jnp.float32)
+    for short, bq, bk, cap, warps, stages in launches:
+        rows = bq * gp
+        splits = _splits(cap, num_kv_heads, _cdiv(max_ctx, bk), target_programs)
+        kind = live_row & (is_short if short else ~is_short)
+        tiles, first_tile = _work_list(q_len, lens, qsl, kind, bq=bq, capacity=cap)
         kernel = functools.partial(
             _kernel, bq=bq, gp=gp, group=group, block_k=bk, block_size=block_size,
             max_blocks=max_blocks, num_kv_heads=num_kv_heads, splits=splits, scale=scale,
         )  # fmt: skip
-        args = (*tiles, bt, qg, kf, vf, *outs)
-        outs = pl.pallas_call(
+        part = pl.pallas_call(
             kernel,
             grid=(cap, num_kv_heads, splits),
-            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outs],
-            input_output_aliases={len(args) - 3 + i: i for i in range(3)},
-            compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            out_shape=[
+                jax.ShapeDtypeStruct((splits, num_kv_heads, cap * rows, d), jnp.float32),
+                jax.ShapeDtypeStruct((splits, num_kv_heads, cap * rows), jnp.float32),
+                jax.ShapeDtypeStruct((splits, num_kv_heads, cap * rows), jnp.float32),
+            ],
+            compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=stages),
             interpret=interpret,
-            name="ragged_paged_attention_short" if short else "ragged_paged_attention_long",
-        )(*args)
+            name="ragged_paged_attention_" + ("short" if short else "long"),
+        )(*tiles, bt, qg, kf, vf)
+        merged = merge_splits(*part)  # [Hkv, cap * M, D]
+        # token t, head g of the group -> row (tile, token in tile, g) of this launch's output
+        tile = first_tile[seq_id] + local // bq  # [T]
+        row = (tile * rows + (local % bq) * gp)[:, None] + g[None, :]  # [T, G]
+        mine = (is_short[seq_id] if short else ~is_short[seq_id])[None, :, None, None]
+        o = jnp.where(mine, merged[:, jnp.clip(row, 0, cap * rows - 1)], o)
 
-    o = merge_splits(*outs)  # [Hkv, Tp * Gp, D]
-    o = o.reshape(num_kv_heads, t_pad, gp, d)[:, :num_tokens, :group]
-    o = o.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, d)
-    live = jnp.arange(num_tokens) < qsl[n]
+    o = o.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, d)  # [T, Hq, D]
     return jnp.where(live[:, None, None], o, 0.0).astype(q.dtype)
 
 
