@@ -112,53 +112,62 @@ def _kernel(
                 kc.wait()
                 vc.wait()
 
-    m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    @pl.when(n_kv > 0)
+    @pl.when(nq == 0)  # capacity padding: nothing to attend (the wrapper drops these rows)
     def _():
-        start(0, 0)
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
-    row = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
-    tok = jnp.bitwise_and(row, bq - 1)  # rows are g * BQ + t
-    q_pos = pos0 + tok
+    @pl.when(nq > 0)
+    def _():
+        m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def body(kb, carry):
-        slot = jax.lax.rem(kb, 2)
-
-        @pl.when(kb + 1 < n_kv)
+        @pl.when(n_kv > 0)
         def _():
-            start(kb + 1, 1 - slot)
+            start(0, 0)
 
-        wait(kb, slot)
-        k_pos = kb * bk + col  # [M, BK]
-        ok = (k_pos <= q_pos) & (tok < nq)
-        key_live = (kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bk, d), 0)) < ctx  # [BK, D]
+        row = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
+        col = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
+        tok = jnp.bitwise_and(row, bq - 1)  # rows are g * BQ + t
+        q_pos = pos0 + tok
+
+        def body(kb, carry):
+            slot = jax.lax.rem(kb, 2)
+
+            @pl.when(kb + 1 < n_kv)
+            def _():
+                start(kb + 1, 1 - slot)
+
+            wait(kb, slot)
+            k_pos = kb * bk + col  # [M, BK]
+            ok = (k_pos <= q_pos) & (tok < nq)
+            key_live = (kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bk, d), 0)) < ctx  # [BK, D]
+            for h in range(num_kv_heads):
+                k = kbuf[slot, :, pl.ds(h * d, d)]  # [BK, D]
+                v = jnp.where(key_live, vbuf[slot, :, pl.ds(h * d, d)], 0)
+                s = jax.lax.dot_general(
+                    q_ref[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                )  # [M, BK]
+                s = jnp.where(ok, s * scale, _MASKED)
+                m_prev = m_ref[h]  # [M, 128]
+                m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+                alpha = jnp.exp(m_prev - m_new)
+                p = jnp.where(ok, jnp.exp(s - m_new[:, :1]), 0.0)
+                l_ref[h] = l_ref[h] * alpha + jnp.sum(p, axis=1, keepdims=True)
+                m_ref[h] = m_new
+                pv = jax.lax.dot_general(
+                    p.astype(v.dtype),
+                    v,
+                    (((1,), (0,)), ((), ())),
+                    preferred_element_type=jnp.float32,
+                )  # [M, D]
+                acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv
+            return carry
+
+        jax.lax.fori_loop(0, n_kv, body, 0)
         for h in range(num_kv_heads):
-            k = kbuf[slot, :, pl.ds(h * d, d)]  # [BK, D]
-            v = jnp.where(key_live, vbuf[slot, :, pl.ds(h * d, d)], 0)
-            s = jax.lax.dot_general(
-                q_ref[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            )  # [M, BK]
-            s = jnp.where(ok, s * scale, _MASKED)
-            m_prev = m_ref[h]  # [M, 128]
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_new)
-            p = jnp.where(ok, jnp.exp(s - m_new[:, :1]), 0.0)
-            l_ref[h] = l_ref[h] * alpha + jnp.sum(p, axis=1, keepdims=True)
-            m_ref[h] = m_new
-            pv = jax.lax.dot_general(
-                p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )  # [M, D]
-            acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv
-        return carry
-
-    jax.lax.fori_loop(0, n_kv, body, 0)
-    for h in range(num_kv_heads):
-        l = l_ref[h][:, :1]
-        o_ref[h] = (acc_ref[h] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+            l = l_ref[h][:, :1]
+            o_ref[h] = (acc_ref[h] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
 def _work_list(query_start_loc, seq_lens, num_seqs, *, bq: int, capacity: int):
@@ -211,7 +220,8 @@ def ragged_paged_attention(
     group = num_q_heads // num_kv_heads
     bq = block_q
     ppb = max(1, min(kv_block_tokens // bs, max_blocks))
-    capacity = num_rows + num_tokens // bq  # tiles: <= one partial tile per sequence
+    # tiles: T // BQ full ones plus at most one partial per sequence, and never more than T
+    capacity = min(num_tokens, num_rows + num_tokens // bq)
     qsl = query_start_loc.astype(jnp.int32)
     n = jnp.asarray(num_seqs, jnp.int32)
     (tseq, tfirst, tnq, tpos), first_tile = _work_list(

@@ -1,0 +1,64 @@
+"""The Triton-lowered GPU ragged paged attention vs the reference, in Pallas interpret mode.
+
+Interpret mode checks the indexing (the short/long work lists, page gathers, split-KV merge,
+the scatter back to tokens); a last test lowers the kernel to Triton for CUDA at
+Qwen3-Next-80B shapes (no GPU needed). Compiling and timing it on a GPU is
+``benchmarks/attention_kernels.py``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.attention import gpu
+from pallas_kernels.attention.reference import ragged_paged_attention_reference
+from tests.pallas_kernels.attention_cases import attention_case, check_against_reference
+
+CASES = [
+    # (kind, cached, new, hq, hkv, d, block_size, dtype)
+    ("decode", [40, 0, 9], [1, 1, 2], 16, 2, 128, 16, jnp.float32),
+    ("mixed", [33, 5, 0], [1, 21, 1], 4, 2, 256, 32, jnp.bfloat16),
+]
+IDS = [
+    f"{kind}_{hq=}_{hkv=}_{d=}_{bs=}_{jnp.dtype(dt).name}"
+    for kind, _, _, hq, hkv, d, bs, dt in CASES
+]
+
+
+@pytest.mark.parametrize("kind,cached,new,hq,hkv,d,bs,dtype", CASES, ids=IDS)
+def test_matches_reference(kind, cached, new, hq, hkv, d, bs, dtype):
+    case = attention_case(cached, new, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=dtype,
+                          seed=bs + d)  # fmt: skip
+    want = jax.jit(functools.partial(ragged_paged_attention_reference, scale=case.scale))(
+        *case.args
+    )
+    kernel = functools.partial(
+        gpu.ragged_paged_attention,
+        scale=case.scale,
+        interpret=True,
+        block_k_decode=16,
+        block_k_prefill=16,
+        rows_prefill=16,
+        target_programs=8,
+    )  # fmt: skip  small blocks and a few splits: several KV blocks, tiles and splits per row
+    got = jax.jit(kernel)(*case.args)
+    check_against_reference(case, got, want, dtype)
+
+
+def test_rejects_non_power_of_two_head_dim():
+    case = attention_case([3], [1], d=96)
+    with pytest.raises(ValueError, match="head_dim=96 must be a power of two"):
+        gpu.ragged_paged_attention(*case.args, scale=1.0)
+
+
+def test_lowers_to_triton_at_80b_shapes():
+    sd = jax.ShapeDtypeStruct
+    bf, i32 = jnp.bfloat16, jnp.int32
+    t, s, max_blocks, d = 64, 8, 32, 256
+    args = (sd((t, 16, d), bf), sd((100, 16, 2, d), bf), sd((100, 16, 2, d), bf),
+            sd((s + 1,), i32), sd((s,), i32), sd((s, max_blocks), i32), sd((), i32))  # fmt: skip
+    fn = functools.partial(gpu.ragged_paged_attention, scale=d**-0.5)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
