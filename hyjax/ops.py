@@ -23,6 +23,8 @@ from collections.abc import Callable
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.attention import gpu as attention_gpu
+from pallas_kernels.attention import tpu as attention_tpu
 from pallas_kernels.attention.mla_reference import (
     mla_decode_reference,
     mla_prefill_reference,
@@ -92,7 +94,8 @@ BACKENDS: dict[str, Ops] = {
         conv1d_update=_interpret(conv1d_tpu.causal_conv1d_update),
         gdn_prefill=_interpret(gdn_tpu.gdn_prefill),
         gdn_decode=_interpret(gdn_tpu.gdn_decode),
-        # write_kv / paged_attention: reference (their kernels are another issue).
+        paged_attention=_interpret(attention_tpu.ragged_paged_attention),
+        # write_kv: the XLA scatter on every backend (in place on the donated cache).
     ),
     "pallas": dataclasses.replace(
         REFERENCE,
@@ -112,6 +115,11 @@ BACKENDS: dict[str, Ops] = {
         ),
         gdn_decode=_by_platform(
             tpu=gdn_tpu.gdn_decode, gpu=gdn_gpu.gdn_decode, other=gdn_decode_reference
+        ),
+        paged_attention=_by_platform(
+            tpu=attention_tpu.ragged_paged_attention,
+            gpu=attention_gpu.ragged_paged_attention,
+            other=ragged_paged_attention_reference,
         ),
     ),
 }
