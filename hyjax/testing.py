@@ -160,6 +160,95 @@ def save_tiny_kimi_linear(
     return hf_cfg.to_dict()
 
 
+def _numpy_init(cls, cfg, seed: int):
+    """A random model filled from numpy on the host.
+
+    XLA takes tens of seconds on CPU to compile the random initialisers of a whole model, eager
+    or jitted; numpy fills the same shapes in milliseconds. Norm weights are ``1 + noise``,
+    ``A_log`` is ``log U(1, 16)``, everything else a small normal.
+    """
+    import jax.numpy as jnp
+    from flax import nnx
+
+    rng = np.random.default_rng(seed)
+    abstract = nnx.eval_shape(lambda: cls(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    for path, var in flat.items():
+        shape, name = var.value.shape, "/".join(map(str, path))
+        if "norm" in name:
+            value = 1.0 + 0.1 * rng.normal(size=shape)
+        elif path[-1] == "A_log":
+            value = np.log(rng.uniform(1.0, 16.0, size=shape))
+        elif "conv1d" in name or path[-1] == "dt_bias":
+            value = 0.5 * rng.normal(size=shape)
+        else:
+            value = 0.1 * rng.normal(size=shape)
+        var.set_value(jnp.asarray(value, var.value.dtype))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+KIMI_SPECIAL_TOKENS = ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>")
+KIMI_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_' + message['role'] + '|>' + message['content'] + '<|im_end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_assistant|>' }}{% endif %}"
+)
+
+
+def make_tiny_kimi_linear_model(out_dir: str | os.PathLike, *, seed: int = 0) -> str:
+    """Writes a random tiny Kimi-Linear with Kimi's tokenizer layout; returns the path.
+
+    The tokenizer is a ``tiktoken.model`` rank file (the 256 single bytes, no merges) plus
+    ``tokenizer_config.json`` naming the special tokens after the ranks and the reserved
+    block (256 of them, as Kimi reserves), and no ``tokenizer.json``: what the engine must
+    load for a real Kimi checkpoint. Its outputs are random text.
+    """
+    import base64
+    import json
+
+    from hyjax.config import KimiLinearConfig
+    from hyjax.models.kimi_linear import KimiLinearForCausalLM
+    from hyjax.saver import save_hf_checkpoint
+    from hyjax.tokenizer import TIKTOKEN_NUM_RESERVED_SPECIAL_TOKENS
+
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    vocab = 256 + TIKTOKEN_NUM_RESERVED_SPECIAL_TOKENS
+    cfg = KimiLinearConfig.from_hf(
+        {
+            "model_type": "kimi_linear",
+            "torch_dtype": "float32",
+            **tiny_kimi_linear_config(
+                vocab_size=vocab, hidden_size=64, bos_token_id=256, eos_token_id=257
+            ),
+        }
+    )
+    save_hf_checkpoint(_numpy_init(KimiLinearForCausalLM, cfg, seed), cfg, out_dir)
+    with open(os.path.join(out_dir, "tiktoken.model"), "w") as f:
+        f.writelines(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256))
+    specials = {256 + i: t for i, t in enumerate(KIMI_SPECIAL_TOKENS)}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {
+                "tokenizer_class": "TikTokenTokenizer",
+                "bos_token": "[BOS]",
+                "eos_token": "[EOS]",
+                "pad_token": "[EOS]",
+                "added_tokens_decoder": {
+                    str(i): {"content": t, "special": True, "normalized": False}
+                    for i, t in specials.items()
+                },
+            },
+            f,
+            indent=2,
+        )
+    with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:
+        f.write(KIMI_CHAT_TEMPLATE)
+    return out_dir
+
+
 def hf_logits(path: str | os.PathLike, token_ids: Sequence[int]) -> np.ndarray:
     """The transformers forward of a saved checkpoint over one sequence: f32[T, vocab].
 
