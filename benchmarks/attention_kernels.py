@@ -310,12 +310,21 @@ def main() -> None:
     for name, ql, cl in cases:
         guarded(name, lambda ql=ql, cl=cl: timed(ql, cl))
     if args.sweep and not small:
-        for nw, ns, bk, tp in [(8, 2, 64, 512), (4, 3, 128, 512), (8, 3, 128, 512),
-                               (4, 2, 64, 1024), (8, 2, 128, 1024)]:  # fmt: skip
-            for name, ql, cl in [cases[8], cases[3], cases[11]]:
+        by_name = {name: (ql, cl) for name, ql, cl in cases}
+        decode_sweep = [(4, 2, 64, 256), (4, 3, 64, 512), (8, 2, 128, 256), (4, 2, 32, 512)]
+        for nw, ns, bk, tp in decode_sweep:
+            for name in ("decode_ctx65536_b1", "decode_ctx65536_b8", "decode_ctx16384_b32"):
                 tag = f"sweep_{name}_w{nw}_s{ns}_bk{bk}_tp{tp}"
                 tuning = dict(num_warps=nw, num_stages=ns, block_k_decode=bk, target_programs=tp)
-                guarded(tag, lambda ql=ql, cl=cl, t=tuning: timed(ql, cl, **t))
+                guarded(tag, lambda n=name, t=tuning: timed(*by_name[n], **t))
+        prefill_sweep = [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 3),
+                         (64, 32, 8, 3)]  # fmt: skip
+        for rows, bk, nw, ns in prefill_sweep:
+            name = f"prefill_chunk{pf}_fresh"
+            tag = f"sweep_{name}_rows{rows}_bk{bk}_w{nw}_s{ns}"
+            tuning = dict(rows_prefill=rows, block_k_prefill=bk, num_warps_prefill=nw,
+                          num_stages_prefill=ns)  # fmt: skip
+            guarded(tag, lambda n=name, t=tuning: timed(*by_name[n], **t))
     if not args.skip_torch and not small:
         guarded("torch_sdpa_flash", lambda: torch_sdpa(cases))
         t = summary.get("torch_sdpa_flash", {})
