@@ -188,18 +188,18 @@ def check_decode() -> dict:
 # ----------------------------------------------------------------------------- timings
 
 
-def time_prefill(batch, seq_len, precision, *, reference: bool) -> dict:
+def time_prefill(batch, seq_len, precision, *, reference: bool, **tuning) -> dict:
     qsl, src, dst, ck_off, ck_slot, num_seqs, num_slots = _prefill_batch(batch, seq_len)
     acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
     pool = _pool(jax.random.PRNGKey(5), num_slots)
     slots = (qsl, src, dst, ck_off, ck_slot, num_seqs)
     out = {}
-    kernel = functools.partial(gpu.gdn_prefill, precision=precision, interpret=INTERPRET)
+    kernel = functools.partial(gpu.gdn_prefill, precision=precision, interpret=INTERPRET, **tuning)
 
     def step(fn):
         return lambda st, acts, slots: fn(*acts, st, *slots)[1]
 
-    t = _time_loop(step(kernel), pool, (acts, slots), iters=3)
+    t = _time_loop(step(kernel), pool, (acts, slots), iters=10)
     out["pallas_ms"] = 1e3 * t
     out["pallas_Mtok_per_s"] = batch * seq_len / t / 1e6
     if reference:
@@ -255,9 +255,9 @@ def time_fla(prefill_shapes, decode_rows) -> dict:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / iters  # ms
 
-    def inputs(b, t):
-        q = torch.randn(b, t, HK, D, device=dev, dtype=torch.bfloat16)
-        k = torch.randn(b, t, HK, D, device=dev, dtype=torch.bfloat16)
+    def inputs(b, t, hk=HK):
+        q = torch.randn(b, t, hk, D, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(b, t, hk, D, device=dev, dtype=torch.bfloat16)
         v = torch.randn(b, t, HV, D, device=dev, dtype=torch.bfloat16)
         g = torch.nn.functional.logsigmoid(torch.randn(b, t, HV, device=dev, dtype=torch.float32))
         beta = torch.rand(b, t, HV, device=dev, dtype=torch.float32).sigmoid()
@@ -270,13 +270,15 @@ def time_fla(prefill_shapes, decode_rows) -> dict:
 
     for b, t in prefill_shapes:
         try:
-            ms = cuda_time(functools.partial(call, chunk_gated_delta_rule, *inputs(b, t)), 3)
+            ms = cuda_time(functools.partial(call, chunk_gated_delta_rule, *inputs(b, t)), 10)
             out[f"prefill_B{b}_T{t}_ms"] = ms
         except Exception as e:  # noqa: BLE001
             out[f"prefill_B{b}_T{t}"] = f"failed: {type(e).__name__}: {e}"
     for rows in decode_rows:
         try:
-            fn = functools.partial(call, fused_recurrent_gated_delta_rule, *inputs(rows, 1))
+            # q/k repeated to the value heads: FLA 0.6.0's fused_recurrent with fewer key
+            # than value heads hit an illegal address at B >= 64 on an H200.
+            fn = functools.partial(call, fused_recurrent_gated_delta_rule, *inputs(rows, 1, hk=HV))
             ms = cuda_time(fn, 50)
             out[f"decode_B{rows}_us"] = 1e3 * ms
         except Exception as e:  # noqa: BLE001
@@ -291,6 +293,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
     p.add_argument("--skip-floors", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="prefill tuning sweep at B1 T4096")
     args = p.parse_args()
     global INTERPRET
     INTERPRET = args.interpret
@@ -320,6 +323,20 @@ def main() -> None:
                 f"prefill_B{b}_T{t}_{name}",
                 lambda b=b, t=t, prec=prec, name=name: time_prefill(
                     b, t, prec, reference=(b, t) == prefill_shapes[0] and name == "f32"
+                ),
+            )
+    if args.sweep:
+        prec = PRECISIONS["tf32"]
+        for nw, ns, bv in [(4, 1, 16), (4, 2, 32), (8, 1, 32), (4, 1, 64), (8, 2, 64), (2, 1, 16)]:
+            guarded(
+                f"sweep_tf32_w{nw}_s{ns}_bv{bv}",
+                lambda nw=nw, ns=ns, bv=bv: time_prefill(
+                    *prefill_shapes[0],
+                    prec,
+                    reference=False,
+                    num_warps=nw,
+                    num_stages=ns,
+                    block_v=bv,
                 ),
             )
     for rows in decode_rows:

@@ -39,6 +39,7 @@ from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
     causal_conv1d_update_reference,
 )
+from pallas_kernels.gdn import fused_decode
 from pallas_kernels.gdn import gpu as gdn_gpu
 from pallas_kernels.gdn import tpu as gdn_tpu
 from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_reference
@@ -53,6 +54,8 @@ class Ops:
     gdn_decode: Callable
     write_kv: Callable
     paged_attention: Callable
+    # Decode: conv1d update + gated delta rule in one pass (one kernel where one exists).
+    conv_gdn_decode: Callable = fused_decode.conv_gdn_decode_reference
     # Kimi-Linear (defaults: the reference ops, so backends opt in one kernel at a time).
     kda_prefill: Callable = kda_prefill_reference
     kda_decode: Callable = kda_decode_reference
@@ -94,6 +97,9 @@ BACKENDS: dict[str, Ops] = {
         conv1d_update=_interpret(conv1d_tpu.causal_conv1d_update),
         gdn_prefill=_interpret(gdn_tpu.gdn_prefill),
         gdn_decode=_interpret(gdn_tpu.gdn_decode),
+        conv_gdn_decode=fused_decode.composed_conv_gdn_decode(
+            _interpret(conv1d_tpu.causal_conv1d_update), _interpret(gdn_tpu.gdn_decode)
+        ),
         paged_attention=_interpret(attention_tpu.ragged_paged_attention),
         # write_kv: the XLA scatter on every backend (in place on the donated cache).
     ),
@@ -120,6 +126,14 @@ BACKENDS: dict[str, Ops] = {
             tpu=attention_tpu.ragged_paged_attention,
             gpu=attention_gpu.ragged_paged_attention,
             other=ragged_paged_attention_reference,
+        ),
+        # TPU: the two Mosaic kernels in turn (a fused TPU kernel is still to come).
+        conv_gdn_decode=_by_platform(
+            tpu=fused_decode.composed_conv_gdn_decode(
+                conv1d_tpu.causal_conv1d_update, gdn_tpu.gdn_decode
+            ),
+            gpu=fused_decode.conv_gdn_decode,
+            other=fused_decode.conv_gdn_decode_reference,
         ),
     ),
 }

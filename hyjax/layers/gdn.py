@@ -61,20 +61,18 @@ class GatedDeltaNet(nnx.Module):
         slots = (batch.src_slot, batch.dst_slot)
         gates = (self.A_log[...], self.dt_bias[...])
         ckpt = (batch.ckpt_offsets, batch.ckpt_slots, batch.num_seqs)
-        if decode_only:
-            mixed, conv_state = ops.conv1d_update(
-                mixed, self.conv1d[...], conv_state, *slots, *ckpt
-            )
+        if decode_only:  # one token per row: conv and delta rule in one pass over the slots
+            o, conv_state, ssm_state = ops.conv_gdn_decode(
+                mixed, self.conv1d[...], conv_state, a, b, *gates, ssm_state, *slots, *ckpt,
+                num_k_heads=hk,
+            )  # fmt: skip
         else:
             mixed, conv_state = ops.conv1d_prefill(
                 mixed, self.conv1d[...], conv_state, batch.query_start_loc, *slots, *ckpt
             )
-        q = mixed[:, : hk * dk].reshape(n, hk, dk)
-        k = mixed[:, hk * dk : 2 * hk * dk].reshape(n, hk, dk)
-        v = mixed[:, 2 * hk * dk :].reshape(n, hv, dv)
-        if decode_only:
-            o, ssm_state = ops.gdn_decode(q, k, v, a, b, *gates, ssm_state, *slots, *ckpt)
-        else:
+            q = mixed[:, : hk * dk].reshape(n, hk, dk)
+            k = mixed[:, hk * dk : 2 * hk * dk].reshape(n, hk, dk)
+            v = mixed[:, 2 * hk * dk :].reshape(n, hv, dv)
             o, ssm_state = ops.gdn_prefill(
                 q, k, v, a, b, *gates, ssm_state, batch.query_start_loc, *slots, *ckpt
             )

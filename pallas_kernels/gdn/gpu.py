@@ -177,19 +177,69 @@ def _gate_params(A_log, dt_bias):
 # ----------------------------------------------------------------------------- prefill
 
 
-def _prefill_kernel(
+def _window(start, length, num_tokens: int):
+    """The 64-row window of a chunk (start clamped in bounds) and its valid-row mask."""
+    w0 = jnp.minimum(start, num_tokens - CHUNK)
+    tok = w0 + jnp.arange(CHUNK, dtype=jnp.int32)
+    return pl.ds(w0, CHUNK), tok, (tok >= start) & (tok < start + length)
+
+
+def _intra_kernel(
+    c_start_ref, c_len_ref,  # i32[NC]
+    gates_ref,  # f32[2, Hv]
+    k_ref,  # [Tp, Hk, Dk]
+    v_ref,  # [Tp, Hv, Dv]
+    a_ref, b_ref,  # [Tp, Hv]
+    w_ref,  # f32[Tp, Hv, Dk]  out: W = T (beta e^gam k), token-major, valid rows only
+    u_ref,  # f32[Tp, Hv, Dv]  out: U = T (beta v)
+    gam_ref,  # f32[Tp, Hv]     out: cumulative log-decay inside the chunk
+    *, ratio: int, precision,
+):  # fmt: skip
+    """Kernel 1, one program per (chunk, value head), all in parallel: the chunk's UT form."""
+    ci, h = pl.program_id(0), pl.program_id(1)
+    start, length = c_start_ref[ci], c_len_ref[ci]
+    num_tokens = k_ref.shape[0]
+
+    @pl.when(length > 0)
+    def _():
+        win, _, valid = _window(start, length, num_tokens)
+        c = CHUNK
+        ii = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+        jj = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+        mm = functools.partial(_mm, precision=precision)
+        k = pltr.load(k_ref.at[win, h // ratio, :], mask=valid[:, None], other=0.0)
+        k = _l2norm(k.astype(jnp.float32))
+        v = pltr.load(v_ref.at[win, h, :], mask=valid[:, None], other=0.0).astype(jnp.float32)
+        a = pltr.load(a_ref.at[win, h], mask=valid, other=0.0)
+        b = pltr.load(b_ref.at[win, h], mask=valid, other=0.0)
+        g, beta = _gates(gates_ref, h, a, b)
+        g = jnp.where(valid, g, 0.0)
+        beta = jnp.where(valid, beta, 0.0)
+        gam = jnp.cumsum(g)  # [C]
+        decay = jnp.exp(jnp.where(ii > jj, gam[:, None] - gam[None, :], -1e30))
+        a_mat = beta[:, None] * mm(k, k, ((1,), (1,))) * decay  # strictly lower [C, C]
+        tm = _unit_lower_inverse(a_mat, ii, jj, lambda x, y: mm(x, y, ((1,), (0,))))
+        w = mm(tm, k * (beta * jnp.exp(gam))[:, None], ((1,), (0,)))  # [C, Dk]
+        u = mm(tm, v * beta[:, None], ((1,), (0,)))  # [C, Dv]
+        pltr.store(w_ref.at[win, h, :], w, mask=valid[:, None])
+        pltr.store(u_ref.at[win, h, :], u, mask=valid[:, None])
+        pltr.store(gam_ref.at[win, h], gam, mask=valid)
+
+
+def _scan_kernel(
     row_first_ref, row_chunks_ref,  # i32[S]: first chunk of each row in the plan, chunk count
     c_start_ref, c_len_ref, c_end_ref,  # i32[NC]
     src_ref, dst_ref, ck_off_ref, ck_slot_ref,  # i32[S], i32[S], i32[S, M] x2
-    gates_ref,  # f32[2, Hv]
     q_ref, k_ref,  # [Tp, Hk, Dk]
-    v_ref,  # [Tp, Hv, Dv]
-    a_ref, b_ref,  # [Tp, Hv]
+    w_ref,  # f32[Tp, Hv, Dk]
+    u_ref,  # f32[Tp, Hv, Dv]
+    gam_ref,  # f32[Tp, Hv]
     pool_in,  # f32[num_slots, Hv, Dk, Dv]
     o_ref,  # [Tp, Hv, Dv]  (rows outside every chunk are left unwritten)
     pool_out,
     *, bv: int, ratio: int, scale: float, precision,
 ):  # fmt: skip
+    """Kernel 2, one program per (row, value head, Dv block): the state walks the chunks."""
     r, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     vs = pl.ds(vb * bv, bv)
     num_tokens, _, dk = q_ref.shape
@@ -199,9 +249,7 @@ def _prefill_kernel(
     c = CHUNK
     ii = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     jj = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-
-    def mm(x, y, contract=((1,), (0,))):
-        return _mm(x, y, contract, precision)
+    mm = functools.partial(_mm, precision=precision)
 
     read = jnp.full((dk, bv), (n_chunks > 0) & (src > 0))
     s0 = pltr.load(pool_in.at[src, h, :, vs], mask=read, other=0.0)  # [Dk, BV]
@@ -209,31 +257,21 @@ def _prefill_kernel(
     def chunk_step(i, s):
         ci = row_first_ref[r] + i
         start, length, end = c_start_ref[ci], c_len_ref[ci], c_end_ref[ci]
-        w0 = jnp.minimum(start, num_tokens - c)  # window start, clamped in bounds
-        tok = w0 + jnp.arange(c, dtype=jnp.int32)
-        valid = (tok >= start) & (tok < start + length)  # [C]
-        win = pl.ds(w0, c)
-        q = pltr.load(q_ref.at[win, hk, :], mask=valid[:, None], other=0.0).astype(jnp.float32)
-        k = pltr.load(k_ref.at[win, hk, :], mask=valid[:, None], other=0.0).astype(jnp.float32)
-        v = pltr.load(v_ref.at[win, h, vs], mask=valid[:, None], other=0.0).astype(jnp.float32)
-        a = pltr.load(a_ref.at[win, h], mask=valid, other=0.0)
-        b = pltr.load(b_ref.at[win, h], mask=valid, other=0.0)
-        q = _l2norm(q) * scale
-        k = _l2norm(k)
-        g, beta = _gates(gates_ref, h, a, b)
-        g = jnp.where(valid, g, 0.0)
-        beta = jnp.where(valid, beta, 0.0)
-        gam = jnp.cumsum(g)  # [C]
-        gam_last = jnp.sum(g)
-        decay = jnp.exp(jnp.where(ii >= jj, gam[:, None] - gam[None, :], -1e30))
-        a_mat = jnp.where(ii > jj, beta[:, None] * mm(k, k, ((1,), (1,))) * decay, 0.0)
-        tm = _unit_lower_inverse(a_mat, ii, jj, mm)
-        eg = jnp.exp(gam)[:, None]
-        w = mm(tm, k * (beta[:, None] * eg))  # [C, Dk]
-        u = mm(tm, v * beta[:, None])  # [C, BV]
-        vnew = u - mm(w, s)
-        qk = mm(q, k, ((1,), (1,))) * decay
-        o = mm(q * eg, s) + mm(qk, vnew)
+        win, tok, valid = _window(start, length, num_tokens)
+        q = pltr.load(q_ref.at[win, hk, :], mask=valid[:, None], other=0.0)
+        k = pltr.load(k_ref.at[win, hk, :], mask=valid[:, None], other=0.0)
+        q = _l2norm(q.astype(jnp.float32)) * scale
+        k = _l2norm(k.astype(jnp.float32))
+        w = pltr.load(w_ref.at[win, h, :], mask=valid[:, None], other=0.0)  # [C, Dk]
+        u = pltr.load(u_ref.at[win, h, vs], mask=valid[:, None], other=0.0)  # [C, BV]
+        gam = pltr.load(gam_ref.at[win, h], mask=valid, other=0.0)  # [C]
+        gam_last = jnp.sum(jnp.where(tok == start + length - 1, gam, 0.0))
+        # Invalid rows read gam = 0: mask them out of the decay (no exp overflow).
+        both = valid[:, None] & valid[None, :] & (ii >= jj)
+        decay = jnp.exp(jnp.where(both, gam[:, None] - gam[None, :], -1e30))
+        vnew = u - mm(w, s, ((1,), (0,)))  # [C, BV]
+        qk = mm(q, k, ((1,), (1,))) * decay  # [C, C]
+        o = mm(q * jnp.exp(gam)[:, None], s, ((1,), (0,))) + mm(qk, vnew, ((1,), (0,)))
         pltr.store(o_ref.at[win, h, vs], o.astype(o_ref.dtype), mask=valid[:, None])
         k_dec = k * jnp.exp(gam_last - gam)[:, None]
         s = s * jnp.exp(gam_last) + mm(k_dec, vnew, ((0,), (0,)))
@@ -311,25 +349,41 @@ def gdn_prefill(
     def padded(x):
         return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
 
+    q, k, v, a, b = map(padded, (q, k, v, a, b))
+    tp = n + pad
+    gates = _gate_params(A_log, dt_bias)
+    f32 = jnp.float32
+    w, u, gam = pl.pallas_call(
+        functools.partial(_intra_kernel, ratio=hv // hk, precision=precision),
+        grid=(nc, hv),
+        out_shape=[
+            jax.ShapeDtypeStruct((tp, hv, dk), f32),
+            jax.ShapeDtypeStruct((tp, hv, dv), f32),
+            jax.ShapeDtypeStruct((tp, hv), f32),
+        ],
+        compiler_params=_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="gdn_prefill_intra_gpu",
+    )(plan.start, plan.length, gates, k, v, a, b)
     args = (
         row_first, row_chunks, plan.start, plan.length, plan.end,
         src_slot.astype(jnp.int32), dst_slot.astype(jnp.int32),
         ckpt_offsets.astype(jnp.int32), ckpt_slots.astype(jnp.int32),
-        _gate_params(A_log, dt_bias), *map(padded, (q, k, v, a, b)), state,
+        q, k, w, u, gam, state,
     )  # fmt: skip
     kernel = functools.partial(
-        _prefill_kernel, bv=bv, ratio=hv // hk, scale=float(dk) ** -0.5, precision=precision
+        _scan_kernel, bv=bv, ratio=hv // hk, scale=float(dk) ** -0.5, precision=precision
     )
     o, state = pl.pallas_call(
         kernel,
         grid=(rows, hv, dv // bv),
         out_shape=[
-            jax.ShapeDtypeStruct((n + pad, hv, dv), v.dtype),
+            jax.ShapeDtypeStruct((tp, hv, dv), v.dtype),
             jax.ShapeDtypeStruct(state.shape, state.dtype),
         ],
         input_output_aliases={len(args) - 1: 1},
         compiler_params=_compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name="gdn_prefill_gpu",
+        name="gdn_prefill_scan_gpu",
     )(*args)
     return jnp.where(plan.live[:, None, None], o[:n], 0).astype(v.dtype), state

@@ -1,0 +1,85 @@
+"""Fused conv1d + gated-delta-rule decode (GPU kernel, Pallas interpret mode) vs the reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.gdn import fused_decode
+from tests.pallas_kernels.ragged_cases import assert_close
+
+
+def _case(rng, *, hk, hv, dk, dv, kernel, dtype):
+    rows, num_seqs, m, num_slots = 7, 5, 2, 16
+    c = 2 * hk * dk + hv * dv
+    mixed = jnp.asarray(rng.normal(size=(rows, c)), dtype)
+    weight = jnp.asarray(rng.normal(size=(c, kernel)) * 0.5, dtype)
+    a, b = (jnp.asarray(x, dtype) for x in rng.normal(size=(2, rows, hv)))
+    A_log = jnp.asarray(rng.normal(size=hv), jnp.float32)
+    dt_bias = jnp.asarray(rng.normal(size=hv), jnp.float32)
+    # rows: 0 in place (src == dst), 1 reads without writing, 2 from zero, 3 and 4 read a
+    # shared slot and write their own; 5, 6 are padding. Slots nobody reads hold NaN.
+    src = np.array([1, 2, 0, 3, 3, 0, 0], np.int32)
+    dst = np.array([1, 0, 6, 7, 8, 0, 0], np.int32)
+    ck_off = np.zeros((rows, m), np.int32)
+    ck_slot = np.zeros((rows, m), np.int32)
+    ck_off[0], ck_slot[0] = [1, 1], [10, 11]  # two checkpoints after the one token
+    ck_off[3, 1], ck_slot[3, 1] = 0, 12  # offset 0: no write
+    ck_off[4, 0], ck_slot[4, 0] = 1, 13
+    conv = np.full((num_slots, kernel - 1, c), np.nan, np.float32)
+    ssm = np.full((num_slots, hv, dk, dv), np.nan, np.float32)
+    for s in (1, 2, 3):
+        conv[s] = rng.normal(size=(kernel - 1, c))
+        ssm[s] = rng.normal(size=(hv, dk, dv))
+    slots = [jnp.asarray(x) for x in (src, dst, ck_off, ck_slot)]
+    return (
+        mixed, weight, jnp.asarray(conv, dtype), a, b, A_log, dt_bias, jnp.asarray(ssm),
+        *slots, jnp.int32(num_seqs),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "hk,hv,dk,dv,kernel,bv,dtype",
+    [(2, 4, 16, 16, 4, 8, jnp.float32), (1, 3, 16, 8, 3, None, jnp.float32),
+     (2, 4, 16, 16, 4, 16, jnp.bfloat16)],
+    ids=["gva2_bv8_f32", "gva3_k3_f32", "gva2_bf16"],
+)  # fmt: skip
+def test_fused_decode_matches_reference(hk, hv, dk, dv, kernel, bv, dtype):
+    rng = np.random.default_rng(hk * 100 + hv + kernel)
+    args = _case(rng, hk=hk, hv=hv, dk=dk, dv=dv, kernel=kernel, dtype=dtype)
+    ref = jax.jit(lambda *x: fused_decode.conv_gdn_decode_reference(*x, num_k_heads=hk))
+    got_fn = jax.jit(
+        lambda *x: fused_decode.conv_gdn_decode(*x, num_k_heads=hk, block_v=bv, interpret=True)
+    )
+    want = ref(*args)
+    got = got_fn(*args)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for name, g, w in zip(["outputs", "conv state", "ssm state"], got, want):
+        assert_close(g, w, rtol=tol, atol=tol, what=name)
+    # The untouched slots stay poisoned; slot 0 is never written.
+    assert np.isnan(np.asarray(got[2], np.float32)[[0, 4, 5, 9, 12, 14, 15]]).all()
+    assert np.isnan(np.asarray(got[1], np.float32)[[0, 4, 5, 9, 12, 14, 15]]).all()
+
+
+def test_fused_decode_rejects_bad_channel_count():
+    z = jnp.zeros
+    with pytest.raises(ValueError, match=r"mixed \(2, 10\) must be \[S, 2\*Hk\*Dk \+ Hv\*Dv = 12"):
+        fused_decode.conv_gdn_decode_reference(
+            z((2, 10)), z((12, 4)), z((3, 3, 12)), z((2, 1)), z((2, 1)), z(1), z(1),
+            z((3, 1, 4, 4)), z(2, jnp.int32), z(2, jnp.int32), z((2, 1), jnp.int32),
+            z((2, 1), jnp.int32), jnp.int32(2), num_k_heads=1,
+        )  # fmt: skip
+
+
+def test_fused_decode_lowers_to_triton_at_80b_shapes():
+    hk, hv, d, rows, m = 16, 32, 128, 8, 2
+    c = 2 * hk * d + hv * d
+    sd = jax.ShapeDtypeStruct
+    bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    args = (
+        sd((rows, c), bf), sd((c, 4), bf), sd((6, 3, c), bf), sd((rows, hv), bf),
+        sd((rows, hv), bf), sd((hv,), f32), sd((hv,), f32), sd((6, hv, d, d), f32),
+        sd((rows,), i32), sd((rows,), i32), sd((rows, m), i32), sd((rows, m), i32), sd((), i32),
+    )  # fmt: skip
+    fn = jax.jit(lambda *x: fused_decode.conv_gdn_decode(*x, num_k_heads=hk))
+    assert "triton" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
