@@ -30,7 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import device_name
-from pallas_kernels.gdn import gpu
+from pallas_kernels.conv1d.reference import (
+    causal_conv1d_prefill_reference,
+    causal_conv1d_update_reference,
+)
+from pallas_kernels.gdn import fused_decode, gpu
 from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_reference
 
 HK, HV, D = 16, 32, 128
@@ -232,6 +236,87 @@ def time_decode(rows) -> dict:
     }
 
 
+CONV_C, CONV_K = 2 * HK * D + HV * D, 4  # conv channels of Qwen3-Next-80B's linear layers
+
+
+def _fused_inputs(rows, key=8):
+    ks = jax.random.split(jax.random.PRNGKey(key), 4)
+    mixed = jax.random.normal(ks[0], (rows, CONV_C), jnp.bfloat16)
+    weight = 0.5 * jax.random.normal(ks[1], (CONV_C, CONV_K), jnp.bfloat16)
+    conv = jax.random.normal(ks[2], (rows + 1, CONV_K - 1, CONV_C), jnp.bfloat16)
+    _, _, _, a, b, A_log, dt_bias = _activations(ks[3], rows)
+    return mixed, weight, conv, a, b, A_log, dt_bias
+
+
+def check_fused_decode() -> dict:
+    rows = 16
+    mixed, weight, conv, a, b, A_log, dt_bias = _fused_inputs(rows)
+    ssm = _pool(jax.random.PRNGKey(9), rows + 1)
+    src = jnp.arange(1, rows + 1, dtype=jnp.int32).at[3].set(0)
+    dst = jnp.arange(1, rows + 1, dtype=jnp.int32).at[5].set(0)  # in place (src == dst)
+    ck_off = jnp.zeros((rows, 2), jnp.int32)
+    ck_slot = jnp.zeros((rows, 2), jnp.int32)
+    args = (mixed, weight, conv, a, b, A_log, dt_bias, ssm, src, dst, ck_off, ck_slot,
+            jnp.int32(rows - 2))  # fmt: skip
+    ref = functools.partial(fused_decode.conv_gdn_decode_reference, num_k_heads=HK)
+    want = jax.jit(ref)(*args)
+    kernel = functools.partial(fused_decode.conv_gdn_decode, num_k_heads=HK, interpret=INTERPRET)
+    got = jax.jit(kernel)(*args)
+    return {
+        f"{name}_err_ratio": _err_ratio(g, w)
+        for name, g, w in zip(["output", "conv_state", "ssm_state"], got, want)
+    }
+
+
+def time_fused_decode(rows) -> dict:
+    """Fused conv + delta rule vs XLA conv update + the GDN decode kernel vs the references."""
+    mixed, weight, conv, a, b, A_log, dt_bias = _fused_inputs(rows)
+    slots = (
+        1 + jnp.arange(rows, dtype=jnp.int32), 1 + jnp.arange(rows, dtype=jnp.int32),
+        jnp.zeros((rows, 2), jnp.int32), jnp.zeros((rows, 2), jnp.int32), jnp.int32(rows),
+    )  # fmt: skip
+    unfused = fused_decode.composed_conv_gdn_decode(
+        causal_conv1d_update_reference, functools.partial(gpu.gdn_decode, interpret=INTERPRET)
+    )
+    fns = {
+        "fused": functools.partial(
+            fused_decode.conv_gdn_decode, num_k_heads=HK, interpret=INTERPRET
+        ),
+        "xla_conv_then_kernel": functools.partial(unfused, num_k_heads=HK),
+        "reference": functools.partial(fused_decode.conv_gdn_decode_reference, num_k_heads=HK),
+    }
+    out = {}
+    for name, fn in fns.items():
+
+        def step(st, ops, fn=fn):
+            conv, ssm = st
+            _, conv, ssm = fn(ops[0], ops[1], conv, *ops[2:6], ssm, *slots)
+            return conv, ssm
+
+        state = (conv, _pool(jax.random.PRNGKey(7), rows + 1))
+        t = _time_loop(step, state, (mixed, weight, a, b, A_log, dt_bias), iters=50)
+        out[f"{name}_us"] = 1e6 * t
+    moved = 2 * rows * (HV * D * D * 4 + (CONV_K - 1) * CONV_C * 2)
+    out["fused_state_GBps"] = moved / (out["fused_us"] * 1e-6) / 1e9
+    return out
+
+
+def time_conv_prefill(seq_len) -> dict:
+    """The XLA conv1d prefill (the GPU path today) against its bytes floor."""
+    x = jax.random.normal(jax.random.PRNGKey(10), (seq_len, CONV_C), jnp.bfloat16)
+    weight = 0.5 * jax.random.normal(jax.random.PRNGKey(11), (CONV_C, CONV_K), jnp.bfloat16)
+    conv = jnp.zeros((3, CONV_K - 1, CONV_C), jnp.bfloat16)
+    slots = (jnp.array([0, seq_len], jnp.int32), jnp.array([1], jnp.int32),
+             jnp.array([2], jnp.int32), jnp.zeros((1, 2), jnp.int32),
+             jnp.zeros((1, 2), jnp.int32), jnp.int32(1))  # fmt: skip
+
+    def step(conv, ops):
+        return causal_conv1d_prefill_reference(ops[0], ops[1], conv, *slots)[1]
+
+    t = _time_loop(step, conv, (x, weight), iters=20)
+    return {"reference_us": 1e6 * t, "bytes_moved_MB": 2 * x.nbytes / 1e6}
+
+
 def time_fla(prefill_shapes, decode_rows) -> dict:
     try:
         import torch
@@ -314,6 +399,7 @@ def main() -> None:
     if not args.skip_floors:
         guarded("floors", floors)
     guarded("check_decode", check_decode)
+    guarded("check_fused_decode", check_fused_decode)
     precisions = {k: PRECISIONS[k] for k in args.precisions.split(",")}
     for name, prec in precisions.items():
         guarded(f"check_prefill_{name}", lambda prec=prec: check_prefill(prec))
@@ -341,6 +427,10 @@ def main() -> None:
             )
     for rows in decode_rows:
         guarded(f"decode_B{rows}", lambda rows=rows: time_decode(rows))
+    for rows in decode_rows:
+        guarded(f"fused_decode_B{rows}", lambda rows=rows: time_fused_decode(rows))
+    for t in sorted({t for _, t in prefill_shapes}):
+        guarded(f"conv_prefill_T{t}", lambda t=t: time_conv_prefill(t))
     guarded("fla", lambda: time_fla(prefill_shapes, decode_rows))
     bw = summary.get("floors", {}).get("copy_bandwidth_GBps")
     if bw:
