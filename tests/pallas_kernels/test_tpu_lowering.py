@@ -1,0 +1,59 @@
+"""The Mosaic TPU kernels lower for a TPU at Qwen3-Next-80B shapes, on this CPU machine.
+
+No TPU is reachable from CI, so the interpret-mode tests check the kernels' arithmetic and
+this test checks that Pallas' Mosaic lowering accepts them (block shapes, layouts, the ops
+used) for a real chip: the lowering asks ``tpu_info`` which chip it targets, and JAX's
+registry of device kinds lets the CPU device stand for one. (What only libtpu checks, at
+compile time on a TPU, stays unchecked here.)
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.pallas.mosaic import tpu_info
+
+from pallas_kernels.conv1d import tpu as conv1d_tpu
+from pallas_kernels.gdn import tpu as gdn_tpu
+
+HK, HV, D, CONV_C = 16, 32, 128, 2 * 16 * 128 + 32 * 128
+ROWS, M, TOKENS, SLOTS = 4, 2, 256, 8
+sd = jax.ShapeDtypeStruct
+BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+SLOT_ARGS = [sd((ROWS,), I32)] * 2 + [sd((ROWS, M), I32)] * 2 + [sd((), I32)]
+
+
+@pytest.fixture(params=["v5e", "v6e"])
+def as_tpu(request):
+    """The CPU device kind stands for the given chip while lowering."""
+    chip = tpu_info.ChipVersion(request.param)
+    tpu_info.registry["cpu"] = lambda: tpu_info._get_tpu_info_impl(chip, 1)
+    tpu_info.get_tpu_info.cache_clear()
+    yield
+    del tpu_info.registry["cpu"]
+    tpu_info.get_tpu_info.cache_clear()
+
+
+def _gdn_args(t, prefill):
+    acts = [sd((t, HK, D), BF)] * 2 + [sd((t, HV, D), BF)] + [sd((t, HV), BF)] * 2
+    qsl = [sd((ROWS + 1,), I32)] if prefill else []
+    return [*acts, sd((HV,), F32), sd((HV,), F32), sd((SLOTS, HV, D, D), F32), *qsl, *SLOT_ARGS]
+
+
+def _conv_args(t, prefill):
+    qsl = [sd((ROWS + 1,), I32)] if prefill else []
+    return [sd((t, CONV_C), BF), sd((CONV_C, 4), BF), sd((SLOTS, 3, CONV_C), BF), *qsl, *SLOT_ARGS]
+
+
+@pytest.mark.parametrize(
+    "kernel,args",
+    [
+        (gdn_tpu.gdn_prefill, _gdn_args(TOKENS, True)),
+        (gdn_tpu.gdn_decode, _gdn_args(ROWS, False)),
+        (conv1d_tpu.causal_conv1d_prefill, _conv_args(TOKENS, True)),
+        (conv1d_tpu.causal_conv1d_update, _conv_args(ROWS, False)),
+    ],
+    ids=["gdn_prefill", "gdn_decode", "conv1d_prefill", "conv1d_update"],
+)
+def test_kernel_lowers_to_mosaic(as_tpu, kernel, args):
+    lowered = jax.jit(kernel).trace(*args).lower(lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
