@@ -15,21 +15,27 @@ grid = (S, Hv, Dv // BV); a program owns ``state[:, h, :, v0:v0+BV]`` of one row
     pool[dst, h, :, vblk] = S   (masked store: dst 0 writes nothing)
     pool[ckpt_slots[m], ...] = S where ckpt_offsets[m] == 1
 
-Prefill (chunked WY/UT form, one program per row, value head and Dv block)
---------------------------------------------------------------------------
-grid = (S, Hv, Dv // BV); the program walks its row's chunks in order (the chunk plan of
-:mod:`pallas_kernels.common.chunking`: chunks never straddle sequences or checkpoint
-offsets), keeping ``S [Dk, BV]`` in registers. A chunk is read as a 64-row window whose start
-is clamped into ``[0, T - 64]``; rows outside the chunk are masked to zero, which is exact
-(``g = beta = 0`` rows contribute nothing)::
+Prefill (chunked WY/UT form, two launches)
+------------------------------------------
+The chunk plan of :mod:`pallas_kernels.common.chunking` cuts the ragged batch into chunks of
+at most 64 tokens that never straddle sequences or checkpoint offsets. A chunk is read as a
+64-row window whose start is clamped into ``[0, T - 64]``; rows outside the chunk are masked
+to zero, which is exact (``g = beta = 0`` rows contribute nothing)::
 
     tokens:   ... | x x x [c c c c c] x x ... |        window = 64 rows starting at s0
     rows:          0 ...  ^start-s0  ^end-s0     63     mask = start <= s0 + i < start + len
 
-Each program recomputes the chunk's ``Tm = (I + A)^-1``, ``W`` (Dv / BV times per head);
-splitting into FLA's three kernels (intra-chunk parallel, inter-chunk scan, output) is the
-next step for long prompts. Requirements: ``Dk`` and ``BV`` powers of two, ``T >= 64`` (the
-wrapper pads shorter batches).
+1. ``_intra_kernel``, grid = (NC, Hv), every chunk in parallel: gates, ``gam = cumsum(g)``,
+   ``A = beta k k^T * decay`` (strictly lower), ``T = (I + A)^-1`` by recursive doubling,
+   ``W = T (beta e^gam k)`` and ``U = T (beta v)``; stored token-major (``[T, Hv, D]``, valid
+   rows only), so the scratch is proportional to the tokens, not to the chunk capacity.
+2. ``_scan_kernel``, grid = (S, Hv, Dv // BV): a program walks its row's chunks in order with
+   ``S [Dk, BV]`` in registers: ``V' = U - W S``, ``o = (q e^gam) S + (q k^T * decay) V'``,
+   ``S = e^gam_last S + (k e^(gam_last - gam))^T V'``, writing checkpoints and ``dst``.
+
+The serial part is two Dk x BV matmuls per chunk plus the output's; the inverse, which
+dominated the single-kernel version, runs once per (chunk, head) in the parallel launch.
+Requirements: ``Dk`` and ``BV`` powers of two, ``T >= 64`` (the wrapper pads shorter batches).
 """
 
 from __future__ import annotations
