@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.attention.reference import check_attention_shapes
-from pallas_kernels.common.ragged import token_seq_ids
+from pallas_kernels.attention.tiles import token_rows, work_list
 
 _MASKED = -1e30  # finite: a row whose keys are all masked gives p = 0, never NaN
 
@@ -123,31 +123,6 @@ def _kernel(
 # ----------------------------------------------------------------------------- work lists
 
 
-def _work_list(q_len, seq_lens, query_start_loc, live_row, *, bq: int, capacity: int):
-    """Tiles of ``bq`` tokens over the rows ``live_row`` selects (one kind: short or long).
-
-    Returns i32[capacity] arrays ``(seq, first token, tokens in tile, first position)`` (tiles
-    past the last one have 0 tokens: their programs do nothing) and i32[S] ``first_tile``::
-
-        q_len = [1, 40, 1, 9], long rows, bq = 8:  tiles 0..4 -> seq 1 (tokens 0, 8, .. 32)
-                                                   tiles 5..6 -> seq 3 (tokens 0, 8)
-                                                   first_tile = [?, 0, ?, 5]
-    """
-    num_rows = q_len.shape[0]
-    n_tiles = jnp.where(live_row, _cdiv(q_len, bq), 0)
-    ends = jnp.cumsum(n_tiles)  # [S]
-    t = jnp.arange(capacity, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, t, side="right"), num_rows - 1).astype(jnp.int32)
-    first_tile = ends - n_tiles
-    local = (t - first_tile[seq]) * bq
-    valid = t < ends[-1]
-    first = query_start_loc[seq] + local
-    nq = jnp.where(valid, jnp.minimum(bq, q_len[seq] - local), 0)
-    pos0 = jnp.where(valid, seq_lens[seq] - q_len[seq] + local, 0)
-    tiles = [x.astype(jnp.int32) for x in (seq, first, nq, pos0)]
-    return tiles, first_tile.astype(jnp.int32)
-
-
 def _splits(capacity: int, num_kv_heads: int, kv_blocks: int, target_programs: int) -> int:
     want = _next_pow2(_cdiv(target_programs, max(1, capacity * num_kv_heads)))
     return max(1, min(want, _next_pow2(kv_blocks)))
@@ -167,13 +142,14 @@ def ragged_paged_attention(
     *,
     scale: float,
     block_k_decode: int = 64,
-    block_k_prefill: int | None = None,
-    rows_prefill: int = 64,
-    target_programs: int = 512,
+    block_k_prefill: int = 64,
+    rows_prefill: int = 128,
+    target_programs: int = 256,
+    max_splits_prefill: int = 4,
     num_warps: int = 4,
     num_stages: int = 2,
     num_warps_prefill: int = 8,
-    num_stages_prefill: int = 2,
+    num_stages_prefill: int = 3,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal GQA attention of every query token over its sequence's paged KV. [T, Hq, D]."""
@@ -187,7 +163,7 @@ def ragged_paged_attention(
     gp = _next_pow2(group)
     bq_short = max(1, 16 // gp)
     bq_long = max(bq_short, rows_prefill // gp)
-    bk_long = block_k_prefill or (64 if d <= 128 else 32)
+    bk_long = block_k_prefill
     t_pad = num_tokens + bq_long  # a tile's row window never runs past the array
 
     # [T, Hq, D] -> [Hkv, Tp * Gp, D]: the rows of one kv head's group are contiguous.
@@ -203,7 +179,7 @@ def ragged_paged_attention(
     q_len = qsl[1:] - qsl[:-1]  # [S]
     live_row = (jnp.arange(num_rows) < n) & (q_len > 0)
     is_short = q_len <= bq_short  # [S]
-    seq_id, local, live = token_seq_ids(qsl, n, num_tokens)  # [T] each
+    seq_id, local, live = token_rows(qsl, n, num_tokens)  # [T] each
     g = jnp.arange(group, dtype=jnp.int32)
 
     cap_long = min(num_rows, num_tokens // (bq_short + 1)) + num_tokens // bq_long
@@ -215,8 +191,10 @@ def ragged_paged_attention(
     for short, bq, bk, cap, warps, stages in launches:
         rows = bq * gp
         splits = _splits(cap, num_kv_heads, _cdiv(max_ctx, bk), target_programs)
+        if not short:  # prefill tiles bring their own parallelism; partials cost cap * rows * D
+            splits = min(splits, max_splits_prefill)
         kind = live_row & (is_short if short else ~is_short)
-        tiles, first_tile = _work_list(q_len, lens, qsl, kind, bq=bq, capacity=cap)
+        tiles, first_tile = work_list(q_len, lens, qsl, kind, bq=bq, capacity=cap)
         kernel = functools.partial(
             _kernel, bq=bq, gp=gp, group=group, block_k=bk, block_size=block_size,
             max_blocks=max_blocks, num_kv_heads=num_kv_heads, splits=splits, scale=scale,
@@ -233,7 +211,7 @@ def ragged_paged_attention(
             interpret=interpret,
             name="ragged_paged_attention_" + ("short" if short else "long"),
         )(*tiles, bt, qg, kf, vf)
-        merged = merge_splits(*part)  # [Hkv, cap * M, D]
+        merged = merge_splits(*part) if splits > 1 else _normalise(part[0][0], part[2][0])
         # token t, head g of the group -> row (tile, token in tile, g) of this launch's output
         tile = first_tile[seq_id] + local // bq  # [T]
         row = (tile * rows + (local % bq) * gp)[:, None] + g[None, :]  # [T, G]
@@ -242,6 +220,11 @@ def ragged_paged_attention(
 
     o = o.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, d)  # [T, Hq, D]
     return jnp.where(live[:, None, None], o, 0.0).astype(q.dtype)
+
+
+def _normalise(o: jax.Array, l: jax.Array) -> jax.Array:
+    """One split: ``o / l`` (rows that saw no key, l = 0, stay 0)."""
+    return o / jnp.where(l > 0, l, 1.0)[..., None]
 
 
 def merge_splits(

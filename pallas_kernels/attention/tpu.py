@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.attention.reference import check_attention_shapes
-from pallas_kernels.common.ragged import token_seq_ids
+from pallas_kernels.attention.tiles import token_rows, work_list
 
 _MASKED = -1e30  # finite: a row whose keys are all masked gets p = 0, never NaN
 
@@ -170,32 +170,6 @@ def _kernel(
             o_ref[h] = (acc_ref[h] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
-def _work_list(query_start_loc, seq_lens, num_seqs, *, bq: int, capacity: int):
-    """Tiles of ``bq`` tokens over the live sequences, in order::
-
-        q_len = [1, 20, 3], bq = 8:   tile 0 -> seq 0 tokens 0..0     tile 3 -> seq 1 16..19
-                                      tile 1 -> seq 1 tokens 0..7     tile 4 -> seq 2 0..2
-                                      tile 2 -> seq 1 tokens 8..15    tiles 5.. -> empty
-
-    Returns i32[capacity] ``(seq, first token, tokens in tile, first position)`` and i32[S]
-    ``first_tile`` of each sequence.
-    """
-    num_rows = seq_lens.shape[0]
-    q_len = query_start_loc[1:] - query_start_loc[:-1]  # [S]
-    n_tiles = jnp.where(jnp.arange(num_rows) < num_seqs, _cdiv(q_len, bq), 0)
-    ends = jnp.cumsum(n_tiles)
-    t = jnp.arange(capacity, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, t, side="right"), num_rows - 1).astype(jnp.int32)
-    first_tile = ends - n_tiles
-    local = (t - first_tile[seq]) * bq
-    valid = t < ends[-1]
-    first = query_start_loc[seq] + local
-    nq = jnp.where(valid, jnp.minimum(bq, q_len[seq] - local), 0)
-    pos0 = jnp.where(valid, seq_lens[seq] - q_len[seq] + local, 0)
-    tiles = [x.astype(jnp.int32) for x in (seq, first, nq, pos0)]
-    return tiles, first_tile.astype(jnp.int32)
-
-
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k_cache: jax.Array,  # [num_blocks, block_size, Hkv, D]
@@ -224,8 +198,10 @@ def ragged_paged_attention(
     capacity = min(num_tokens, num_rows + num_tokens // bq)
     qsl = query_start_loc.astype(jnp.int32)
     n = jnp.asarray(num_seqs, jnp.int32)
-    (tseq, tfirst, tnq, tpos), first_tile = _work_list(
-        qsl, seq_lens.astype(jnp.int32), n, bq=bq, capacity=capacity
+    q_len = qsl[1:] - qsl[:-1]  # [S]
+    live_row = jnp.arange(num_rows) < n
+    (tseq, tfirst, tnq, tpos), first_tile = work_list(
+        q_len, seq_lens.astype(jnp.int32), qsl, live_row, bq=bq, capacity=capacity
     )
 
     # gather query tiles: [NT, BQ] tokens -> [NT, Hkv, G * BQ, D], row g * BQ + t
@@ -270,7 +246,7 @@ def ragged_paged_attention(
     )  # fmt: skip
 
     # scatter back: token t -> tile first_tile[seq] + local // BQ, row g * BQ + local % BQ
-    seq_id, local, live = token_seq_ids(qsl, n, num_tokens)
+    seq_id, local, live = token_rows(qsl, n, num_tokens)
     tile = jnp.clip(first_tile[seq_id] + local // bq, 0, capacity - 1)
     o = ot.reshape(capacity, num_kv_heads, group, bq, d)[tile, :, :, local % bq]  # [T,Hkv,G,D]
     o = o.reshape(num_tokens, num_q_heads, d)
