@@ -15,6 +15,7 @@ from hyjax.cache import init_caches
 from hyjax.models.qwen3_next import Qwen3NextForCausalLM
 from hyjax.ops import BACKENDS, get_ops, resolve_backend
 from hyjax.testing import SeqChunk, make_batch
+from pallas_kernels.attention import tpu as attention_tpu
 
 BS = 16
 RTOL = 1e-4
@@ -93,6 +94,9 @@ def test_interpret_backend_matches_reference(model):
 
 def test_backend_registry():
     assert {"reference", "interpret", "pallas"} <= set(BACKENDS)
+    # the parity test above runs the attention kernel, not the reference op twice
+    interpret_attention = BACKENDS["interpret"].paged_attention
+    assert interpret_attention.func is attention_tpu.ragged_paged_attention
     if jax.default_backend() == "cpu":
         assert resolve_backend("auto") == "reference"
     with pytest.raises(ValueError, match="unknown kernel backend"):
