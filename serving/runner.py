@@ -21,6 +21,7 @@ from hyjax.batch import Batch
 from hyjax.cache import Caches, init_caches, kv_block_bytes, state_slot_bytes
 from hyjax.config import ModelConfig
 from hyjax.ops import Ops, get_ops
+from hyjax.sharding import ShardingPlan, replicate_tree
 from serving.config import SchedulerConfig
 from serving.memory_planner import MemoryPlan, plan_memory
 from serving.plan import StepPlan
@@ -68,6 +69,9 @@ class ModelRunner:
       cache_bytes: bytes for both pools; ``None`` asks the device (90 % of what is free) or,
         on CPU, sizes the pools for ``max_num_seqs`` full-length requests.
       num_checkpoint_slots: state slots kept for checkpoints (``None``: 10 % of the memory).
+      sharding: tensor / expert parallel plan (``hyjax.sharding``): parameters are placed by
+        its rules, the pools split by head, the kernels run under ``shard_map``. Pool sizes
+        and ``cache_bytes`` are then per device.
     """
 
     def __init__(
@@ -79,17 +83,26 @@ class ModelRunner:
         kernel_backend: str = "auto",
         cache_bytes: int | None = None,
         num_checkpoint_slots: int | None = None,
+        sharding: ShardingPlan | None = None,
     ):
         self.cfg = cfg
         self.sched_cfg = sched_cfg
+        self.sharding = sharding
         self.ops = get_ops(kernel_backend)
+        if sharding is not None:
+            model = sharding.shard_model(model)
+            self.ops = sharding.shard_ops(self.ops)
         self.graphdef, self.state = nnx.split(model)
         self.dtype = model.dtype
-        kv_bytes = kv_block_bytes(cfg, sched_cfg.block_size, self.dtype)
-        slot_bytes = state_slot_bytes(cfg, self.dtype)
+        if sharding is not None:
+            kv_bytes, slot_bytes = sharding.pool_bytes(sched_cfg.block_size, self.dtype)
+        else:
+            kv_bytes = kv_block_bytes(cfg, sched_cfg.block_size, self.dtype)
+            slot_bytes = state_slot_bytes(cfg, self.dtype)
         if cache_bytes is None:
+            devices = list(sharding.mesh.devices.flat) if sharding else jax.devices()[:1]
             cache_bytes = _default_cache_bytes(
-                sched_cfg, kv_bytes, slot_bytes, num_checkpoint_slots
+                sched_cfg, kv_bytes, slot_bytes, num_checkpoint_slots, devices
             )
             if jax.devices()[0].platform == "cpu" and num_checkpoint_slots is None:
                 num_checkpoint_slots = 4 * sched_cfg.max_num_seqs
@@ -104,13 +117,16 @@ class ModelRunner:
         )
         for line in self.memory.describe().splitlines():
             log.info(line)
-        self.caches = init_caches(
-            cfg,
+        pools = dict(
             num_blocks=self.memory.num_kv_blocks,
             block_size=sched_cfg.block_size,
             num_slots=self.memory.num_state_slots,
             dtype=self.dtype,
         )
+        if sharding is not None:
+            self.caches = sharding.init_caches(**pools)
+        else:
+            self.caches = init_caches(cfg, **pools)
 
     def warmup(self, *, progress: bool = True) -> float:
         """Compiles every bucket the scheduler can produce. Returns the seconds it took."""
@@ -124,7 +140,11 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step. Returns every row's sampled token and logprobs (padding included)."""
-        arrays = jax.device_put(plan.arrays())  # the step's one host-to-device transfer
+        arrays = plan.arrays()
+        if self.sharding is not None:  # the step's one host-to-device transfer
+            arrays = replicate_tree(arrays, self.sharding.mesh)
+        else:
+            arrays = jax.device_put(arrays)
         self.caches, out = _step(
             self.graphdef, self.ops, plan.shape.decode_only, self.state, self.caches, arrays
         )
@@ -137,13 +157,20 @@ class ModelRunner:
 
 
 def _default_cache_bytes(
-    sched_cfg: SchedulerConfig, kv_bytes: int, slot_bytes: int, num_checkpoint_slots: int | None
+    sched_cfg: SchedulerConfig,
+    kv_bytes: int,
+    slot_bytes: int,
+    num_checkpoint_slots: int | None,
+    devices: list,
 ) -> int:
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return int(free * 0.9)
+    """Bytes for the pools on each of ``devices`` (the least free of them on accelerators)."""
+    free = []
+    for device in devices:
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        if stats and "bytes_limit" in stats:
+            free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    if free:
+        return int(min(free) * 0.9)
     # CPU: every sequence at full length plus 25 % for cached prefixes, the running slots, and
     # the checkpoint slots (given, or four per sequence).
     ckpt = num_checkpoint_slots if num_checkpoint_slots is not None else 4 * sched_cfg.max_num_seqs

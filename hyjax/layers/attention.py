@@ -20,7 +20,12 @@ class GatedAttention(nnx.Module):
     """q/k RMSNorm -> partial RoPE -> paged GQA attention -> ``* sigmoid(gate)`` -> o_proj.
 
     ``q_proj`` rows interleave per head ``[query(D) | gate(D)]``, as the checkpoint stores them.
+    With more tensor-parallel devices than kv heads, each kv head is repeated ``kv_repeat``
+    times after the projection (and cached so), so every device holds the kv head its query
+    heads read.
     """
+
+    kv_repeat: int = 1  # static; set by hyjax.sharding
 
     def __init__(self, cfg: Qwen3NextConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         d, hq, hkv, hd = (
@@ -47,6 +52,9 @@ class GatedAttention(nnx.Module):
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
         k = self.k_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.kv_repeat > 1:  # [T, Hkv * kv_repeat, D], copies of a head side by side
+            k = jnp.repeat(k, self.kv_repeat, axis=1)
+            v = jnp.repeat(v, self.kv_repeat, axis=1)
         rope = dict(rotary_dim=self.rotary_dim, theta=self.rope_theta)
         q = apply_partial_rope(self.q_norm(q), batch.positions, **rope)
         k = apply_partial_rope(self.k_norm(k), batch.positions, **rope)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hyjax.batch import Batch
@@ -23,8 +24,16 @@ class GatedDeltaNet(nnx.Module):
         qkvz row group g (one per key head): | q_g (Dk) | k_g (Dk) | v (r*Dv) | z (r*Dv) |
         ba   row group g:                    | b (r) | a (r) |          r = Hv // Hk
 
-    and are de-interleaved here; the conv channels are ``q (all heads) | k | v``.
+    and are de-interleaved here; the conv channels are ``q (all heads) | k | v``, or, under
+    tensor parallelism over ``conv_shards`` devices, that order within each device's heads::
+
+        | q_0 | k_0 | v_0 | q_1 | k_1 | v_1 | ...     (s: the heads of device s)
+
+    so each device's slice of the channels is a whole local ``q | k | v`` (no resharding
+    around the conv and the kernels; ``hyjax.sharding`` permutes ``conv1d`` to match).
     """
+
+    conv_shards: int = 1  # static; set by hyjax.sharding
 
     def __init__(self, cfg: Qwen3NextConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -56,7 +65,7 @@ class GatedDeltaNet(nnx.Module):
         z = qkvz[..., 2 * dk + r * dv :].reshape(n, hv, dv)
         b, a = ba[..., :r].reshape(n, hv), ba[..., r:].reshape(n, hv)
 
-        mixed = jnp.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=-1)
+        mixed = pack_conv_channels(q, k, v, self.conv_shards)  # [n, C]
         conv_state, ssm_state = cache
         slots = (batch.src_slot, batch.dst_slot)
         gates = (self.A_log[...], self.dt_bias[...])
@@ -70,11 +79,48 @@ class GatedDeltaNet(nnx.Module):
             mixed, conv_state = ops.conv1d_prefill(
                 mixed, self.conv1d[...], conv_state, batch.query_start_loc, *slots, *ckpt
             )
-            q = mixed[:, : hk * dk].reshape(n, hk, dk)
-            k = mixed[:, hk * dk : 2 * hk * dk].reshape(n, hk, dk)
-            v = mixed[:, 2 * hk * dk :].reshape(n, hv, dv)
+            q, k, v = unpack_conv_channels(mixed, (hk, dk), (hv, dv), self.conv_shards)
             o, ssm_state = ops.gdn_prefill(
                 q, k, v, a, b, *gates, ssm_state, batch.query_start_loc, *slots, *ckpt
             )
         o = self.norm(o, z).reshape(n, hv * dv)
         return (conv_state, ssm_state), self.out_proj(o)
+
+
+def pack_conv_channels(
+    q: jax.Array,  # [n, Hk, Dk]
+    k: jax.Array,  # [n, Hk, Dk]
+    v: jax.Array,  # [n, Hv, Dv]
+    shards: int,
+) -> jax.Array:
+    """``[n, C]`` conv channels: ``q | k | v`` per group of ``H / shards`` heads (see above)."""
+    n = q.shape[0]
+    parts = [t.reshape(n, shards, -1) for t in (q, k, v)]  # [n, shards, local channels]
+    return jnp.concatenate(parts, axis=-1).reshape(n, -1)
+
+
+def unpack_conv_channels(
+    mixed: jax.Array,  # [n, C]
+    qk_heads: tuple[int, int],  # (Hk, Dk)
+    v_heads: tuple[int, int],  # (Hv, Dv)
+    shards: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The inverse of :func:`pack_conv_channels`: ``(q, k [n, Hk, Dk], v [n, Hv, Dv])``."""
+    (hk, dk), (hv, dv) = qk_heads, v_heads
+    n, qk = mixed.shape[0], hk * dk // shards
+    local = mixed.reshape(n, shards, -1)  # [n, shards, q_s | k_s | v_s]
+    q = local[..., :qk].reshape(n, hk, dk)
+    k = local[..., qk : 2 * qk].reshape(n, hk, dk)
+    v = local[..., 2 * qk :].reshape(n, hv, dv)
+    return q, k, v
+
+
+def conv_channel_order(
+    qk_heads: tuple[int, int], v_heads: tuple[int, int], shards: int
+) -> np.ndarray:
+    """``order[i]`` = the checkpoint's conv channel at position ``i`` of the sharded layout."""
+    (hk, dk), (hv, dv) = qk_heads, v_heads
+    idx = np.arange(2 * hk * dk + hv * dv)
+    q, k, v = idx[: hk * dk], idx[hk * dk : 2 * hk * dk], idx[2 * hk * dk :]
+    parts = [t.reshape(shards, -1) for t in (q, k, v)]
+    return np.concatenate(parts, axis=1).reshape(-1)

@@ -37,6 +37,75 @@ def routed_experts(
     return jnp.zeros_like(x).at[token].add(out.astype(x.dtype))
 
 
+def parallel_routed_experts(
+    x: jax.Array,  # [T, D]  replicated
+    weights: jax.Array,  # [T, k]
+    experts: jax.Array,  # i32[T, k]
+    w_gate: jax.Array,  # [E, D, F]  sharded on F (tensor parallel) or E (expert parallel)
+    w_up: jax.Array,  # [E, D, F]
+    w_down: jax.Array,  # [E, F, D]
+    *,
+    mesh: jax.sharding.Mesh,
+    axis: str,
+    expert_parallel: bool,
+) -> jax.Array:
+    """:func:`routed_experts` over the devices of ``mesh[axis]``; returns [T, D] replicated.
+
+    Every device sees every token. Tensor parallel: each device runs all experts on its slice
+    of the intermediate dim F. Expert parallel: each device runs its ``E / n`` experts on the
+    (token, expert) pairs routed to them; the other pairs sort past its groups, where
+    ``ragged_dot`` leaves zeros. Either way the partial outputs are summed over devices.
+    """
+    P = jax.sharding.PartitionSpec
+
+    def tensor_parallel(x, weights, experts, w_gate, w_up, w_down):
+        return jax.lax.psum(routed_experts(x, weights, experts, w_gate, w_up, w_down), axis)
+
+    def expert_parallel_(x, weights, experts, w_gate, w_up, w_down):
+        num_local = w_gate.shape[0]
+        local = experts - jax.lax.axis_index(axis) * num_local  # [T, k]
+        mine = (local >= 0) & (local < num_local)
+        # Pairs of other devices' experts go to a group past the last one: never computed.
+        local = jnp.where(mine, local, num_local)
+        weights = jnp.where(mine, weights, 0)
+        top_k = experts.shape[1]
+        flat = local.reshape(-1)  # [T*k]
+        order = jnp.argsort(flat, stable=True)
+        token = order // top_k
+        group_sizes = jnp.bincount(flat, length=num_local + 1)[:num_local].astype(jnp.int32)
+        xs = x[token]  # [T*k, D]
+        h = jax.lax.ragged_dot(xs, w_gate, group_sizes)
+        u = jax.lax.ragged_dot(xs, w_up, group_sizes)
+        out = jax.lax.ragged_dot(jax.nn.silu(h) * u, w_down, group_sizes)
+        out = out * weights.reshape(-1)[order][:, None]
+        y = jnp.zeros_like(x).at[token].add(out.astype(x.dtype))
+        return jax.lax.psum(y, axis)
+
+    if expert_parallel:
+        body, w_in, w_out = expert_parallel_, P(axis, None, None), P(axis, None, None)
+    else:
+        body, w_in, w_out = tensor_parallel, P(None, None, axis), P(None, axis, None)
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(), P(), P(), w_in, w_in, w_out),
+        out_specs=P(),
+        check_vma=False,
+    )
+    return fn(x, weights, experts, w_gate, w_up, w_down)
+
+
+def run_experts(module: nnx.Module, x: jax.Array, weights: jax.Array, experts: jax.Array):
+    """The module's experts on the device mesh ``hyjax.sharding`` gave it, if any."""
+    w = (module.experts_gate[...], module.experts_up[...], module.experts_down[...])
+    if module.expert_mesh is None:
+        return routed_experts(x, weights, experts, *w)
+    return parallel_routed_experts(
+        x, weights, experts, *w, mesh=module.expert_mesh, axis=module.expert_axis,
+        expert_parallel=module.expert_parallel,
+    )  # fmt: skip
+
+
 class MLP(nnx.Module):
     """``down(silu(gate(x)) * up(x))``."""
 
@@ -51,6 +120,11 @@ class MLP(nnx.Module):
 
 class SparseMoe(nnx.Module):
     """Softmax router -> top-k (renormalised) -> experts, plus ``sigmoid(g(x)) * shared(x)``."""
+
+    # Static; set by hyjax.sharding: the mesh (and its axis) the experts are split over.
+    expert_mesh: jax.sharding.Mesh | None = None
+    expert_axis: str = "model"
+    expert_parallel: bool = False  # split the experts (True) or their intermediate dim
 
     def __init__(
         self,
@@ -80,10 +154,7 @@ class SparseMoe(nnx.Module):
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         weights = weights.astype(x.dtype)
-        routed = routed_experts(
-            x, weights, experts, self.experts_gate[...], self.experts_up[...],
-            self.experts_down[...],
-        )  # fmt: skip
+        routed = run_experts(self, x, weights, experts)
 
         shared = self.shared_expert(x) * jax.nn.sigmoid(self.shared_expert_gate(x))
         return routed + shared
@@ -99,6 +170,11 @@ class SigmoidMoe(nnx.Module):
     w      = s[idx] / (sum + 1e-20) if renormalize, then * routed_scaling_factor
     y      = sum_j w_j expert_{idx_j}(x) + shared_experts(x)     # shared: not gated
     """
+
+    # Static; set by hyjax.sharding: the mesh (and its axis) the experts are split over.
+    expert_mesh: jax.sharding.Mesh | None = None
+    expert_axis: str = "model"
+    expert_parallel: bool = False  # split the experts (True) or their intermediate dim
 
     def __init__(
         self,
@@ -151,10 +227,7 @@ class SigmoidMoe(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weights, experts = self.route(x)
-        y = routed_experts(
-            x, weights, experts, self.experts_gate[...], self.experts_up[...],
-            self.experts_down[...],
-        )  # fmt: skip
+        y = run_experts(self, x, weights, experts)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y

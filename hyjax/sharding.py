@@ -1,0 +1,404 @@
+"""Tensor and expert parallelism with ``jax.sharding``: meshes, partition rules, sharded ops.
+
+One mesh axis, ``"model"``, over ``--tensor-parallel-size`` devices. A :class:`ShardingPlan`
+says, for one model on one mesh:
+
+- where each parameter lives: a table of ``(path regex, PartitionSpec)`` rules per model
+  family (first match wins, no match = replicated). Projections into heads are split by
+  output columns, projections out of heads by input rows (Megatron's column / row parallel),
+  so XLA's SPMD partitioner inserts one all-reduce after each row-parallel matmul;
+- where each cache pool lives: KV blocks, conv windows and recurrent states split by head;
+- which ops run under ``jax.shard_map`` (the Pallas kernels, and the reference ops in their
+  place, see per-device heads: every head is independent, so no op needs a collective);
+- the static settings the layers read (``GatedDeltaNet.conv_shards``,
+  ``GatedAttention.kv_repeat``, the MoE layers' ``expert_mesh``).
+
+Qwen3-Next, on ``n`` devices::
+
+    GDN   in_proj_qkvz [D, Hk*(2Dk+2rDv)]  columns: Hk/n key-head groups (q_g|k_g|v|z) each
+          in_proj_ba   [D, Hk*2r]          columns, same groups
+          conv1d       [C, K]              rows, permuted to q_s|k_s|v_s per device
+          A_log, dt_bias [Hv]              split;  out_proj [Hv*Dv, D]  rows
+          state pool: conv [slots, K-1, C] on C, ssm [slots, Hv, Dk, Dv] on Hv
+    attn  q_proj (rows [q_h | gate_h] per head) columns, o_proj rows; k_proj / v_proj columns
+          when n divides Hkv, else replicated and each kv head repeated n/Hkv times;
+          KV pool [NB, bs, Hkv', D] on Hkv'
+    MoE   experts [E, D, F] on F (tensor parallel) or on E (--enable-expert-parallel);
+          shared expert and dense MLPs column / row; router replicated
+    embed replicated; lm_head [D, V] columns (when n divides V)
+
+Kimi-Linear (first cut): MoE experts, shared experts, dense MLPs and lm_head are split
+(they hold almost all of its 48B parameters); KDA and MLA run replicated, their pools too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hyjax.cache import Caches, init_caches, kv_block_bytes, state_slot_bytes
+from hyjax.config import ModelConfig
+
+MODEL_AXIS = "model"
+M = MODEL_AXIS
+R = P()  # replicated
+
+Rules = list[tuple[str, P]]
+
+
+def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D ``("model",)`` mesh over the first ``tensor_parallel_size`` devices.
+
+    With several processes (``jax.distributed.initialize``), ``jax.devices()`` lists every
+    process's devices, so the mesh spans hosts.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if tensor_parallel_size < 1:
+        raise ValueError(f"{tensor_parallel_size=} must be at least 1")
+    if tensor_parallel_size > len(devices):
+        raise ValueError(
+            f"{tensor_parallel_size=} exceeds the {len(devices)} devices available "
+            f"({devices[0].platform}); on CPU, simulate more with "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N"
+        )
+    return Mesh(np.array(devices[:tensor_parallel_size]), (MODEL_AXIS,))
+
+
+def _divides(tp: int, **sizes: int) -> None:
+    for name, size in sizes.items():
+        if size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide {name}={size}")
+
+
+# ----------------------------------------------------------------------------- Qwen3-Next
+
+
+def _qwen3_next_check(cfg, tp: int, expert_parallel: bool) -> None:
+    _divides(
+        tp,
+        linear_num_key_heads=cfg.linear_num_key_heads,
+        linear_num_value_heads=cfg.linear_num_value_heads,
+        num_attention_heads=cfg.num_attention_heads,
+    )
+    hkv = cfg.num_key_value_heads
+    if hkv % tp and tp % hkv:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide or be a multiple of num_key_value_heads={hkv}"
+        )
+    if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        if expert_parallel:
+            _divides(tp, num_experts=cfg.num_experts)
+        else:
+            _divides(tp, moe_intermediate_size=cfg.moe_intermediate_size)
+        _divides(tp, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
+    if not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        _divides(tp, intermediate_size=cfg.intermediate_size)
+
+
+def _mlp_rules(prefix: str) -> Rules:
+    return [
+        (rf"{prefix}/(gate_proj|up_proj)/weight", P(None, M)),
+        (rf"{prefix}/down_proj/weight", P(M, None)),
+    ]
+
+
+def _expert_rules(expert_parallel: bool) -> Rules:
+    if expert_parallel:
+        return [(r".*/mlp/experts_(gate|up|down)", P(M, None, None))]
+    return [
+        (r".*/mlp/experts_(gate|up)", P(None, None, M)),
+        (r".*/mlp/experts_down", P(None, M, None)),
+    ]
+
+
+def _lm_head_rules(cfg, tp: int) -> Rules:
+    return [(r"lm_head/weight", P(None, M) if cfg.vocab_size % tp == 0 else R)]
+
+
+def _qwen3_next_rules(cfg, tp: int, expert_parallel: bool) -> Rules:
+    kv = P(None, M) if cfg.num_key_value_heads % tp == 0 else R
+    return [
+        (r".*/linear_attn/(in_proj_qkvz|in_proj_ba)/weight", P(None, M)),
+        (r".*/linear_attn/conv1d", P(M, None)),
+        (r".*/linear_attn/(A_log|dt_bias)", P(M)),
+        (r".*/linear_attn/out_proj/weight", P(M, None)),
+        (r".*/self_attn/q_proj/weight", P(None, M)),
+        (r".*/self_attn/(k_proj|v_proj)/weight", kv),
+        (r".*/self_attn/o_proj/weight", P(M, None)),
+        *_expert_rules(expert_parallel),
+        *_mlp_rules(r".*/mlp/shared_expert"),
+        *_mlp_rules(r".*/mlp"),
+        *_lm_head_rules(cfg, tp),
+    ]
+
+
+def _qwen3_next_configure(model: nnx.Module, plan: ShardingPlan) -> None:
+    from hyjax.layers.attention import GatedAttention
+    from hyjax.layers.gdn import GatedDeltaNet, conv_channel_order
+
+    tp, cfg = plan.tp, plan.cfg
+    for _, m in model.iter_modules():
+        if isinstance(m, GatedDeltaNet) and m.conv_shards != tp:
+            heads = ((m.hk, m.dk), (m.hv, m.dv))
+            # current -> checkpoint order -> this mesh's order
+            to_ckpt = np.argsort(conv_channel_order(*heads, m.conv_shards))
+            idx = to_ckpt[conv_channel_order(*heads, tp)]
+            m.conv1d.set_value(m.conv1d[...][idx])
+            m.conv_shards = tp
+        elif isinstance(m, GatedAttention):
+            m.kv_repeat = max(1, tp // cfg.num_key_value_heads)
+    _configure_experts(model, plan)
+
+
+def _configure_experts(model: nnx.Module, plan: ShardingPlan) -> None:
+    from hyjax.layers.moe import SigmoidMoe, SparseMoe
+
+    for _, m in model.iter_modules():
+        if isinstance(m, (SparseMoe, SigmoidMoe)):
+            m.expert_mesh = plan.mesh if plan.tp > 1 else None
+            m.expert_axis = MODEL_AXIS
+            m.expert_parallel = plan.expert_parallel
+
+
+H1, H2, H3 = P(M), P(None, M), P(None, M, None)  # split on the head axis (channels for conv)
+CONV_STATE, SSM, KV = P(None, None, M), P(None, M, None, None), P(None, None, M, None)
+
+# op name -> (in_specs of its positional args, out_specs). Every other input is replicated.
+_QWEN3_NEXT_OPS: dict[str, tuple[tuple, object]] = {
+    "conv1d_prefill": ((H2, P(M, None), CONV_STATE, R, R, R, R, R, R), (H2, CONV_STATE)),
+    "conv1d_update": ((H2, P(M, None), CONV_STATE, R, R, R, R, R), (H2, CONV_STATE)),
+    "gdn_prefill": ((H3, H3, H3, H2, H2, H1, H1, SSM, R, R, R, R, R, R), (H3, SSM)),
+    "gdn_decode": ((H3, H3, H3, H2, H2, H1, H1, SSM, R, R, R, R, R), (H3, SSM)),
+    "conv_gdn_decode": (
+        (H2, P(M, None), CONV_STATE, H2, H2, H1, H1, SSM, R, R, R, R, R),
+        (H3, CONV_STATE, SSM),
+    ),
+    "write_kv": ((H3, H3, KV, KV, R), (KV, KV)),
+    "paged_attention": ((H3, KV, KV, R, R, R, R), H3),
+}
+
+
+# ----------------------------------------------------------------------------- Kimi-Linear
+
+
+def _kimi_linear_check(cfg, tp: int, expert_parallel: bool) -> None:
+    if expert_parallel:
+        _divides(tp, num_experts=cfg.num_experts)
+    else:
+        _divides(tp, moe_intermediate_size=cfg.moe_intermediate_size)
+    _divides(
+        tp,
+        shared_experts_dim=cfg.moe_intermediate_size * cfg.num_shared_experts,
+        intermediate_size=cfg.intermediate_size,
+    )
+
+
+def _kimi_linear_rules(cfg, tp: int, expert_parallel: bool) -> Rules:
+    return [
+        *_expert_rules(expert_parallel),
+        *_mlp_rules(r".*/mlp/shared_experts"),
+        *_mlp_rules(r".*/mlp"),
+        *_lm_head_rules(cfg, tp),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilySharding:
+    """How one model family is split: parameter rules, pools, ops under shard_map."""
+
+    check: Callable[[ModelConfig, int, bool], None]
+    rules: Callable[[ModelConfig, int, bool], Rules]
+    configure: Callable[[nnx.Module, ShardingPlan], None]
+    kv_spec: P  # each array of a KV-pool layer
+    conv_spec: P
+    ssm_spec: P
+    ops: dict[str, tuple[tuple, object]]
+
+
+# model_type -> its sharding. New families register here.
+FAMILIES: dict[str, FamilySharding] = {
+    "qwen3_next": FamilySharding(
+        _qwen3_next_check,
+        _qwen3_next_rules,
+        _qwen3_next_configure,
+        KV,
+        CONV_STATE,
+        SSM,
+        _QWEN3_NEXT_OPS,
+    ),
+    "kimi_linear": FamilySharding(
+        _kimi_linear_check, _kimi_linear_rules, _configure_experts, R, R, R, {}
+    ),
+}
+
+
+def path_name(path: tuple) -> str:
+    """``("layers", 3, "mlp", "experts_up")`` -> ``"layers/3/mlp/experts_up"``."""
+    return "/".join(str(p) for p in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """One model on one mesh. See the module docstring."""
+
+    mesh: Mesh
+    cfg: ModelConfig
+    expert_parallel: bool = False
+
+    def __post_init__(self):
+        if self.cfg.model_type not in FAMILIES:
+            raise ValueError(f"no sharding rules for model_type={self.cfg.model_type!r}")
+        self.family.check(self.cfg, self.tp, self.expert_parallel)
+
+    @property
+    def family(self) -> FamilySharding:
+        return FAMILIES[self.cfg.model_type]
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.shape[MODEL_AXIS]
+
+    @functools.cached_property
+    def _rules(self) -> list[tuple[re.Pattern, P]]:
+        rules = self.family.rules(self.cfg, self.tp, self.expert_parallel)
+        return [(re.compile(pattern), spec) for pattern, spec in rules]
+
+    def spec(self, path: tuple) -> P:
+        """The parameter's PartitionSpec: the first rule whose regex matches its whole path."""
+        if self.tp == 1:
+            return R
+        name = path_name(path)
+        return next((spec for rx, spec in self._rules if rx.fullmatch(name)), R)
+
+    def sharding(self, path: tuple) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(path))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, R)
+
+    # -- parameters
+
+    def configure(self, model: nnx.Module) -> None:
+        """Sets the layers' static settings for this mesh (and permutes GDN conv weights)."""
+        self.family.configure(model, self)
+
+    def shard_model(self, model: nnx.Module) -> nnx.Module:
+        """``model`` with every parameter placed by its rule. Already placed ones stay."""
+        self.configure(model)
+        graphdef, state = nnx.split(model)
+        params = dict(nnx.to_flat_state(state))
+        for path, var in params.items():
+            var.set_value(jax.device_put(var.value, self.sharding(path)))
+        return nnx.merge(graphdef, nnx.from_flat_state(params))
+
+    def host_layout(self, path: tuple, arr: np.ndarray) -> np.ndarray:
+        """A checkpoint-layout host array in this plan's layout (the GDN conv permutation)."""
+        if self.cfg.model_type == "qwen3_next" and path[-1] == "conv1d" and self.tp > 1:
+            from hyjax.layers.gdn import conv_channel_order
+
+            cfg = self.cfg
+            heads = (
+                (cfg.linear_num_key_heads, cfg.linear_key_head_dim),
+                (cfg.linear_num_value_heads, cfg.linear_value_head_dim),
+            )
+            return arr[conv_channel_order(*heads, self.tp)]
+        return arr
+
+    # -- pools
+
+    def cache_config(self) -> ModelConfig:
+        """The config the pools are shaped from: kv heads repeated where the mesh needs."""
+        cfg = self.cfg
+        if self.cfg.model_type == "qwen3_next" and self.tp > cfg.num_key_value_heads:
+            return dataclasses.replace(cfg, num_key_value_heads=self.tp)
+        return cfg
+
+    def pool_bytes(self, block_size: int, dtype) -> tuple[int, int]:
+        """``(KV block bytes, state slot bytes)`` on one device."""
+        cfg = self.cache_config()
+        kv = kv_block_bytes(cfg, block_size, dtype)
+        slot = state_slot_bytes(cfg, dtype)
+        kv_split = self.tp if M in self.family.kv_spec else 1
+        slot_split = self.tp if M in self.family.ssm_spec else 1
+        return kv // kv_split, slot // slot_split
+
+    def cache_shardings(self, caches: Caches) -> Caches:
+        f, mesh = self.family, self.mesh
+        return Caches(
+            kv=tuple(tuple(NamedSharding(mesh, f.kv_spec) for _ in layer) for layer in caches.kv),
+            conv=tuple(NamedSharding(mesh, f.conv_spec) for _ in caches.conv),
+            ssm=tuple(NamedSharding(mesh, f.ssm_spec) for _ in caches.ssm),
+        )
+
+    def init_caches(self, **kwargs) -> Caches:
+        """:func:`hyjax.cache.init_caches`, each pool allocated straight into its shards."""
+        cfg = self.cache_config()
+        make = functools.partial(init_caches, cfg, **kwargs)
+        shardings = self.cache_shardings(jax.eval_shape(make))
+        return jax.jit(make, out_shardings=shardings)()
+
+    # -- ops
+
+    def shard_ops(self, ops):
+        """``ops`` with this family's head-parallel ops wrapped in ``jax.shard_map``."""
+        if self.tp == 1:
+            return ops
+        wrapped = {
+            name: _shard_op(getattr(ops, name), self.mesh, in_specs, out_specs, self.tp)
+            for name, (in_specs, out_specs) in self.family.ops.items()
+        }
+        return dataclasses.replace(ops, **wrapped)
+
+
+def _shard_op(fn: Callable, mesh: Mesh, in_specs: tuple, out_specs, tp: int) -> Callable:
+    """``fn`` run per device on its heads. ``num_k_heads=`` becomes the per-device count."""
+
+    @functools.wraps(fn)
+    def op(*args, **kwargs):
+        if len(args) != len(in_specs):
+            raise TypeError(
+                f"{getattr(fn, '__name__', fn)} under shard_map takes {len(in_specs)} positional "
+                f"arrays, got {len(args)}"
+            )
+        if "num_k_heads" in kwargs:
+            kwargs["num_k_heads"] //= tp
+        body = functools.partial(fn, **kwargs)
+        return jax.shard_map(
+            body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )(*args)
+
+    return op
+
+
+def replicate_tree(tree, mesh: Mesh):
+    """Host arrays (a step's plan) as arrays replicated over ``mesh``."""
+    return jax.device_put(tree, NamedSharding(mesh, R))
+
+
+def local_shapes(plan: ShardingPlan, state: nnx.State) -> dict[str, tuple[int, ...]]:
+    """Each parameter's per-device shape (for logs and tests)."""
+    out = {}
+    for path, var in nnx.to_flat_state(state):
+        sharding = plan.sharding(path)
+        out[path_name(path)] = sharding.shard_shape(tuple(var.value.shape))
+    return out
+
+
+__all__ = [
+    "FAMILIES",
+    "MODEL_AXIS",
+    "FamilySharding",
+    "ShardingPlan",
+    "local_shapes",
+    "make_mesh",
+    "path_name",
+    "replicate_tree",
+]
