@@ -2,11 +2,11 @@
 
 Same signature and semantics as the reference (:mod:`pallas_kernels.attention.reference`)
 (plus tuning keywords). One call covers the whole ragged batch; inside it two launches of one
-kernel body, each over its own work list of query tiles:
+kernel body, each over its own work list of query tiles (:mod:`pallas_kernels.attention.tiles`):
 
 - *short* rows (``q_len <= BQs``: decode, a few speculative tokens): ``BQs * Gp = 16`` query
   rows per program, the smallest tile ``tl.dot`` takes, so a decode row costs one K/V pass;
-- *long* rows (prefill chunks): ``BQl * Gp = 64`` query rows per program.
+- *long* rows (prefill chunks): ``BQl * Gp = 128`` query rows per program (``rows_prefill``).
 
 Query layout: the wrapper regroups ``q [T, Hq, D]`` kv-head-major, ``[Hkv, T, Gp, D]`` (``Gp`` =
 the GQA group padded to a power of two), so a tile of ``BQ`` tokens of one kv head is ``BQ * Gp``
@@ -18,14 +18,19 @@ contiguous rows and a program reads each K/V row once for its whole group::
       key p -> block_tables[seq, p // bs], offset p % bs -> row (page*bs + off)*Hkv + h of
                k_cache viewed as [NB*bs*Hkv, D] (a gathered load; masked past the context, so
                unused pages are never read)
+      out     rows [i*M, (i+1)*M) of this launch's partials; the wrapper gathers them back
+              to [T, Hq, D]
 
 Flash-decoding: each split writes an unnormalised partial ``(o, m, l)`` in float32; the wrapper
-merges the splits with their log-sum-exp weights. Splits are chosen so that each launch has
-about ``target_programs`` programs (occupancy for a few long decode rows); programs whose share
-is empty exit at once.
+merges the splits with their log-sum-exp weights. Splits are chosen so that a launch has about
+``target_programs`` programs (occupancy for a few long decode rows), at most
+``max_splits_prefill`` for prefill tiles (their partials cost ``capacity * rows * D``);
+programs whose share is empty exit at once. Everything around the kernels is loop-free (an
+XLA ``while`` on GPU costs a host round trip per trip; a test checks the lowered module).
 
 Requirements: ``D`` a power of two (Triton ``arange``); element offsets of one layer's cache
-below 2**31 (Triton's 32-bit pointer arithmetic).
+below 2**31 (Triton's 32-bit pointer arithmetic). Tuning defaults: the H200 sweep in
+BENCHMARKS.md (D = 256).
 """
 
 from __future__ import annotations
