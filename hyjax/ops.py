@@ -43,6 +43,7 @@ from pallas_kernels.gdn import fused_decode
 from pallas_kernels.gdn import gpu as gdn_gpu
 from pallas_kernels.gdn import tpu as gdn_tpu
 from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_reference
+from pallas_kernels.kda import gpu as kda_gpu
 from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
 
 
@@ -134,6 +135,13 @@ BACKENDS: dict[str, Ops] = {
             ),
             gpu=fused_decode.conv_gdn_decode,
             other=fused_decode.conv_gdn_decode_reference,
+        ),
+        # KDA: the Triton kernels on NVIDIA; TPU: reference until its Mosaic kernels land.
+        kda_prefill=_by_platform(
+            tpu=kda_prefill_reference, gpu=kda_gpu.kda_prefill, other=kda_prefill_reference
+        ),
+        kda_decode=_by_platform(
+            tpu=kda_decode_reference, gpu=kda_gpu.kda_decode, other=kda_decode_reference
         ),
     ),
 }
