@@ -164,6 +164,11 @@ def ragged_paged_attention(
     num_rows, max_blocks = block_tables.shape
     if d & (d - 1):
         raise ValueError(f"head_dim={d} must be a power of two for the Triton kernel")
+    if k_cache.size >= 2**31:
+        raise ValueError(
+            f"k_cache {k_cache.shape} has {k_cache.size} >= 2**31 elements: the Triton kernel's "
+            "32-bit offsets would wrap; use fewer blocks per layer (or shard the kv heads)"
+        )
     group = num_q_heads // num_kv_heads
     gp = _next_pow2(group)
     bq_short = max(1, 16 // gp)

@@ -53,6 +53,15 @@ def test_rejects_non_power_of_two_head_dim():
         gpu.ragged_paged_attention(*case.args, scale=1.0)
 
 
+def test_rejects_caches_past_32_bit_offsets():
+    sd = jax.ShapeDtypeStruct
+    args = (sd((4, 16, 256), jnp.bfloat16), sd((1 << 16, 64, 2, 256), jnp.bfloat16),
+            sd((1 << 16, 64, 2, 256), jnp.bfloat16), sd((3,), jnp.int32), sd((2,), jnp.int32),
+            sd((2, 8), jnp.int32), sd((), jnp.int32))  # fmt: skip
+    with pytest.raises(ValueError, match="2\\*\\*31 elements"):
+        jax.eval_shape(functools.partial(gpu.ragged_paged_attention, scale=1.0), *args)
+
+
 def test_lowers_to_triton_at_80b_shapes():
     sd = jax.ShapeDtypeStruct
     bf, i32 = jnp.bfloat16, jnp.int32
