@@ -1,0 +1,292 @@
+"""KDA kernels on a GPU at Kimi-Linear-48B shapes: correctness, then time, FLA alongside.
+
+For the Pallas GPU kernels (``pallas_kernels/kda/gpu.py``) this script
+
+1. checks them against the pure-JAX reference (ragged batch, src/dst slots, checkpoint
+   writes, NaN in the slots nobody reads) with FLA's error ratio ``rms(got - want) / rms(want)``;
+2. checks the reference against flash-linear-attention's ``chunk_kda`` and
+   ``fused_recurrent_kda`` (gate, l2norm and sigmoid in their kernels) on the same inputs,
+   when ``fla`` imports: the semantics, not just the speed, are the same;
+3. times prefill and decode with the state donated, in a jitted loop (device time), per
+   matmul precision, and FLA's two kernels on the same shapes in the same run.
+
+It prints one JSON summary (and writes it to ``--out``)::
+
+    python -m benchmarks.kda_kernels --out KDA_KERNELS.json
+    python -m benchmarks.kda_kernels --quick --interpret    # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import device_name
+from pallas_kernels.kda import gpu
+from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
+
+H, D = 32, 128  # Kimi-Linear-48B: 32 KDA heads of 128 (Dk = Dv)
+INTERPRET = False
+PRECISIONS = {"f32": jax.lax.Precision.HIGHEST, "tf32": jax.lax.Precision.DEFAULT}
+
+
+def _activations(key, n, dtype=jnp.bfloat16):
+    """q, k, v, raw gate, beta logits [n, ...] and the gate parameters, as the layer has them."""
+    ks = jax.random.split(key, 7)
+    q = jax.random.normal(ks[0], (n, H, D), dtype)
+    k = jax.random.normal(ks[1], (n, H, D), dtype)
+    v = jax.random.normal(ks[2], (n, H, D), dtype)
+    g = jax.random.normal(ks[3], (n, H, D), dtype)
+    b = jax.random.normal(ks[4], (n, H), dtype)
+    A_log = jnp.log(jax.random.uniform(ks[5], (H,), minval=1.0, maxval=16.0))
+    dt_bias = jax.random.normal(ks[6], (H, D), jnp.float32)
+    return q, k, v, g, b, A_log, dt_bias
+
+
+def _pool(key, num_slots):
+    return 0.1 * jax.random.normal(key, (num_slots, H, D, D), jnp.float32)
+
+
+def _err_ratio(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.sqrt(np.mean((got - want) ** 2)) / max(np.sqrt(np.mean(want**2)), 1e-30))
+
+
+def _time_loop(step, state, operands, *, iters: int, repeats: int = 3) -> float:
+    """Median seconds of one ``state = step(state, *operands)`` in a jitted, donated loop."""
+    if INTERPRET:
+        iters, repeats = 1, 1
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def loop(state, operands):
+        return jax.lax.fori_loop(0, iters, lambda i, s: step(s, *operands), state)
+
+    state = loop(state, operands)
+    state.block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state = loop(state, operands)
+        state.block_until_ready()
+        times.append((time.perf_counter() - t0) / iters)
+    return float(np.median(times))
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_prefill(precision, lens) -> dict:
+    n = sum(lens) + 7
+    acts = _activations(jax.random.PRNGKey(0), n)
+    qsl = jnp.array([0, *np.cumsum(lens), sum(lens)], jnp.int32)
+    s = len(lens) + 1
+    src = np.zeros(s, np.int32)
+    src[1:4] = [1, 2, 3]
+    dst = np.zeros(s, np.int32)
+    dst[: len(lens)] = [4, 1, 0, 2, 3, 5][: len(lens)]
+    ck_off = np.zeros((s, 2), np.int32)
+    ck_slot = np.zeros((s, 2), np.int32)
+    long_row = int(np.argmax(lens))
+    ck_off[long_row] = [64, 64 * (lens[long_row] // 128) or 1]
+    ck_slot[long_row] = [6, 7]
+    pool = _pool(jax.random.PRNGKey(1), 10).at[0].set(jnp.nan).at[4:].set(jnp.nan)
+    args = (*acts, pool, qsl, jnp.asarray(src), jnp.asarray(dst), jnp.asarray(ck_off),
+            jnp.asarray(ck_slot), jnp.int32(len(lens)))  # fmt: skip
+    want_o, want_s = jax.jit(kda_prefill_reference)(*args)
+    kernel = functools.partial(gpu.kda_prefill, precision=precision, interpret=INTERPRET)
+    got_o, got_s = jax.jit(kernel)(*args)
+    got_s, want_s = np.asarray(got_s), np.asarray(want_s)
+    nan = np.isnan(want_s).reshape(len(want_s), -1).all(1)  # slots the reference left alone
+    return {
+        "output_err_ratio": _err_ratio(got_o, want_o),
+        "state_err_ratio": _err_ratio(got_s[~nan], want_s[~nan]),
+        "untouched_slots_still_nan": bool(np.isnan(got_s[nan]).all()),
+        "output_has_nan": bool(np.isnan(np.asarray(got_o, np.float32)).any()),
+    }
+
+
+def check_decode() -> dict:
+    rows = 16
+    acts = _activations(jax.random.PRNGKey(2), rows)
+    pool = _pool(jax.random.PRNGKey(3), 2 * rows + 2)
+    src = jnp.arange(rows, dtype=jnp.int32).at[3].set(0)
+    dst = (1 + jnp.arange(rows, dtype=jnp.int32)).at[5].set(0)
+    ck_off = jnp.zeros((rows, 2), jnp.int32).at[0, 0].set(1)
+    ck_slot = jnp.zeros((rows, 2), jnp.int32).at[0, 0].set(2 * rows + 1)
+    args = (*acts, pool, src, dst, ck_off, ck_slot, jnp.int32(rows - 2))
+    want_o, want_s = jax.jit(kda_decode_reference)(*args)
+    got_o, got_s = jax.jit(functools.partial(gpu.kda_decode, interpret=INTERPRET))(*args)
+    return {
+        "output_err_ratio": _err_ratio(got_o, want_o),
+        "state_err_ratio": _err_ratio(got_s, want_s),
+    }
+
+
+# ----------------------------------------------------------------------------- FLA
+
+
+def _fla():
+    import torch
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+    return torch, chunk_kda, fused_recurrent_kda
+
+
+def _to_torch(torch, x):
+    return torch.from_numpy(np.asarray(x, np.float32)).cuda()
+
+
+def _fla_call(fn, torch, q, k, v, g, b, A_log, dt_bias, h0):
+    """FLA with the whole KDA front end in its kernel, as the Kimi layer would call it."""
+    bf = torch.bfloat16
+    return fn(
+        q.to(bf), k.to(bf), v.to(bf), g.to(bf), b.to(bf), A_log=A_log,
+        dt_bias=dt_bias.reshape(-1), initial_state=h0, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+    )  # fmt: skip
+
+
+def check_against_fla(t: int = 300, rows: int = 8) -> dict:
+    """The reference vs FLA on one sequence (chunk_kda) and on a decode batch (fused_recurrent)."""
+    torch, chunk_kda, fused_recurrent_kda = _fla()
+    out = {}
+    acts = _activations(jax.random.PRNGKey(10), t)
+    h0 = _pool(jax.random.PRNGKey(11), 2)
+    one = jnp.array([0, t], jnp.int32)
+    z = jnp.zeros((1, 1), jnp.int32)
+    want_o, want_s = jax.jit(kda_prefill_reference)(
+        *acts, h0, one, jnp.array([1], jnp.int32), jnp.array([1], jnp.int32), z, z, jnp.int32(1)
+    )
+    q, k, v, g, b, A_log, dt_bias = (_to_torch(torch, x) for x in acts)
+    o, s = _fla_call(chunk_kda, torch, q[None], k[None], v[None], g[None], b[None], A_log,
+                     dt_bias, _to_torch(torch, h0[1:2]))  # fmt: skip
+    out["chunk_kda_output_err_ratio"] = _err_ratio(o[0].float().cpu().numpy(), want_o)
+    out["chunk_kda_state_err_ratio"] = _err_ratio(s[0].float().cpu().numpy(), want_s[1])
+    acts = _activations(jax.random.PRNGKey(12), rows)
+    pool = _pool(jax.random.PRNGKey(13), rows + 1)
+    slots = jnp.arange(1, rows + 1, dtype=jnp.int32)
+    zz = jnp.zeros((rows, 1), jnp.int32)
+    want_o, want_s = jax.jit(kda_decode_reference)(*acts, pool, slots, slots, zz, zz, rows)
+    q, k, v, g, b, A_log, dt_bias = (_to_torch(torch, x) for x in acts)
+    o, s = _fla_call(fused_recurrent_kda, torch, q[:, None], k[:, None], v[:, None], g[:, None],
+                     b[:, None], A_log, dt_bias, _to_torch(torch, pool[1:]))  # fmt: skip
+    out["fused_recurrent_output_err_ratio"] = _err_ratio(o[:, 0].float().cpu().numpy(), want_o)
+    out["fused_recurrent_state_err_ratio"] = _err_ratio(s.float().cpu().numpy(), want_s[1:])
+    return out
+
+
+def time_fla(prefill_shapes, decode_rows) -> dict:
+    torch, chunk_kda, fused_recurrent_kda = _fla()
+    out = {}
+
+    def cuda_time(fn, iters):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters  # ms
+
+    def inputs(bsz, t):
+        dev, bf = "cuda", torch.bfloat16
+        q, k, v, g = (torch.randn(bsz, t, H, D, device=dev, dtype=bf) for _ in range(4))
+        b = torch.randn(bsz, t, H, device=dev, dtype=bf)
+        A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
+        dt_bias = torch.randn(H, D, device=dev)
+        h0 = 0.1 * torch.randn(bsz, H, D, D, device=dev)
+        return q, k, v, g, b, A_log, dt_bias, h0
+
+    for bsz, t in prefill_shapes:
+        fn = functools.partial(_fla_call, chunk_kda, torch, *inputs(bsz, t))
+        out[f"chunk_kda_B{bsz}_T{t}_ms"] = cuda_time(fn, 10)
+    for rows in decode_rows:
+        fn = functools.partial(_fla_call, fused_recurrent_kda, torch, *inputs(rows, 1))
+        out[f"fused_recurrent_kda_B{rows}_us"] = 1e3 * cuda_time(fn, 50)
+    return out
+
+
+# ----------------------------------------------------------------------------- timings
+
+
+def time_prefill(bsz, seq_len, precision, **tuning) -> dict:
+    qsl = jnp.arange(bsz + 1, dtype=jnp.int32) * seq_len
+    slots = (1 + jnp.arange(bsz)).astype(jnp.int32)
+    zeros = jnp.zeros((bsz, 2), jnp.int32)
+    acts = _activations(jax.random.PRNGKey(4), bsz * seq_len)
+    pool = _pool(jax.random.PRNGKey(5), bsz + 1)
+    args = (qsl, slots, slots, zeros, zeros, jnp.int32(bsz))
+    kernel = functools.partial(gpu.kda_prefill, precision=precision, interpret=INTERPRET, **tuning)
+    t = _time_loop(lambda st, a, s: kernel(*a, st, *s)[1], pool, (acts, args), iters=5)
+    return {"pallas_ms": 1e3 * t, "pallas_Mtok_per_s": bsz * seq_len / t / 1e6}
+
+
+def time_decode(rows) -> dict:
+    acts = _activations(jax.random.PRNGKey(6), rows)
+    pool = _pool(jax.random.PRNGKey(7), rows + 1)
+    slots = (1 + jnp.arange(rows)).astype(jnp.int32)
+    zeros = jnp.zeros((rows, 2), jnp.int32)
+    args = (slots, slots, zeros, zeros, jnp.int32(rows))
+    out = {}
+    for name, fn in [("pallas", functools.partial(gpu.kda_decode, interpret=INTERPRET)),
+                     ("reference", kda_decode_reference)]:  # fmt: skip
+        t = _time_loop(lambda st, a, s, fn=fn: fn(*a, st, *s)[1], pool, (acts, args), iters=50)
+        out[f"{name}_us"] = 1e6 * t
+        pool = _pool(jax.random.PRNGKey(7), rows + 1)
+    # Bytes that must move: the state read once and written once, f32.
+    out["state_bytes_MB"] = 2 * rows * H * D * D * 4 / 1e6
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
+    p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    global INTERPRET, H, D
+    INTERPRET = args.interpret
+    if args.interpret:  # the interpreter runs every program in Python: tiny heads only
+        H, D = 2, 16
+    prefill_shapes, decode_rows = [(1, 4096), (8, 1024)], [1, 64, 256]
+    check_lens = [1, 63, 64, 65, 700, 1500]
+    if args.quick:
+        prefill_shapes, decode_rows, check_lens = [(1, 64)], [2], [1, 17, 40]
+    summary = {"device": device_name(), "jax": jax.__version__, "shapes": f"H={H} D={D}"}
+
+    def guarded(name, fn):
+        try:
+            summary[name] = fn()
+        except Exception as e:  # noqa: BLE001 - keep going, report the failure
+            summary[name] = {"failed": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()
+        print(name, json.dumps(summary[name]), flush=True)
+
+    guarded("check_decode", check_decode)
+    for name, prec in PRECISIONS.items():
+        guarded(f"check_prefill_{name}", lambda prec=prec: check_prefill(prec, check_lens))
+    guarded("check_reference_vs_fla", check_against_fla)
+    for bsz, t in prefill_shapes:
+        for name, prec in PRECISIONS.items():
+            guarded(f"prefill_B{bsz}_T{t}_{name}", lambda b=bsz, t=t, p=prec: time_prefill(b, t, p))
+    for rows in decode_rows:
+        guarded(f"decode_B{rows}", lambda rows=rows: time_decode(rows))
+    guarded("fla", lambda: time_fla(prefill_shapes, decode_rows))
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
