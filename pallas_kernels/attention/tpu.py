@@ -38,6 +38,9 @@ Assumptions (what Mosaic accepts)
 - The block tables sit in SMEM (``S * max_blocks`` int32), as in JAX's shipped kernel.
 - Nothing here is tuned or has run on a TPU yet; a lowering test checks that it lowers for
   ``tpu`` (Pallas -> Mosaic MLIR) from this CPU machine.
+- Known costs: a decode tile uses 1 of its ``BQ`` token rows (the MXU has room: decode is
+  bandwidth bound); the next tile's first KV block is not prefetched during this tile (one DMA
+  latency per tile); padding tiles (``nq = 0``) still move their q/o blocks.
 """
 
 from __future__ import annotations
