@@ -21,7 +21,10 @@ def token_seq_ids(
     num_rows = query_start_loc.shape[0] - 1
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     #   query_start_loc: | 0 | 4 | 5 | 7 | 7 ... |   tokens 0..3 -> 0, 4 -> 1, 5..6 -> 2
-    seq_id = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
+    # searchsorted(side="right") as one compare-and-sum: jnp.searchsorted's default method is a
+    # while loop, and on GPU every trip of an XLA while loop syncs with the host.
+    ends = query_start_loc[1:]
+    seq_id = jnp.sum((t[:, None] >= ends[None, :]).astype(jnp.int32), axis=1)
     live = t < query_start_loc[num_seqs]
     seq_id = jnp.minimum(seq_id, num_rows - 1)
     local = t - query_start_loc[seq_id]
