@@ -102,12 +102,12 @@ def _time_loop(step, state, operands, *, iters: int, repeats: int = 3) -> float:
         return jax.lax.fori_loop(0, iters, lambda i, s: step(s, *operands), state)
 
     state = loop(state, operands)  # compile + warm up
-    state.block_until_ready()
+    jax.block_until_ready(state)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         state = loop(state, operands)
-        state.block_until_ready()
+        jax.block_until_ready(state)
         times.append((time.perf_counter() - t0) / iters)
     return float(np.median(times))
 
@@ -117,9 +117,7 @@ def floors() -> dict:
     out = {}
     x = jnp.ones((256 * 1024 * 1024,), jnp.float32)  # 1 GiB
 
-    copy = jax.jit(lambda x: x * 1.0001)
-    copy(x).block_until_ready()
-    t = _median_time(functools.partial(copy, x))
+    t = _time_loop(lambda x: x * 1.0001, x, (), iters=20)
     out["copy_bandwidth_GBps"] = 2 * x.nbytes / t / 1e9
     for name, dtype, n in [("bf16", jnp.bfloat16, 8192), ("f32", jnp.float32, 4096)]:
         a = jnp.ones((n, n), dtype)
@@ -176,8 +174,9 @@ def check_decode() -> dict:
     rows = 16
     acts = _activations(jax.random.PRNGKey(2), rows)
     pool = _pool(jax.random.PRNGKey(3), 2 * rows + 2)
-    src = jnp.arange(rows, dtype=jnp.int32).at[3].set(0)
-    dst = (1 + jnp.arange(rows, dtype=jnp.int32)).at[5].set(0)
+    src = jnp.arange(rows, dtype=jnp.int32).at[3].set(0)  # row 0 and row 3 start from zero
+    dst = (rows + jnp.arange(rows, dtype=jnp.int32)).at[5].set(0)  # disjoint from src
+    dst = dst.at[7].set(7)  # row 7 updates its slot in place
     ck_off = jnp.zeros((rows, 2), jnp.int32).at[0, 0].set(1)
     ck_slot = jnp.zeros((rows, 2), jnp.int32).at[0, 0].set(2 * rows + 1)
     args = (*acts, pool, src, dst, ck_off, ck_slot, jnp.int32(rows - 2))
@@ -288,7 +287,7 @@ def time_fused_decode(rows) -> dict:
     out = {}
     for name, fn in fns.items():
 
-        def step(st, ops, fn=fn):
+        def step(st, *ops, fn=fn):
             conv, ssm = st
             _, conv, ssm = fn(ops[0], ops[1], conv, *ops[2:6], ssm, *slots)
             return conv, ssm
@@ -310,8 +309,8 @@ def time_conv_prefill(seq_len) -> dict:
              jnp.array([2], jnp.int32), jnp.zeros((1, 2), jnp.int32),
              jnp.zeros((1, 2), jnp.int32), jnp.int32(1))  # fmt: skip
 
-    def step(conv, ops):
-        return causal_conv1d_prefill_reference(ops[0], ops[1], conv, *slots)[1]
+    def step(conv, x, weight):
+        return causal_conv1d_prefill_reference(x, weight, conv, *slots)[1]
 
     t = _time_loop(step, conv, (x, weight), iters=20)
     return {"reference_us": 1e6 * t, "bytes_moved_MB": 2 * x.nbytes / 1e6}
@@ -330,14 +329,37 @@ def time_fla(prefill_shapes, decode_rows) -> dict:
     out = {}
 
     def cuda_time(fn, iters):
+        """Device ms per call: ``iters`` calls replayed from one CUDA graph (no Python launch
+        overhead, like the jitted loops above); eager back-to-back calls if capture fails."""
         fn()
+        torch.cuda.synchronize()
+        try:
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                for _ in range(iters):
+                    fn()
+            run, mode = graph.replay, "cuda_graph"
+        except Exception:  # noqa: BLE001 - fall back to eager timing, and say so
+            torch.cuda.synchronize()
+
+            def run():
+                for _ in range(iters):
+                    fn()
+
+            mode = "eager"
+        run()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(iters):
-            fn()
+        run()
         end.record()
         torch.cuda.synchronize()
+        out.setdefault("timing_modes", []).append(mode)
         return start.elapsed_time(end) / iters  # ms
 
     def inputs(b, t, hk=HK):
