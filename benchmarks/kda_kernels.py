@@ -116,8 +116,10 @@ def check_decode() -> dict:
     rows = 16
     acts = _activations(jax.random.PRNGKey(2), rows)
     pool = _pool(jax.random.PRNGKey(3), 2 * rows + 2)
+    # No slot is written by one row and read by another in the same launch (DESIGN.md §4):
+    # rows read slots 0..15 (0 = zeros) and write rows+1.., except row 2 (in place).
     src = jnp.arange(rows, dtype=jnp.int32).at[3].set(0)
-    dst = (1 + jnp.arange(rows, dtype=jnp.int32)).at[5].set(0)
+    dst = (rows + 1 + jnp.arange(rows, dtype=jnp.int32)).at[5].set(0).at[2].set(2)
     ck_off = jnp.zeros((rows, 2), jnp.int32).at[0, 0].set(1)
     ck_slot = jnp.zeros((rows, 2), jnp.int32).at[0, 0].set(2 * rows + 1)
     args = (*acts, pool, src, dst, ck_off, ck_slot, jnp.int32(rows - 2))
@@ -278,6 +280,14 @@ def main() -> None:
     for bsz, t in prefill_shapes:
         for name, prec in PRECISIONS.items():
             guarded(f"prefill_B{bsz}_T{t}_{name}", lambda b=bsz, t=t, p=prec: time_prefill(b, t, p))
+    if not args.quick:  # launch tuning at B=1 T=4096, TF32
+        for nw, bv in [(8, 32), (4, 64), (8, 64), (2, 16)]:
+            guarded(
+                f"sweep_tf32_w{nw}_bv{bv}",
+                lambda nw=nw, bv=bv: time_prefill(
+                    *prefill_shapes[0], PRECISIONS["tf32"], num_warps=nw, block_v=bv
+                ),
+            )
     for rows in decode_rows:
         guarded(f"decode_B{rows}", lambda rows=rows: time_decode(rows))
     guarded("fla", lambda: time_fla(prefill_shapes, decode_rows))
