@@ -396,7 +396,7 @@ def time_fla(prefill_shapes, decode_rows) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
-    p.add_argument("--precisions", default="f32,bf16x3,tf32")
+    p.add_argument("--precisions", default="f32,tf32")
     p.add_argument("--out", default=None)
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
     p.add_argument("--skip-floors", action="store_true")
@@ -427,12 +427,18 @@ def main() -> None:
         guarded(f"check_prefill_{name}", lambda prec=prec: check_prefill(prec))
     for b, t in prefill_shapes:
         for name, prec in precisions.items():
-            guarded(
-                f"prefill_B{b}_T{t}_{name}",
-                lambda b=b, t=t, prec=prec, name=name: time_prefill(
-                    b, t, prec, reference=(b, t) == prefill_shapes[0] and name == "f32"
-                ),
-            )
+            modes = {"scan": False, "three": True} if name == "tf32" else {"auto": None}
+            for mode, three in modes.items():
+                guarded(
+                    f"prefill_B{b}_T{t}_{name}_{mode}",
+                    lambda b=b, t=t, prec=prec, name=name, three=three: time_prefill(
+                        b,
+                        t,
+                        prec,
+                        reference=(b, t) == prefill_shapes[0] and name == "f32",
+                        three_launches=three,
+                    ),
+                )
     if args.sweep:
         prec = PRECISIONS["tf32"]
         for nw, ns, bv in [(4, 1, 16), (4, 2, 32), (8, 1, 32), (4, 1, 64), (8, 2, 64), (2, 1, 16)]:

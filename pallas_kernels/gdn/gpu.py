@@ -292,6 +292,92 @@ def _scan_kernel(
     jax.lax.fori_loop(0, n_chunks, chunk_step, s0)
 
 
+def _state_kernel(
+    row_first_ref, row_chunks_ref,  # i32[S]
+    c_start_ref, c_len_ref, c_end_ref,  # i32[NC]
+    src_ref, dst_ref, ck_off_ref, ck_slot_ref,  # i32[S], i32[S], i32[S, M] x2
+    k_ref,  # [Tp, Hk, Dk]
+    w_ref,  # f32[Tp, Hv, Dk]
+    u_ref,  # f32[Tp, Hv, Dv]
+    gam_ref,  # f32[Tp, Hv]
+    pool_in,  # f32[num_slots, Hv, Dk, Dv]
+    h_ref,  # f32[NC, Hv, Dk, Dv]  out: the state before each chunk
+    vnew_ref,  # f32[Tp, Hv, Dv]   out: V' = U - W S, token-major
+    pool_out,
+    *, bv: int, ratio: int, precision,
+):  # fmt: skip
+    """Kernel 2 of the three-launch path: only the state recurrence is serial."""
+    r, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(vb * bv, bv)
+    num_tokens, _, dk = k_ref.shape
+    n_chunks = row_chunks_ref[r]
+    src, dst = src_ref[r], dst_ref[r]
+    mm = functools.partial(_mm, precision=precision)
+    read = jnp.full((dk, bv), (n_chunks > 0) & (src > 0))
+    s0 = pltr.load(pool_in.at[src, h, :, vs], mask=read, other=0.0)  # [Dk, BV]
+
+    def chunk_step(i, s):
+        ci = row_first_ref[r] + i
+        start, length, end = c_start_ref[ci], c_len_ref[ci], c_end_ref[ci]
+        win, tok, valid = _window(start, length, num_tokens)
+        h_ref[ci, h, :, vs] = s
+        k = pltr.load(k_ref.at[win, h // ratio, :], mask=valid[:, None], other=0.0)
+        k = _l2norm(k.astype(jnp.float32))
+        w = pltr.load(w_ref.at[win, h, :], mask=valid[:, None], other=0.0)  # [C, Dk]
+        u = pltr.load(u_ref.at[win, h, vs], mask=valid[:, None], other=0.0)  # [C, BV]
+        gam = pltr.load(gam_ref.at[win, h], mask=valid, other=0.0)  # [C]
+        gam_last = jnp.sum(jnp.where(tok == start + length - 1, gam, 0.0))
+        vnew = u - mm(w, s, ((1,), (0,)))  # [C, BV]
+        pltr.store(vnew_ref.at[win, h, vs], vnew, mask=valid[:, None])
+        k_dec = k * jnp.exp(gam_last - gam)[:, None]
+        s = s * jnp.exp(gam_last) + mm(k_dec, vnew, ((0,), (0,)))
+        for m in range(ck_off_ref.shape[1]):
+            slot = ck_slot_ref[r, m]
+            hit = (slot > 0) & (ck_off_ref[r, m] == end)
+            pltr.store(pool_out.at[slot, h, :, vs], s, mask=jnp.full((dk, bv), hit))
+        last = (i == n_chunks - 1) & (dst > 0)
+        pltr.store(pool_out.at[dst, h, :, vs], s, mask=jnp.full((dk, bv), last))
+        return s
+
+    jax.lax.fori_loop(0, n_chunks, chunk_step, s0)
+
+
+def _output_kernel(
+    c_start_ref, c_len_ref,  # i32[NC]
+    q_ref, k_ref,  # [Tp, Hk, Dk]
+    gam_ref,  # f32[Tp, Hv]
+    h_ref,  # f32[NC, Hv, Dk, Dv]
+    vnew_ref,  # f32[Tp, Hv, Dv]
+    o_ref,  # [Tp, Hv, Dv]
+    *, bv: int, ratio: int, scale: float, precision,
+):  # fmt: skip
+    """Kernel 3 of the three-launch path, every (chunk, head, Dv block) in parallel."""
+    ci, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(vb * bv, bv)
+    start, length = c_start_ref[ci], c_len_ref[ci]
+    num_tokens = q_ref.shape[0]
+
+    @pl.when(length > 0)
+    def _():
+        c = CHUNK
+        ii = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+        jj = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+        mm = functools.partial(_mm, precision=precision)
+        win, _, valid = _window(start, length, num_tokens)
+        q = pltr.load(q_ref.at[win, h // ratio, :], mask=valid[:, None], other=0.0)
+        k = pltr.load(k_ref.at[win, h // ratio, :], mask=valid[:, None], other=0.0)
+        q = _l2norm(q.astype(jnp.float32)) * scale
+        k = _l2norm(k.astype(jnp.float32))
+        gam = pltr.load(gam_ref.at[win, h], mask=valid, other=0.0)
+        vnew = pltr.load(vnew_ref.at[win, h, vs], mask=valid[:, None], other=0.0)
+        both = valid[:, None] & valid[None, :] & (ii >= jj)
+        decay = jnp.exp(jnp.where(both, gam[:, None] - gam[None, :], -1e30))
+        qk = mm(q, k, ((1,), (1,))) * decay
+        o = mm(q * jnp.exp(gam)[:, None], h_ref[ci, h, :, vs], ((1,), (0,)))
+        o = o + mm(qk, vnew, ((1,), (0,)))
+        pltr.store(o_ref.at[win, h, vs], o.astype(o_ref.dtype), mask=valid[:, None])
+
+
 def _unit_lower_inverse(a, ii, jj, mm):
     """``(I + a)^-1`` for strictly lower ``a``: recursive 2x2 block inversion (see tpu.py)."""
     n = a.shape[0]
@@ -324,13 +410,19 @@ def gdn_prefill(
     precision=jax.lax.Precision.HIGHEST,
     num_warps: int = 4,
     num_stages: int = 1,
+    three_launches: bool | None = None,
+    max_scratch_bytes: int = 512 * 1024 * 1024,
+    block_v_out: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, Hv, Dv], state)``.
 
     ``precision`` is the matmul precision inside the chunk (``HIGHEST``: IEEE f32; a
     ``DotAlgorithmPreset`` such as ``BF16_BF16_F32_X3`` or ``DEFAULT`` (TF32) trade accuracy
-    for tensor-core speed).
+    for tensor-core speed). ``three_launches`` moves the output out of the serial scan into a
+    parallel launch, at the cost of a scratch of every chunk's starting state (f32
+    ``[NC, Hv, Dk, Dv]``); by default it is used when that scratch fits
+    ``max_scratch_bytes`` (long prefills; decode-heavy mixed batches have many small chunks).
     """
     check_gdn_shapes(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets,
                      ckpt_slots, query_start_loc)  # fmt: skip
@@ -371,25 +463,55 @@ def gdn_prefill(
         interpret=interpret,
         name="gdn_prefill_intra_gpu",
     )(plan.start, plan.length, gates, k, v, a, b)
-    args = (
+    slot_args = (
         row_first, row_chunks, plan.start, plan.length, plan.end,
         src_slot.astype(jnp.int32), dst_slot.astype(jnp.int32),
         ckpt_offsets.astype(jnp.int32), ckpt_slots.astype(jnp.int32),
-        q, k, w, u, gam, state,
     )  # fmt: skip
-    kernel = functools.partial(
-        _scan_kernel, bv=bv, ratio=hv // hk, scale=float(dk) ** -0.5, precision=precision
-    )
-    o, state = pl.pallas_call(
-        kernel,
-        grid=(rows, hv, dv // bv),
-        out_shape=[
-            jax.ShapeDtypeStruct((tp, hv, dv), v.dtype),
-            jax.ShapeDtypeStruct(state.shape, state.dtype),
-        ],
-        input_output_aliases={len(args) - 1: 1},
-        compiler_params=_compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        name="gdn_prefill_scan_gpu",
-    )(*args)
+    params = _compiler_params(num_warps, num_stages)
+    scale = float(dk) ** -0.5
+    if three_launches is None:  # the per-chunk states must fit the scratch budget
+        three_launches = nc * hv * dk * dv * 4 <= max_scratch_bytes
+    if not three_launches:
+        args = (*slot_args, q, k, w, u, gam, state)
+        o, state = pl.pallas_call(
+            functools.partial(
+                _scan_kernel, bv=bv, ratio=hv // hk, scale=scale, precision=precision
+            ),
+            grid=(rows, hv, dv // bv),
+            out_shape=[
+                jax.ShapeDtypeStruct((tp, hv, dv), v.dtype),
+                jax.ShapeDtypeStruct(state.shape, state.dtype),
+            ],
+            input_output_aliases={len(args) - 1: 1},
+            compiler_params=params,
+            interpret=interpret,
+            name="gdn_prefill_scan_gpu",
+        )(*args)
+    else:
+        args = (*slot_args, k, w, u, gam, state)
+        h_all, vnew, state = pl.pallas_call(
+            functools.partial(_state_kernel, bv=bv, ratio=hv // hk, precision=precision),
+            grid=(rows, hv, dv // bv),
+            out_shape=[
+                jax.ShapeDtypeStruct((nc, hv, dk, dv), f32),
+                jax.ShapeDtypeStruct((tp, hv, dv), f32),
+                jax.ShapeDtypeStruct(state.shape, state.dtype),
+            ],
+            input_output_aliases={len(args) - 1: 2},
+            compiler_params=params,
+            interpret=interpret,
+            name="gdn_prefill_state_gpu",
+        )(*args)
+        bo = _block_v(dv, block_v_out or min(dv, 64))
+        o = pl.pallas_call(
+            functools.partial(
+                _output_kernel, bv=bo, ratio=hv // hk, scale=scale, precision=precision
+            ),
+            grid=(nc, hv, dv // bo),
+            out_shape=jax.ShapeDtypeStruct((tp, hv, dv), v.dtype),
+            compiler_params=params,
+            interpret=interpret,
+            name="gdn_prefill_output_gpu",
+        )(plan.start, plan.length, q, k, gam, h_all, vnew)
     return jnp.where(plan.live[:, None, None], o[:n], 0).astype(v.dtype), state

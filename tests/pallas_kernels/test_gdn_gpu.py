@@ -5,6 +5,8 @@ both kernels to Triton IR for CUDA at Qwen3-Next-80B shapes (no GPU needed). Com
 timing them is ``benchmarks/gdn_kernels.py`` on a GPU machine.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,8 +37,9 @@ PREFILL_IDS = [
 ]
 
 
+@pytest.mark.parametrize("three", [False, True], ids=["scan_output", "three_launches"])
 @pytest.mark.parametrize("lens,hk,hv,dk,dv,dtype,bv", PREFILL_CASES, ids=PREFILL_IDS)
-def test_prefill_matches_reference(lens, hk, hv, dk, dv, dtype, bv):
+def test_prefill_matches_reference(lens, hk, hv, dk, dv, dtype, bv, three):
     rng = np.random.default_rng(sum(lens))
     case = ragged_case(lens)
     inputs = _inputs(rng, case.num_tokens, hk, hv, dk, dv, dtype)
@@ -47,7 +50,8 @@ def test_prefill_matches_reference(lens, hk, hv, dk, dv, dtype, bv):
     ]
     args = (*inputs, pool, *slots, jnp.int32(case.num_seqs))
     want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
-    got_o, got_s = jax.jit(lambda *x: gpu.gdn_prefill(*x, block_v=bv, interpret=True))(*args)
+    kernel = functools.partial(gpu.gdn_prefill, block_v=bv, three_launches=three, interpret=True)
+    got_o, got_s = jax.jit(kernel)(*args)
     assert not np.isnan(np.asarray(got_o, np.float32)).any(), "a poisoned slot was read"
     if dtype == jnp.float32:
         assert_close(got_o, want_o, rtol=1e-4, atol=1e-4, what="outputs")
