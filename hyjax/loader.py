@@ -9,19 +9,23 @@ code is never executed: only ``config.json`` and the tensors are read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
 import re
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from hyjax.config import ModelConfig, load_config
 from hyjax.models import model_class
 from hyjax.safetensors_io import SafetensorsFile
+from hyjax.sharding import ShardingPlan
 
 log = logging.getLogger(__name__)
 
@@ -230,14 +234,27 @@ def _convert(arr: np.ndarray, target: Target) -> np.ndarray:
 
 
 def load_model(
-    model_dir: str | os.PathLike, *, dtype: str = "auto"
+    model_dir: str | os.PathLike,
+    *,
+    dtype: str = "auto",
+    mesh: Mesh | None = None,
+    expert_parallel: bool = False,
 ) -> tuple[nnx.Module, ModelConfig]:
-    """Builds the model of ``model_dir/config.json`` and fills it from the checkpoint."""
+    """Builds the model of ``model_dir/config.json`` and fills it from the checkpoint.
+
+    With a ``mesh`` every device reads only its own shard of each tensor from the memory map
+    (``jax.make_array_from_callback``), as :class:`hyjax.sharding.ShardingPlan` places it, and
+    the model comes back configured for that mesh. A directory written by ``hyjax convert``
+    (an orbax checkpoint in ``ORBAX_DIR``) is restored straight into the shards instead.
+    """
     model_dir = os.fspath(model_dir)
     cfg = load_config(model_dir)
     jdtype = resolve_dtype(dtype, cfg)
     cls = model_class(cfg)
     abstract = nnx.eval_shape(lambda: cls(cfg, dtype=jdtype, rngs=nnx.Rngs(0)))
+    plan = ShardingPlan(mesh, cfg, expert_parallel) if mesh is not None else None
+    if os.path.isdir(os.path.join(model_dir, ORBAX_DIR)):
+        return _restore_converted(model_dir, abstract, cfg, plan), cfg
     graphdef, state = nnx.split(abstract)
     params = dict(nnx.to_flat_state(state))
     targets = TARGETS[cfg.model_type](cfg)
@@ -270,6 +287,7 @@ def load_model(
         raise CheckpointError(f"missing tensor {missing[0]!r}{more}; looked in {where}")
 
     opened: dict[str, SafetensorsFile] = {}
+    device = jax.local_devices()[0]
 
     def read(name: str) -> np.ndarray:
         path = files[name]
@@ -285,31 +303,98 @@ def load_model(
         var = params[path]
         want_shape = tuple(var.value.shape)
         want_dtype = jnp.float32 if path[-1] in FLOAT32_PARAMS else var.value.dtype
-        host = np.empty(want_shape, dtype=want_dtype) if _stacked(sources) else None
-        covered = 0
+        views: dict[int | None, np.ndarray] = {}  # expert (None: whole tensor) -> host view
         for name, tg in sources:
-            arr = _convert(read(name), tg)
+            arr = _convert(read(name), tg)  # a view of the map: nothing is read yet
             want = want_shape[1:] if tg.expert is not None else want_shape
             if tuple(arr.shape) != want:
                 raise CheckpointError(
                     f"tensor {name!r} in {files[name]} has shape {tuple(read(name).shape)}, "
                     f"expected {_hf_shape(tg, want)}"
                 )
-            if tg.expert is not None:
-                host[tg.expert] = arr
-                covered += 1
-            else:
-                host = arr
-        if _stacked(sources) and covered != want_shape[0]:
+            views[tg.expert] = arr
+        if _stacked(sources) and len(views) != want_shape[0]:
             raise CheckpointError(
-                f"missing experts for {'.'.join(map(str, path))}: got {covered} of {want_shape[0]}"
+                f"missing experts for {'.'.join(map(str, path))}: "
+                f"got {len(views)} of {want_shape[0]}"
             )
-        var.set_value(jnp.array(host, dtype=want_dtype))  # a copy: nothing aliases the map
-        del host
+        sharding = plan.sharding(path) if plan is not None else SingleDeviceSharding(device)
+        var.set_value(
+            jax.make_array_from_callback(
+                want_shape, sharding, functools.partial(_read_block, views, want_dtype)
+            )
+        )
+        views.clear()
     opened.clear()  # the maps close once the last view is gone
     model = nnx.merge(graphdef, nnx.from_flat_state(params))
+    if plan is not None:
+        plan.configure(model)  # layers' static settings; permutes the (small) GDN conv rows
     log.info("loaded %s (%s) from %s", cfg.model_type, jnp.dtype(jdtype).name, model_dir)
     return model, cfg
+
+
+def _read_block(
+    views: dict[int | None, np.ndarray], dtype, index: tuple[slice, ...] | None
+) -> np.ndarray:
+    """One device's block of a parameter, read from the map (its experts only, if stacked)."""
+    if index is None:
+        index = ()
+    if None in views:
+        return np.array(views[None][index], dtype=dtype)  # a copy: nothing aliases the map
+    experts = range(len(views))[index[0] if index else slice(None)]
+    rest = tuple(index[1:])
+    return np.stack([np.asarray(views[e][rest], dtype=dtype) for e in experts])
+
+
+# Where ``hyjax convert`` puts the converted parameters (an orbax checkpoint).
+ORBAX_DIR = "hyjax_params"
+
+
+def save_converted(model: nnx.Module, cfg: ModelConfig, model_dir: str, out_dir: str) -> str:
+    """Writes ``model``'s parameters (checkpoint layout: transposed, experts stacked, GDN conv
+    channels in checkpoint order) as an orbax checkpoint, plus ``model_dir``'s config and
+    tokenizer files, so :func:`load_model` later restores them sharded with no conversion."""
+    import shutil
+
+    import orbax.checkpoint as ocp
+
+    from hyjax.sharding import checkpoint_layout_state
+
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(model_dir):
+        if name.endswith((".json", ".txt", ".model", ".tiktoken", ".py", ".jinja")) and (
+            "safetensors" not in name
+        ):
+            shutil.copy(os.path.join(model_dir, name), os.path.join(out_dir, name))
+    state = nnx.to_pure_dict(checkpoint_layout_state(model))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(out_dir, ORBAX_DIR), state)
+    log.info("saved the converted %s parameters to %s", cfg.model_type, out_dir)
+    return out_dir
+
+
+def _restore_converted(
+    model_dir: str, abstract: nnx.Module, cfg: ModelConfig, plan: ShardingPlan | None
+) -> nnx.Module:
+    import orbax.checkpoint as ocp
+
+    graphdef, state = nnx.split(abstract)
+    params = dict(nnx.to_flat_state(state))
+    device = jax.local_devices()[0]
+    for path, var in params.items():
+        sharding = plan.sharding(path) if plan is not None else SingleDeviceSharding(device)
+        var.set_value(jax.ShapeDtypeStruct(var.value.shape, var.value.dtype, sharding=sharding))
+    target = nnx.to_pure_dict(nnx.from_flat_state(params))
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(os.path.join(model_dir, ORBAX_DIR), target)
+    state = nnx.from_flat_state(params)
+    nnx.replace_by_pure_dict(state, restored)
+    model = nnx.merge(graphdef, state)
+    if plan is not None:
+        model = plan.shard_model(model)  # permutes the GDN conv rows for this mesh
+    log.info("restored converted %s parameters from %s", cfg.model_type, model_dir)
+    return model
 
 
 def _stacked(sources: list[tuple[str, Target]]) -> bool:

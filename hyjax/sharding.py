@@ -72,6 +72,22 @@ def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = 
     return Mesh(np.array(devices[:tensor_parallel_size]), (MODEL_AXIS,))
 
 
+def initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> None:
+    """Joins this process to a multi-host job (``jax.distributed.initialize``); call it before
+    anything else touches JAX. Afterwards ``jax.devices()`` lists every host's devices and
+    :func:`make_mesh` spans them. Arguments left ``None`` are auto-detected where JAX can
+    (``JAX_COORDINATOR_ADDRESS``, SLURM, Cloud TPU, ...)."""
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+
+
 def _divides(tp: int, **sizes: int) -> None:
     for name, size in sizes.items():
         if size % tp:
@@ -295,22 +311,13 @@ class ShardingPlan:
         self.configure(model)
         graphdef, state = nnx.split(model)
         params = dict(nnx.to_flat_state(state))
+        multi_process = jax.process_count() > 1
         for path, var in params.items():
-            var.set_value(jax.device_put(var.value, self.sharding(path)))
+            value, sharding = var.value, self.sharding(path)
+            if multi_process and value.is_fully_addressable and value.sharding != sharding:
+                value = np.asarray(value)  # the same host copy on every process
+            var.set_value(jax.device_put(value, sharding))
         return nnx.merge(graphdef, nnx.from_flat_state(params))
-
-    def host_layout(self, path: tuple, arr: np.ndarray) -> np.ndarray:
-        """A checkpoint-layout host array in this plan's layout (the GDN conv permutation)."""
-        if self.cfg.model_type == "qwen3_next" and path[-1] == "conv1d" and self.tp > 1:
-            from hyjax.layers.gdn import conv_channel_order
-
-            cfg = self.cfg
-            heads = (
-                (cfg.linear_num_key_heads, cfg.linear_key_head_dim),
-                (cfg.linear_num_value_heads, cfg.linear_value_head_dim),
-            )
-            return arr[conv_channel_order(*heads, self.tp)]
-        return arr
 
     # -- pools
 
@@ -378,6 +385,21 @@ def _shard_op(fn: Callable, mesh: Mesh, in_specs: tuple, out_specs, tp: int) -> 
     return op
 
 
+def checkpoint_layout_state(model: nnx.Module) -> nnx.State:
+    """``model``'s state with the GDN conv rows back in checkpoint order (for saving);
+    ``model`` itself is left as it is."""
+    from hyjax.layers.gdn import GatedDeltaNet, conv_channel_order
+
+    graphdef, state = nnx.split(model)
+    clone = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # new Variables
+    for _, m in clone.iter_modules():
+        if isinstance(m, GatedDeltaNet) and m.conv_shards != 1:
+            order = conv_channel_order((m.hk, m.dk), (m.hv, m.dv), m.conv_shards)
+            m.conv1d.set_value(m.conv1d[...][np.argsort(order)])
+            m.conv_shards = 1
+    return nnx.split(clone)[1]
+
+
 def replicate_tree(tree, mesh: Mesh):
     """Host arrays (a step's plan) as arrays replicated over ``mesh``."""
     return jax.device_put(tree, NamedSharding(mesh, R))
@@ -397,6 +419,8 @@ __all__ = [
     "MODEL_AXIS",
     "FamilySharding",
     "ShardingPlan",
+    "checkpoint_layout_state",
+    "initialize_distributed",
     "local_shapes",
     "make_mesh",
     "path_name",

@@ -23,6 +23,7 @@ import numpy as np
 
 from hyjax.detokenizer import DetokenizerStream, check_stop_strings
 from hyjax.loader import load_model
+from hyjax.sharding import ShardingPlan, make_mesh
 from hyjax.tokenizer import Tokenizer, TokenizerFilesError
 from serving.config import CacheConfig, SchedulerConfig
 from serving.messages import EngineStats
@@ -53,6 +54,10 @@ class EngineArgs:
     min_token_bucket: int = 8
     warmup: bool = True
     progress: bool = True
+    # Devices the model is split over (hyjax.sharding): heads of GDN / attention and the
+    # MoE experts' intermediate dim, or (expert parallel) the experts themselves.
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +121,19 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, preloaded=None):
         self.args = args
+        mesh = None
+        if args.tensor_parallel_size > 1 or args.enable_expert_parallel:
+            mesh = make_mesh(args.tensor_parallel_size)
         if preloaded is None:
-            model, self.model_config = load_model(args.model, dtype=args.dtype)
+            model, self.model_config = load_model(
+                args.model, dtype=args.dtype, mesh=mesh,
+                expert_parallel=args.enable_expert_parallel,
+            )  # fmt: skip
         else:
             model, self.model_config = preloaded
+        sharding = None
+        if mesh is not None:
+            sharding = ShardingPlan(mesh, self.model_config, args.enable_expert_parallel)
         try:
             self.tokenizer: Tokenizer | None = Tokenizer.from_dir(args.model)
         except TokenizerFilesError:
@@ -143,6 +157,7 @@ class LLMEngine:
             kernel_backend=args.kernel_backend,
             cache_bytes=args.cache_bytes,
             num_checkpoint_slots=args.num_checkpoint_slots,
+            sharding=sharding,
         )
         cache_cfg = CacheConfig(
             self.runner.memory.num_kv_blocks, self.runner.memory.num_state_slots

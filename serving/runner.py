@@ -148,12 +148,19 @@ class ModelRunner:
         self.caches, out = _step(
             self.graphdef, self.ops, plan.shape.decode_only, self.state, self.caches, arrays
         )
-        return StepResult(*jax.device_get(out))
+        return StepResult(*(_fetch(x) for x in out))
 
     @staticmethod
     def compile_count() -> int:
         """Executables compiled so far for the step function (all runners of this process)."""
         return _step._cache_size()
+
+
+def _fetch(x: jax.Array) -> np.ndarray:
+    """A replicated result on the host (with several processes, from a local device)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(x.addressable_data(0))
 
 
 def _default_cache_bytes(

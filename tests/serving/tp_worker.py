@@ -10,6 +10,7 @@ and asserts on the JSON it prints. Run by hand::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -30,7 +31,7 @@ from flax import nnx  # noqa: E402
 from hyjax.batch import Batch  # noqa: E402
 from hyjax.config import Qwen3NextConfig  # noqa: E402
 from hyjax.models.qwen3_next import Qwen3NextForCausalLM  # noqa: E402
-from hyjax.sharding import ShardingPlan, make_mesh  # noqa: E402
+from hyjax.sharding import ShardingPlan, make_mesh, replicate_tree  # noqa: E402
 
 
 def tp_config(vocab_size: int = 256) -> Qwen3NextConfig:
@@ -40,8 +41,8 @@ def tp_config(vocab_size: int = 256) -> Qwen3NextConfig:
             "model_type": "qwen3_next",
             "vocab_size": vocab_size,
             "hidden_size": 64,
-            "num_hidden_layers": 4,
-            "layer_types": ["linear_attention", "full_attention"] * 2,
+            "num_hidden_layers": 2,
+            "layer_types": ["linear_attention", "full_attention"],
             "num_attention_heads": 8,
             "num_key_value_heads": 2,
             "head_dim": 16,
@@ -121,19 +122,27 @@ def forward_logits(model, cfg, tp: int, *, expert_parallel: bool = False, backen
         sharding=plan,
     )  # fmt: skip
 
-    @jax.jit
     def fwd(state, caches, arrays, decode_only):
         m = nnx.merge(runner.graphdef, state)
-        return m(Batch.from_arrays(arrays), caches, runner.ops, decode_only=decode_only)
+        caches, logits = m(Batch.from_arrays(arrays), caches, runner.ops, decode_only=decode_only)
+        if plan is not None:  # gathered, so every process can read it
+            logits = jax.lax.with_sharding_constraint(logits, plan.replicated())
+        return caches, logits
 
-    fwd = jax.jit(fwd.__wrapped__, static_argnums=3)
+    fwd = jax.jit(fwd, static_argnums=3, donate_argnums=1)
     caches = runner.caches
     out = []
     for arrays, decode_only in zip(_batches(cfg), (False, True)):
+        if plan is not None:
+            arrays = replicate_tree(arrays, plan.mesh)
         caches, logits = fwd(runner.state, caches, arrays, decode_only)
-        out.append(np.asarray(logits))
-    ssm = np.asarray(caches.ssm[0][3])  # the checkpoint after 4 tokens of sequence 2
-    shards = {str(s.data.shape) for s in caches.ssm[0].addressable_shards}
+        out.append(np.asarray(logits.addressable_data(0)))
+    ssm = caches.ssm[0]
+    shards = {str(s.data.shape) for s in ssm.addressable_shards}
+    if ssm.is_fully_addressable:
+        ssm = np.asarray(ssm[3])  # the checkpoint after 4 tokens of sequence 2
+    else:
+        ssm = None
     return out, ssm, shards
 
 
@@ -143,7 +152,7 @@ def check_logits() -> dict:
     graphdef, state = nnx.split(model)
     ref, ref_ssm, _ = forward_logits(nnx.merge(graphdef, state), cfg, 1)
     result = {}
-    cases = [(2, False), (4, False), (8, False), (2, True), (8, True)]
+    cases = [(2, False), (4, False), (8, False), (8, True)]
     for tp, ep in cases:
         m = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # fresh modules
         (pre, dec), ssm, shards = forward_logits(m, cfg, tp, expert_parallel=ep)
@@ -157,17 +166,154 @@ def check_logits() -> dict:
     return result
 
 
+def _run_waves(engine, waves):
+    outputs = {}
+    for wave in waves:
+        names = {engine.add_request(prompt, params): name for name, prompt, params in wave}
+        for rid, out in engine.run_to_completion().items():
+            outputs[names[rid]] = out
+    return outputs
+
+
+def _workload():
+    from serving.request import SamplingParams
+
+    rng = np.random.default_rng(3)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    shared = rng.integers(0, 256, size=140).tolist()
+    return [
+        [("a", shared + [1, 2, 3], greedy), ("short", [5, 6, 7], greedy)],
+        [
+            ("b", shared + [9, 8], greedy),
+            ("c", shared + [4], sampled),
+            ("a_again", shared + [1, 2, 3], greedy),
+        ],
+    ]
+
+
+def check_engine(model_dir: str) -> dict:
+    """Prefix caching on / off under TP = 2, and TP = 1: the same tokens; hits happen."""
+    from serving.engine import EngineArgs, LLMEngine
+
+    base = dict(
+        model=model_dir, max_num_seqs=2, max_num_batched_tokens=64, min_token_bucket=64,
+        max_model_len=256, num_checkpoint_slots=12, progress=False, warmup=False,
+        tensor_parallel_size=2,
+    )  # fmt: skip
+    runs = {"tp2_on": {}, "tp2_off": dict(enable_prefix_caching=False)}
+    out = {}
+    for name, kw in runs.items():
+        engine = LLMEngine(EngineArgs(**base, **kw))
+        res = _run_waves(engine, _workload())
+        out[name] = {k: v.output_token_ids for k, v in res.items()}
+        out[name + "_cached"] = {k: v.num_cached_tokens for k, v in res.items()}
+        out[name + "_kv_shards"] = sorted(
+            {str(s.data.shape) for s in engine.runner.caches.kv[0][0].addressable_shards}
+        )
+    return out
+
+
+def check_loading(model_dir: str, tmp: str) -> dict:
+    """Loading straight into shards, and the orbax convert / sharded restore round trip."""
+    from hyjax.loader import load_model, save_converted
+    from hyjax.sharding import checkpoint_layout_state
+
+    def flat(model):  # twice: the model is left as it was
+        checkpoint_layout_state(model)
+        state = checkpoint_layout_state(model)
+        return {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(state)}
+
+    ref_model, cfg = load_model(model_dir)
+    ref = flat(ref_model)
+    sharded, _ = load_model(model_dir, mesh=make_mesh(4))
+    qkvz = sharded.layers[0].linear_attn.in_proj_qkvz.weight[...]
+    experts = sharded.layers[0].mlp.experts_down[...]
+    got = flat(sharded)
+    diffs = {str(k): float(np.max(np.abs(got[k] - ref[k]))) for k in ref}
+    out = {
+        "qkvz_shards": sorted({str(s.data.shape) for s in qkvz.addressable_shards}),
+        "experts_down_spec": str(experts.sharding.spec),
+        "load_max_diff": max(diffs.values()),
+        "load_worst": max(diffs, key=diffs.get),
+    }
+    converted = save_converted(ref_model, cfg, model_dir, os.path.join(tmp, "converted"))
+    restored, _ = load_model(converted, mesh=make_mesh(2, jax.devices()[2:]), expert_parallel=True)
+    experts = restored.layers[0].mlp.experts_down[...]
+    out["restored_experts_spec"] = str(experts.sharding.spec)
+    out["restored_devices"] = sorted(d.id for d in experts.sharding.device_set)
+    got = flat(restored)
+    diffs = {str(k): float(np.max(np.abs(got[k] - ref[k]))) for k in ref}
+    out["restore_max_diff"] = max(diffs.values())
+    out["restore_worst"] = max(diffs, key=diffs.get)
+    return out
+
+
+def check_errors() -> dict:
+    out = {}
+    cfg = tp_config()
+    for name, make in {
+        "tp3": lambda: ShardingPlan(make_mesh(3), cfg),
+        "tp16": lambda: make_mesh(16),
+        "ep16_experts": lambda: ShardingPlan(
+            make_mesh(8), dataclasses.replace(cfg, num_experts=4), True
+        ),
+    }.items():
+        try:
+            make()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def check_distributed(process_id: int, port: int) -> dict:
+    """One of two processes with 4 CPU devices each: TP = 8 spans both processes."""
+    from hyjax.sharding import initialize_distributed
+
+    initialize_distributed(f"localhost:{port}", 2, process_id)
+    cfg = tp_config()
+    model = Qwen3NextForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    (pre, dec), _, shards = forward_logits(nnx.merge(graphdef, state), cfg, 8)
+    ref, _, _ = forward_logits(nnx.merge(graphdef, state), cfg, 1)
+    return {
+        "process_index": jax.process_index(),
+        "devices": jax.device_count(),
+        "local_devices": jax.local_device_count(),
+        "local_ssm_shards": sorted(shards),
+        "prefill": float(np.max(np.abs(pre - ref[0]))),
+        "decode": float(np.max(np.abs(dec - ref[1]))),
+    }
+
+
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "all"
-    if mode == "logits":
-        print(json.dumps({"logits": check_logits()}))
-    elif mode == "all":
-        out = {"logits": check_logits()}
-        with tempfile.TemporaryDirectory() as d:
-            del d
-        print(json.dumps(out))
-    else:
+    if mode == "distributed":
+        print(json.dumps(check_distributed(int(sys.argv[2]), int(sys.argv[3]))))
+        jax.distributed.shutdown()
+        return
+    out = {}
+    if mode in ("all", "logits"):
+        out["logits"] = check_logits()
+    if mode in ("all", "engine", "loading"):
+        from hyjax.saver import save_hf_checkpoint
+
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = os.path.join(tmp, "tp_model")
+            cfg = tp_config()
+            save_hf_checkpoint(
+                Qwen3NextForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1)), cfg, model_dir
+            )
+            if mode in ("all", "loading"):
+                out["loading"] = check_loading(model_dir, tmp)
+            if mode in ("all", "engine"):
+                out["engine"] = check_engine(model_dir)
+    if mode in ("all", "errors"):
+        out["errors"] = check_errors()
+    if not out:
         raise SystemExit(f"unknown mode {mode!r}")
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
