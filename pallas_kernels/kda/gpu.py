@@ -286,7 +286,7 @@ def kda_prefill(
     *,
     block_v: int | None = None,
     precision=jax.lax.Precision.HIGHEST,
-    num_warps: int = 4,
+    num_warps: int = 8,  # best of the H200 sweep (BENCHMARKS.md): 2.8x faster than 4
     num_stages: int = 1,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
