@@ -358,11 +358,19 @@ class ShardingPlan:
         """``ops`` with this family's head-parallel ops wrapped in ``jax.shard_map``."""
         if self.tp == 1:
             return ops
-        wrapped = {
-            name: _shard_op(getattr(ops, name), self.mesh, in_specs, out_specs, self.tp)
-            for name, (in_specs, out_specs) in self.family.ops.items()
-        }
-        return dataclasses.replace(ops, **wrapped)
+        return _sharded_ops(ops, self.mesh, self.cfg.model_type)
+
+
+@functools.cache
+def _sharded_ops(ops, mesh: Mesh, model_type: str):
+    """One wrapped ``Ops`` per (ops, mesh, family): equal static arguments of the jitted step,
+    so a second runner on the same mesh reuses the compiled executables."""
+    tp = mesh.shape[MODEL_AXIS]
+    wrapped = {
+        name: _shard_op(getattr(ops, name), mesh, in_specs, out_specs, tp)
+        for name, (in_specs, out_specs) in FAMILIES[model_type].ops.items()
+    }
+    return dataclasses.replace(ops, **wrapped)
 
 
 def _shard_op(fn: Callable, mesh: Mesh, in_specs: tuple, out_specs, tp: int) -> Callable:
