@@ -212,7 +212,7 @@ def time_prefill(batch, seq_len, precision, *, reference: bool, **tuning) -> dic
     return out
 
 
-def time_decode(rows) -> dict:
+def time_decode(rows, **tuning) -> dict:
     acts = _activations(jax.random.PRNGKey(6), rows)
     pool = _pool(jax.random.PRNGKey(7), rows + 1)
     slots = (
@@ -223,16 +223,16 @@ def time_decode(rows) -> dict:
     def step(fn):
         return lambda st, acts, slots: fn(*acts, st, *slots)[1]
 
-    kernel = functools.partial(gpu.gdn_decode, interpret=INTERPRET)
+    kernel = functools.partial(gpu.gdn_decode, interpret=INTERPRET, **tuning)
     t = _time_loop(step(kernel), pool, (acts, slots), iters=50)
-    pool = _pool(jax.random.PRNGKey(7), rows + 1)
-    t_ref = _time_loop(step(gdn_decode_reference), pool, (acts, slots), iters=50)
     state_bytes = 2 * rows * HV * D * D * 4  # read src + write dst
-    return {
-        "pallas_us": 1e6 * t,
-        "reference_us": 1e6 * t_ref,
-        "pallas_state_GBps": state_bytes / t / 1e9,
-    }
+    out = {"pallas_us": 1e6 * t, "pallas_state_GBps": state_bytes / t / 1e9}
+    if not tuning:
+        pool = _pool(jax.random.PRNGKey(7), rows + 1)
+        out["reference_us"] = 1e6 * _time_loop(
+            step(gdn_decode_reference), pool, (acts, slots), iters=50
+        )
+    return out
 
 
 CONV_C, CONV_K = 2 * HK * D + HV * D, 4  # conv channels of Qwen3-Next-80B's linear layers
@@ -292,7 +292,7 @@ def time_fused_decode(rows) -> dict:
             _, conv, ssm = fn(ops[0], ops[1], conv, *ops[2:6], ssm, *slots)
             return conv, ssm
 
-        state = (conv, _pool(jax.random.PRNGKey(7), rows + 1))
+        state = (jnp.copy(conv), _pool(jax.random.PRNGKey(7), rows + 1))  # donated each time
         t = _time_loop(step, state, (mixed, weight, a, b, A_log, dt_bias), iters=50)
         out[f"{name}_us"] = 1e6 * t
     moved = 2 * rows * (HV * D * D * 4 + (CONV_K - 1) * CONV_C * 2)
@@ -309,11 +309,13 @@ def time_conv_prefill(seq_len) -> dict:
              jnp.array([2], jnp.int32), jnp.zeros((1, 2), jnp.int32),
              jnp.zeros((1, 2), jnp.int32), jnp.int32(1))  # fmt: skip
 
-    def step(conv, x, weight):
-        return causal_conv1d_prefill_reference(x, weight, conv, *slots)[1]
+    def step(state, x, weight):  # y is carried: XLA would drop an unused output
+        conv, y = state
+        y_new, conv = causal_conv1d_prefill_reference(x + y, weight, conv, *slots)
+        return conv, y_new
 
-    t = _time_loop(step, conv, (x, weight), iters=20)
-    return {"reference_us": 1e6 * t, "bytes_moved_MB": 2 * x.nbytes / 1e6}
+    t = _time_loop(step, (conv, jnp.zeros_like(x)), (x, weight), iters=20)
+    return {"reference_us": 1e6 * t, "bytes_moved_MB": 3 * x.nbytes / 1e6}  # x, y in; y out
 
 
 def time_fla(prefill_shapes, decode_rows) -> dict:
@@ -441,17 +443,25 @@ def main() -> None:
                 )
     if args.sweep:
         prec = PRECISIONS["tf32"]
-        for nw, ns, bv in [(4, 1, 16), (4, 2, 32), (8, 1, 32), (4, 1, 64), (8, 2, 64), (2, 1, 16)]:
+        configs = [(4, 2, 32, 64), (4, 3, 32, 64), (4, 2, 16, 64), (4, 2, 32, 32), (8, 2, 32, 128)]
+        for nw, ns, bv, bo in configs:
             guarded(
-                f"sweep_tf32_w{nw}_s{ns}_bv{bv}",
-                lambda nw=nw, ns=ns, bv=bv: time_prefill(
+                f"sweep_three_tf32_w{nw}_s{ns}_bv{bv}_bo{bo}",
+                lambda nw=nw, ns=ns, bv=bv, bo=bo: time_prefill(
                     *prefill_shapes[0],
                     prec,
                     reference=False,
                     num_warps=nw,
                     num_stages=ns,
                     block_v=bv,
+                    block_v_out=bo,
+                    three_launches=True,
                 ),
+            )
+        for bv, nw in [(16, 2), (32, 2), (64, 4), (64, 8), (128, 8), (128, 16)]:
+            guarded(
+                f"sweep_decode_B64_bv{bv}_w{nw}",
+                lambda bv=bv, nw=nw: time_decode(64, block_v=bv, num_warps=nw),
             )
     for rows in decode_rows:
         guarded(f"decode_B{rows}", lambda rows=rows: time_decode(rows))

@@ -409,7 +409,7 @@ def gdn_prefill(
     block_v: int | None = None,
     precision=jax.lax.Precision.HIGHEST,
     num_warps: int = 4,
-    num_stages: int = 1,
+    num_stages: int = 2,
     three_launches: bool | None = None,
     max_scratch_bytes: int = 512 * 1024 * 1024,
     block_v_out: int | None = None,
