@@ -221,7 +221,19 @@ def make_tiny_kimi_linear_model(out_dir: str | os.PathLike, *, seed: int = 0) ->
             "model_type": "kimi_linear",
             "torch_dtype": "float32",
             **tiny_kimi_linear_config(
-                vocab_size=vocab, hidden_size=64, bos_token_id=256, eos_token_id=257
+                vocab_size=vocab,
+                hidden_size=64,
+                bos_token_id=256,
+                eos_token_id=257,
+                # Two layers (KDA + dense MLP, MLA + MoE): half the compile time of four.
+                num_hidden_layers=2,
+                linear_attn_config={
+                    "full_attn_layers": [2],
+                    "kda_layers": [1],
+                    "num_heads": 2,
+                    "head_dim": 16,
+                    "short_conv_kernel_size": 4,
+                },
             ),
         }
     )

@@ -126,7 +126,10 @@ class ModelRunner:
         if sharding is not None:
             self.caches = sharding.init_caches(**pools)
         else:
-            self.caches = init_caches(cfg, **pools)
+            # Committed to the device, as every step's donated outputs are: otherwise the first
+            # bucket warmed up sees other argument types than the steps after it, and compiles
+            # again in serving.
+            self.caches = jax.device_put(init_caches(cfg, **pools), jax.devices()[0])
 
     def warmup(self, *, progress: bool = True) -> float:
         """Compiles every bucket the scheduler can produce. Returns the seconds it took."""

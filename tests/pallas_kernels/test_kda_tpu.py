@@ -36,11 +36,10 @@ def _inputs(rng, n, h, dk, dv, dtype, gate_scale=2.0):
 
 
 PREFILL_CASES = [
-    # (lens, h, dk, dv, dtype, heads_per_block, gate_scale)
-    ([1, 15, 16, 17, 40], 2, 16, 8, jnp.float32, None, 2.0),
-    ([5], 3, 8, 16, jnp.float32, 1, 2.0),
-    ([33, 3], 2, 16, 16, jnp.float32, 2, 20.0),  # strong decay: exp(gam) underflows to 0
-    ([50, 7], 2, 16, 16, jnp.bfloat16, 1, 2.0),
+    # (lens, h, dk, dv, dtype, heads_per_block, gate_scale); the interpreter is slow: few chunks
+    # strong decay (gate_scale 20): exp(gam) underflows to 0 inside the chunks
+    ([1, 16, 17, 21], 2, 16, 8, jnp.float32, None, 20.0),
+    ([20, 2], 3, 8, 16, jnp.bfloat16, 1, 2.0),
 ]
 
 
