@@ -1,5 +1,6 @@
 """The ``hyjax`` command: ``generate`` (batch generation), ``serve`` (an OpenAI-compatible
-server) and ``make-tiny-model``."""
+server) and ``make-tiny-model``. Without ``--model`` both use the model shipped in the package
+(:mod:`hyjax.assets`), so they work offline on a fresh machine."""
 
 from __future__ import annotations
 
@@ -17,7 +18,12 @@ ROW_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "se
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine flags shared by ``generate`` and ``serve``."""
-    p.add_argument("--model", required=True, help="a Hugging Face checkpoint directory")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a Hugging Face checkpoint directory (default: the embedded "
+        "qwen3-next-pystdlib-tiny, trained on Python's standard library)",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=32)
@@ -31,14 +37,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-checkpoint-slots", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="devices the model is split over (heads, MoE intermediate dim; hyjax.sharding)",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="split the MoE layers by expert instead of by intermediate dim",
+    )
 
 
 def engine_kwargs(ns: argparse.Namespace, **extra) -> dict:
     """``EngineArgs`` fields from the flags, as a dict (``serve`` sends it to the engine
     process without importing the engine, hence jax, itself)."""
+    dtype = ns.dtype
+    if ns.model is None and dtype == "auto":
+        # The embedded model is stored in bfloat16 to stay small; it runs in float32, which is
+        # many times faster on CPU (where bf16 products are emulated) and costs 34 MB.
+        dtype = "float32"
     return dict(
-        model=ns.model,
-        dtype=ns.dtype,
+        model=resolve_model(ns.model),
+        dtype=dtype,
         block_size=ns.block_size,
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
@@ -49,8 +71,19 @@ def engine_kwargs(ns: argparse.Namespace, **extra) -> dict:
         kernel_backend=ns.kernel_backend,
         num_checkpoint_slots=ns.num_checkpoint_slots,
         seed=ns.seed,
+        tensor_parallel_size=ns.tensor_parallel_size,
+        enable_expert_parallel=ns.enable_expert_parallel,
         **extra,
     )
+
+
+def resolve_model(model: str | None) -> str:
+    """``--model`` as given, or the embedded default model's directory when it is omitted."""
+    if model is not None:
+        return model
+    from hyjax.assets import model_dir
+
+    return model_dir()
 
 
 def engine_args(ns: argparse.Namespace, **extra):
@@ -88,8 +121,17 @@ def row_params(row: dict, defaults: dict):
 def cmd_generate(ns: argparse.Namespace) -> int:
     from serving.engine import LLMEngine
 
-    rows = read_rows(ns.input)
-    engine = LLMEngine(engine_args(ns, progress=not ns.quiet))
+    if (ns.input is None) == (not ns.prompt):
+        raise SystemExit("hyjax generate: give either --input FILE or --prompt TEXT (not both)")
+    if ns.input is not None and ns.output is None:
+        raise SystemExit("hyjax generate: --input needs --output")
+    rows = read_rows(ns.input) if ns.input is not None else [{"prompt": p} for p in ns.prompt]
+    if ns.coordinator_address or ns.num_processes:
+        from hyjax.sharding import initialize_distributed
+
+        initialize_distributed(ns.coordinator_address, ns.num_processes, ns.process_id)
+    # A few --prompt texts compile only the step shapes they use, not every bucket up front.
+    engine = LLMEngine(engine_args(ns, progress=not ns.quiet, warmup=not ns.prompt))
     defaults = {"max_tokens": ns.max_tokens, "temperature": ns.temperature}
     ids: list[str | None] = []
     results: dict[str, object] = {}
@@ -112,7 +154,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     bar.close()
     seconds = time.perf_counter() - start
     n_prompt = n_out = n_cached = 0
-    with open(ns.output, "w") as f:
+    with open(ns.output or os.devnull, "w") as f:
         for i, row in enumerate(rows):
             rec = dict(row)
             out = results.get(ids[i]) if ids[i] is not None else None
@@ -131,12 +173,15 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                 n_out += len(out.output_token_ids)
                 n_cached += out.num_cached_tokens
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            if ns.prompt:  # --prompt: the completions themselves go to stdout
+                text = rec.get("text", f"[error: {rec.get('error')}]")
+                print(("" if i == 0 else "\n" + "-" * 40 + "\n") + rec["prompt"] + text)
     hit = n_cached / n_prompt if n_prompt else 0.0
     print(
         f"{len(rows)} requests ({len(errors)} rejected), {n_prompt} prompt tokens, "
         f"{n_out} output tokens in {seconds:.2f} s: {(n_prompt + n_out) / seconds:.1f} tok/s, "
         f"{n_out / seconds:.1f} output tok/s, prefix-cache hit rate {hit:.1%}",
-        file=sys.stderr if ns.quiet else sys.stdout,
+        file=sys.stderr if ns.quiet or ns.prompt else sys.stdout,
     )
     return 0
 
@@ -145,6 +190,14 @@ def cmd_make_tiny_model(ns: argparse.Namespace) -> int:
     from hyjax.tiny import make_tiny_model
 
     print(make_tiny_model(ns.out, seed=ns.seed))
+    return 0
+
+
+def cmd_convert(ns: argparse.Namespace) -> int:
+    from hyjax.loader import load_model, save_converted
+
+    model, cfg = load_model(ns.model, dtype=ns.dtype)
+    print(save_converted(model, cfg, ns.model, ns.out))
     return 0
 
 
@@ -192,11 +245,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="batch generation from a JSONL file of prompts")
     add_engine_args(g)
-    g.add_argument("--input", required=True, help="JSONL: prompt or prompt_token_ids per row")
-    g.add_argument("--output", required=True)
+    g.add_argument("--input", help="JSONL: prompt or prompt_token_ids per row")
+    g.add_argument("--output", help="JSONL results (needed with --input)")
+    g.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="a prompt (repeatable), instead of --input: completions are printed",
+    )
     g.add_argument("--max-tokens", type=int, default=64, help="default per row")
     g.add_argument("--temperature", type=float, default=0.0, help="default per row")
     g.add_argument("--quiet", action="store_true")
+    g.add_argument(
+        "--coordinator-address",
+        default=None,
+        help="several hosts: HOST:PORT of process 0 (jax.distributed.initialize); every "
+        "process runs the same command with its own --process-id",
+    )
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
     g.set_defaults(fn=cmd_generate)
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     add_engine_args(s)
@@ -206,6 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("out")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=cmd_make_tiny_model)
+    c = sub.add_parser(
+        "convert",
+        help="save a checkpoint's converted parameters (orbax) for fast, sharded start-up",
+    )
+    c.add_argument("model", help="a Hugging Face checkpoint directory")
+    c.add_argument("out", help="the directory to write (then use it as --model)")
+    c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    c.set_defaults(fn=cmd_convert)
     return p
 
 

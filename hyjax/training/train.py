@@ -165,6 +165,10 @@ def make_loss_fn(graphdef, top_k: int, aux_coef: float):
     return loss_fn
 
 
+def _global_norm(tree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, *, top_k: int, aux_coef: float):
     """``step(params, opt_state, tokens) -> (params, opt_state, metrics)``, jitted, donating."""
     grad_fn = jax.value_and_grad(make_loss_fn(graphdef, top_k, aux_coef), has_aux=True)
@@ -173,7 +177,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, *, top_k: int, a
         (loss, (ce, aux)), grads = grad_fn(params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, dict(loss=loss, ce=ce, aux=aux, gnorm=optax.global_norm(grads))
+        return params, opt_state, dict(loss=loss, ce=ce, aux=aux, gnorm=_global_norm(grads))
 
     return jax.jit(step, donate_argnums=(0, 1))
 
