@@ -44,6 +44,7 @@ from pallas_kernels.gdn import gpu as gdn_gpu
 from pallas_kernels.gdn import tpu as gdn_tpu
 from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_reference
 from pallas_kernels.kda import gpu as kda_gpu
+from pallas_kernels.kda import tpu as kda_tpu
 from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
 
 
@@ -102,6 +103,8 @@ BACKENDS: dict[str, Ops] = {
             _interpret(conv1d_tpu.causal_conv1d_update), _interpret(gdn_tpu.gdn_decode)
         ),
         paged_attention=_interpret(attention_tpu.ragged_paged_attention),
+        kda_prefill=_interpret(kda_tpu.kda_prefill),
+        kda_decode=_interpret(kda_tpu.kda_decode),
         # write_kv: the XLA scatter on every backend (in place on the donated cache).
     ),
     "pallas": dataclasses.replace(
@@ -140,12 +143,11 @@ BACKENDS: dict[str, Ops] = {
             gpu=fused_decode.conv_gdn_decode,
             other=fused_decode.conv_gdn_decode_reference,
         ),
-        # KDA: the Triton kernels on NVIDIA; TPU: reference until its Mosaic kernels land.
         kda_prefill=_by_platform(
-            tpu=kda_prefill_reference, gpu=kda_gpu.kda_prefill, other=kda_prefill_reference
+            tpu=kda_tpu.kda_prefill, gpu=kda_gpu.kda_prefill, other=kda_prefill_reference
         ),
         kda_decode=_by_platform(
-            tpu=kda_decode_reference, gpu=kda_gpu.kda_decode, other=kda_decode_reference
+            tpu=kda_tpu.kda_decode, gpu=kda_gpu.kda_decode, other=kda_decode_reference
         ),
     ),
 }
