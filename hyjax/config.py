@@ -241,6 +241,7 @@ class KimiLinearConfig:
     bos_token_id: int | None
     eos_token_id: int | tuple[int, ...] | None
     dtype: str
+    pad_token_id: int | None = None
     # ``kv_a_layernorm`` keeps the module default eps (1e-6) in the official code and HF.
     kv_a_layernorm_eps: float = 1e-6
     model_type: str = "kimi_linear"
@@ -366,6 +367,7 @@ class KimiLinearConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            pad_token_id=d.get("pad_token_id"),
             dtype=_hf_dtype(d),
         )
 
@@ -418,7 +420,7 @@ class KimiLinearConfig:
             "eos_token_id": list(self.eos_token_id)
             if isinstance(self.eos_token_id, tuple)
             else self.eos_token_id,
-            "pad_token_id": 0 if self.vocab_size < 163840 else 163839,
+            "pad_token_id": self.pad_token_id,
             "hidden_act": "silu",
             "attention_bias": False,
             "torch_dtype": self.dtype,
