@@ -5,13 +5,13 @@
 - ``pallas``: Mosaic TPU kernels on TPU, Pallas GPU kernels on NVIDIA, chosen at trace time
   from ``jax.default_backend()``.
 
-``auto`` picks ``reference`` everywhere for now: the Pallas kernels pass their interpret-mode
-tests, but on an H200 the GPU decode kernel's output error ratio is 4.8e-3 against the IEEE-f32
-reference (FLA's bar: 5e-3, too close to call), the GPU prefill is slower than FLA, and the TPU
-kernels have not run on a TPU yet (BENCHMARKS.md). ``auto`` moves to
-``pallas`` per platform once its check passes there; ``--kernel-backend pallas`` opts in now.
-Where a kernel does not exist yet, a backend falls back to the reference op; each such entry
-below says so.
+``auto`` picks ``pallas`` on NVIDIA GPUs and TPUs and ``reference`` elsewhere (CPU, ROCm).
+On an H200 (BENCHMARKS.md) every GPU kernel matches the IEEE-f32 reference at Qwen3-Next-80B
+shapes (GDN prefill in TF32: output error ratio 1.4e-3; decode 1e-5; fused decode 1e-6) and
+beats it (prefill 70x, decode 5x at B >= 16). The TPU kernels pass their interpret-mode tests
+and lower through Mosaic for v5e and v6e in CI, but have not run on a TPU: if one misbehaves
+there, ``--kernel-backend reference`` is the way out. Where a kernel does not exist yet, a
+backend falls back to the reference op; each such entry below says so.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ BACKENDS: dict[str, Ops] = {
     ),
     "pallas": dataclasses.replace(
         REFERENCE,
-        # conv1d on GPU: reference (XLA) until its Pallas GPU kernels land.
+        # conv1d prefill on GPU: XLA (elementwise taps, one fused loop); decode uses the fused
+        # conv + delta-rule kernel below.
         conv1d_prefill=_by_platform(
             tpu=conv1d_tpu.causal_conv1d_prefill,
             gpu=causal_conv1d_prefill_reference,
@@ -153,15 +154,26 @@ BACKENDS: dict[str, Ops] = {
 }
 
 
-# Platforms where the Pallas kernels passed their on-device check (benchmarks/gdn_kernels.py).
-VALIDATED_PALLAS_PLATFORMS: tuple[str, ...] = ()
+# Platforms where ``auto`` means ``pallas``: NVIDIA GPUs (checked on an H200 by
+# benchmarks/gdn_kernels.py and benchmarks/attention_kernels.py) and TPUs (interpret mode and
+# Mosaic lowering in CI).
+VALIDATED_PALLAS_PLATFORMS: tuple[str, ...] = ("cuda", "tpu")
+
+
+def accelerator_platform() -> str:
+    """``tpu``, ``cuda``, ``rocm`` or ``cpu``: ``jax.default_backend()`` says ``gpu`` for both
+    NVIDIA and AMD, and the Triton-lowered kernels are only checked on NVIDIA."""
+    platform = jax.default_backend()
+    if platform == "gpu":
+        version = getattr(jax.devices()[0].client, "platform_version", "").lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return platform
 
 
 def resolve_backend(name: str) -> str:
     """Maps ``auto`` to the best backend available on this platform."""
     if name == "auto":
-        platform = jax.default_backend()
-        return "pallas" if platform in VALIDATED_PALLAS_PLATFORMS else "reference"
+        return "pallas" if accelerator_platform() in VALIDATED_PALLAS_PLATFORMS else "reference"
     if name not in BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}; available: {sorted(BACKENDS)}, auto")
     return name

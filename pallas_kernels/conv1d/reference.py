@@ -28,8 +28,6 @@ from pallas_kernels.common.ragged import (
     write_index,
 )
 
-EXACT = jax.lax.Precision.HIGHEST  # IEEE f32 on every platform (no TF32 on GPU)
-
 
 def _silu(x):
     return x * jax.nn.sigmoid(x)
@@ -49,6 +47,20 @@ def _window_after(
     from_x = x[jnp.clip(qsl[seq][:, None] + local, 0, x.shape[0] - 1)]  # [N, K-1, C]
     from_state = init[seq[:, None], jnp.clip(km1 + local, 0, km1 - 1)]  # [N, K-1, C]
     return jnp.where((local >= 0)[..., None], from_x, from_state)
+
+
+def _taps(window: jax.Array, weight: jax.Array) -> jax.Array:
+    """``sum_k window[:, k, :] * weight[:, k]`` in f32, as elementwise products.
+
+    Not an einsum: ``'TKC,CK->TC'`` is a batched contraction over K = 4 that XLA on GPU runs as
+    a batched matmul at ~160 GB/s (1.2 ms for 4096 x 8192 channels on an H200); products and
+    a sum fuse with the window gather into one loop.
+    """
+    w32 = weight.astype(jnp.float32)
+    acc = window[:, 0, :].astype(jnp.float32) * w32[:, 0]
+    for k in range(1, window.shape[1]):
+        acc = acc + window[:, k, :].astype(jnp.float32) * w32[:, k]
+    return acc
 
 
 def causal_conv1d_prefill_reference(
@@ -71,8 +83,8 @@ def causal_conv1d_prefill_reference(
 
     # Window of inputs for each token: the K-1 before it, then itself.
     prev = _window_after(x, init, query_start_loc, seq_id, local)  # [T, K-1, C]
-    window = jnp.concatenate([prev, x[:, None, :]], axis=1).astype(jnp.float32)  # [T, K, C]
-    y = _silu(jnp.einsum("TKC,CK->TC", window, weight.astype(jnp.float32), precision=EXACT))
+    window = jnp.concatenate([prev, x[:, None, :]], axis=1)  # [T, K, C]
+    y = _silu(_taps(window, weight))
     y = jnp.where(live[:, None], y, 0).astype(x.dtype)
 
     # Final windows -> dst, checkpoint windows -> their slots.
@@ -110,8 +122,7 @@ def causal_conv1d_update_reference(
     num_rows = x.shape[0]
     init = read_slots(conv_state, src_slot)  # [S, K-1, C]
     window = jnp.concatenate([init, x[:, None, :]], axis=1)  # [S, K, C]
-    w32 = weight.astype(jnp.float32)
-    y = _silu(jnp.einsum("SKC,CK->SC", window.astype(jnp.float32), w32, precision=EXACT))
+    y = _silu(_taps(window, weight))
     live = jnp.arange(num_rows) < num_seqs
     y = jnp.where(live[:, None], y, 0).astype(x.dtype)
     conv_state = write_decode_states(

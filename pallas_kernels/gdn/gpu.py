@@ -155,7 +155,7 @@ def gdn_decode(
         raise ValueError(f"decode rows {rows} must equal {src_slot.shape[0]=} (one token each)")
     if not _is_pow2(dk):
         raise ValueError(f"{dk=} must be a power of two for the Triton kernels")
-    bv = _block_v(dv, block_v)
+    bv = _block_v(dv, block_v or min(dv, 64))  # H200 sweep at B=64: 64 columns, 4 warps
     args = (
         src_slot.astype(jnp.int32), dst_slot.astype(jnp.int32), ckpt_offsets.astype(jnp.int32),
         ckpt_slots.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32).reshape(1),

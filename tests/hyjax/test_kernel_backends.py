@@ -101,3 +101,15 @@ def test_backend_registry():
         assert resolve_backend("auto") == "reference"
     with pytest.raises(ValueError, match="unknown kernel backend"):
         resolve_backend("cuda-graphs")
+
+
+@pytest.mark.parametrize(
+    "platform,want",
+    [("tpu", "pallas"), ("cuda", "pallas"), ("rocm", "reference"), ("cpu", "reference")],
+)
+def test_auto_backend_by_platform(monkeypatch, platform, want):
+    import hyjax.ops
+
+    monkeypatch.setattr(hyjax.ops, "accelerator_platform", lambda: platform)
+    assert resolve_backend("auto") == want
+    assert resolve_backend("reference") == "reference"  # an explicit choice is kept

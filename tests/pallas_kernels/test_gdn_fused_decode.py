@@ -38,18 +38,21 @@ def _case(rng, *, hk, hv, dk, dv, kernel, dtype):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("min_rows", [0, 8], ids=["fused", "small_batch_unfused"])
 @pytest.mark.parametrize(
     "hk,hv,dk,dv,kernel,bv,dtype",
     [(2, 4, 16, 16, 4, 8, jnp.float32), (1, 3, 16, 8, 3, None, jnp.float32),
      (2, 4, 16, 16, 4, 16, jnp.bfloat16)],
     ids=["gva2_bv8_f32", "gva3_k3_f32", "gva2_bf16"],
 )  # fmt: skip
-def test_fused_decode_matches_reference(hk, hv, dk, dv, kernel, bv, dtype):
+def test_fused_decode_matches_reference(hk, hv, dk, dv, kernel, bv, dtype, min_rows):
     rng = np.random.default_rng(hk * 100 + hv + kernel)
     args = _case(rng, hk=hk, hv=hv, dk=dk, dv=dv, kernel=kernel, dtype=dtype)
     ref = jax.jit(lambda *x: fused_decode.conv_gdn_decode_reference(*x, num_k_heads=hk))
     got_fn = jax.jit(
-        lambda *x: fused_decode.conv_gdn_decode(*x, num_k_heads=hk, block_v=bv, interpret=True)
+        lambda *x: fused_decode.conv_gdn_decode(
+            *x, num_k_heads=hk, block_v=bv, min_rows=min_rows, interpret=True
+        )
     )
     want = ref(*args)
     got = got_fn(*args)
