@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOL = 2e-6  # f32 logits of magnitude ~0.5: only the reduction order differs
+TOL = 2e-5  # f32 logits of magnitude ~1-5: only the reduction order differs (a bug: > 1e-2)
 
 
 def _env() -> dict:
@@ -70,7 +70,8 @@ def _max_diff(a, b) -> float:
 def test_tp_2_4_8_logits_match_tp_1(report):
     logits = dict(report["logits"])
     del logits["tp=1"]
-    assert set(logits) == {"tp=2", "tp=4", "tp=8", "tp=8 ep"}
+    kimi = logits.pop("kimi tp=2")
+    assert set(logits) == {"tp=2", "tp=4 ep", "tp=8"}
     for case, r in logits.items():
         assert r["logit_scale"] > 0.1, case  # the logits are not trivially zero
         assert r["prefill"] < TOL, (case, r)
@@ -78,7 +79,12 @@ def test_tp_2_4_8_logits_match_tp_1(report):
         assert r["checkpoint"] < 1e-6, (case, r)  # a mid-prefill checkpoint slot
     # The recurrent state pool is split by value head: 16 heads over n devices.
     assert logits["tp=2"]["ssm_shard_shapes"] == ["(5, 8, 8, 8)"]
+    assert logits["tp=4 ep"]["ssm_shard_shapes"] == ["(5, 4, 8, 8)"]
     assert logits["tp=8"]["ssm_shard_shapes"] == ["(5, 2, 8, 8)"]
+    # Kimi-Linear: experts_up [E=8, D=32, F=12] split on F; KDA and MLA replicated.
+    assert kimi["logit_scale"] > 0.1
+    assert kimi["prefill"] < TOL and kimi["decode"] < TOL and kimi["checkpoint"] < 1e-6, kimi
+    assert kimi["experts_up_shards"] == ["(8, 32, 6)"]
 
 
 def test_prefix_caching_on_off_identical_under_tp2(report):

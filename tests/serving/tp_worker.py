@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "all"
@@ -24,7 +25,6 @@ if __name__ == "__main__":
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -32,6 +32,7 @@ from hyjax.batch import Batch  # noqa: E402
 from hyjax.config import Qwen3NextConfig  # noqa: E402
 from hyjax.models.qwen3_next import Qwen3NextForCausalLM  # noqa: E402
 from hyjax.sharding import ShardingPlan, make_mesh, replicate_tree  # noqa: E402
+from hyjax.testing import _numpy_init  # noqa: E402
 
 
 def tp_config(vocab_size: int = 256) -> Qwen3NextConfig:
@@ -59,6 +60,11 @@ def tp_config(vocab_size: int = 256) -> Qwen3NextConfig:
             "torch_dtype": "float32",
         }
     )
+
+
+def random_model(cfg, seed: int) -> Qwen3NextForCausalLM:
+    """Filled from numpy: compiling the random initialisers would cost seconds per process."""
+    return _numpy_init(Qwen3NextForCausalLM, cfg, seed)
 
 
 def _batches(cfg, block_size: int = 16):
@@ -152,11 +158,11 @@ def forward_logits(model, cfg, tp: int, *, expert_parallel: bool = False, backen
 
 def check_logits() -> dict:
     cfg = tp_config()
-    model = Qwen3NextForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    model = random_model(cfg, 0)
     graphdef, state = nnx.split(model)
     ref, ref_ssm, _ = forward_logits(nnx.merge(graphdef, state), cfg, 1)
     result = {"tp=1": {"prefill": ref[0].tolist(), "decode": ref[1].tolist()}}
-    cases = [(2, False), (4, False), (8, False), (8, True)]
+    cases = [(2, False), (4, True), (8, False)]  # EP on 4: 2 experts per device
     for tp, ep in cases:
         m = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # fresh modules
         (pre, dec), ssm, shards = forward_logits(m, cfg, tp, expert_parallel=ep)
@@ -167,7 +173,33 @@ def check_logits() -> dict:
             "ssm_shard_shapes": sorted(shards),
             "logit_scale": float(np.max(np.abs(ref[0]))),
         }
+    result["kimi tp=2"] = check_kimi()
     return result
+
+
+def check_kimi() -> dict:
+    """Kimi-Linear on 2 devices (experts, MLPs and lm_head split; KDA and MLA replicated)."""
+    from hyjax.config import KimiLinearConfig
+    from hyjax.models.kimi_linear import KimiLinearForCausalLM
+    from hyjax.testing import tiny_kimi_linear_config
+
+    attn = {"full_attn_layers": [2], "kda_layers": [1], "num_heads": 2, "head_dim": 16,
+            "short_conv_kernel_size": 4}  # fmt: skip
+    cfg = KimiLinearConfig.from_hf(
+        tiny_kimi_linear_config(num_hidden_layers=2, linear_attn_config=attn)
+    )
+    graphdef, state = nnx.split(_numpy_init(KimiLinearForCausalLM, cfg, 0))
+    ref, ref_ssm, _ = forward_logits(nnx.merge(graphdef, state), cfg, 1)
+    fresh = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+    (pre, dec), ssm, _ = forward_logits(fresh, cfg, 2)
+    experts = fresh.layers[1].mlp.experts_up[...]
+    return {
+        "prefill": float(np.max(np.abs(pre - ref[0]))),
+        "decode": float(np.max(np.abs(dec - ref[1]))),
+        "checkpoint": float(np.max(np.abs(ssm - ref_ssm))),
+        "logit_scale": float(np.max(np.abs(ref[0]))),
+        "experts_up_shards": sorted({str(s.data.shape) for s in experts.addressable_shards}),
+    }
 
 
 def _run_waves(engine, waves):
@@ -212,6 +244,7 @@ def check_engine(model_dir: str) -> dict:
         res = _run_waves(engine, _workload())
         out[name] = {k: v.output_token_ids for k, v in res.items()}
         out[name + "_cached"] = {k: v.num_cached_tokens for k, v in res.items()}
+        out[name + "_compiles"] = engine.runner.compile_count()
         out[name + "_kv_shards"] = sorted(
             {str(s.data.shape) for s in engine.runner.caches.kv[0][0].addressable_shards}
         )
@@ -277,7 +310,7 @@ def check_distributed(process_id: int, port: int) -> dict:
 
     initialize_distributed(f"localhost:{port}", 2, process_id)
     cfg = tp_config()
-    model = Qwen3NextForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    model = random_model(cfg, 0)
     (pre, dec), _, shards = forward_logits(model, cfg, 8)
     return {  # the test compares the logits with the one-device ones of ``check_logits``
         "process_index": jax.process_index(),
@@ -296,21 +329,27 @@ def main() -> None:
         jax.distributed.shutdown()
         return
     out = {}
+    start = time.perf_counter()
+
+    def lap(name):
+        print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+
     if mode in ("all", "logits"):
         out["logits"] = check_logits()
+        lap("logits")
     if mode in ("all", "engine", "loading"):
         from hyjax.saver import save_hf_checkpoint
 
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = os.path.join(tmp, "tp_model")
             cfg = tp_config()
-            save_hf_checkpoint(
-                Qwen3NextForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1)), cfg, model_dir
-            )
+            save_hf_checkpoint(random_model(cfg, 1), cfg, model_dir)
             if mode in ("all", "loading"):
                 out["loading"] = check_loading(model_dir, tmp)
+                lap("loading")
             if mode in ("all", "engine"):
                 out["engine"] = check_engine(model_dir)
+                lap("engine")
     if mode in ("all", "errors"):
         out["errors"] = check_errors()
     if not out:
