@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -154,3 +155,28 @@ def test_saved_checkpoint_loads_in_transformers(tiny, tmp_path):
     again = _flat_params(load_model(out)[0])
     for k, v in _flat_params(model).items():
         np.testing.assert_array_equal(again[k], v, err_msg=str(k))
+
+
+def test_q_lora_variant_matches_transformers(tmp_path):
+    """``q_lora_rank`` set (q_a_proj -> q_a_layernorm -> q_b_proj), one prefill step."""
+    from hyjax.cache import init_caches
+    from hyjax.ops import get_ops
+    from hyjax.testing import SeqChunk, make_batch
+
+    save_tiny_kimi_linear(tmp_path, seed=3, q_lora_rank=8, num_hidden_layers=2,
+                          linear_attn_config={"full_attn_layers": [2], "kda_layers": [1],
+                                              "num_heads": 2, "head_dim": 16,
+                                              "short_conv_kernel_size": 4})  # fmt: skip
+    tokens = [7, 3, 99, 14, 56, 2, 81, 33, 9, 120]
+    model, cfg = load_model(tmp_path)
+    assert cfg.q_lora_rank == 8
+    caches = init_caches(cfg, num_blocks=4, block_size=16, num_slots=2, dtype=jnp.float32)
+    batch, (idx,) = make_batch(
+        [SeqChunk(tokens, 0, [1], dst_slot=1, all_logits=True)],
+        block_size=16, num_tokens=16, num_seqs=16, max_blocks=2,
+    )  # fmt: skip
+    graphdef, state = nnx.split(model)
+    ops = get_ops("reference")
+    _, logits = jax.jit(lambda st, b, c: nnx.merge(graphdef, st)(b, c, ops))(state, batch, caches)
+    got, want = np.asarray(logits)[idx], hf_logits(tmp_path, tokens)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
