@@ -126,7 +126,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if ns.input is not None and ns.output is None:
         raise SystemExit("hyjax generate: --input needs --output")
     rows = read_rows(ns.input) if ns.input is not None else [{"prompt": p} for p in ns.prompt]
-    if ns.coordinator_address or ns.num_processes:
+    if ns.distributed or ns.coordinator_address or ns.num_processes:
         from hyjax.sharding import initialize_distributed
 
         initialize_distributed(ns.coordinator_address, ns.num_processes, ns.process_id)
@@ -264,6 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--num-processes", type=int, default=None)
     g.add_argument("--process-id", type=int, default=None)
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="jax.distributed.initialize() with what JAX detects (Cloud TPU, SLURM, ...)",
+    )
     g.set_defaults(fn=cmd_generate)
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     add_engine_args(s)

@@ -1,0 +1,123 @@
+"""Tensor parallel 1 vs N: prefill and decode throughput of the engine, in the same run.
+
+A Qwen3-Next-shaped random model (``benchmarks.common.bench_config``: the 80B's layer shapes,
+fewer layers and experts) that fits one device, served with ``tensor_parallel_size`` 1 and N
+(and optionally expert parallel). Each configuration runs its workloads twice; the second run
+is measured (the first compiles the buckets it meets).
+
+- prefill: ``--prefill-requests`` prompts of ``--prompt-len`` tokens, one output token each;
+  prompt tokens per second of wall time.
+- decode: ``--decode-requests`` short prompts, ``--output-len`` tokens each; output tokens per
+  second over the steps in which every row decodes (host + device time of those steps).
+
+    python -m benchmarks.tp_throughput --tp 1 2 --out TP.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import jax
+import numpy as np
+
+from benchmarks.common import bench_config, device_name, random_model
+from serving.engine import EngineArgs, LLMEngine
+from serving.request import SamplingParams
+
+
+def _prefill(engine: LLMEngine, n: int, prompt_len: int, seed: int) -> float:
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for _ in range(n):
+        engine.add_request(rng.integers(0, 150000, prompt_len).tolist(), params)
+    start = time.perf_counter()
+    engine.run_to_completion()
+    return n * prompt_len / (time.perf_counter() - start)
+
+
+def _decode(engine: LLMEngine, n: int, output_len: int, seed: int) -> float:
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for _ in range(n):
+        engine.add_request(rng.integers(0, 150000, 32).tolist(), params)
+    tokens, seconds = 0, 0.0
+    while engine.has_unfinished_requests():
+        engine.step()
+        rows, decode_only, host, dev = engine.timing.last
+        if decode_only and rows == n:
+            tokens += rows
+            seconds += host + dev
+    return tokens / seconds if seconds else float("nan")
+
+
+def run(tp: int, expert_parallel: bool, args) -> dict:
+    cfg = bench_config(args.layers, args.experts)
+    model = random_model(cfg)
+    engine = LLMEngine(
+        EngineArgs(
+            model=".",
+            max_num_seqs=max(args.decode_requests, args.prefill_requests),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.prompt_len + args.output_len + 64,
+            kernel_backend=args.kernel_backend,
+            min_token_bucket=args.max_num_batched_tokens // 4,
+            cache_bytes=int(args.cache_gib * 2**30),
+            enable_prefix_caching=False,  # every prompt is computed
+            warmup=False,
+            progress=False,
+            tensor_parallel_size=tp,
+            enable_expert_parallel=expert_parallel,
+        ),
+        preloaded=(model, cfg),
+    )
+    res = {"tensor_parallel_size": tp, "expert_parallel": expert_parallel}
+    for rep in range(2):  # the first compiles
+        res["prefill_tok_s"] = round(_prefill(engine, args.prefill_requests, args.prompt_len, rep))
+        res["decode_tok_s"] = round(_decode(engine, args.decode_requests, args.output_len, rep))
+    res["kv_blocks_per_device"] = engine.runner.memory.num_kv_blocks
+    del engine, model
+    gc.collect()
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--expert-parallel", action="store_true", help="also N with EP")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--prefill-requests", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--decode-requests", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--cache-gib", type=float, default=8.0)
+    p.add_argument("--kernel-backend", default="auto")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    results = {
+        "device": device_name(),
+        "num_devices": jax.device_count(),
+        "jax": jax.__version__,
+        "kernel_backend": args.kernel_backend,
+        "model": f"bench_config({args.layers} layers, {args.experts} experts), bf16",
+        "runs": [],
+    }
+    configs = [(tp, False) for tp in args.tp]
+    if args.expert_parallel:
+        configs += [(tp, True) for tp in args.tp if tp > 1]
+    for tp, ep in configs:
+        r = run(tp, ep, args)
+        print(json.dumps(r), flush=True)
+        results["runs"].append(r)
+        if args.out:  # after every run: a later failure keeps the earlier numbers
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
