@@ -104,3 +104,23 @@ def test_rejects_bad_heads_per_block():
             z((4, 16)), z((3, 4, 16, 8)), z(2, jnp.int32), z(2, jnp.int32),
             z((2, 1), jnp.int32), z((2, 1), jnp.int32), jnp.int32(2), heads_per_block=3,
         )  # fmt: skip
+
+
+def test_kernels_lower_for_tpu_at_48b_shapes():
+    """Mosaic's lowering (block shapes, primitives) accepts both kernels at real shapes."""
+    h, d, n, rows, m = 32, 128, 256, 4, 2
+    sd = jax.ShapeDtypeStruct
+    bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    gates = [sd((h,), f32), sd((h, d), f32)]
+    slots = [sd((rows,), i32)] * 2 + [sd((rows, m), i32)] * 2 + [sd((), i32)]
+    pool = sd((8, h, d, d), f32)
+    mesh = jax.sharding.AbstractMesh(
+        (), (), abstract_device=jax.sharding.AbstractDevice("TPU v6e", 1, "tpu")
+    )
+    with jax.sharding.use_abstract_mesh(mesh):
+        kernels = [(n, tpu.kda_prefill, [sd((rows + 1,), i32)]), (rows, tpu.kda_decode, [])]
+        for t, f, extra in kernels:
+            acts = [sd((t, h, d), bf)] * 4 + [sd((t, h), bf)]
+            lowered = jax.jit(f).trace(*acts, *gates, pool, *extra, *slots)
+            text = lowered.lower(lowering_platforms=("tpu",)).as_text()
+            assert "tpu_custom_call" in text
