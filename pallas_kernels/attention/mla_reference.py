@@ -21,6 +21,10 @@ read in latent form and nothing of size ``ctx x H`` is built::
     o[h] = (softmax(score[h]) @ c_kv) @ w_kv_b[:, h, Dn:]     (Dv)
 
 Both are the same function of the cache; the tests check each against a float64 oracle.
+Cost note: this prefill materialises every row's decompressed context at once
+(``S x ctx x H x (Dn + Dv)`` floats), fine for tests and small batches, too much for
+Kimi-Linear-48B with hundreds of rows and long contexts: a Pallas MLA kernel (decompressing
+per KV tile, or absorbed for short query chunks) is still to come.
 Positions past a sequence's length may hold anything (NaN in tests): they are zeroed before
 they meet a matmul, never only masked out of the softmax.
 """
