@@ -115,6 +115,8 @@ class ModelRunner:
             max_model_len=sched_cfg.max_model_len,
             num_checkpoint_slots=num_checkpoint_slots,
         )
+        if sharding is not None:
+            log.info("pools per device, %d devices (hyjax.sharding):", sharding.tp)
         for line in self.memory.describe().splitlines():
             log.info(line)
         pools = dict(
