@@ -69,3 +69,25 @@ def test_kimi_caching_on_off_identical_and_hits(model_dir):
     assert m.num_running == 0 and m.kv_usage == 0
     text = on.run_to_completion() or on.add_request("Hello", SamplingParams(max_tokens=3))
     assert len(on.run_to_completion()[text].output_token_ids) == 3
+
+
+def test_kimi_generate_cli(model_dir, tmp_path):
+    """``hyjax generate`` on the Kimi checkpoint, as a user runs it (a real subprocess)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.jsonl"
+    cmd = [
+        sys.executable, "-m", "serving.cli", "generate", "--model", model_dir,
+        "--prompt", "Hello Kimi", "--prompt", "def f(x):", "--max-tokens", "6",
+        "--output", str(out), "--max-num-seqs", "2", "--max-num-batched-tokens", "64",
+        "--max-model-len", "128", "--quiet",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["Hello Kimi", "def f(x):"]
+    for r in rows:
+        assert r["finish_reason"] in ("length", "stop") and 1 <= len(r["output_token_ids"]) <= 6
+        assert r["num_prompt_tokens"] == len(r["prompt"].encode())  # byte-level tiktoken ranks
