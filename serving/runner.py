@@ -153,7 +153,7 @@ class ModelRunner:
         self.caches, out = _step(
             self.graphdef, self.ops, plan.shape.decode_only, self.state, self.caches, arrays
         )
-        return StepResult(*(_fetch(x) for x in out))
+        return StepResult(*_fetch(out))
 
     @staticmethod
     def compile_count() -> int:
@@ -161,11 +161,12 @@ class ModelRunner:
         return _step._cache_size()
 
 
-def _fetch(x: jax.Array) -> np.ndarray:
-    """A replicated result on the host (with several processes, from a local device)."""
-    if x.is_fully_addressable:
-        return np.asarray(jax.device_get(x))
-    return np.asarray(x.addressable_data(0))
+def _fetch(out: tuple[jax.Array, ...]) -> tuple[np.ndarray, ...]:
+    """The step's replicated results on the host: one ``device_get`` for all of them (its
+    copies overlap), or, with several processes, each from a local device."""
+    if all(x.is_fully_addressable for x in out):
+        return tuple(np.asarray(x) for x in jax.device_get(out))
+    return tuple(np.asarray(x.addressable_data(0)) for x in out)
 
 
 def _default_cache_bytes(
