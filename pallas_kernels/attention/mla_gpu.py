@@ -1,0 +1,255 @@
+"""MLA on the paged latent cache for NVIDIA GPUs in Pallas (Triton lowering), one call per step.
+
+``mla_prefill`` / ``mla_decode`` have the reference ops' signatures
+(:mod:`pallas_kernels.attention.mla_reference`); both absorb ``kv_b_proj`` around one latent
+attention kernel (:mod:`pallas_kernels.attention.mla_absorb`), so decode rows and prefill
+chunks share a launch scheme and the context is read only as latents, through the block tables.
+
+Latent attention is MQA with a single kv head of width L + R and value width L, so the layout
+follows :mod:`pallas_kernels.attention.gpu` with the query heads in the role of a GQA group: the
+wrapper regroups ``q_abs [T, H, L+R]`` into head blocks of ``HB`` heads, ``[H/HB, Tp*HB, *]``
+(the L part and the R part as two arrays: Triton's ``arange`` wants powers of two), and a
+program takes ``BQ`` tokens x ``HB`` heads = ``M`` rows against each key block, reading every
+latent row once for all of them::
+
+    work item (head block g, tile i, split j):           grid = (H/HB, NT, splits), g fastest
+      rows    r = t * HB + h: token q0 + t (t < nq), head g * HB + h
+      keys    [0, pos0 + nq) in BK-token blocks; split j takes its share of them
+      key p -> row block_tables[seq, p // bs] * bs + p % bs of the cache as [NB*bs, L+R]
+               c = row[:L] (key and value), k_r = row[L:] (key only); masked past the context
+      s = scale * (q_lat c^T + q_rope k_r^T)   [M, BK];   acc += softmax-weights @ c   [M, L]
+
+Head blocks of one tile run side by side (``g`` is the fastest grid axis), so a latent block
+read by one is in L2 for the others. Two launches, as for GQA: short rows (decode, a few
+speculative tokens: ``BQ * HB = 16`` rows, the smallest ``tl.dot``) and long rows (prefill
+chunks, ``rows_prefill`` rows). Decode at long contexts splits the keys (flash-decoding) so a
+launch has about ``target_programs`` programs; float32 partials merge by log-sum-exp.
+
+Requirements: L, R and ``HB`` powers of two (Kimi-Linear: 512, 64; HB = 16); heads are padded
+to a multiple of ``HB``; the cache has < 2**31 elements (Triton's 32-bit offsets: about 3.7M
+tokens per layer at L + R = 576).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from pallas_kernels.attention.gpu import merge_splits
+from pallas_kernels.attention.mla_absorb import _precision, absorbed_decode, absorbed_prefill
+from pallas_kernels.attention.tiles import token_rows, work_list
+
+_MASKED = -1e30  # finite: a row whose keys are all masked gives p = 0, never NaN
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _kernel(
+    tseq_ref, tq0_ref, tnq_ref, tpos_ref,  # i32[NT] each: the work list (nq = 0: empty tile)
+    bt_ref,  # i32[S * max_blocks]  block tables, flattened
+    qn_ref,  # [H/HB, Tp * HB, L]  absorbed queries, latent part
+    qr_ref,  # [H/HB, Tp * HB, R]  rope part
+    lat_ref,  # [NB * bs, L + R]  the latent cache, one row per token slot
+    o_ref,  # f32[splits, H/HB, NT * M, L]  rows of tile i: [i * M, (i + 1) * M)
+    m_ref, l_ref,  # f32[splits, H/HB, NT * M]
+    *, bq: int, hb: int, block_k: int, block_size: int, max_blocks: int, lora: int, rope: int,
+    splits: int, scale: float, precision,
+):  # fmt: skip
+    g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = bq * hb
+    seq, q0, nq, pos0 = tseq_ref[i], tq0_ref[i], tnq_ref[i], tpos_ref[i]
+
+    def mm(x, y, contract):
+        return jax.lax.dot_general(
+            x, y, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
+
+    r = jnp.arange(rows, dtype=jnp.int32)
+    tok = r // hb
+    row_ok = tok < nq  # [M]
+    q_pos = pos0 + tok  # [M]
+    q_rows = pl.ds(q0 * hb, rows)
+    qn = pltr.load(qn_ref.at[g, q_rows, :], mask=row_ok[:, None], other=0.0)  # [M, L]
+    qr = pltr.load(qr_ref.at[g, q_rows, :], mask=row_ok[:, None], other=0.0)  # [M, R]
+
+    ctx = pos0 + nq  # keys [0, ctx)
+    n_kv = _cdiv(ctx, block_k)
+    per = _cdiv(n_kv, splits)
+    start = j * per
+    end = jnp.minimum(n_kv, start + per)
+    cols_l = jnp.arange(lora, dtype=jnp.int32)[None, :]
+    cols_r = lora + jnp.arange(rope, dtype=jnp.int32)[None, :]
+
+    def body(kb, carry):
+        o, m, l = carry
+        k_pos = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK]
+        k_ok = k_pos < ctx
+        page = pltr.load(
+            bt_ref.at[seq * max_blocks + k_pos // block_size], mask=k_ok, other=0
+        )  # [BK]
+        slot = (page * block_size + k_pos % block_size)[:, None]  # [BK, 1]
+        c = pltr.load(
+            lat_ref.at[slot, cols_l],
+            mask=jnp.broadcast_to(k_ok[:, None], (block_k, lora)),
+            other=0.0,
+        )  # [BK, L]  fmt: skip
+        kr = pltr.load(
+            lat_ref.at[slot, cols_r],
+            mask=jnp.broadcast_to(k_ok[:, None], (block_k, rope)),
+            other=0.0,
+        )  # [BK, R]  fmt: skip
+        s = (mm(qn, c, ((1,), (1,))) + mm(qr, kr, ((1,), (1,)))) * scale  # [M, BK]
+        ok = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        s = jnp.where(ok, s, _MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
+        l = l * alpha + jnp.sum(p, axis=1)
+        o = o * alpha[:, None] + mm(p.astype(c.dtype), c, ((1,), (0,)))  # [M, L]
+        return o, m_new, l
+
+    init = (
+        jnp.zeros((rows, lora), jnp.float32),
+        jnp.full((rows,), _MASKED, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    o, m, l = jax.lax.fori_loop(start, end, body, init)
+    out = pl.ds(i * rows, rows)
+    pltr.store(o_ref.at[j, g, out, :], o, mask=row_ok[:, None])
+    pltr.store(m_ref.at[j, g, out], m, mask=row_ok)
+    pltr.store(l_ref.at[j, g, out], l, mask=row_ok)
+
+
+def _splits(programs: int, kv_blocks: int, target_programs: int) -> int:
+    want = _next_pow2(_cdiv(target_programs, max(1, programs)))
+    return max(1, min(want, _next_pow2(kv_blocks)))
+
+
+def latent_attention(
+    q_abs: jax.Array,  # [T, H, L + R]  absorbed queries, the cache's dtype
+    latent_cache: jax.Array,  # [num_blocks, block_size, L + R]
+    query_start_loc: jax.Array,  # i32[S+1]
+    seq_lens: jax.Array,  # i32[S]  context incl. this step's tokens
+    block_tables: jax.Array,  # i32[S, max_blocks]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    lora: int,
+    scale: float,
+    head_block: int = 16,
+    block_k_decode: int = 32,
+    block_k_prefill: int = 32,
+    rows_prefill: int = 64,
+    target_programs: int = 256,
+    max_splits_prefill: int = 2,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    num_warps_prefill: int = 4,
+    num_stages_prefill: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal latent attention of a ragged batch. Returns o_lat [T, H, L] (padding 0)."""
+    num_tokens, num_heads, width = q_abs.shape
+    num_blocks, block_size, _ = latent_cache.shape
+    num_rows, max_blocks = block_tables.shape
+    rope = width - lora
+    if not (_is_pow2(lora) and _is_pow2(rope)):
+        raise ValueError(f"kv_lora_rank={lora} and rope dims={rope} must be powers of two")
+    if not _is_pow2(head_block):
+        raise ValueError(f"{head_block=} must be a power of two")
+    if latent_cache.size >= 2**31:
+        raise ValueError(
+            f"latent_cache {latent_cache.shape} has {latent_cache.size} >= 2**31 elements: the "
+            "Triton kernel's 32-bit offsets would wrap; use fewer blocks per layer"
+        )
+    hb = min(head_block, _next_pow2(num_heads))
+    nhb = _cdiv(num_heads, hb)
+    bq_short = max(1, 16 // hb)
+    bq_long = max(bq_short, rows_prefill // hb)
+    t_pad = num_tokens + bq_long  # a tile's row window never runs past the array
+
+    # [T, H, L+R] -> [H/HB, Tp * HB, L+R]: the rows of one head block are contiguous.
+    qg = jnp.pad(q_abs, ((0, t_pad - num_tokens), (0, nhb * hb - num_heads), (0, 0)))
+    qg = qg.reshape(t_pad, nhb, hb, width).transpose(1, 0, 2, 3).reshape(nhb, t_pad * hb, width)
+    qn, qr = qg[..., :lora], qg[..., lora:]
+    lat = latent_cache.reshape(num_blocks * block_size, width)
+    bt = block_tables.astype(jnp.int32).reshape(-1)
+    qsl = query_start_loc.astype(jnp.int32)
+    lens = seq_lens.astype(jnp.int32)
+    n = jnp.asarray(num_seqs, jnp.int32)
+    q_len = qsl[1:] - qsl[:-1]  # [S]
+    live_row = (jnp.arange(num_rows) < n) & (q_len > 0)
+    is_short = q_len <= bq_short  # [S]
+    seq_id, local, live = token_rows(qsl, n, num_tokens)  # [T] each
+    h_in = jnp.arange(hb, dtype=jnp.int32)
+
+    cap_long = min(num_rows, num_tokens // (bq_short + 1)) + num_tokens // bq_long
+    launches = [(True, bq_short, block_k_decode, num_rows, num_warps, num_stages)]
+    if cap_long > 0:
+        launches.append(
+            (False, bq_long, block_k_prefill, cap_long, num_warps_prefill, num_stages_prefill)
+        )
+    max_ctx = max_blocks * block_size
+    o = jnp.zeros((nhb, num_tokens, hb, lora), jnp.float32)
+    for short, bq, bk, cap, warps, stages in launches:
+        rows = bq * hb
+        splits = _splits(cap * nhb, _cdiv(max_ctx, bk), target_programs)
+        if not short:  # prefill tiles bring their own parallelism; partials cost cap * rows * L
+            splits = min(splits, max_splits_prefill)
+        kind = live_row & (is_short if short else ~is_short)
+        tiles, first_tile = work_list(q_len, lens, qsl, kind, bq=bq, capacity=cap)
+        kernel = functools.partial(
+            _kernel, bq=bq, hb=hb, block_k=bk, block_size=block_size, max_blocks=max_blocks,
+            lora=lora, rope=rope, splits=splits, scale=scale,
+            precision=_precision(latent_cache.dtype),
+        )  # fmt: skip
+        part = pl.pallas_call(
+            kernel,
+            grid=(nhb, cap, splits),
+            out_shape=[
+                jax.ShapeDtypeStruct((splits, nhb, cap * rows, lora), jnp.float32),
+                jax.ShapeDtypeStruct((splits, nhb, cap * rows), jnp.float32),
+                jax.ShapeDtypeStruct((splits, nhb, cap * rows), jnp.float32),
+            ],
+            compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=stages),
+            interpret=interpret,
+            name="mla_latent_attention_" + ("short" if short else "long"),
+        )(*tiles, bt, qn, qr, lat)
+        if splits > 1:
+            merged = merge_splits(*part)
+        else:
+            merged = part[0][0] / jnp.where(part[2][0] > 0, part[2][0], 1.0)[..., None]
+        # token t, head h of the block -> row (tile, token in tile, h) of this launch's output
+        tile = first_tile[seq_id] + local // bq  # [T]
+        row = (tile * rows + (local % bq) * hb)[:, None] + h_in[None, :]  # [T, HB]
+        mine = (is_short[seq_id] if short else ~is_short[seq_id])[None, :, None, None]
+        o = jnp.where(mine, merged[:, jnp.clip(row, 0, cap * rows - 1)], o)
+
+    o = o.transpose(1, 0, 2, 3).reshape(num_tokens, nhb * hb, lora)[:, :num_heads]
+    return jnp.where(live[:, None, None], o, 0.0)
+
+
+def mla_prefill(*args, interpret: bool = False, **kwargs) -> jax.Array:
+    """``mla_prefill_reference``'s signature and result ([T, H, Dv]) on the GPU kernel.
+    Tuning keywords (``head_block``, ``block_k_decode`` ...) go to :func:`latent_attention`."""
+    tuning = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("nope_dim", "scale")}
+    return absorbed_prefill(latent_attention, interpret=interpret, **tuning)(*args, **kwargs)
+
+
+def mla_decode(*args, interpret: bool = False, **kwargs) -> jax.Array:
+    """``mla_decode_reference``'s signature and result ([S, H, Dv]) on the GPU kernel."""
+    tuning = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("nope_dim", "scale")}
+    return absorbed_decode(latent_attention, interpret=interpret, **tuning)(*args, **kwargs)

@@ -1,0 +1,160 @@
+"""The MLA kernels (Mosaic TPU and Triton GPU) vs the reference ops, interpreted on CPU.
+
+Every case is a ragged batch over a paged latent cache whose pages are handed out in random
+order; pages nobody owns (the null block included) and slots past a sequence's context hold
+NaN, and so do the padding queries, whose outputs must come back 0. Cases cover decode-only,
+prefill-only and mixed batches, block sizes 16/32/64/128, f32 and bf16 caches, several query
+tiles per chunk, several KV blocks per row (the TPU's double-buffered page DMAs) and split-KV
+merges (GPU). The prefill cases are checked against ``mla_prefill_reference`` (decompressed),
+the decode ones against ``mla_decode_reference`` (absorbed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.attention import mla_gpu, mla_tpu
+from pallas_kernels.attention.mla_reference import (
+    mla_decode_reference,
+    mla_prefill_reference,
+    write_latent_reference,
+)
+
+H, L, R, DN, DV = 4, 32, 16, 16, 8
+SCALE = (DN + R) ** -0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaCase:
+    q: jax.Array  # [T, H, Dn + R]
+    cache: jax.Array  # [NB, bs, L + R]  this step's latents written
+    w: jax.Array  # [L, H, Dn + Dv]
+    qsl: jax.Array  # i32[S + 1]
+    seq_lens: jax.Array  # i32[S]
+    tables: jax.Array  # i32[S, max_blocks]
+    num_seqs: jax.Array  # i32[]
+    num_live: int
+
+    @property
+    def prefill_args(self) -> tuple:
+        return (self.q, self.cache, self.w, self.qsl, self.seq_lens, self.tables, self.num_seqs)
+
+    @property
+    def decode_args(self) -> tuple:
+        return (self.q, self.cache, self.w, self.seq_lens, self.tables, self.num_seqs)
+
+
+def mla_case(cached, new, *, block_size, dtype, pad_tokens=3, pad_rows=1, seed=0) -> MlaCase:
+    """``cached[i]`` latents already in the cache, ``new[i]`` written this step."""
+    rng = np.random.default_rng(seed)
+    lens = [c + n for c, n in zip(cached, new, strict=True)]
+    blocks_per = [-(-n // block_size) for n in lens]
+    max_blocks = max(blocks_per) + 1  # a trailing null entry in every table
+    num_blocks = sum(blocks_per) + 3  # + the null block and two pages nobody owns
+    perm = rng.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((len(lens) + pad_rows, max_blocks), np.int32)
+    cache = np.full((num_blocks, block_size, L + R), np.nan, np.float32)
+    new_lat, slots, used = [], [], 0
+    for i, n in enumerate(lens):
+        blocks = perm[used : used + blocks_per[i]]
+        used += blocks_per[i]
+        tables[i, : len(blocks)] = blocks
+        lat = rng.normal(size=(n, L + R)).astype(np.float32)
+        for p in range(n):
+            b, o = blocks[p // block_size], p % block_size
+            if p < cached[i]:
+                cache[b, o] = lat[p]
+            else:
+                slots.append(b * block_size + o)
+        new_lat.append(lat[cached[i] :])
+    live = sum(new)
+    new_lat.append(np.zeros((pad_tokens, L + R), np.float32))
+    slots += [0] * pad_tokens  # padding tokens write the null block
+    cache = write_latent_reference(
+        jnp.asarray(np.concatenate(new_lat), dtype),
+        jnp.asarray(cache, dtype),
+        jnp.asarray(np.array(slots, np.int32)),
+    )
+    q = rng.normal(size=(live + pad_tokens, H, DN + R)).astype(np.float32)
+    q[live:] = np.nan
+    w = (rng.normal(size=(L, H, DN + DV)) / np.sqrt(L)).astype(np.float32)
+    qsl = np.concatenate([[0], np.cumsum(new), [live] * pad_rows]).astype(np.int32)
+    return MlaCase(
+        q=jnp.asarray(q, dtype), cache=cache, w=jnp.asarray(w, dtype), qsl=jnp.asarray(qsl),
+        seq_lens=jnp.asarray(np.array(lens + [0] * pad_rows, np.int32)),
+        tables=jnp.asarray(tables), num_seqs=jnp.int32(len(lens)), num_live=live,
+    )  # fmt: skip
+
+
+def check(got, want, num_live: int, dtype) -> None:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert not np.isnan(got).any(), "NaN in the output: a poisoned page or padding was read"
+    assert (got[num_live:] == 0).all(), "padding tokens must come back as zeros"
+    tol = 1e-4 if dtype == jnp.float32 else 2e-2
+    err = np.abs(got[:num_live] - want[:num_live]).max() / np.abs(want[:num_live]).max()
+    assert err < tol, f"relative error {err:.2e} >= {tol}"
+
+
+ATTN = dict(nope_dim=DN, scale=SCALE)
+TPU_TUNING = dict(interpret=pltpu.InterpretParams())
+# small blocks and few programs: several KV blocks, tiles and splits per row
+GPU_TUNING = dict(
+    interpret=True, head_block=2, block_k_decode=16, block_k_prefill=16, rows_prefill=8,
+    target_programs=16,
+)  # fmt: skip
+KERNELS = {
+    "tpu": (mla_tpu.mla_prefill, mla_tpu.mla_decode, TPU_TUNING),
+    "gpu": (mla_gpu.mla_prefill, mla_gpu.mla_decode, GPU_TUNING),
+}
+
+PREFILL_CASES = [
+    # (kernel, kind, cached, new, block_size, dtype)
+    ("tpu", "prefill", [0, 40], [19, 6], 32, jnp.float32),
+    ("tpu", "mixed", [65, 3, 0], [1, 12, 1], 16, jnp.bfloat16),
+    ("gpu", "prefill", [0, 21], [13, 5], 64, jnp.float32),
+    ("gpu", "mixed", [130, 0, 20], [1, 9, 1], 128, jnp.bfloat16),
+]
+DECODE_CASES = [
+    # (kernel, cached, block_size, dtype)
+    ("tpu", [37, 0, 70], 64, jnp.float32),
+    ("tpu", [130, 5], 128, jnp.bfloat16),
+    ("gpu", [40, 0, 9], 16, jnp.float32),
+    ("gpu", [33, 70], 32, jnp.bfloat16),
+]
+
+
+def _id(*parts) -> str:
+    return "_".join(p if isinstance(p, str) else f"bs{p}" for p in parts)
+
+
+@pytest.mark.parametrize(
+    "kernel,kind,cached,new,bs,dtype", PREFILL_CASES,
+    ids=[_id(k, kind, bs, jnp.dtype(dt).name) for k, kind, _, _, bs, dt in PREFILL_CASES],
+)  # fmt: skip
+def test_prefill_matches_reference(kernel, kind, cached, new, bs, dtype):
+    case = mla_case(cached, new, block_size=bs, dtype=dtype, seed=bs + len(cached))
+    want = jax.jit(functools.partial(mla_prefill_reference, **ATTN))(*case.prefill_args)
+    prefill, _, tuning = KERNELS[kernel]
+    got = jax.jit(functools.partial(prefill, **ATTN, **tuning))(*case.prefill_args)
+    check(got, want, case.num_live, dtype)
+
+
+@pytest.mark.parametrize(
+    "kernel,cached,bs,dtype", DECODE_CASES,
+    ids=[_id(k, "decode", bs, jnp.dtype(dt).name) for k, _, bs, dt in DECODE_CASES],
+)  # fmt: skip
+def test_decode_matches_reference(kernel, cached, bs, dtype):
+    # decode rows are the batch's rows: no padding tokens, one padding row
+    case = mla_case(cached, [1] * len(cached), block_size=bs, dtype=dtype, pad_tokens=1,
+                    seed=bs)  # fmt: skip
+    want = jax.jit(functools.partial(mla_decode_reference, **ATTN))(*case.decode_args)
+    _, decode, tuning = KERNELS[kernel]
+    got = jax.jit(functools.partial(decode, **ATTN, **tuning))(*case.decode_args)
+    check(got, want, case.num_live, dtype)
