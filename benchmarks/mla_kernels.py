@@ -1,0 +1,294 @@
+"""MLA on the paged latent cache, GPU kernel at Kimi-Linear-48B shapes: checks and timings.
+
+Run on an H100/H200 (``python benchmarks/mla_kernels.py --out $OUT/mla.json``); CPU smoke run
+of the script itself: ``--interpret`` (tiny contexts, the kernel interpreted).
+
+1. the device copy bandwidth (read + write bytes / s of a 1 GiB elementwise pass);
+2. checks of ``mla_gpu.mla_prefill`` / ``mla_decode`` against the reference ops computing in
+   IEEE float32 (``Precision.HIGHEST``): decode, prefill and mixed batches, block sizes 16 and
+   64, a bf16 cache (the serving dtype) and an f32 one, pages handed out at random, the null
+   block and an unused page NaN;
+3. decode at contexts 4k and 32k, batch 1..128: the kernel op (absorption einsums included),
+   the reference op, and a jitted copy of the same latent bytes (read + write, so the copy
+   moves twice the bytes decode must read); a mixed batch; prefill chunks (TFLOP/s counted as
+   the absorbed kernel's ``2 H (2L + R)`` flops per visible (query, key) pair);
+4. a small tuning sweep of the decode and prefill launches.
+
+Timings are jitted ``fori_loop``s of chained calls (each call's query depends on the last
+output), divided by the number of calls. Results are written after every item, so a run cut
+short still returns what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.attention import mla_gpu
+from pallas_kernels.attention.mla_reference import mla_decode_reference, mla_prefill_reference
+
+H, L, R, DN, DV = 32, 512, 64, 128, 128  # Kimi-Linear-48B-A3B
+SCALE = (DN + R) ** -0.5
+ATTN = dict(nope_dim=DN, scale=SCALE)
+INTERPRET = False
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', '?')}"
+
+
+def paged_batch(rng, q_lens, ctx_lens, *, block_size=64, dtype=jnp.bfloat16, poison=True):
+    """A ragged batch over a latent pool with pages in random order.
+
+    Returns (mla_prefill args, latent bytes the batch reads)."""
+    q_lens, ctx_lens = np.asarray(q_lens), np.asarray(ctx_lens)
+    s = len(q_lens)
+    blocks_per = -(-ctx_lens // block_size)
+    num_blocks = int(blocks_per.sum()) + 2  # + null block + one unused page
+    ids = rng.permutation(np.arange(1, num_blocks))
+    bt = np.zeros((s, int(blocks_per.max())), np.int32)
+    at = 0
+    for i, nb in enumerate(blocks_per):
+        bt[i, :nb] = ids[at : at + nb]
+        at += nb
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    cache = jax.random.normal(key, (num_blocks, block_size, L + R), dtype)
+    if poison:
+        cache = cache.at[jnp.asarray([0, ids[-1]])].set(jnp.nan)
+    t = int(q_lens.sum())
+    q = jax.random.normal(jax.random.fold_in(key, 1), (t, H, DN + R), dtype)
+    w = jax.random.normal(jax.random.fold_in(key, 2), (L, H, DN + DV), dtype) * L**-0.5
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    args = (q, cache, w, jnp.asarray(qsl), jnp.asarray(ctx_lens, jnp.int32), jnp.asarray(bt),
+            jnp.int32(s))  # fmt: skip
+    return args, int(ctx_lens.sum()) * (L + R) * jnp.dtype(dtype).itemsize
+
+
+def pairs(q_lens, ctx_lens) -> int:
+    """Visible (query, key) pairs of a causal ragged batch."""
+    total = 0
+    for ql, c in zip(q_lens, ctx_lens, strict=True):
+        first = c - ql + 1
+        total += ql * first + ql * (ql - 1) // 2
+    return total
+
+
+def absorbed_flops(q_lens, ctx_lens) -> float:
+    return 2.0 * H * (2 * L + R) * pairs(q_lens, ctx_lens)
+
+
+def time_fn(fn, args, iters: int = 10, repeats: int = 3) -> float:
+    """Median seconds per call of ``fn(*args)`` from a jitted loop of chained calls."""
+    if INTERPRET:
+        iters, repeats = 1, 1
+    q, rest = args[0], args[1:]
+
+    @jax.jit
+    def loop(q, rest):
+        def body(_, q):
+            o = fn(q, *rest)
+            return q + (jnp.sum(o.astype(jnp.float32)) * 0).astype(q.dtype)
+
+        return jax.lax.fori_loop(0, iters, body, q)
+
+    jax.block_until_ready(loop(q, rest))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(q, rest))
+        times.append((time.perf_counter() - t0) / iters)
+    return float(np.median(times))
+
+
+def time_copy(nbytes: int) -> float:
+    """Seconds of a jitted elementwise pass over ``nbytes`` of bf16 (reads and writes them)."""
+    x = jnp.ones((max(1, nbytes // 2),), jnp.bfloat16)
+    return time_fn(lambda x: x * 1.0001, (x,), iters=10)
+
+
+def copy_bandwidth() -> float:
+    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)  # 1 GiB
+    return 2 * x.nbytes / time_fn(lambda x: x * 1.0001, (x,), iters=10) / 1e9
+
+
+def err_ratio(got, want) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def check(q_lens, ctx_lens, *, block_size, dtype, decode) -> dict:
+    rng = np.random.default_rng(sum(ctx_lens) + block_size)
+    args, _ = paged_batch(rng, q_lens, ctx_lens, block_size=block_size, dtype=dtype)
+    q, cache, w, qsl, lens, bt, n = args
+    # a padding token / row past num_seqs, as the runner's buckets have
+    q = jnp.concatenate([q, jnp.full((1, H, DN + R), jnp.nan, q.dtype)])
+    lens = jnp.concatenate([lens, jnp.zeros(1, jnp.int32)])
+    bt = jnp.concatenate([bt, jnp.zeros((1, bt.shape[1]), jnp.int32)])
+    if decode:
+        args = (q, cache, w, lens, bt, n)
+        want = jax.jit(functools.partial(mla_decode_reference, **ATTN))(*args)
+        got = jax.jit(functools.partial(mla_gpu.mla_decode, **ATTN, interpret=INTERPRET))(*args)
+    else:
+        qsl = jnp.concatenate([qsl, qsl[-1:]])
+        args = (q, cache, w, qsl, lens, bt, n)
+        want = jax.jit(functools.partial(mla_prefill_reference, **ATTN))(*args)
+        got = jax.jit(functools.partial(mla_gpu.mla_prefill, **ATTN, interpret=INTERPRET))(*args)
+    got = np.asarray(got, np.float32)
+    live = int(sum(q_lens))
+    ratio = err_ratio(got[:live], want[:live])
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-4
+    nan = bool(np.isnan(got).any())
+    pad_zero = bool((got[live:] == 0).all())
+    return {"err_ratio": ratio, "tol": tol, "nan": nan, "pad_zero": pad_zero,
+            "ok": ratio < tol and not nan and pad_zero}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
+    p.add_argument("--budget-s", type=float, default=230.0, help="skip what starts after this")
+    args = p.parse_args()
+    global INTERPRET
+    INTERPRET = args.interpret
+    t_start = time.perf_counter()
+    summary = {"device": device_name(), "jax": jax.__version__,
+               "shapes": f"{H=} {L=} {R=} {DN=} {DV=} bf16 cache"}  # fmt: skip
+
+    def write():
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(summary, f, indent=1)
+
+    def guarded(name, fn):
+        if time.perf_counter() - t_start > args.budget_s:
+            summary[name] = {"skipped": "time budget"}
+        else:
+            try:
+                summary[name] = fn()
+            except Exception as e:  # noqa: BLE001 - keep going, report the failure
+                summary[name] = {"failed": f"{type(e).__name__}: {str(e)[:400]}"}
+                traceback.print_exc()
+        print(f"[{time.perf_counter() - t_start:6.1f}s]", name, json.dumps(summary[name]),
+              flush=True)  # fmt: skip
+        write()
+
+    small = INTERPRET
+    bw = None
+    if not small:
+        guarded("copy_bandwidth_GBps", copy_bandwidth)
+        bw = summary.get("copy_bandwidth_GBps")
+        bw = bw if isinstance(bw, float) else None
+
+    ck = 40 if small else 4096
+    checks = {
+        "decode": (True, [1] * 4, [ck, ck // 2 + 3, 17, 1]),
+        "prefill": (False, [min(ck, 300), 40], [min(ck, 300), 40 + ck // 4]),
+        "mixed": (False, [1, 1, 37, 1, 130], [ck, 5, 37 + ck // 2, ck // 3, 130]),
+    }
+    for name, (decode, ql, cl) in checks.items():
+        for bs in (16, 64):
+            guarded(
+                f"check_{name}_bs{bs}_bf16",
+                lambda d=decode, ql=ql, cl=cl, bs=bs: check(
+                    ql, cl, block_size=bs, dtype=jnp.bfloat16, decode=d
+                ),
+            )
+        guarded(f"check_{name}_bs64_f32",
+                lambda d=decode, ql=ql, cl=cl: check(ql, cl, block_size=64, dtype=jnp.float32,
+                                                     decode=d))  # fmt: skip
+    summary["all_checks_ok"] = all(
+        v.get("ok", False) for k, v in summary.items() if k.startswith("check_")
+    )
+    write()
+
+    def timed_decode(b, c, with_ref=True, **tuning):
+        rng = np.random.default_rng(0)
+        a, nbytes = paged_batch(rng, [1] * b, [c] * b, poison=False)
+        q, cache, w, _, lens, bt, n = a
+        dargs = (q, cache, w, lens, bt, n)
+        s = time_fn(functools.partial(mla_gpu.mla_decode, **ATTN, interpret=INTERPRET,
+                                      **tuning), dargs)  # fmt: skip
+        res = {"us": s * 1e6, "latent_GBps": nbytes / s / 1e9}
+        if bw:
+            res["frac_copy_bw"] = res["latent_GBps"] / bw
+        if with_ref and not tuning:
+            res["copy_same_bytes_us"] = time_copy(nbytes) * 1e6
+            try:
+                r = time_fn(functools.partial(mla_decode_reference, **ATTN), dargs, iters=3)
+                res["reference_us"] = r * 1e6
+                res["speedup_vs_reference"] = r / s
+            except Exception as e:  # noqa: BLE001 - the reference may not fit
+                res["reference"] = f"{type(e).__name__}: {str(e)[:200]}"
+        return res
+
+    def timed_prefill(q_lens, ctx_lens, with_ref=True, **tuning):
+        rng = np.random.default_rng(1)
+        a, nbytes = paged_batch(rng, q_lens, ctx_lens, poison=False)
+        s = time_fn(functools.partial(mla_gpu.mla_prefill, **ATTN, interpret=INTERPRET,
+                                      **tuning), a, iters=5)  # fmt: skip
+        res = {"us": s * 1e6, "TFLOPs_absorbed": absorbed_flops(q_lens, ctx_lens) / s / 1e12}
+        if with_ref and not tuning:
+            try:
+                r = time_fn(functools.partial(mla_prefill_reference, **ATTN), a, iters=2,
+                            repeats=2)  # fmt: skip
+                res["reference_us"] = r * 1e6
+                res["speedup_vs_reference"] = r / s
+            except Exception as e:  # noqa: BLE001
+                res["reference"] = f"{type(e).__name__}: {str(e)[:200]}"
+        return res
+
+    contexts = [64] if small else [4096, 32768]
+    batches = [1, 2] if small else [1, 8, 32, 128]
+    for c in contexts:
+        for b in batches:
+            guarded(f"decode_ctx{c}_b{b}", lambda b=b, c=c: timed_decode(b, c))
+    if not small:  # 128 x 32k latents pass the Triton kernel's 2**31-element limit
+        guarded("decode_ctx32768_b96", lambda: timed_decode(96, 32768))
+    chunk, at = (32, 64) if small else (2048, 16384)
+    rows = 4 if small else 32
+    guarded(
+        f"mixed_{rows}x{at}_plus_chunk{chunk}_at{at // 2}",
+        lambda: timed_prefill(
+            [1] * rows + [chunk], [at] * rows + [chunk + at // 2], with_ref=False
+        ),
+    )  # the reference would build ~19 GB here
+    pf = 64 if small else 4096
+    guarded(f"prefill_chunk{pf}_fresh", lambda: timed_prefill([pf], [pf]))
+    guarded(f"prefill_chunk{pf // 2}_at{pf * 4}",
+            lambda: timed_prefill([pf // 2], [pf * 4 + pf // 2]))  # fmt: skip
+
+    if not small:
+        sweep_decode = [dict(head_block=32), dict(block_k_decode=64), dict(num_warps=8),
+                        dict(head_block=32, num_warps=8), dict(num_stages=3)]  # fmt: skip
+        for tuning in sweep_decode:
+            tag = "_".join(f"{k}{v}" for k, v in tuning.items())
+            for b, c in ((8, 32768), (128, 4096)):
+                guarded(
+                    f"sweep_decode_ctx{c}_b{b}_{tag}",
+                    lambda b=b, c=c, t=tuning: timed_decode(b, c, **t),
+                )
+        sweep_prefill = [dict(rows_prefill=128, num_warps_prefill=8),
+                         dict(block_k_prefill=64), dict(num_warps_prefill=8),
+                         dict(head_block=32, rows_prefill=64, num_warps_prefill=8)]  # fmt: skip
+        for tuning in sweep_prefill:
+            tag = "_".join(f"{k}{v}" for k, v in tuning.items())
+            guarded(
+                f"sweep_prefill_chunk{pf}_fresh_{tag}",
+                lambda t=tuning: timed_prefill([pf], [pf], **t),
+            )
+    summary["wall_s"] = time.perf_counter() - t_start
+    print(json.dumps(summary, indent=1))
+    write()
+
+
+if __name__ == "__main__":
+    main()
