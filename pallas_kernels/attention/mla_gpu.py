@@ -39,7 +39,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.attention.gpu import merge_splits
 from pallas_kernels.attention.mla_absorb import _precision, absorbed_decode, absorbed_prefill
 from pallas_kernels.attention.tiles import token_rows, work_list
 
@@ -132,6 +131,17 @@ def _kernel(
     pltr.store(o_ref.at[j, g, out, :], o, mask=row_ok[:, None])
     pltr.store(m_ref.at[j, g, out], m, mask=row_ok)
     pltr.store(l_ref.at[j, g, out], l, mask=row_ok)
+
+
+def _merge_splits(
+    o: jax.Array,  # f32[splits, ..., L]  unnormalised partial outputs
+    m: jax.Array,  # f32[splits, ...]  running max of each partial
+    l: jax.Array,  # f32[splits, ...]  softmax denominators (0: the split saw no key)
+) -> jax.Array:
+    """Log-sum-exp merge of flash-decoding partials, normalised. Returns f32[..., L]."""
+    w = jnp.exp(m - jnp.max(m, axis=0)[None])  # [splits, ...]
+    den = jnp.sum(w * l, axis=0)
+    return jnp.sum(w[..., None] * o, axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
 
 
 def _splits(programs: int, kv_blocks: int, target_programs: int) -> int:
@@ -229,7 +239,7 @@ def latent_attention(
             name="mla_latent_attention_" + ("short" if short else "long"),
         )(*tiles, bt, qn, qr, lat)
         if splits > 1:
-            merged = merge_splits(*part)
+            merged = _merge_splits(*part)
         else:
             merged = part[0][0] / jnp.where(part[2][0] > 0, part[2][0], 1.0)[..., None]
         # token t, head h of the block -> row (tile, token in tile, h) of this launch's output
