@@ -27,8 +27,19 @@ Qwen3-Next, on ``n`` devices::
           shared expert and dense MLPs column / row; router replicated
     embed replicated; lm_head [D, V] columns (when n divides V)
 
-Kimi-Linear (first cut): MoE experts, shared experts, dense MLPs and lm_head are split
-(they hold almost all of its 48B parameters); KDA and MLA run replicated, their pools too.
+Kimi-Linear, on ``n`` devices::
+
+    KDA   q_proj / k_proj / v_proj [D, H*Dk]  columns;  q_conv1d / k_conv1d / v_conv1d [H*Dk, K]
+          rows, packed at trace time to q_s|k_s|v_s per device;  f_b_proj / g_b_proj [Dk, H*Dk]
+          and b_proj [D, H] columns (f_a_proj / g_a_proj, rank Dk, replicated);
+          A_log [H], dt_bias [H*Dk] split;  o_proj [H*Dk, D] rows
+          state pool: conv [slots, K-1, 3*H*Dk] on channels, ssm [slots, H, Dk, Dk] on H
+    MLA   q_proj / q_b_proj [., H*(Dn+R)] columns (q_a_proj, q_a_layernorm replicated);
+          kv_b_proj [L, H*(Dn+Dv)] columns (by head); o_proj [H*Dv, D] rows;
+          kv_a_proj_with_mqa replicated. Latent pool [NB, bs, L+R] replicated: every head
+          reads the whole latent, so each device keeps all of it (a KV block costs the same
+          on every device as on one).
+    MoE   as Qwen3-Next (SigmoidMoe); shared experts and dense MLPs column / row
 """
 
 from __future__ import annotations
@@ -206,24 +217,64 @@ _QWEN3_NEXT_OPS: dict[str, tuple[tuple, object]] = {
 
 
 def _kimi_linear_check(cfg, tp: int, expert_parallel: bool) -> None:
-    if expert_parallel:
-        _divides(tp, num_experts=cfg.num_experts)
-    else:
-        _divides(tp, moe_intermediate_size=cfg.moe_intermediate_size)
-    _divides(
-        tp,
-        shared_experts_dim=cfg.moe_intermediate_size * cfg.num_shared_experts,
-        intermediate_size=cfg.intermediate_size,
-    )
+    heads = {}
+    if cfg.linear_layers:
+        heads["linear_num_heads"] = cfg.linear_num_heads  # KDA
+    if cfg.attention_layers:
+        heads["num_attention_heads"] = cfg.num_attention_heads  # MLA
+    _divides(tp, **heads)
+    if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        if expert_parallel:
+            _divides(tp, num_experts=cfg.num_experts)
+        else:
+            _divides(tp, moe_intermediate_size=cfg.moe_intermediate_size)
+        _divides(tp, shared_experts_dim=cfg.moe_intermediate_size * cfg.num_shared_experts)
+    if not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        _divides(tp, intermediate_size=cfg.intermediate_size)
 
 
 def _kimi_linear_rules(cfg, tp: int, expert_parallel: bool) -> Rules:
+    # KDA and MLA layers are both ``self_attn``; q_proj / o_proj are column / row in each.
+    # Unmatched (replicated): f_a_proj, g_a_proj, o_norm, q_a_proj, kv_a_proj_with_mqa, norms.
+    attn = r".*/self_attn"
     return [
+        (rf"{attn}/(q_proj|k_proj|v_proj|f_b_proj|g_b_proj|b_proj)/weight", P(None, M)),
+        (rf"{attn}/(q_conv1d|k_conv1d|v_conv1d)", P(M, None)),
+        (rf"{attn}/(A_log|dt_bias)", P(M)),
+        (rf"{attn}/(q_b_proj|kv_b_proj)/weight", P(None, M)),
+        (rf"{attn}/o_proj/weight", P(M, None)),
         *_expert_rules(expert_parallel),
         *_mlp_rules(r".*/mlp/shared_experts"),
         *_mlp_rules(r".*/mlp"),
         *_lm_head_rules(cfg, tp),
     ]
+
+
+def _kimi_linear_configure(model: nnx.Module, plan: ShardingPlan) -> None:
+    from hyjax.layers.kda import KimiDeltaAttention
+
+    for _, m in model.iter_modules():
+        if isinstance(m, KimiDeltaAttention):
+            m.conv_shards = plan.tp  # the filters are packed at trace time: nothing to permute
+    _configure_experts(model, plan)
+
+
+LATENT = R  # [NB, bs, L+R]: one latent per token, read by every head
+
+
+_KIMI_LINEAR_OPS: dict[str, tuple[tuple, object]] = {
+    "conv1d_prefill": _QWEN3_NEXT_OPS["conv1d_prefill"],
+    "conv1d_update": _QWEN3_NEXT_OPS["conv1d_update"],
+    # q, k, v, g [T, H, D]; b [T, H]; A_log [H]; dt_bias [H, Dk]; state by head
+    "kda_prefill": ((H3, H3, H3, H3, H2, H1, P(M, None), SSM, R, R, R, R, R, R), (H3, SSM)),
+    "kda_decode": ((H3, H3, H3, H3, H2, H1, P(M, None), SSM, R, R, R, R, R), (H3, SSM)),
+    # Every device writes the same latent into its own copy of the pool (no collective);
+    # under shard_map so a Pallas writer would run per device too.
+    "write_latent": ((R, LATENT, R), LATENT),
+    # q [T, H, Dn+R], latent, w_kv_b [L, H, Dn+Dv], then the batch's (replicated) tables.
+    "mla_prefill": ((H3, LATENT, H3, R, R, R, R), H3),
+    "mla_decode": ((H3, LATENT, H3, R, R, R), H3),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +288,7 @@ class FamilySharding:
     conv_spec: P
     ssm_spec: P
     ops: dict[str, tuple[tuple, object]]
+    kv_pool: str = "split by kv head"  # how the KV pool is laid out, for the start-up log
 
 
 # model_type -> its sharding. New families register here.
@@ -251,7 +303,14 @@ FAMILIES: dict[str, FamilySharding] = {
         _QWEN3_NEXT_OPS,
     ),
     "kimi_linear": FamilySharding(
-        _kimi_linear_check, _kimi_linear_rules, _configure_experts, R, R, R, {}
+        _kimi_linear_check,
+        _kimi_linear_rules,
+        _kimi_linear_configure,
+        LATENT,
+        CONV_STATE,
+        SSM,
+        _KIMI_LINEAR_OPS,
+        kv_pool="replicated: the MLA latent is read by every head",
     ),
 }
 
@@ -336,6 +395,13 @@ class ShardingPlan:
         kv_split = self.tp if M in self.family.kv_spec else 1
         slot_split = self.tp if M in self.family.ssm_spec else 1
         return kv // kv_split, slot // slot_split
+
+    def describe_pools(self) -> str:
+        """The log line above the memory plan: the sizes that follow are per device."""
+        return (
+            f"pools per device, {self.tp} devices (hyjax.sharding): KV pool "
+            f"{self.family.kv_pool}; state pool split by head"
+        )
 
     def cache_shardings(self, caches: Caches) -> Caches:
         f, mesh = self.family, self.mesh

@@ -116,7 +116,7 @@ class ModelRunner:
             num_checkpoint_slots=num_checkpoint_slots,
         )
         if sharding is not None:
-            log.info("pools per device, %d devices (hyjax.sharding):", sharding.tp)
+            log.info(sharding.describe_pools())
         for line in self.memory.describe().splitlines():
             log.info(line)
         pools = dict(

@@ -8,6 +8,7 @@ from flax import nnx
 
 from hyjax.batch import Batch
 from hyjax.config import KimiLinearConfig
+from hyjax.layers.gdn import pack_conv_channels, unpack_conv_channels
 from hyjax.layers.linear import Linear
 from hyjax.layers.norms import rms_normalize
 from hyjax.ops import Ops
@@ -38,7 +39,18 @@ class KimiDeltaAttention(nnx.Module):
     window of a slot holds the three windows side by side. The forget gate is low rank
     (``f_a_proj`` then ``f_b_proj``) with one decay per key channel; the KDA op applies
     ``A_log`` / ``dt_bias`` / softplus itself, like the GDN op does.
+
+    Under tensor parallelism over ``conv_shards`` devices the conv channels are ``q | k | v``
+    within each device's heads (the layout of :class:`hyjax.layers.gdn.GatedDeltaNet`)::
+
+        | q_0 | k_0 | v_0 | q_1 | k_1 | v_1 | ...     (s: the heads of device s)
+
+    so each device's slice of the channels, and of the conv window pool, is a whole local
+    ``q | k | v``. The checkpoint keeps the three filters apart, so the layout is built at
+    trace time and nothing is permuted on load or save.
     """
+
+    conv_shards: int = 1  # static; set by hyjax.sharding
 
     def __init__(self, cfg: KimiLinearConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.h, self.d = cfg.linear_num_heads, cfg.linear_head_dim
@@ -67,9 +79,11 @@ class KimiDeltaAttention(nnx.Module):
     ) -> tuple[StateCache, jax.Array]:
         n, h, d = x.shape[0], self.h, self.d
         p = h * d
-        # [T, 3P]: the conv channels q | k | v, one depthwise filter each.
-        mixed = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
-        weight = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]])
+        shards = self.conv_shards
+        # [T, 3P]: the conv channels q | k | v (per device's heads), one depthwise filter each.
+        mixed = pack_conv_channels(self.q_proj(x), self.k_proj(x), self.v_proj(x), shards)
+        filters = (self.q_conv1d[...].T, self.k_conv1d[...].T, self.v_conv1d[...].T)  # [K, P]
+        weight = pack_conv_channels(*filters, shards).T  # [3P, K], same channel order
         g = self.f_b_proj(self.f_a_proj(x)).reshape(n, h, d)  # raw per-channel gate
         b = self.b_proj(x)  # [T, H] beta logits
         conv_state, ssm_state = cache
@@ -82,7 +96,7 @@ class KimiDeltaAttention(nnx.Module):
             mixed, conv_state = ops.conv1d_prefill(
                 mixed, weight, conv_state, batch.query_start_loc, *slots, *ckpt
             )
-        q, k, v = (mixed[:, i * p : (i + 1) * p].reshape(n, h, d) for i in range(3))
+        q, k, v = unpack_conv_channels(mixed, (h, d), (h, d), shards)  # [T, H, D] each
         if decode_only:
             o, ssm_state = ops.kda_decode(q, k, v, g, b, *gates, ssm_state, *slots, *ckpt)
         else:
