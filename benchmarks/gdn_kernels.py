@@ -403,7 +403,9 @@ def main() -> None:
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
     p.add_argument("--skip-floors", action="store_true")
     p.add_argument("--sweep", action="store_true", help="prefill tuning sweep at B1 T4096")
+    p.add_argument("--only", default=None, help="comma-separated name prefixes to run")
     args = p.parse_args()
+    only = tuple(args.only.split(",")) if args.only else None
     global INTERPRET
     INTERPRET = args.interpret
     prefill_shapes = [(1, 4096), (1, 16384), (8, 4096)]
@@ -413,6 +415,8 @@ def main() -> None:
     summary = {"device": device_name(), "jax": jax.__version__, "shapes": f"Hk={HK} Hv={HV} D={D}"}
 
     def guarded(name, fn):
+        if only and not name.startswith(only):
+            return
         try:
             summary[name] = fn()
         except Exception as e:  # noqa: BLE001 - keep going, report the failure
