@@ -11,7 +11,8 @@ says, for one model on one mesh:
 - which ops run under ``jax.shard_map`` (the Pallas kernels, and the reference ops in their
   place, see per-device heads: every head is independent, so no op needs a collective);
 - the static settings the layers read (``GatedDeltaNet.conv_shards``,
-  ``GatedAttention.kv_repeat``, the MoE layers' ``expert_mesh``).
+  ``KimiDeltaAttention.conv_shards``, ``GatedAttention.kv_repeat``, the MoE layers'
+  ``expert_mesh``).
 
 Qwen3-Next, on ``n`` devices::
 

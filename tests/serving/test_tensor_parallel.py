@@ -68,9 +68,8 @@ def _max_diff(a, b) -> float:
 
 
 def test_tp_2_4_8_logits_match_tp_1(report):
-    logits = dict(report["logits"])
+    logits = {k: v for k, v in report["logits"].items() if not k.startswith("kimi")}
     del logits["tp=1"]
-    kimi = logits.pop("kimi tp=2")
     assert set(logits) == {"tp=2", "tp=4 ep", "tp=8"}
     for case, r in logits.items():
         assert r["logit_scale"] > 0.1, case  # the logits are not trivially zero
@@ -81,10 +80,33 @@ def test_tp_2_4_8_logits_match_tp_1(report):
     assert logits["tp=2"]["ssm_shard_shapes"] == ["(5, 8, 8, 8)"]
     assert logits["tp=4 ep"]["ssm_shard_shapes"] == ["(5, 4, 8, 8)"]
     assert logits["tp=8"]["ssm_shard_shapes"] == ["(5, 2, 8, 8)"]
-    # Kimi-Linear: experts_up [E=8, D=32, F=12] split on F; KDA and MLA replicated.
-    assert kimi["logit_scale"] > 0.1
-    assert kimi["prefill"] < TOL and kimi["decode"] < TOL and kimi["checkpoint"] < 1e-6, kimi
-    assert kimi["experts_up_shards"] == ["(8, 32, 6)"]
+
+
+@pytest.mark.parametrize("case", ["kimi tp=2", "kimi tp=4 ep", "kimi tp=8"])
+def test_kimi_linear_tp_logits_match_tp_1(report, case):
+    """8 KDA heads (Dk 8) and 8 MLA heads: every device runs its heads, the latent is whole."""
+    r = report["logits"][case]
+    n = int(case.split("=")[1].split()[0])
+    assert r["logit_scale"] > 0.1
+    assert r["prefill"] < TOL and r["decode"] < TOL, r
+    assert r["checkpoint"] < 1e-6, r  # the KDA state after 4 tokens, written mid-prefill
+    # KDA: q_proj [D=32, 8x8] by columns, o_proj [64, 32] by rows; pools by head / channel.
+    assert r["kda_q_proj_shards"] == [f"(32, {64 // n})"]
+    assert r["kda_o_proj_shards"] == [f"({64 // n}, 32)"]
+    assert r["ssm_shards"] == [f"(5, {8 // n}, 8, 8)"]
+    assert r["conv_shards"] == [f"(5, 3, {3 * 64 // n})"]
+    # MLA: q_b_proj [16, 8x(8+4)] and kv_b_proj [16, 8x(8+8)] by head; the latent
+    # (kv_lora 16 + rope 4) and kv_a_proj_with_mqa whole on every device.
+    assert r["mla_q_b_proj_shards"] == [f"(16, {96 // n})"]
+    assert r["mla_kv_b_proj_shards"] == [f"(16, {128 // n})"]
+    assert r["mla_kv_a_shards"] == ["(32, 20)"]
+    assert r["latent_shards"] == [r["latent_shape"]] and r["latent_shape"].endswith(", 20)")
+    # Experts [E=8, D=32, F=16]: F split (TP) or E split (EP).
+    ep = case.endswith("ep")
+    assert r["experts_up_shards"] == [f"({8 // n}, 32, 16)" if ep else f"(8, 32, {16 // n})"]
+    # Per device: a KV block costs what it costs on one device, a state slot 1/n of it.
+    kv, slot = report["logits"]["kimi tp=1 pool_bytes"]
+    assert r["pool_bytes"] == [kv, slot // n]
 
 
 def test_prefix_caching_on_off_identical_under_tp2(report):
@@ -95,6 +117,19 @@ def test_prefix_caching_on_off_identical_under_tp2(report):
     assert set(engine["tp2_off_cached"].values()) == {0}
     # Two kv heads over two devices: one per device.
     assert engine["tp2_on_kv_shards"] == ["(41, 16, 1, 16)"]
+    assert engine["pool_log"] and all("KV pool split by kv head" in s for s in engine["pool_log"])
+
+
+def test_kimi_prefix_caching_on_off_identical_under_tp2(report):
+    """The tiny Kimi-Linear checkpoint (2 KDA heads, 2 MLA heads) served on two devices."""
+    engine = report["kimi_engine"]
+    assert engine["tp2_on"] == engine["tp2_off"]
+    hits = engine["tp2_on_cached"]
+    assert hits["b"] == hits["c"] == hits["a_again"] == 128  # the 140-token shared prefix
+    assert set(engine["tp2_off_cached"].values()) == {0}
+    assert engine["tp2_on_conv_shards"][0].endswith(", 3, 48)")  # 3 x 2 heads x 16 over 2
+    assert engine["tp2_on_kv_shards"][0].endswith(", 16, 24)")  # the whole latent (16 + 8)
+    assert engine["pool_log"] and all("KV pool replicated" in s for s in engine["pool_log"])
 
 
 def test_load_into_shards_and_orbax_restore(report):
@@ -114,6 +149,10 @@ def test_bad_sizes_are_named(report):
     assert "must divide linear_num_key_heads=8" in errors["tp3"]
     assert "exceeds the 8 devices" in errors["tp16"]
     assert "must divide num_experts=4" in errors["ep16_experts"]
+    assert "must divide linear_num_heads=8" in errors["kimi_tp3"]
+    assert "must divide num_attention_heads=4" in errors["kimi_mla_heads"]
+    assert "must divide moe_intermediate_size=12" in errors["kimi_expert_dim"]
+    assert "must divide num_experts=4" in errors["kimi_ep_experts"]
 
 
 def test_two_processes_jax_distributed(reports):

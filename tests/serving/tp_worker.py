@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -117,7 +118,7 @@ def _batches(cfg, block_size: int = 16):
 
 
 def forward_logits(model, cfg, tp: int, *, expert_parallel: bool = False, backend="reference"):
-    """Prefill logits, decode logits and the checkpoint state (slot 3) on ``tp`` devices."""
+    """Prefill logits, decode logits, the checkpoint state (slot 3) and the caches."""
     from serving.config import SchedulerConfig
     from serving.runner import ModelRunner
 
@@ -148,12 +149,16 @@ def forward_logits(model, cfg, tp: int, *, expert_parallel: bool = False, backen
             logits = multihost_utils.process_allgather(logits, tiled=True)
         out.append(np.asarray(logits))
     ssm = caches.ssm[0]
-    shards = {str(s.data.shape) for s in ssm.addressable_shards}
     if ssm.is_fully_addressable:
         ssm = np.asarray(ssm[3])  # the checkpoint after 4 tokens of sequence 2
     else:
         ssm = None
-    return out, ssm, shards
+    return out, ssm, caches
+
+
+def shard_shapes(x: jax.Array) -> list[str]:
+    """The distinct shapes of ``x``'s shards on this process's devices."""
+    return sorted({str(s.data.shape) for s in x.addressable_shards})
 
 
 def check_logits() -> dict:
@@ -165,41 +170,65 @@ def check_logits() -> dict:
     cases = [(2, False), (4, True), (8, False)]  # EP on 4: 2 experts per device
     for tp, ep in cases:
         m = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # fresh modules
-        (pre, dec), ssm, shards = forward_logits(m, cfg, tp, expert_parallel=ep)
+        (pre, dec), ssm, caches = forward_logits(m, cfg, tp, expert_parallel=ep)
         result[f"tp={tp}{' ep' if ep else ''}"] = {
             "prefill": float(np.max(np.abs(pre - ref[0]))),
             "decode": float(np.max(np.abs(dec - ref[1]))),
             "checkpoint": float(np.max(np.abs(ssm - ref_ssm))),
-            "ssm_shard_shapes": sorted(shards),
+            "ssm_shard_shapes": shard_shapes(caches.ssm[0]),
             "logit_scale": float(np.max(np.abs(ref[0]))),
         }
-    result["kimi tp=2"] = check_kimi()
+    result.update(check_kimi())
     return result
 
 
-def check_kimi() -> dict:
-    """Kimi-Linear on 2 devices (experts, MLPs and lm_head split; KDA and MLA replicated)."""
+def kimi_tp_config():
+    """Tiny Kimi-Linear (KDA + dense MLP, MLA + MoE) with 8 KDA and 8 MLA heads, q_lora."""
     from hyjax.config import KimiLinearConfig
-    from hyjax.models.kimi_linear import KimiLinearForCausalLM
     from hyjax.testing import tiny_kimi_linear_config
 
-    attn = {"full_attn_layers": [2], "kda_layers": [1], "num_heads": 2, "head_dim": 16,
+    attn = {"full_attn_layers": [2], "kda_layers": [1], "num_heads": 8, "head_dim": 8,
             "short_conv_kernel_size": 4}  # fmt: skip
-    cfg = KimiLinearConfig.from_hf(
-        tiny_kimi_linear_config(num_hidden_layers=2, linear_attn_config=attn)
-    )
+    return KimiLinearConfig.from_hf(
+        tiny_kimi_linear_config(
+            num_hidden_layers=2, linear_attn_config=attn, num_attention_heads=8,
+            num_key_value_heads=8, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+            v_head_dim=8, moe_intermediate_size=16,
+        )
+    )  # fmt: skip
+
+
+def check_kimi() -> dict:
+    """Kimi-Linear on 2, 4 (expert parallel) and 8 devices against one: KDA and MLA by head."""
+    from hyjax.models.kimi_linear import KimiLinearForCausalLM
+
+    cfg = kimi_tp_config()
     graphdef, state = nnx.split(_numpy_init(KimiLinearForCausalLM, cfg, 0))
     ref, ref_ssm, _ = forward_logits(nnx.merge(graphdef, state), cfg, 1)
-    fresh = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
-    (pre, dec), ssm, _ = forward_logits(fresh, cfg, 2)
-    experts = fresh.layers[1].mlp.experts_up[...]
-    return {
-        "prefill": float(np.max(np.abs(pre - ref[0]))),
-        "decode": float(np.max(np.abs(dec - ref[1]))),
-        "checkpoint": float(np.max(np.abs(ssm - ref_ssm))),
-        "logit_scale": float(np.max(np.abs(ref[0]))),
-        "experts_up_shards": sorted({str(s.data.shape) for s in experts.addressable_shards}),
-    }
+    out = {}
+    for tp, ep in [(2, False), (4, True), (8, False)]:
+        fresh = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+        (pre, dec), ssm, caches = forward_logits(fresh, cfg, tp, expert_parallel=ep)
+        kda, mla = fresh.layers[0].self_attn, fresh.layers[1].self_attn
+        out[f"kimi tp={tp}{' ep' if ep else ''}"] = {
+            "prefill": float(np.max(np.abs(pre - ref[0]))),
+            "decode": float(np.max(np.abs(dec - ref[1]))),
+            "checkpoint": float(np.max(np.abs(ssm - ref_ssm))),
+            "logit_scale": float(np.max(np.abs(ref[0]))),
+            "ssm_shards": shard_shapes(caches.ssm[0]),
+            "conv_shards": shard_shapes(caches.conv[0]),
+            "latent_shards": shard_shapes(caches.kv[0][0]),
+            "latent_shape": str(caches.kv[0][0].shape),
+            "kda_q_proj_shards": shard_shapes(kda.q_proj.weight[...]),
+            "kda_o_proj_shards": shard_shapes(kda.o_proj.weight[...]),
+            "mla_q_b_proj_shards": shard_shapes(mla.q_b_proj.weight[...]),
+            "mla_kv_b_proj_shards": shard_shapes(mla.kv_b_proj.weight[...]),
+            "mla_kv_a_shards": shard_shapes(mla.kv_a_proj_with_mqa.weight[...]),
+            "experts_up_shards": shard_shapes(fresh.layers[1].mlp.experts_up[...]),
+            "pool_bytes": ShardingPlan(make_mesh(tp), cfg, ep).pool_bytes(16, np.float32),
+        }
+    out["kimi tp=1 pool_bytes"] = ShardingPlan(make_mesh(1), cfg).pool_bytes(16, np.float32)
+    return out
 
 
 def _run_waves(engine, waves):
@@ -239,16 +268,33 @@ def check_engine(model_dir: str) -> dict:
     )  # fmt: skip
     runs = {"tp2_on": {}, "tp2_off": dict(enable_prefix_caching=False)}
     out = {}
+    logs, logger = _LogLines(), logging.getLogger("serving.runner")
+    level = logger.level
+    logger.addHandler(logs)
+    logger.setLevel(logging.INFO)
     for name, kw in runs.items():
         engine = LLMEngine(EngineArgs(**base, **kw))
         res = _run_waves(engine, _workload())
         out[name] = {k: v.output_token_ids for k, v in res.items()}
         out[name + "_cached"] = {k: v.num_cached_tokens for k, v in res.items()}
         out[name + "_compiles"] = engine.runner.compile_count()
-        out[name + "_kv_shards"] = sorted(
-            {str(s.data.shape) for s in engine.runner.caches.kv[0][0].addressable_shards}
-        )
+        out[name + "_kv_shards"] = shard_shapes(engine.runner.caches.kv[0][0])
+        out[name + "_conv_shards"] = shard_shapes(engine.runner.caches.conv[0])
+    logger.removeHandler(logs)
+    logger.setLevel(level)
+    out["pool_log"] = [line for line in logs.lines if line.startswith("pools per device")]
     return out
+
+
+class _LogLines(logging.Handler):
+    """Keeps the messages logged while attached (the runner's pool lines)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def check_loading(model_dir: str, tmp: str) -> dict:
@@ -288,12 +334,22 @@ def check_loading(model_dir: str, tmp: str) -> dict:
 
 def check_errors() -> dict:
     out = {}
-    cfg = tp_config()
+    cfg, kimi = tp_config(), kimi_tp_config()
     for name, make in {
         "tp3": lambda: ShardingPlan(make_mesh(3), cfg),
         "tp16": lambda: make_mesh(16),
         "ep16_experts": lambda: ShardingPlan(
             make_mesh(8), dataclasses.replace(cfg, num_experts=4), True
+        ),
+        "kimi_tp3": lambda: ShardingPlan(make_mesh(3), kimi),
+        "kimi_mla_heads": lambda: ShardingPlan(
+            make_mesh(8), dataclasses.replace(kimi, num_attention_heads=4)
+        ),
+        "kimi_expert_dim": lambda: ShardingPlan(
+            make_mesh(8), dataclasses.replace(kimi, moe_intermediate_size=12)
+        ),
+        "kimi_ep_experts": lambda: ShardingPlan(
+            make_mesh(8), dataclasses.replace(kimi, num_experts=4, num_expert_group=1), True
         ),
     }.items():
         try:
@@ -311,12 +367,12 @@ def check_distributed(process_id: int, port: int) -> dict:
     initialize_distributed(f"localhost:{port}", 2, process_id)
     cfg = tp_config()
     model = random_model(cfg, 0)
-    (pre, dec), _, shards = forward_logits(model, cfg, 8)
+    (pre, dec), _, caches = forward_logits(model, cfg, 8)
     return {  # the test compares the logits with the one-device ones of ``check_logits``
         "process_index": jax.process_index(),
         "devices": jax.device_count(),
         "local_devices": jax.local_device_count(),
-        "local_ssm_shards": sorted(shards),
+        "local_ssm_shards": shard_shapes(caches.ssm[0]),
         "prefill": pre.tolist(),
         "decode": dec.tolist(),
     }
@@ -350,6 +406,11 @@ def main() -> None:
             if mode in ("all", "engine"):
                 out["engine"] = check_engine(model_dir)
                 lap("engine")
+                from hyjax.testing import make_tiny_kimi_linear_model
+
+                kimi_dir = make_tiny_kimi_linear_model(os.path.join(tmp, "kimi"))  # 2+2 heads
+                out["kimi_engine"] = check_engine(kimi_dir)
+                lap("kimi engine")
     if mode in ("all", "errors"):
         out["errors"] = check_errors()
     if not out:
