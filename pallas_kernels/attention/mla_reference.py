@@ -23,8 +23,10 @@ read in latent form and nothing of size ``ctx x H`` is built::
 Both are the same function of the cache; the tests check each against a float64 oracle.
 Cost note: this prefill materialises every row's decompressed context at once
 (``S x ctx x H x (Dn + Dv)`` floats), fine for tests and small batches, too much for
-Kimi-Linear-48B with hundreds of rows and long contexts: a Pallas MLA kernel (decompressing
-per KV tile, or absorbed for short query chunks) is still to come.
+Kimi-Linear-48B with hundreds of rows and long contexts. The Pallas kernels
+(``mla_tpu.py``, ``mla_gpu.py``, around ``mla_absorb.py``) absorb on every row instead and
+read the context only as latents; a prefill that decompresses per KV tile (3.4x fewer flops
+for long chunks at 48B shapes) is still to come.
 Positions past a sequence's length may hold anything (NaN in tests): they are zeroed before
 they meet a matmul, never only masked out of the softmax.
 """
