@@ -24,6 +24,7 @@ import jax
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.attention import gpu as attention_gpu
+from pallas_kernels.attention import mla_gpu, mla_tpu
 from pallas_kernels.attention import tpu as attention_tpu
 from pallas_kernels.attention.mla_reference import (
     mla_decode_reference,
@@ -105,7 +106,10 @@ BACKENDS: dict[str, Ops] = {
         paged_attention=_interpret(attention_tpu.ragged_paged_attention),
         kda_prefill=_interpret(kda_tpu.kda_prefill),
         kda_decode=_interpret(kda_tpu.kda_decode),
-        # write_kv: the XLA scatter on every backend (in place on the donated cache).
+        mla_prefill=_interpret(mla_tpu.mla_prefill),
+        mla_decode=_interpret(mla_tpu.mla_decode),
+        # write_kv, write_latent: the XLA scatter on every backend (in place on the donated
+        # cache).
     ),
     "pallas": dataclasses.replace(
         REFERENCE,
@@ -149,6 +153,14 @@ BACKENDS: dict[str, Ops] = {
         ),
         kda_decode=_by_platform(
             tpu=kda_tpu.kda_decode, gpu=kda_gpu.kda_decode, other=kda_decode_reference
+        ),
+        # MLA: latent attention with absorbed weights, decode rows and prefill chunks in one
+        # call (H100: matches the IEEE-f32 reference at Kimi-Linear-48B shapes, BENCHMARKS.md).
+        mla_prefill=_by_platform(
+            tpu=mla_tpu.mla_prefill, gpu=mla_gpu.mla_prefill, other=mla_prefill_reference
+        ),
+        mla_decode=_by_platform(
+            tpu=mla_tpu.mla_decode, gpu=mla_gpu.mla_decode, other=mla_decode_reference
         ),
     ),
 }

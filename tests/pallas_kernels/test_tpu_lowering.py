@@ -7,11 +7,14 @@ registry of device kinds lets the CPU device stand for one. (What only libtpu ch
 compile time on a TPU, stays unchecked here.)
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax._src.pallas.mosaic import tpu_info
 
+from pallas_kernels.attention import mla_tpu
 from pallas_kernels.conv1d import tpu as conv1d_tpu
 from pallas_kernels.gdn import tpu as gdn_tpu
 
@@ -57,3 +60,26 @@ def _conv_args(t, prefill):
 def test_kernel_lowers_to_mosaic(as_tpu, kernel, args):
     lowered = jax.jit(kernel).trace(*args).lower(lowering_platforms=("tpu",))
     assert "tpu_custom_call" in lowered.as_text()
+
+
+# Kimi-Linear-48B's MLA: 32 heads, latent 512 + 64 rope dims, Dn = Dv = 128, 64-token pages.
+MLA_H, MLA_L, MLA_R, MLA_DN, MLA_DV, MLA_BS, MLA_MAX_BLOCKS = 32, 512, 64, 128, 128, 64, 32
+
+
+def _mla_args(t, prefill):
+    q = sd((t, MLA_H, MLA_DN + MLA_R), BF)
+    cache = sd((100, MLA_BS, MLA_L + MLA_R), BF)
+    w = sd((MLA_L, MLA_H, MLA_DN + MLA_DV), BF)
+    qsl = [sd((ROWS + 1,), I32)] if prefill else []
+    return [q, cache, w, *qsl, sd((ROWS,), I32), sd((ROWS, MLA_MAX_BLOCKS), I32), sd((), I32)]
+
+
+@pytest.mark.parametrize(
+    "kernel,args",
+    [(mla_tpu.mla_prefill, _mla_args(TOKENS, True)), (mla_tpu.mla_decode, _mla_args(ROWS, False))],
+    ids=["mla_prefill", "mla_decode"],
+)
+def test_mla_kernel_lowers_to_mosaic(as_tpu, kernel, args):
+    fn = functools.partial(kernel, nope_dim=MLA_DN, scale=(MLA_DN + MLA_R) ** -0.5)
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",))
+    assert lowered.as_text().count("tpu_custom_call") >= 1
