@@ -117,7 +117,7 @@ def absorbed_prefill(core: LatentKernel, **tuning) -> Callable:
 
 def absorbed_decode(core: LatentKernel, **tuning) -> Callable:
     """``mla_decode`` (the reference's signature): one token per row, as a ragged batch."""
-    prefill = absorbed_prefill(core, **tuning)
+    prefill = absorbed_prefill(core, **{"max_q_len": 1, **tuning})  # no prefill launch
 
     def mla_decode(
         q: jax.Array,  # [S, H, Dn + R]  one new token per sequence

@@ -169,9 +169,13 @@ def latent_attention(
     num_stages: int = 2,
     num_warps_prefill: int = 4,
     num_stages_prefill: int = 2,
+    max_q_len: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Causal latent attention of a ragged batch. Returns o_lat [T, H, L] (padding 0)."""
+    """Causal latent attention of a ragged batch. Returns o_lat [T, H, L] (padding 0).
+
+    ``max_q_len``: a static bound on every row's new tokens (``mla_decode`` passes 1); when
+    the short tiles hold that many, the long launch is left out."""
     num_tokens, num_heads, width = q_abs.shape
     num_blocks, block_size, _ = latent_cache.shape
     num_rows, max_blocks = block_tables.shape
@@ -208,6 +212,8 @@ def latent_attention(
 
     cap_long = min(num_rows, num_tokens // (bq_short + 1)) + num_tokens // bq_long
     launches = [(True, bq_short, block_k_decode, num_rows, num_warps, num_stages)]
+    if max_q_len is not None and max_q_len <= bq_short:
+        cap_long = 0  # every row fits a short tile
     if cap_long > 0:
         launches.append(
             (False, bq_long, block_k_prefill, cap_long, num_warps_prefill, num_stages_prefill)

@@ -167,9 +167,13 @@ def latent_attention(
     block_q: int = 8,
     block_q_decode: int = 1,
     kv_block_tokens: int = 256,
+    max_q_len: int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
-    """Causal latent attention of a ragged batch. Returns o_lat [T, H, L] (padding 0)."""
+    """Causal latent attention of a ragged batch. Returns o_lat [T, H, L] (padding 0).
+
+    ``max_q_len``: a static bound on every row's new tokens (``mla_decode`` passes 1); when
+    the short tiles hold that many, the long launch is left out."""
     num_tokens, num_heads, width = q_abs.shape
     _, bs, _ = latent_cache.shape
     num_rows, max_blocks = block_tables.shape
@@ -190,6 +194,8 @@ def latent_attention(
 
     launches = [(True, block_q_decode, min(num_rows, num_tokens))]
     cap_long = min(num_rows, num_tokens // (block_q_decode + 1)) + num_tokens // block_q
+    if max_q_len is not None and max_q_len <= block_q_decode:
+        cap_long = 0  # every row fits a short tile
     if cap_long > 0:
         launches.append((False, block_q, cap_long))
     o = jnp.zeros((num_tokens, num_heads, lora), jnp.float32)

@@ -192,6 +192,11 @@ def test_gpu_kernel_lowers_to_triton_at_48b_shapes():
     assert text.count("mla_latent_attention_") >= 2  # the short and the long launch
     # each trip of an XLA while loop on GPU is a host round trip: none around the kernels
     assert "stablehlo.while" not in text
+    # decode: one launch (every row fits a short tile), no empty prefill launch
+    q, cache, w, _, *rest = _kimi_args(t=8)
+    fn = functools.partial(mla_gpu.mla_decode, nope_dim=KIMI_DN, scale=(KIMI_DN + KIMI_R) ** -0.5)
+    text = jax.jit(fn).trace(q, cache, w, *rest).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mla_latent_attention_short" in text and "mla_latent_attention_long" not in text
 
 
 def test_tiny_kimi_linear_with_the_mla_kernel_matches_reference(tmp_path):
