@@ -10,7 +10,9 @@ Run on an H100/H200 (``python benchmarks/attention_kernels.py --out $OUT/attn.js
 3. timings: decode at contexts 4k/16k/64k and batch 1..64 (KV bytes read / time vs the copy
    bandwidth), a mixed batch (decode rows + one prefill chunk), a prefill chunk (TFLOP/s);
 4. torch ``scaled_dot_product_attention`` (flash backend, GQA) at the same shapes on contiguous
-   KV (no paging: it reads the same bytes), in the same process.
+   KV (no paging: it reads the same bytes), in the same process;
+5. with ``--baseline FILE``, the same timings of another kernel file of the same signature (an
+   older revision: before/after on one card in one run).
 
 Every JAX timing is a jitted ``fori_loop`` of calls, each call's query depending on the last
 output (so nothing is hoisted), divided by the number of calls.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import time
 import traceback
@@ -124,10 +127,18 @@ def copy_bandwidth() -> float:
     return 2 * x.nbytes / float(np.median(times)) / 1e9
 
 
-def kernel_fn(**tuning):
-    return functools.partial(
-        gpu.ragged_paged_attention, scale=D**-0.5, interpret=INTERPRET, **tuning
-    )
+def kernel_fn(module=None, **tuning):
+    """The kernel under test (``module``: another implementation, e.g. an older revision)."""
+    fn = (module or gpu).ragged_paged_attention
+    return functools.partial(fn, scale=D**-0.5, interpret=INTERPRET, **tuning)
+
+
+def load_module(path: str):
+    """A kernel module from a file (``git show REV:pallas_kernels/attention/gpu.py > F``)."""
+    spec = importlib.util.spec_from_file_location("attention_gpu_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ----------------------------------------------------------------------------- checks
@@ -244,6 +255,14 @@ def main() -> None:
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--sweep", action="store_true", help="decode tuning sweep")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="time this kernel file too (same cases, its defaults): before/after",
+    )
+    p.add_argument("--contexts", default="4096,16384,65472", help="decode contexts")
+    p.add_argument("--batches", default="1,2,4,8,32,64", help="decode batch sizes")
+    p.add_argument("--skip-checks", action="store_true")
     args = p.parse_args()
     global INTERPRET
     INTERPRET = args.interpret
@@ -267,7 +286,7 @@ def main() -> None:
         "prefill": ([min(ck, 300), 40], [min(ck, 300), 40 + ck // 4]),
         "mixed": ([1, 1, 37, 1, 130], [ck, 5, 37 + ck // 2, ck // 3, 130]),
     }
-    for name, (ql, cl) in checks.items():
+    for name, (ql, cl) in ({} if args.skip_checks else checks).items():
         for bs in (16, 128):
             guarded(
                 f"check_{name}_bs{bs}_d256",
@@ -281,8 +300,8 @@ def main() -> None:
     # timings
     bw = summary.get("copy_bandwidth_GBps")
     # 64k - 64: at batch 64 the pool stays under the GPU kernel's 2**31-element limit
-    contexts = [256] if small else [4096, 16384, 65536 - 64]
-    batches = [1, 2] if small else [1, 8, 32, 64]
+    contexts = [256] if small else [int(x) for x in args.contexts.split(",")]
+    batches = [1, 2] if small else [int(x) for x in args.batches.split(",")]
     cases = []
     for c in contexts:
         for b in batches:
@@ -298,10 +317,28 @@ def main() -> None:
     cases.append((f"prefill_chunk{pf}_fresh", [pf], [pf]))
     cases.append((f"prefill_chunk{pf // 2}_at{pf * 4}", [pf // 2], [pf * 4 + pf // 2]))
 
-    def timed(q_lens, ctx_lens, **tuning):
+    cases.append(("decode_ctx64_b1_floor", [1], [64]))  # the fixed cost of one call
+    # rows past num_seqs must cost nothing: hyjax pads S to a power of two (at most 2x);
+    # one or four live rows in a 64-row bucket is the stress case
+    bucket = 8 if small else 64
+    padded = {}
+    for b in (1, 4):
+        c = contexts[-1]
+        name = f"decode_ctx{c}_b{b}_bucket{bucket}"
+        cases.append((name, [1] * b, [c] * b))
+        padded[name] = bucket - b
+
+    def timed(q_lens, ctx_lens, module=None, pad_rows=0, **tuning):
         rng = np.random.default_rng(0)
         a, kv_bytes = paged_batch(rng, q_lens, ctx_lens, poison=False)
-        s = time_attention(kernel_fn(**tuning), a, iters=20)
+        if pad_rows:  # padding rows of one token each, past num_seqs, as the runner's buckets
+            q, kc, vc, qsl, lens, bt, n = a
+            q = jnp.concatenate([q, jnp.zeros((pad_rows,) + q.shape[1:], q.dtype)])
+            qsl = jnp.concatenate([qsl, jnp.full((pad_rows,), qsl[-1], qsl.dtype)])
+            lens = jnp.concatenate([lens, jnp.zeros((pad_rows,), lens.dtype)])
+            bt = jnp.concatenate([bt, jnp.zeros((pad_rows, bt.shape[1]), bt.dtype)])
+            a = (q, kc, vc, qsl, lens, bt, n)
+        s = time_attention(kernel_fn(module, **tuning), a, iters=20)
         res = {"s": s, "us": s * 1e6, "kv_GBps": kv_bytes / s / 1e9}
         res["TFLOPs"] = attention_flops(q_lens, ctx_lens) / s / 1e12
         if bw:
@@ -309,23 +346,32 @@ def main() -> None:
         return res
 
     for name, ql, cl in cases:
-        guarded(name, lambda ql=ql, cl=cl: timed(ql, cl))
+        guarded(name, lambda ql=ql, cl=cl, n=name: timed(ql, cl, pad_rows=padded.get(n, 0)))
+    if args.baseline:
+        base = load_module(args.baseline)
+        for name, ql, cl in cases:
+            guarded(
+                f"baseline_{name}",
+                lambda ql=ql, cl=cl, n=name: timed(ql, cl, base, pad_rows=padded.get(n, 0)),
+            )
     if args.sweep and not small:
         by_name = {name: (ql, cl) for name, ql, cl in cases}
-        decode_sweep = [(4, 2, 64, 256), (4, 3, 64, 512), (8, 2, 128, 256), (4, 2, 32, 512)]
+        decode_sweep = [(4, 2, 64, 512), (8, 2, 128, 256), (4, 3, 64, 256), (4, 2, 32, 256)]
+        sweep_names = [n for n in by_name if n.startswith("decode_") and n.endswith(
+            ("ctx65472_b1", "ctx65472_b2", "ctx16384_b8"))]  # fmt: skip
         for nw, ns, bk, tp in decode_sweep:
-            for name in ("decode_ctx65472_b1", "decode_ctx65472_b8", "decode_ctx16384_b32"):
+            for name in sweep_names:
                 tag = f"sweep_{name}_w{nw}_s{ns}_bk{bk}_tp{tp}"
                 tuning = dict(num_warps=nw, num_stages=ns, block_k_decode=bk, target_programs=tp)
                 guarded(tag, lambda n=name, t=tuning: timed(*by_name[n], **t))
-        prefill_sweep = [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 3),
-                         (64, 32, 8, 3)]  # fmt: skip
-        for rows, bk, nw, ns in prefill_sweep:
-            name = f"prefill_chunk{pf}_fresh"
-            tag = f"sweep_{name}_rows{rows}_bk{bk}_w{nw}_s{ns}"
-            tuning = dict(rows_prefill=rows, block_k_prefill=bk, num_warps_prefill=nw,
-                          num_stages_prefill=ns)  # fmt: skip
-            guarded(tag, lambda n=name, t=tuning: timed(*by_name[n], **t))
+        # (rows, block_k, warps, stages, max prefill splits)
+        prefill_sweep = [(64, 32, 4, 2, 4), (128, 64, 8, 3, 1), (128, 64, 8, 3, 8)]
+        for name in [n for n in by_name if n.startswith(("prefill_", "mixed_"))]:
+            for rows, bk, nw, ns, ms in prefill_sweep:
+                tag = f"sweep_{name}_rows{rows}_bk{bk}_w{nw}_s{ns}_ms{ms}"
+                tuning = dict(rows_prefill=rows, block_k_prefill=bk, num_warps_prefill=nw,
+                              num_stages_prefill=ns, max_splits_prefill=ms)  # fmt: skip
+                guarded(tag, lambda n=name, t=tuning: timed(*by_name[n], **t))
     if not args.skip_torch and not small:
         guarded("torch_sdpa_flash", lambda: torch_sdpa(cases))
         t = summary.get("torch_sdpa_flash", {})

@@ -20,6 +20,7 @@ CASES = [
     # (kind, cached, new, hq, hkv, d, block_size, dtype, target_programs)
     ("decode", [40, 0, 9], [1, 1, 2], 16, 2, 128, 16, jnp.float32, 8),  # one split per row
     ("mixed", [33, 5, 0], [1, 21, 1], 4, 2, 256, 32, jnp.bfloat16, 64),  # split-KV merges
+    ("one_row", [250], [1], 8, 1, 128, 16, jnp.float32, 64),  # 32 splits of 16 blocks, 16 empty
 ]
 IDS = [
     f"{kind}_{hq=}_{hkv=}_{d=}_{bs=}_{jnp.dtype(dt).name}_{tp=}"
