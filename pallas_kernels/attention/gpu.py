@@ -155,9 +155,16 @@ def ragged_paged_attention(
     num_stages: int = 2,
     num_warps_prefill: int = 8,
     num_stages_prefill: int = 3,
+    decode_only: bool = False,
     interpret: bool = False,
 ) -> jax.Array:
-    """Causal GQA attention of every query token over its sequence's paged KV. [T, Hq, D]."""
+    """Causal GQA attention of every query token over its sequence's paged KV. [T, Hq, D].
+
+    ``decode_only`` (static): the caller knows every row has at most ``16 // Gp`` tokens (a
+    decode step, or one draft token with Gp = 8), so the prefill launch, its work list and its
+    merge are left out: batches of B >= 3 otherwise carry them empty (about 8 us on an H100, the
+    4k B = 2 -> 4 step in BENCHMARKS.md). A longer row would come back as zeros.
+    """
     check_attention_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     num_tokens, num_q_heads, d = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -194,7 +201,7 @@ def ragged_paged_attention(
 
     cap_long = min(num_rows, num_tokens // (bq_short + 1)) + num_tokens // bq_long
     launches = [(True, bq_short, block_k_decode, num_rows, num_warps, num_stages)]
-    if cap_long > 0:
+    if cap_long > 0 and not decode_only:
         launches.append((False, bq_long, bk_long, cap_long, num_warps_prefill, num_stages_prefill))
     max_ctx = max_blocks * block_size
     o = jnp.zeros((num_kv_heads, num_tokens, group, d), jnp.float32)

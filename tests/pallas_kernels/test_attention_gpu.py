@@ -48,6 +48,21 @@ def test_matches_reference(kind, cached, new, hq, hkv, d, bs, dtype, tp):
     check_against_reference(case, got, want, dtype)
 
 
+def test_decode_only_leaves_out_the_prefill_launch():
+    """Rows of at most 16 // Gp tokens: one Triton launch, same outputs as the reference."""
+    case = attention_case([40, 0, 9], [1, 1, 2], hq=16, hkv=2, d=128, block_size=16, seed=5)
+    want = jax.jit(functools.partial(ragged_paged_attention_reference, scale=case.scale))(
+        *case.args
+    )
+    kernel = functools.partial(gpu.ragged_paged_attention, scale=case.scale, block_k_decode=16,
+                               target_programs=16, decode_only=True)  # fmt: skip
+    got = jax.jit(functools.partial(kernel, interpret=True))(*case.args)
+    check_against_reference(case, got, want, jnp.float32)
+    text = jax.jit(kernel).trace(*case.args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ragged_paged_attention_short" in text
+    assert "ragged_paged_attention_long" not in text
+
+
 def test_rejects_non_power_of_two_head_dim():
     case = attention_case([3], [1], d=96)
     with pytest.raises(ValueError, match="head_dim=96 must be a power of two"):
