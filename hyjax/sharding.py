@@ -100,10 +100,22 @@ def initialize_distributed(
     )
 
 
+# What a config field counts, for the error message (the checkpoint may spell it otherwise).
+_WHAT = {
+    "linear_num_key_heads": "GDN key heads",
+    "linear_num_value_heads": "GDN value heads",
+    "linear_num_heads": "KDA heads, linear_attn_config.num_heads",
+    "num_attention_heads": "query heads",
+    "num_experts": "experts, split by --enable-expert-parallel",
+    "moe_intermediate_size": "each expert's intermediate dim, split without expert parallel",
+}
+
+
 def _divides(tp: int, **sizes: int) -> None:
     for name, size in sizes.items():
         if size % tp:
-            raise ValueError(f"tensor_parallel_size={tp} must divide {name}={size}")
+            what = f" ({_WHAT[name]})" if name in _WHAT else ""
+            raise ValueError(f"tensor_parallel_size={tp} must divide {name}={size}{what}")
 
 
 # ----------------------------------------------------------------------------- Qwen3-Next
