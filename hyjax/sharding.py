@@ -7,7 +7,8 @@ says, for one model on one mesh:
   family (first match wins, no match = replicated). Projections into heads are split by
   output columns, projections out of heads by input rows (Megatron's column / row parallel),
   so XLA's SPMD partitioner inserts one all-reduce after each row-parallel matmul;
-- where each cache pool lives: KV blocks, conv windows and recurrent states split by head;
+- where each cache pool lives: KV blocks, conv windows and recurrent states split by head
+  (Kimi's MLA latent, which every head reads, replicated);
 - which ops run under ``jax.shard_map`` (the Pallas kernels, and the reference ops in their
   place, see per-device heads: every head is independent, so no op needs a collective);
 - the static settings the layers read (``GatedDeltaNet.conv_shards``,
