@@ -43,13 +43,15 @@ def _decode(engine: LLMEngine, n: int, output_len: int, seed: int) -> float:
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for _ in range(n):
         engine.add_request(rng.integers(0, 150000, 32).tolist(), params)
-    tokens, seconds = 0, 0.0
+    tokens, seconds, device = 0, 0.0, 0.0
     while engine.has_unfinished_requests():
         engine.step()
         rows, decode_only, host, dev = engine.timing.last
         if decode_only and rows == n:
             tokens += rows
             seconds += host + dev
+            device += dev
+    _decode.device_share = device / seconds if seconds else float("nan")
     return tokens / seconds if seconds else float("nan")
 
 
@@ -75,8 +77,12 @@ def run(tp: int, expert_parallel: bool, args) -> dict:
     )
     res = {"tensor_parallel_size": tp, "expert_parallel": expert_parallel}
     for rep in range(2):  # the first compiles
+        compiles = engine.runner.compile_count()
         res["prefill_tok_s"] = round(_prefill(engine, args.prefill_requests, args.prompt_len, rep))
         res["decode_tok_s"] = round(_decode(engine, args.decode_requests, args.output_len, rep))
+        res["decode_device_share"] = round(_decode.device_share, 3)
+        # A measured rep that compiles means the step's shardings drift from step to step.
+        res["compiles_in_rep"] = engine.runner.compile_count() - compiles
     res["kv_blocks_per_device"] = engine.runner.memory.num_kv_blocks
     del engine, model
     gc.collect()
@@ -95,22 +101,24 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--cache-gib", type=float, default=8.0)
-    p.add_argument("--kernel-backend", default="auto")
+    p.add_argument("--kernel-backend", nargs="+", default=["auto"])
     p.add_argument("--out", default=None)
     args = p.parse_args()
     results = {
         "device": device_name(),
         "num_devices": jax.device_count(),
         "jax": jax.__version__,
-        "kernel_backend": args.kernel_backend,
+        "kernel_backends": args.kernel_backend,
         "model": f"bench_config({args.layers} layers, {args.experts} experts), bf16",
         "runs": [],
     }
     configs = [(tp, False) for tp in args.tp]
     if args.expert_parallel:
         configs += [(tp, True) for tp in args.tp if tp > 1]
-    for tp, ep in configs:
-        r = run(tp, ep, args)
+    backends = args.kernel_backend
+    for (tp, ep), backend in [(c, b) for b in backends for c in configs]:
+        args.kernel_backend = backend
+        r = {"kernel_backend": backend, **run(tp, ep, args)}
         print(json.dumps(r), flush=True)
         results["runs"].append(r)
         if args.out:  # after every run: a later failure keeps the earlier numbers
