@@ -299,12 +299,13 @@ def make_batch(
     num_seqs: int,
     max_blocks: int,
     max_ckpt: int = 2,
+    num_logits: int | None = None,
 ) -> tuple[Batch, list[list[int]]]:
     """Packs rows into a padded :class:`Batch`; returns it and each row's logits indices.
 
-    When a row asks for all logits, the batch's ``logits_indices`` (capacity ``num_seqs``)
-    would be too small, so the returned per-row index lists address the hidden states that a
-    test reads through ``logits_indices = arange``. Keep ``num_seqs >= num_tokens`` then.
+    ``logits_indices`` holds ``num_seqs`` entries (as the engine's), or more when rows ask for
+    all their logits (``num_logits`` fixes that capacity, so steps share one compiled shape);
+    the returned per-row lists index the logits the model returns.
     """
     ids = np.zeros(num_tokens, np.int32)
     pos = np.zeros(num_tokens, np.int32)
@@ -335,7 +336,10 @@ def make_batch(
         qsl[s + 1] = t
     qsl[len(rows) + 1 :] = t
     flat = [i for r in logits_rows for i in r]
-    logits_idx = np.zeros(num_seqs, np.int32)
+    capacity = num_logits if num_logits is not None else max(num_seqs, len(flat))
+    if capacity < len(flat):
+        raise ValueError(f"num_logits={capacity} is less than the {len(flat)} logits asked for")
+    logits_idx = np.zeros(capacity, np.int32)
     logits_idx[: len(flat)] = flat
     batch = Batch.from_arrays(
         dict(

@@ -27,12 +27,17 @@ def write_kv_reference(
     v_cache: jax.Array,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: jax.Array,  # i32[T]  block_id * block_size + offset; padding -> null block
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatters the new tokens' K/V into the paged cache. Returns the updated caches."""
-    nb, bs = k_cache.shape[:2]
-    flat = (nb * bs,) + k_cache.shape[2:]
-    k_cache = k_cache.reshape(flat).at[slot_mapping].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.reshape(flat).at[slot_mapping].set(v.astype(v_cache.dtype))
-    return k_cache.reshape((nb, bs) + flat[1:]), v_cache.reshape((nb, bs) + flat[1:])
+    """Scatters the new tokens' K/V into the paged cache. Returns the updated caches.
+
+    Indexed by (block, offset), not through a flattened view: under ``shard_map`` with one KV
+    head per device, XLA copied the whole (donated) pool around a reshape-scatter-reshape on
+    every step (``tests/serving/test_tensor_parallel.py`` checks the compiled step for it).
+    """
+    bs = k_cache.shape[1]
+    block, offset = slot_mapping // bs, slot_mapping % bs
+    k_cache = k_cache.at[block, offset].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.at[block, offset].set(v.astype(v_cache.dtype))
+    return k_cache, v_cache
 
 
 def ragged_paged_attention_reference(

@@ -120,6 +120,8 @@ def test_prefix_caching_on_off_identical_under_tp2(report):
     # Two kv heads over two devices: one per device.
     assert engine["tp2_on_kv_shards"] == ["(41, 16, 1, 16)"]
     assert engine["pool_log"] and all("KV pool split by kv head" in s for s in engine["pool_log"])
+    # The donated pools are updated in place: the compiled step copies none of them whole.
+    assert engine["tp2_on_pool_copies"] == []
 
 
 def test_kimi_prefix_caching_on_off_identical_under_tp2(report):

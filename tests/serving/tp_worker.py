@@ -280,10 +280,41 @@ def check_engine(model_dir: str) -> dict:
         out[name + "_compiles"] = engine.runner.compile_count()
         out[name + "_kv_shards"] = shard_shapes(engine.runner.caches.kv[0][0])
         out[name + "_conv_shards"] = shard_shapes(engine.runner.caches.conv[0])
+        out[name + "_pool_copies"] = pool_copies(engine.runner)
     logger.removeHandler(logs)
     logger.setLevel(level)
     out["pool_log"] = [line for line in logs.lines if line.startswith("pools per device")]
     return out
+
+
+def pool_copies(runner) -> list[str]:
+    """Copies of a whole per-device KV pool in the compiled step (a decode and a prefill bucket).
+
+    The pools are donated and updated in place; a copy of one is a pass over gigabytes on
+    every step (seen: a reshape-scatter-reshape under ``shard_map`` with one KV head per
+    device made TP = 2 slower than TP = 1 on two H100s).
+    """
+    import re
+
+    from serving.plan import StepPlan
+    from serving.runner import _step
+
+    # The KV pools (the state pools' gather + in-place update still gets copied by XLA's CPU
+    # backend, TP or not: a separate, open problem noted in BENCHMARKS.md).
+    pools = {tuple(x.addressable_data(0).shape) for x in jax.tree.leaves(runner.caches.kv)}
+    shapes = runner.sched_cfg.step_shapes()
+    picked = [next(s for s in shapes if s.decode_only == d) for d in (True, False)]
+    found = []
+    for shape in picked:
+        arrays = replicate_tree(StepPlan.empty(shape).arrays(), runner.sharding.mesh)
+        compiled = _step.lower(
+            runner.graphdef, runner.ops, shape.decode_only, runner.state, runner.caches, arrays
+        ).compile()
+        for line in compiled.as_text().splitlines():
+            m = re.search(r"= \w+\[([\d,]+)\]\S* copy\(", line)
+            if m and tuple(int(d) for d in m.group(1).split(",")) in pools:
+                found.append(line.strip()[:160])
+    return found
 
 
 class _LogLines(logging.Handler):
