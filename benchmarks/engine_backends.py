@@ -67,6 +67,7 @@ def run(backend: str, caching: bool, requests: list[list[int]], args) -> dict:
             enable_prefix_caching=caching,
             kernel_backend=backend,
             progress=False,
+            warmup=False,  # pass 0 compiles what it meets (all buckets: minutes per engine)
         )
     )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
