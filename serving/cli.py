@@ -201,13 +201,49 @@ def cmd_convert(ns: argparse.Namespace) -> int:
     return 0
 
 
+def multihost_config(ns: argparse.Namespace):
+    """``serve`` across processes: a ``MultihostConfig``, or None on one process."""
+    if not (ns.coordinator_address or ns.num_processes or ns.process_id):
+        return None
+    from serving.multihost import MultihostConfig
+
+    given = dict(coordinator_address=ns.coordinator_address, num_processes=ns.num_processes,
+                 process_id=ns.process_id)  # fmt: skip
+    missing = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is None]
+    if missing:
+        raise SystemExit(f"hyjax serve on several processes needs {', '.join(missing)} too")
+    try:
+        return MultihostConfig(**given, plan_port=ns.plan_port)
+    except ValueError as e:
+        raise SystemExit(f"hyjax serve: {e}") from None
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
+    kwargs = engine_kwargs(ns, progress=not ns.quiet, warmup=ns.warmup)
+    multihost = multihost_config(ns)
+    if multihost is not None and multihost.process_id > 0:
+        import signal
+
+        from serving.multihost import run_follower
+
+        # A Ctrl-C sent to the whole group must not kill a follower under the leader's drain;
+        # the leader's shutdown message ends it (SIGTERM still does, failing the leader).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        code = run_follower(kwargs, multihost)
+        if code:  # the job is broken: skip jax.distributed's exit barrier
+            logging.shutdown()
+            os._exit(code)
+        return code
+    if multihost is not None:
+        import dataclasses
+
+        kwargs["multihost"] = dataclasses.asdict(multihost)
     from serving.engine_client import EngineStartError
     from serving.server import serve
 
     try:
         return serve(
-            engine_kwargs(ns, progress=not ns.quiet),
+            kwargs,
             host=ns.host,
             port=ns.port,
             served_model_name=ns.served_model_name,
@@ -238,6 +274,28 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds in-flight requests may finish before they are aborted",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile every step bucket before the port opens (--no-warmup: a faster start; "
+        "the first requests of each bucket then wait for its compile)",
+    )
+    p.add_argument(
+        "--coordinator-address",
+        default=None,
+        help="several processes: HOST:PORT of process 0 (jax.distributed); process 0 serves "
+        "HTTP, the others (same flags, their own --process-id) mirror its steps",
+    )
+    p.add_argument("--num-processes", type=int, default=None)
+    p.add_argument("--process-id", type=int, default=None)
+    p.add_argument(
+        "--plan-port",
+        type=int,
+        default=None,
+        help="several processes: the port on process 0's host where followers fetch each "
+        "step's plan (default: the coordinator's port + 1)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -197,17 +197,32 @@ def engine_main(engine_kwargs: dict, inbox: _Queue, outbox: _Queue) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    engine_kwargs = dict(engine_kwargs)
+    multihost = engine_kwargs.pop("multihost", None)  # MultihostConfig fields: process 0
+    broadcaster = None
     try:
-        from serving.engine import EngineArgs, LLMEngine
+        if multihost is not None:
+            from serving import multihost as mh
 
-        engine = LLMEngine(EngineArgs(**engine_kwargs))
+            lost = mh.exit_on_lost(outbox, Failed)
+            engine, broadcaster = mh.start_leader(
+                engine_kwargs, mh.MultihostConfig(**multihost), lost
+            )
+        else:
+            from serving.engine import EngineArgs, LLMEngine
+
+            engine = LLMEngine(EngineArgs(**engine_kwargs))
     except BaseException as e:  # noqa: BLE001  (report any start-up failure, then exit)
         log.exception("engine start-up failed")
         outbox.put([Failed(f"{type(e).__name__}: {e}")])
         return
     outbox.put([Ready(engine_info(engine))])
     parent = multiprocessing.parent_process()
-    EngineLoop(
-        engine, inbox, outbox, parent_alive=parent.is_alive if parent else lambda: True
-    ).run()
+    try:
+        EngineLoop(
+            engine, inbox, outbox, parent_alive=parent.is_alive if parent else lambda: True
+        ).run()
+    finally:
+        if broadcaster is not None:  # the followers exit too
+            broadcaster.close()
     log.info("engine loop stopped")

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -88,6 +89,9 @@ class ModelRunner:
         self.cfg = cfg
         self.sched_cfg = sched_cfg
         self.sharding = sharding
+        # Multi-host serve: the leader ships each plan to the followers before running it, so
+        # every process enters the step's collectives (serving/multihost.py).
+        self.on_execute: Callable[[StepPlan], None] | None = None
         self.ops = get_ops(kernel_backend)
         if sharding is not None:
             model = sharding.shard_model(model)
@@ -145,6 +149,8 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step. Returns every row's sampled token and logprobs (padding included)."""
+        if self.on_execute is not None:
+            self.on_execute(plan)
         arrays = plan.arrays()
         if self.sharding is not None:  # the step's one host-to-device transfer
             arrays = replicate_tree(arrays, self.sharding.mesh)

@@ -1,0 +1,217 @@
+"""``hyjax serve`` across two processes (``jax.distributed``), as users start it.
+
+Two CPU processes with 2 simulated devices each run ``--tensor-parallel-size 4`` over both:
+process 0 serves HTTP and plans, process 1 mirrors its steps (serving/multihost.py). The
+official ``openai`` client's greedy completions must match a one-process, one-device engine
+token for token; SIGTERM on the leader must end both processes with exit code 0. The plan
+channel's failure paths are tested on real sockets without JAX.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import openai
+import pytest
+
+from serving.multihost import (
+    MultihostConfig,
+    PlanBroadcaster,
+    _encode,
+    _recv_frame,
+    decode_plan,
+)
+from serving.plan import StepPlan, StepShape
+from tests.serving.server_helpers import free_port, request
+
+# Byte-level tokens: the first two share 70 tokens, past the 64-token checkpoint granularity.
+SHARED = "def fibonacci(n):\n    if n < 2:\n        return n\n    a, b = 0, 1\n    for _ in"
+PROMPTS = [SHARED + " range(n):", SHARED + " range(2, n + 1):", "import os"]
+# One sequence at a time, 64-token chunks: few step shapes, each compiled on first use (every
+# compile of a TP = 4 step over two processes costs seconds on a shared 2-core machine).
+FLAGS = ["--max-num-seqs", "1", "--max-num-batched-tokens", "64", "--max-model-len", "128"]
+MAX_TOKENS = 8
+
+
+def _write_model(out: str) -> str:
+    """A tiny Qwen3-Next whose head counts split 4 ways, with the byte-level tokenizer."""
+    from hyjax.saver import save_hf_checkpoint
+    from hyjax.tiny import byte_level_tokenizer
+    from tests.serving.tp_worker import random_model, tp_config
+
+    tok = byte_level_tokenizer()
+    cfg = tp_config(vocab_size=tok.get_vocab_size())
+    save_hf_checkpoint(random_model(cfg, 2), cfg, out)
+    tok.save(os.path.join(out, "tokenizer.json"))
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    return out
+
+
+def _reference(model_dir: str) -> list[str]:
+    """The same prompts on one process, one device (the test's own JAX)."""
+    from serving.engine import EngineArgs, LLMEngine
+    from serving.request import SamplingParams
+
+    engine = LLMEngine(
+        EngineArgs(model=model_dir, max_num_seqs=1, max_num_batched_tokens=64,
+                   max_model_len=128, progress=False, warmup=False)
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    out = engine.run_to_completion()
+    return [out[i].text for i in ids]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """Leader and follower subprocesses; yields (leader, follower, url, log paths)."""
+    d = tmp_path_factory.mktemp("multihost")
+    model_dir = _write_model(str(d / "model"))
+    http, coord, plans = free_port(), free_port(), free_port()
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false",
+    )
+    base = [sys.executable, "-m", "serving.cli", "serve", "--model", model_dir, "--quiet"]
+    base += [
+        *FLAGS,
+        "--no-warmup",
+        "--tensor-parallel-size",
+        "4",
+        "--coordinator-address",
+        f"localhost:{coord}",
+    ]
+    base += ["--num-processes", "2", "--plan-port", str(plans)]
+    procs, logs = [], []
+    for pid in (0, 1):
+        cmd = [*base, "--process-id", str(pid)] + (["--port", str(http)] if pid == 0 else [])
+        logs.append(d / f"process{pid}.log")
+        with open(logs[-1], "w") as f:
+            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env))
+    url = f"http://127.0.0.1:{http}"
+    try:
+        yield procs, url, logs, model_dir
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+def _wait_ready(procs, url, logs, timeout=240.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p, log in zip(procs, logs):
+            if p.poll() is not None:
+                raise RuntimeError(
+                    f"{log.name} exited ({p.returncode}):\n{log.read_text()[-4000:]}"
+                )
+        try:
+            if request("GET", url + "/health", timeout=2)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("\n".join(log.read_text()[-3000:] for log in logs))
+
+
+def test_two_process_serve_matches_one_device_and_stops_on_sigterm(job):
+    procs, url, logs, model_dir = job
+    expected = _reference(model_dir)  # while the job compiles its buckets
+    _wait_ready(procs, url, logs)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+    kw = dict(model=name, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    first = client.completions.create(prompt=PROMPTS[0], **kw)
+    assert first.choices[0].text == expected[0]
+    batch = client.completions.create(prompt=PROMPTS, **kw)  # scheduled together
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == expected
+    assert batch.usage.completion_tokens == MAX_TOKENS * len(PROMPTS)
+    # the repeated prompt and its sibling hit the prefix cache (64 tokens each)
+    assert batch.usage.prompt_tokens_details.cached_tokens == 128
+    time.sleep(1.0)  # idle for a while: the follower waits, nothing times out
+    again = client.completions.create(prompt=PROMPTS[2], stream=True, **kw)
+    assert "".join(c.choices[0].text for c in again) == expected[2]
+    procs[0].terminate()  # SIGTERM to the leader only: it drains, then stops the follower
+    codes = [p.wait(60) for p in procs]
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    assert "shutdown after" in logs[1].read_text()
+
+
+# ------------------------------------------------------------------------------ no JAX
+
+
+def _broadcaster(num_processes=2, on_lost=None):
+    port = free_port()
+    cfg = MultihostConfig(f"127.0.0.1:{port - 1}", num_processes, 0, plan_port=port)
+    return cfg, PlanBroadcaster(cfg, on_lost or (lambda reason: None))
+
+
+def _follower(cfg: MultihostConfig, pid: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", cfg.channel_port), timeout=10)
+    s.sendall(_encode({"kind": "hello", "process_id": pid}))
+    return s
+
+
+def test_plans_travel_intact_and_a_lost_follower_is_reported():
+    lost = []
+    cfg, b = _broadcaster(on_lost=lost.append)
+    f = _follower(cfg, 1)
+    b.accept({"num_kv_blocks": 7}, timeout=10)
+    hello, _ = _recv_frame(f)
+    assert hello == {"kind": "hello", "num_kv_blocks": 7}
+    plan = StepPlan.empty(StepShape(8, 2, 4, 1, False))
+    plan.input_ids[:] = np.arange(8)
+    plan.seeds[:] = [2**32 - 1, 5]
+    plan.num_seqs[...] = 2
+    b.send(plan)
+    got = decode_plan(*_recv_frame(f))
+    assert got.shape == plan.shape
+    for k, v in plan.arrays().items():
+        assert got.arrays()[k].dtype == v.dtype and np.array_equal(got.arrays()[k], v), k
+    f.close()  # the follower dies
+    deadline = time.monotonic() + 5
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lost and "follower process 1 of 2 left" in lost[0]
+    b.close()
+
+
+def test_shutdown_reaches_every_follower_and_a_missing_one_is_named():
+    cfg, b = _broadcaster(num_processes=3)
+    f1 = _follower(cfg, 2)
+    with pytest.raises(TimeoutError, match=r"followers \[1\] did not connect"):
+        b.accept({}, timeout=1.0)
+    f1.close()
+    b.close()
+    cfg, b = _broadcaster(num_processes=3)
+    followers = [_follower(cfg, 1), _follower(cfg, 2)]
+    b.accept({}, timeout=10)
+    closer = threading.Thread(target=b.close)
+    closer.start()
+    for f in followers:
+        assert _recv_frame(f)[0]["kind"] == "hello"
+        assert _recv_frame(f)[0] == {"kind": "shutdown"}
+        assert _recv_frame(f) is None  # the leader closed its end
+        f.close()
+    closer.join(10)
+    assert not closer.is_alive()
+
+
+def test_bad_layouts_are_named():
+    with pytest.raises(ValueError, match="must be HOST:PORT"):
+        MultihostConfig("localhost", 2, 0)
+    with pytest.raises(ValueError, match="num_processes=1"):
+        MultihostConfig("h:1", 1, 0)
+    with pytest.raises(ValueError, match="process_id=2"):
+        MultihostConfig("h:1", 2, 2)
+    assert MultihostConfig("h:1234", 2, 1).channel_port == 1235
