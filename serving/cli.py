@@ -29,6 +29,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--min-token-bucket",
+        type=int,
+        default=8,
+        help="the smallest token capacity of a prefill step: larger means fewer compiles",
+    )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--checkpoint-interval", type=int, default=None)
     p.add_argument("--retention-interval", type=int, default=0)
@@ -65,6 +71,7 @@ def engine_kwargs(ns: argparse.Namespace, **extra) -> dict:
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         max_model_len=ns.max_model_len,
+        min_token_bucket=ns.min_token_bucket,
         enable_prefix_caching=ns.enable_prefix_caching,
         checkpoint_interval=ns.checkpoint_interval,
         retention_interval=ns.retention_interval,
@@ -219,7 +226,7 @@ def multihost_config(ns: argparse.Namespace):
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    kwargs = engine_kwargs(ns, progress=not ns.quiet, warmup=ns.warmup)
+    kwargs = engine_kwargs(ns, progress=not ns.quiet)
     multihost = multihost_config(ns)
     if multihost is not None and multihost.process_id > 0:
         import signal
@@ -274,13 +281,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds in-flight requests may finish before they are aborted",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
-    p.add_argument(
-        "--warmup",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="compile every step bucket before the port opens (--no-warmup: a faster start; "
-        "the first requests of each bucket then wait for its compile)",
-    )
     p.add_argument(
         "--coordinator-address",
         default=None,

@@ -10,6 +10,7 @@ channel's failure paths are tested on real sockets without JAX.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -27,16 +28,22 @@ from serving.multihost import (
     _encode,
     _recv_frame,
     decode_plan,
+    exit_on_lost,
 )
 from serving.plan import StepPlan, StepShape
 from tests.serving.server_helpers import free_port, request
 
 # Byte-level tokens: the first two share 70 tokens, past the 64-token checkpoint granularity.
 SHARED = "def fibonacci(n):\n    if n < 2:\n        return n\n    a, b = 0, 1\n    for _ in"
-PROMPTS = [SHARED + " range(n):", SHARED + " range(2, n + 1):", "import os"]
-# One sequence at a time, 64-token chunks: few step shapes, each compiled on first use (every
-# compile of a TP = 4 step over two processes costs seconds on a shared 2-core machine).
-FLAGS = ["--max-num-seqs", "1", "--max-num-batched-tokens", "64", "--max-model-len", "128"]
+PROMPTS = [
+    SHARED + " range(n):",
+    SHARED + " range(2, n + 1):",
+    "import os\nimport sys\nimport re\n",
+]
+# One sequence at a time, every prefill chunk in one 64-token bucket: two step shapes to warm
+# up, with the follower mirroring (a TP = 4 step over two processes compiles for many seconds).
+FLAGS = ["--max-num-seqs", "1", "--max-num-batched-tokens", "64", "--min-token-bucket", "64"]
+FLAGS += ["--max-model-len", "128"]
 MAX_TOKENS = 8
 
 
@@ -62,7 +69,7 @@ def _reference(model_dir: str) -> list[str]:
 
     engine = LLMEngine(
         EngineArgs(model=model_dir, max_num_seqs=1, max_num_batched_tokens=64,
-                   max_model_len=128, progress=False, warmup=False)
+                   min_token_bucket=64, max_model_len=128, progress=False, warmup=False)
     )  # fmt: skip
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in PROMPTS]
@@ -84,7 +91,6 @@ def job(tmp_path_factory):
     base = [sys.executable, "-m", "serving.cli", "serve", "--model", model_dir, "--quiet"]
     base += [
         *FLAGS,
-        "--no-warmup",
         "--tensor-parallel-size",
         "4",
         "--coordinator-address",
@@ -205,6 +211,24 @@ def test_shutdown_reaches_every_follower_and_a_missing_one_is_named():
         f.close()
     closer.join(10)
     assert not closer.is_alive()
+
+
+def _lose_follower(outbox) -> None:
+    from serving.messages import Failed
+
+    exit_on_lost(outbox, Failed)("follower process 1 of 2 left")
+
+
+def test_a_lost_follower_ends_the_engine_process_with_its_reason():
+    """The watchdog's reaction: the HTTP process learns why, the engine process exits 1."""
+    ctx = multiprocessing.get_context("spawn")
+    outbox = ctx.Queue()
+    proc = ctx.Process(target=_lose_follower, args=(outbox,))
+    proc.start()
+    (msg,) = outbox.get(timeout=30)
+    proc.join(30)
+    assert proc.exitcode == 1
+    assert msg.message == "follower process 1 of 2 left"
 
 
 def test_bad_layouts_are_named():
