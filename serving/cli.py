@@ -226,8 +226,8 @@ def multihost_config(ns: argparse.Namespace):
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    kwargs = engine_kwargs(ns, progress=not ns.quiet)
     multihost = multihost_config(ns)
+    kwargs = engine_kwargs(ns, progress=not ns.quiet)
     if multihost is not None and multihost.process_id > 0:
         import signal
 
@@ -236,8 +236,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         # A Ctrl-C sent to the whole group must not kill a follower under the leader's drain;
         # the leader's shutdown message ends it (SIGTERM still does, failing the leader).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        code = run_follower(kwargs, multihost)
-        if code:  # the job is broken: skip jax.distributed's exit barrier
+        try:
+            code = run_follower(kwargs, multihost)
+        except BaseException:  # noqa: BLE001  (a failed step: the job cannot go on)
+            logging.getLogger("serving.multihost").exception("follower failed")
+            code = 1
+        if code:  # the job is broken: skip jax.distributed's exit barrier, which would wait
             logging.shutdown()
             os._exit(code)
         return code

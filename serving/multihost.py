@@ -69,11 +69,15 @@ class MultihostConfig:
     def __post_init__(self) -> None:
         host, sep, port = self.coordinator_address.rpartition(":")
         if not sep or not host or not port.isdigit():
-            raise ValueError(f"{self.coordinator_address=} must be HOST:PORT")
+            raise ValueError(f"coordinator_address={self.coordinator_address!r} must be HOST:PORT")
         if self.num_processes < 2:
-            raise ValueError(f"{self.num_processes=} must be at least 2 for a multi-host serve")
+            raise ValueError(
+                f"num_processes={self.num_processes} must be at least 2 for a multi-host serve"
+            )
         if not 0 <= self.process_id < self.num_processes:
-            raise ValueError(f"{self.process_id=} must be in [0, {self.num_processes=})")
+            raise ValueError(
+                f"process_id={self.process_id} must be in [0, num_processes={self.num_processes})"
+            )
 
     @property
     def leader_host(self) -> str:

@@ -239,3 +239,12 @@ def test_bad_layouts_are_named():
     with pytest.raises(ValueError, match="process_id=2"):
         MultihostConfig("h:1", 2, 2)
     assert MultihostConfig("h:1234", 2, 1).channel_port == 1235
+
+
+def test_serve_flags_for_several_processes_are_checked():
+    from serving.cli import main
+
+    with pytest.raises(SystemExit, match="needs --coordinator-address, --process-id too"):
+        main(["serve", "--num-processes", "2"])
+    with pytest.raises(SystemExit, match="process_id=5 must be in"):
+        main(["serve", "--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "5"])
