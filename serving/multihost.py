@@ -123,12 +123,17 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def _recv_frame(sock: socket.socket) -> tuple[dict, dict[str, np.ndarray]] | None:
-    """The next frame's header and arrays, or None at end-of-stream."""
+def _recv_frame(
+    sock: socket.socket, max_bytes: int | None = None
+) -> tuple[dict, dict[str, np.ndarray]] | None:
+    """The next frame's header and arrays, or None at end-of-stream. Raises ValueError for a
+    frame longer than ``max_bytes`` (a stranger's bytes read as a length)."""
     sizes = _recv_exact(sock, _FRAME.size)
     if sizes is None:
         return None
     head_len, body_len = _FRAME.unpack(sizes)
+    if max_bytes is not None and head_len + body_len > max_bytes:
+        raise ValueError(f"a {head_len + body_len}-byte frame exceeds {max_bytes=}")
     raw = _recv_exact(sock, head_len + body_len)
     if raw is None:
         return None
@@ -200,8 +205,11 @@ class PlanBroadcaster:
             except TimeoutError:
                 continue
             conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            frame = _recv_frame(conn)
-            pid = frame[0].get("process_id") if frame else None
+            try:
+                frame = _recv_frame(conn, max_bytes=1 << 16)
+                pid = frame[0].get("process_id") if frame else None
+            except (OSError, ValueError, KeyError, AttributeError) as e:  # not a follower
+                frame, pid = repr(e), None
             if pid not in want or pid in self.followers:
                 log.warning("plan channel: unexpected hello %r from %s", frame, addr)
                 conn.close()

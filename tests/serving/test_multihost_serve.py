@@ -171,10 +171,17 @@ def _follower(cfg: MultihostConfig, pid: int) -> socket.socket:
 def test_plans_travel_intact_and_a_lost_follower_is_reported():
     lost = []
     cfg, b = _broadcaster(on_lost=lost.append)
+    stranger = socket.create_connection(("127.0.0.1", cfg.channel_port), timeout=10)
+    stranger.sendall(b"GET / HTTP/1.1\r\n\r\n")  # turned away, not waited for
     f = _follower(cfg, 1)
     b.accept({"num_kv_blocks": 7}, timeout=10)
     hello, _ = _recv_frame(f)
     assert hello == {"kind": "hello", "num_kv_blocks": 7}
+    try:  # closed with its bytes unread: a reset, or an orderly end
+        assert stranger.recv(1) == b""
+    except ConnectionResetError:
+        pass
+    stranger.close()
     plan = StepPlan.empty(StepShape(8, 2, 4, 1, False))
     plan.input_ids[:] = np.arange(8)
     plan.seeds[:] = [2**32 - 1, 5]
