@@ -218,6 +218,8 @@ def engine_main(engine_kwargs: dict, inbox: _Queue, outbox: _Queue) -> None:
         return
     outbox.put([Ready(engine_info(engine))])
     parent = multiprocessing.parent_process()
+    if broadcaster is not None:
+        engine = mh.FatalStepErrors(engine, lost)
     try:
         EngineLoop(
             engine, inbox, outbox, parent_alive=parent.is_alive if parent else lambda: True

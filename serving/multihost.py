@@ -292,6 +292,27 @@ def start_leader(engine_kwargs: dict, config: MultihostConfig, on_lost: Callable
     return engine, broadcaster
 
 
+class FatalStepErrors:
+    """The leader's engine as its loop sees it: a failed step ends the job instead of failing
+    only the live requests (as on one process), because the followers may already be inside
+    that step's collectives and would wait there for a leader that moved on."""
+
+    def __init__(self, engine, on_lost: Callable[[str], None]) -> None:
+        self._engine = engine
+        self._on_lost = on_lost
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def step(self):
+        try:
+            return self._engine.step()
+        except Exception as e:
+            log.exception("the leader's step failed")
+            self._on_lost(f"the leader's step failed ({e!r}); the followers cannot go on")
+            raise
+
+
 def exit_on_lost(outbox, failed_message) -> Callable[[str], None]:
     """The leader's ``on_lost``: tell the HTTP process why, then end the engine process now
     (its main thread may be blocked in a collective that can never finish)."""

@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from serving.multihost import (
+    FatalStepErrors,
     MultihostConfig,
     PlanBroadcaster,
     _encode,
@@ -236,6 +237,22 @@ def test_a_lost_follower_ends_the_engine_process_with_its_reason():
     proc.join(30)
     assert proc.exitcode == 1
     assert msg.message == "follower process 1 of 2 left"
+
+
+def test_a_failed_leader_step_ends_the_job():
+    class Broken:
+        vocab_size = 7
+
+        def step(self):
+            raise RuntimeError("out of memory")
+
+    lost = []
+    engine = FatalStepErrors(Broken(), lost.append)
+    assert engine.vocab_size == 7
+    with pytest.raises(RuntimeError):
+        engine.step()
+    assert lost == ["the leader's step failed (RuntimeError('out of memory')); the followers "
+                    "cannot go on"]  # fmt: skip
 
 
 def test_bad_layouts_are_named():
