@@ -23,7 +23,9 @@ the socket: the follower sees end-of-stream (exit 1) or the shutdown frame (exit
 Failure: after the handshake followers never write, so the leader's watchdog thread sees a
 readable follower socket only when that follower is gone. A step would then wait forever in a
 collective, so the watchdog reports the loss to the HTTP process (``Failed``: ``/health`` turns
-503, requests fail with the reason) and ends the engine process at once (exit code 1).
+503, requests fail with the reason) and ends the engine process at once (exit code 1). A step
+that fails on the leader does the same (:class:`FatalStepErrors`): the followers may already
+be inside it. A follower whose step fails exits 1, which the watchdog then sees.
 """
 
 from __future__ import annotations
