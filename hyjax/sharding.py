@@ -224,6 +224,7 @@ _QWEN3_NEXT_OPS: dict[str, tuple[tuple, object]] = {
     ),
     "write_kv": ((H3, H3, KV, KV, R), (KV, KV)),
     "paged_attention": ((H3, KV, KV, R, R, R, R), H3),
+    "paged_attention_decode": ((H3, KV, KV, R, R, R, R), H3),
 }
 
 

@@ -45,7 +45,7 @@ class GatedAttention(nnx.Module):
         self.k_norm = RMSNorm(hd, **norm)
 
     def __call__(
-        self, x: jax.Array, cache: KVCache, batch: Batch, ops: Ops
+        self, x: jax.Array, cache: KVCache, batch: Batch, ops: Ops, *, decode_only: bool = False
     ) -> tuple[KVCache, jax.Array]:
         num_tokens = x.shape[0]
         qg = self.q_proj(x).reshape(num_tokens, self.num_heads, 2 * self.head_dim)
@@ -60,7 +60,8 @@ class GatedAttention(nnx.Module):
         k = apply_partial_rope(self.k_norm(k), batch.positions, **rope)
 
         k_cache, v_cache = ops.write_kv(k, v, cache[0], cache[1], batch.slot_mapping)
-        o = ops.paged_attention(
+        attend = ops.paged_attention_decode if decode_only else ops.paged_attention
+        o = attend(
             q,
             k_cache,
             v_cache,

@@ -12,6 +12,7 @@ from hyjax.config import Qwen3NextConfig
 from hyjax.layers.linear import Linear
 from hyjax.layers.norms import GatedRMSNorm
 from hyjax.ops import Ops
+from pallas_kernels.gdn.fused_decode import unpack_conv_channels
 
 StateCache = tuple[jax.Array, jax.Array]  # conv [slots, K-1, C], ssm f32[slots, Hv, Dk, Dv]
 
@@ -97,22 +98,6 @@ def pack_conv_channels(
     n = q.shape[0]
     parts = [t.reshape(n, shards, -1) for t in (q, k, v)]  # [n, shards, local channels]
     return jnp.concatenate(parts, axis=-1).reshape(n, -1)
-
-
-def unpack_conv_channels(
-    mixed: jax.Array,  # [n, C]
-    qk_heads: tuple[int, int],  # (Hk, Dk)
-    v_heads: tuple[int, int],  # (Hv, Dv)
-    shards: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The inverse of :func:`pack_conv_channels`: ``(q, k [n, Hk, Dk], v [n, Hv, Dv])``."""
-    (hk, dk), (hv, dv) = qk_heads, v_heads
-    n, qk = mixed.shape[0], hk * dk // shards
-    local = mixed.reshape(n, shards, -1)  # [n, shards, q_s | k_s | v_s]
-    q = local[..., :qk].reshape(n, hk, dk)
-    k = local[..., qk : 2 * qk].reshape(n, hk, dk)
-    v = local[..., 2 * qk :].reshape(n, hv, dv)
-    return q, k, v
 
 
 def conv_channel_order(

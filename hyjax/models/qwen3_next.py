@@ -56,7 +56,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, h, cache, batch: Batch, ops: Ops, *, decode_only: bool):
         x = self.input_layernorm(h)
         if self.is_attention:
-            cache, y = self.self_attn(x, cache, batch, ops)
+            cache, y = self.self_attn(x, cache, batch, ops, decode_only=decode_only)
         else:
             cache, y = self.linear_attn(x, cache, batch, ops, decode_only=decode_only)
         h = h + y

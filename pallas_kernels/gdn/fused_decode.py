@@ -45,11 +45,23 @@ from pallas_kernels.gdn.reference import gdn_decode_reference
 from pallas_kernels.gdn.tpu import check_gdn_shapes
 
 
-def _split_channels(mixed, num_k_heads: int, dk: int, hv: int, dv: int):
-    n = mixed.shape[0]
-    q = mixed[:, : num_k_heads * dk].reshape(n, num_k_heads, dk)
-    k = mixed[:, num_k_heads * dk : 2 * num_k_heads * dk].reshape(n, num_k_heads, dk)
-    v = mixed[:, 2 * num_k_heads * dk :].reshape(n, hv, dv)
+def unpack_conv_channels(
+    mixed: jax.Array,  # [n, C]
+    qk_heads: tuple[int, int],  # (Hk, Dk)
+    v_heads: tuple[int, int],  # (Hv, Dv)
+    shards: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The conv output's channels as ``(q, k [n, Hk, Dk], v [n, Hv, Dv])``.
+
+    Laid out per shard (``hyjax.layers.gdn.pack_conv_channels``: each device's q, k, v heads
+    side by side); ``shards=1`` is the checkpoint's plain ``q | k | v`` order.
+    """
+    (hk, dk), (hv, dv) = qk_heads, v_heads
+    n, qk = mixed.shape[0], hk * dk // shards
+    local = mixed.reshape(n, shards, -1)  # [n, shards, q_s | k_s | v_s]
+    q = local[..., :qk].reshape(n, hk, dk)
+    k = local[..., qk : 2 * qk].reshape(n, hk, dk)
+    v = local[..., 2 * qk :].reshape(n, hv, dv)
     return q, k, v
 
 
@@ -92,7 +104,7 @@ def composed_conv_gdn_decode(conv1d_update: Callable, gdn_decode: Callable) -> C
         slots = (src_slot, dst_slot, ckpt_offsets, ckpt_slots, num_seqs)
         y, conv_state = conv1d_update(mixed, conv_weight, conv_state, *slots)
         _, hv, dk, dv = ssm_state.shape
-        q, k, v = _split_channels(y, num_k_heads, dk, hv, dv)
+        q, k, v = unpack_conv_channels(y, (num_k_heads, dk), (hv, dv), 1)
         o, ssm_state = gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, *slots)
         return o, conv_state, ssm_state
 
@@ -205,7 +217,7 @@ def conv_gdn_decode(
             dst_slot, ckpt_offsets, ckpt_slots, num_seqs, num_k_heads=num_k_heads,
         )  # fmt: skip
     _, hv, dk, dv = ssm_state.shape
-    q, k, v = _split_channels(mixed, num_k_heads, dk, hv, dv)  # shapes only, for the checks
+    q, k, v = unpack_conv_channels(mixed, (num_k_heads, dk), (hv, dv), 1)  # shapes, for checks
     check_gdn_shapes(q, k, v, a, b, A_log, dt_bias, ssm_state, src_slot, dst_slot, ckpt_offsets,
                      ckpt_slots)  # fmt: skip
     if rows != src_slot.shape[0]:

@@ -13,8 +13,9 @@ from flax import nnx
 from configs import qwen3_next_tiny
 from hyjax.cache import init_caches
 from hyjax.models.qwen3_next import Qwen3NextForCausalLM
-from hyjax.ops import BACKENDS, get_ops, resolve_backend
+from hyjax.ops import BACKENDS, GPU_DECODE_ATTENTION, get_ops, resolve_backend
 from hyjax.testing import SeqChunk, make_batch
+from pallas_kernels.attention import gpu as attention_gpu
 from pallas_kernels.attention import tpu as attention_tpu
 
 BS = 16
@@ -100,6 +101,10 @@ def test_backend_registry():
     # the parity test above runs the attention kernel, not the reference op twice
     interpret_attention = BACKENDS["interpret"].paged_attention
     assert interpret_attention.func is attention_tpu.ragged_paged_attention
+    assert BACKENDS["interpret"].paged_attention_decode.func is attention_tpu.ragged_paged_attention
+    # decode-only buckets on NVIDIA: the kernel's one-launch variant (its own test lowers it)
+    assert GPU_DECODE_ATTENTION.func is attention_gpu.ragged_paged_attention
+    assert GPU_DECODE_ATTENTION.keywords == {"decode_only": True}
     if jax.default_backend() == "cpu":
         assert resolve_backend("auto") == "reference"
     with pytest.raises(ValueError, match="unknown kernel backend"):
