@@ -43,22 +43,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.attention.reference import check_attention_shapes
-from pallas_kernels.attention.tiles import token_rows, work_list
+from pallas_kernels.attention.tiles import (
+    cdiv,
+    merge_splits,
+    next_pow2,
+    normalise_split,
+    split_count,
+    token_rows,
+    work_list,
+)
 
 _MASKED = -1e30  # finite: a row whose keys are all masked gives p = 0, never NaN
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _mm(x, y, contract):
     """``x @ y`` over the given dims, accumulated in float32 (``pl.dot`` is gone in JAX 0.12)."""
     return jax.lax.dot_general(x, y, (contract, ((), ())), preferred_element_type=jnp.float32)
-
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -86,8 +86,8 @@ def _kernel(
     q = pltr.load(q_ref.at[h, pl.ds(q0 * gp, rows), :], mask=row_ok[:, None], other=0.0)
 
     ctx = pos0 + nq  # keys [0, ctx)
-    n_kv = _cdiv(ctx, block_k)
-    per = _cdiv(n_kv, splits)
+    n_kv = cdiv(ctx, block_k)
+    per = cdiv(n_kv, splits)
     start = j * per
     end = jnp.minimum(n_kv, start + per)
 
@@ -126,14 +126,6 @@ def _kernel(
 
 
 # ----------------------------------------------------------------------------- work lists
-
-
-def _splits(capacity: int, num_kv_heads: int, kv_blocks: int, target_programs: int) -> int:
-    want = _next_pow2(_cdiv(target_programs, max(1, capacity * num_kv_heads)))
-    return max(1, min(want, _next_pow2(kv_blocks)))
-
-
-# ----------------------------------------------------------------------------- wrapper
 
 
 def ragged_paged_attention(
@@ -177,7 +169,7 @@ def ragged_paged_attention(
             "32-bit offsets would wrap; use fewer blocks per layer (or shard the kv heads)"
         )
     group = num_q_heads // num_kv_heads
-    gp = _next_pow2(group)
+    gp = next_pow2(group)
     bq_short = max(1, 16 // gp)
     bq_long = max(bq_short, rows_prefill // gp)
     bk_long = block_k_prefill
@@ -207,7 +199,7 @@ def ragged_paged_attention(
     o = jnp.zeros((num_kv_heads, num_tokens, group, d), jnp.float32)
     for short, bq, bk, cap, warps, stages in launches:
         rows = bq * gp
-        splits = _splits(cap, num_kv_heads, _cdiv(max_ctx, bk), target_programs)
+        splits = split_count(cap * num_kv_heads, cdiv(max_ctx, bk), target_programs)
         if not short:  # prefill tiles bring their own parallelism; partials cost cap * rows * D
             splits = min(splits, max_splits_prefill)
         kind = live_row & (is_short if short else ~is_short)
@@ -228,7 +220,7 @@ def ragged_paged_attention(
             interpret=interpret,
             name="ragged_paged_attention_" + ("short" if short else "long"),
         )(*tiles, bt, qg, kf, vf)
-        merged = merge_splits(*part) if splits > 1 else _normalise(part[0][0], part[2][0])
+        merged = merge_splits(*part) if splits > 1 else normalise_split(part[0][0], part[2][0])
         # token t, head g of the group -> row (tile, token in tile, g) of this launch's output
         tile = first_tile[seq_id] + local // bq  # [T]
         row = (tile * rows + (local % bq) * gp)[:, None] + g[None, :]  # [T, G]
@@ -237,21 +229,3 @@ def ragged_paged_attention(
 
     o = o.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, d)  # [T, Hq, D]
     return jnp.where(live[:, None, None], o, 0.0).astype(q.dtype)
-
-
-def _normalise(o: jax.Array, l: jax.Array) -> jax.Array:
-    """One split: ``o / l`` (rows that saw no key, l = 0, stay 0)."""
-    return o / jnp.where(l > 0, l, 1.0)[..., None]
-
-
-def merge_splits(
-    o: jax.Array,  # f32[splits, ..., D]  unnormalised partial outputs
-    m: jax.Array,  # f32[splits, ...]  running max of each partial
-    l: jax.Array,  # f32[splits, ...]  softmax denominators (0: the split saw no key)
-) -> jax.Array:
-    """Log-sum-exp merge of flash-decoding partials. Returns f32[..., D]."""
-    m_all = jnp.max(m, axis=0)
-    w = jnp.exp(m - m_all[None])  # [splits, ...]
-    den = jnp.sum(w * l, axis=0)
-    num = jnp.sum(w[..., None] * o, axis=0)
-    return num / jnp.where(den > 0, den, 1.0)[..., None]

@@ -40,21 +40,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.attention.mla_absorb import _precision, absorbed_decode, absorbed_prefill
-from pallas_kernels.attention.tiles import token_rows, work_list
+from pallas_kernels.attention.tiles import (
+    cdiv,
+    merge_splits,
+    next_pow2,
+    normalise_split,
+    split_count,
+    token_rows,
+    work_list,
+)
 
 _MASKED = -1e30  # finite: a row whose keys are all masked gives p = 0, never NaN
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _is_pow2(n: int) -> bool:
     return n > 0 and not n & (n - 1)
-
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
 
 
 def _kernel(
@@ -86,8 +86,8 @@ def _kernel(
     qr = pltr.load(qr_ref.at[g, q_rows, :], mask=row_ok[:, None], other=0.0)  # [M, R]
 
     ctx = pos0 + nq  # keys [0, ctx)
-    n_kv = _cdiv(ctx, block_k)
-    per = _cdiv(n_kv, splits)
+    n_kv = cdiv(ctx, block_k)
+    per = cdiv(n_kv, splits)
     start = j * per
     end = jnp.minimum(n_kv, start + per)
     cols_l = jnp.arange(lora, dtype=jnp.int32)[None, :]
@@ -133,22 +133,6 @@ def _kernel(
     pltr.store(l_ref.at[j, g, out], l, mask=row_ok)
 
 
-def _merge_splits(
-    o: jax.Array,  # f32[splits, ..., L]  unnormalised partial outputs
-    m: jax.Array,  # f32[splits, ...]  running max of each partial
-    l: jax.Array,  # f32[splits, ...]  softmax denominators (0: the split saw no key)
-) -> jax.Array:
-    """Log-sum-exp merge of flash-decoding partials, normalised. Returns f32[..., L]."""
-    w = jnp.exp(m - jnp.max(m, axis=0)[None])  # [splits, ...]
-    den = jnp.sum(w * l, axis=0)
-    return jnp.sum(w[..., None] * o, axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
-
-
-def _splits(programs: int, kv_blocks: int, target_programs: int) -> int:
-    want = _next_pow2(_cdiv(target_programs, max(1, programs)))
-    return max(1, min(want, _next_pow2(kv_blocks)))
-
-
 def latent_attention(
     q_abs: jax.Array,  # [T, H, L + R]  absorbed queries, the cache's dtype
     latent_cache: jax.Array,  # [num_blocks, block_size, L + R]
@@ -189,8 +173,8 @@ def latent_attention(
             f"latent_cache {latent_cache.shape} has {latent_cache.size} >= 2**31 elements: the "
             "Triton kernel's 32-bit offsets would wrap; use fewer blocks per layer"
         )
-    hb = min(head_block, _next_pow2(num_heads))
-    nhb = _cdiv(num_heads, hb)
+    hb = min(head_block, next_pow2(num_heads))
+    nhb = cdiv(num_heads, hb)
     bq_short = max(1, 16 // hb)
     bq_long = max(bq_short, rows_prefill // hb)
     t_pad = num_tokens + bq_long  # a tile's row window never runs past the array
@@ -222,7 +206,7 @@ def latent_attention(
     o = jnp.zeros((nhb, num_tokens, hb, lora), jnp.float32)
     for short, bq, bk, cap, warps, stages in launches:
         rows = bq * hb
-        splits = _splits(cap * nhb, _cdiv(max_ctx, bk), target_programs)
+        splits = split_count(cap * nhb, cdiv(max_ctx, bk), target_programs)
         if not short:  # prefill tiles bring their own parallelism; partials cost cap * rows * L
             splits = min(splits, max_splits_prefill)
         kind = live_row & (is_short if short else ~is_short)
@@ -244,10 +228,7 @@ def latent_attention(
             interpret=interpret,
             name="mla_latent_attention_" + ("short" if short else "long"),
         )(*tiles, bt, qn, qr, lat)
-        if splits > 1:
-            merged = _merge_splits(*part)
-        else:
-            merged = part[0][0] / jnp.where(part[2][0] > 0, part[2][0], 1.0)[..., None]
+        merged = merge_splits(*part) if splits > 1 else normalise_split(part[0][0], part[2][0])
         # token t, head h of the block -> row (tile, token in tile, h) of this launch's output
         tile = first_tile[seq_id] + local // bq  # [T]
         row = (tile * rows + (local % bq) * hb)[:, None] + h_in[None, :]  # [T, HB]

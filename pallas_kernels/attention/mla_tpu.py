@@ -43,13 +43,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.attention.mla_absorb import _precision, absorbed_decode, absorbed_prefill
-from pallas_kernels.attention.tiles import token_rows, work_list
+from pallas_kernels.attention.tiles import cdiv, token_rows, work_list
 
 _MASKED = -1e30  # finite: a row whose keys are all masked gets p = 0, never NaN
-
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
 
 
 def _kernel(
@@ -70,8 +66,8 @@ def _kernel(
     bs = lat_hbm.shape[1]
     bk = pages_per_block * bs
     ctx = pos0 + nq  # keys [0, ctx)
-    n_pages = _cdiv(ctx, bs)
-    n_kv = _cdiv(ctx, bk)
+    n_pages = cdiv(ctx, bs)
+    n_kv = cdiv(ctx, bk)
 
     def page_copies(kb, slot):
         """The DMAs of block kb's live pages, each with its predicate."""

@@ -11,8 +11,35 @@ import jax
 import jax.numpy as jnp
 
 
-def _cdiv(a, b):
+def cdiv(a, b):
     return (a + b - 1) // b
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def split_count(programs: int, kv_blocks: int, target_programs: int) -> int:
+    """KV splits per (tile, head group) so a launch has about ``target_programs`` programs:
+    a power of two, at most one split per KV block."""
+    want = next_pow2(cdiv(target_programs, max(1, programs)))
+    return max(1, min(want, next_pow2(kv_blocks)))
+
+
+def normalise_split(o: jax.Array, l: jax.Array) -> jax.Array:
+    """One split: ``o / l`` (rows that saw no key, l = 0, stay 0)."""
+    return o / jnp.where(l > 0, l, 1.0)[..., None]
+
+
+def merge_splits(
+    o: jax.Array,  # f32[splits, ..., D]  unnormalised partial outputs
+    m: jax.Array,  # f32[splits, ...]  running max of each partial
+    l: jax.Array,  # f32[splits, ...]  softmax denominators (0: the split saw no key)
+) -> jax.Array:
+    """Log-sum-exp merge of flash-decoding partials, normalised. Returns f32[..., D]."""
+    w = jnp.exp(m - jnp.max(m, axis=0)[None])  # [splits, ...]
+    den = jnp.sum(w * l, axis=0)
+    return jnp.sum(w[..., None] * o, axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
 
 
 def count_le(bounds: jax.Array, x: jax.Array) -> jax.Array:
@@ -46,7 +73,7 @@ def work_list(
                                                    first_tile = [?, 0, ?, 5]
     """
     num_rows = q_len.shape[0]
-    n_tiles = jnp.where(live_row, _cdiv(q_len, bq), 0)
+    n_tiles = jnp.where(live_row, cdiv(q_len, bq), 0)
     ends = jnp.cumsum(n_tiles)  # [S]
     t = jnp.arange(capacity, dtype=jnp.int32)
     seq = jnp.minimum(count_le(ends, t), num_rows - 1)
