@@ -38,7 +38,8 @@ def _prefill(engine: LLMEngine, n: int, prompt_len: int, seed: int) -> float:
     return n * prompt_len / (time.perf_counter() - start)
 
 
-def _decode(engine: LLMEngine, n: int, output_len: int, seed: int) -> float:
+def _decode(engine: LLMEngine, n: int, output_len: int, seed: int) -> tuple[float, float]:
+    """Output tokens per second over the all-decode steps, and the device's share of them."""
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for _ in range(n):
@@ -51,11 +52,12 @@ def _decode(engine: LLMEngine, n: int, output_len: int, seed: int) -> float:
             tokens += rows
             seconds += host + dev
             device += dev
-    _decode.device_share = device / seconds if seconds else float("nan")
-    return tokens / seconds if seconds else float("nan")
+    if not seconds:
+        return float("nan"), float("nan")
+    return tokens / seconds, device / seconds
 
 
-def run(tp: int, expert_parallel: bool, args) -> dict:
+def run(tp: int, expert_parallel: bool, backend: str, args) -> dict:
     cfg = bench_config(args.layers, args.experts)
     model = random_model(cfg)
     engine = LLMEngine(
@@ -64,7 +66,7 @@ def run(tp: int, expert_parallel: bool, args) -> dict:
             max_num_seqs=max(args.decode_requests, args.prefill_requests),
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.prompt_len + args.output_len + 64,
-            kernel_backend=args.kernel_backend,
+            kernel_backend=backend,
             min_token_bucket=args.max_num_batched_tokens // 4,
             cache_bytes=int(args.cache_gib * 2**30),
             enable_prefix_caching=False,  # every prompt is computed
@@ -75,12 +77,16 @@ def run(tp: int, expert_parallel: bool, args) -> dict:
         ),
         preloaded=(model, cfg),
     )
-    res = {"tensor_parallel_size": tp, "expert_parallel": expert_parallel}
+    res = {
+        "kernel_backend": backend,
+        "tensor_parallel_size": tp,
+        "expert_parallel": expert_parallel,
+    }
     for rep in range(2):  # the first compiles
         compiles = engine.runner.compile_count()
         res["prefill_tok_s"] = round(_prefill(engine, args.prefill_requests, args.prompt_len, rep))
-        res["decode_tok_s"] = round(_decode(engine, args.decode_requests, args.output_len, rep))
-        res["decode_device_share"] = round(_decode.device_share, 3)
+        tok_s, share = _decode(engine, args.decode_requests, args.output_len, rep)
+        res["decode_tok_s"], res["decode_device_share"] = round(tok_s), round(share, 3)
         # A measured rep that compiles means the step's shardings drift from step to step.
         res["compiles_in_rep"] = engine.runner.compile_count() - compiles
     res["kv_blocks_per_device"] = engine.runner.memory.num_kv_blocks
@@ -115,15 +121,14 @@ def main() -> None:
     configs = [(tp, False) for tp in args.tp]
     if args.expert_parallel:
         configs += [(tp, True) for tp in args.tp if tp > 1]
-    backends = args.kernel_backend
-    for (tp, ep), backend in [(c, b) for b in backends for c in configs]:
-        args.kernel_backend = backend
-        r = {"kernel_backend": backend, **run(tp, ep, args)}
-        print(json.dumps(r), flush=True)
-        results["runs"].append(r)
-        if args.out:  # after every run: a later failure keeps the earlier numbers
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
+    for backend in args.kernel_backend:
+        for tp, ep in configs:
+            r = run(tp, ep, backend, args)
+            print(json.dumps(r), flush=True)
+            results["runs"].append(r)
+            if args.out:  # after every run: a later failure keeps the earlier numbers
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
     print(json.dumps(results, indent=1))
 
 
