@@ -90,6 +90,28 @@ def state_slot_bytes(cfg: ModelConfig, dtype: jnp.dtype) -> int:
     return (conv + ssm) * spec.num_linear_layers
 
 
+# Pool arrays stay below this many elements: the Triton (GPU) kernels address a pool with 32-bit
+# offsets, so a larger array would wrap. 2**31 bf16 elements are 4 GiB per array, about 4M tokens
+# of one Qwen3-Next-80B attention layer (2 kv heads x 256): only small models on big cards meet it.
+MAX_POOL_ELEMENTS = 2**31 - 1
+
+
+def pool_limits(
+    cfg: ModelConfig,
+    block_size: int,
+    *,
+    kv_split: int = 1,
+    slot_split: int = 1,
+    max_elements: int = MAX_POOL_ELEMENTS,
+) -> tuple[int, int]:
+    """``(max KV blocks, max state slots)`` keeping every pool array (per device, where the
+    pools are split ``kv_split`` / ``slot_split`` ways by head) within ``max_elements``."""
+    spec = cache_spec(cfg)
+    per_block = max(int(np.prod(s)) for s in spec.kv_token_shapes) * block_size // kv_split
+    per_slot = max(int(np.prod(spec.conv_shape)), int(np.prod(spec.ssm_shape))) // slot_split
+    return max_elements // max(1, per_block), max_elements // max(1, per_slot)
+
+
 def init_caches(
     cfg: ModelConfig,
     *,

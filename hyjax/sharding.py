@@ -407,9 +407,14 @@ class ShardingPlan:
         cfg = self.cache_config()
         kv = kv_block_bytes(cfg, block_size, dtype)
         slot = state_slot_bytes(cfg, dtype)
+        kv_split, slot_split = self.pool_splits()
+        return kv // kv_split, slot // slot_split
+
+    def pool_splits(self) -> tuple[int, int]:
+        """``(KV pool, state pool)``: the ways each pool array is split across devices."""
         kv_split = self.tp if M in self.family.kv_spec else 1
         slot_split = self.tp if M in self.family.ssm_spec else 1
-        return kv // kv_split, slot // slot_split
+        return kv_split, slot_split
 
     def describe_pools(self) -> str:
         """The log line above the memory plan: the sizes that follow are per device."""

@@ -19,7 +19,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from hyjax.batch import Batch
-from hyjax.cache import Caches, init_caches, kv_block_bytes, state_slot_bytes
+from hyjax.cache import Caches, init_caches, kv_block_bytes, pool_limits, state_slot_bytes
 from hyjax.config import ModelConfig
 from hyjax.ops import Ops, get_ops
 from hyjax.sharding import ShardingPlan, replicate_tree
@@ -100,9 +100,17 @@ class ModelRunner:
         self.dtype = model.dtype
         if sharding is not None:
             kv_bytes, slot_bytes = sharding.pool_bytes(sched_cfg.block_size, self.dtype)
+            kv_split, slot_split = sharding.pool_splits()
+            max_blocks, max_slots = pool_limits(
+                sharding.cache_config(),
+                sched_cfg.block_size,
+                kv_split=kv_split,
+                slot_split=slot_split,
+            )
         else:
             kv_bytes = kv_block_bytes(cfg, sched_cfg.block_size, self.dtype)
             slot_bytes = state_slot_bytes(cfg, self.dtype)
+            max_blocks, max_slots = pool_limits(cfg, sched_cfg.block_size)
         if cache_bytes is None:
             devices = list(sharding.mesh.devices.flat) if sharding else jax.devices()[:1]
             cache_bytes = _default_cache_bytes(
@@ -118,6 +126,8 @@ class ModelRunner:
             max_num_seqs=sched_cfg.max_num_seqs,
             max_model_len=sched_cfg.max_model_len,
             num_checkpoint_slots=num_checkpoint_slots,
+            max_kv_blocks=max_blocks,
+            max_state_slots=max_slots,
         )
         if sharding is not None:
             log.info(sharding.describe_pools())

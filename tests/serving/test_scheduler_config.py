@@ -126,3 +126,60 @@ def test_memory_plan_errors(kwargs, message):
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         plan_memory(100 * MiB, **args)
+
+
+def test_memory_plan_caps_each_pool_and_says_what_is_left():
+    args = dict(kv_block_bytes=MiB, state_slot_bytes=MiB, block_size=16, max_model_len=256)
+    plan = plan_memory(
+        1000 * MiB, max_num_seqs=4, checkpoint_fraction=0.5, max_kv_blocks=300,
+        max_state_slots=105, **args,
+    )  # fmt: skip
+    assert plan.num_kv_blocks == 300
+    assert plan.num_state_slots == 105 and plan.num_checkpoint_slots == 100  # 500 wanted
+    assert plan.unused_bytes == (1000 - 300 - 105) * MiB
+    text = plan.describe()
+    assert "KV pool capped at 300 blocks" in text and "checkpoint slots capped at 100" in text
+    assert "0.58 GiB left unused" in text  # 595 MiB
+    free = plan_memory(1000 * MiB, max_num_seqs=4, max_kv_blocks=10_000, **args)
+    assert not free.capped and "unused" not in free.describe()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param({"max_state_slots": 4}, "max_num_seqs=4 running states", id="running"),
+        pytest.param(
+            {"max_state_slots": 10, "num_checkpoint_slots": 6}, "state pool's cap", id="ckpt"
+        ),
+        pytest.param({"max_kv_blocks": 16}, "max_model_len=256 needs 17 KV blocks", id="kv"),
+    ],
+)
+def test_memory_plan_cap_errors(kwargs, message):
+    args = dict(
+        kv_block_bytes=MiB, state_slot_bytes=MiB, block_size=16, max_num_seqs=4, max_model_len=256
+    )
+    with pytest.raises(ValueError, match=message):
+        plan_memory(100 * MiB, **args, **kwargs)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-next-tiny", "kimi-linear-tiny"])
+@pytest.mark.parametrize("split", [1, 2])
+def test_pool_limits_bound_every_pool_array(preset, split):
+    """The largest pools pool_limits allows fit the element cap; one entry more would not."""
+    import jax
+    import jax.numpy as jnp
+
+    from configs import PRESETS
+    from hyjax.cache import init_caches, pool_limits
+
+    cfg, cap = PRESETS[preset](), 100_000
+    blocks, slots = pool_limits(cfg, 16, kv_split=split, slot_split=split, max_elements=cap)
+    for n_blocks, n_slots, fits in [(blocks, slots, True), (blocks + 1, slots + 1, False)]:
+        shapes = jax.eval_shape(
+            lambda n_blocks=n_blocks, n_slots=n_slots: init_caches(
+                cfg, num_blocks=n_blocks, block_size=16, num_slots=n_slots, dtype=jnp.bfloat16
+            )
+        )
+        kv = max(x.size for layer in shapes.kv for x in layer) // split
+        state = max(x.size for x in shapes.conv + shapes.ssm) // split
+        assert (kv <= cap) == fits and (state <= cap) == fits, (n_blocks, n_slots, kv, state)
