@@ -85,6 +85,11 @@ def absorbed_flops(q_lens, ctx_lens) -> float:
     return 2.0 * H * (2 * L + R) * pairs(q_lens, ctx_lens)
 
 
+def decompressed_flops(q_lens, ctx_lens) -> float:
+    """Attention over decompressed K (Dn + R) / V (Dv), decompression not counted."""
+    return 2.0 * H * (DN + R + DV) * pairs(q_lens, ctx_lens)
+
+
 def time_fn(fn, args, iters: int = 10, repeats: int = 3) -> float:
     """Median seconds per call of ``fn(*args)`` from a jitted loop of chained calls."""
     if INTERPRET:
@@ -124,7 +129,7 @@ def err_ratio(got, want) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-def check(q_lens, ctx_lens, *, block_size, dtype, decode) -> dict:
+def check(q_lens, ctx_lens, *, block_size, dtype, decode, **tuning) -> dict:
     rng = np.random.default_rng(sum(ctx_lens) + block_size)
     args, _ = paged_batch(rng, q_lens, ctx_lens, block_size=block_size, dtype=dtype)
     q, cache, w, qsl, lens, bt, n = args
@@ -140,7 +145,9 @@ def check(q_lens, ctx_lens, *, block_size, dtype, decode) -> dict:
         qsl = jnp.concatenate([qsl, qsl[-1:]])
         args = (q, cache, w, qsl, lens, bt, n)
         want = jax.jit(functools.partial(mla_prefill_reference, **ATTN))(*args)
-        got = jax.jit(functools.partial(mla_gpu.mla_prefill, **ATTN, interpret=INTERPRET))(*args)
+        got = jax.jit(
+            functools.partial(mla_gpu.mla_prefill, **ATTN, interpret=INTERPRET, **tuning)
+        )(*args)
     got = np.asarray(got, np.float32)
     live = int(sum(q_lens))
     ratio = err_ratio(got[:live], want[:live])
@@ -188,23 +195,34 @@ def main() -> None:
         bw = summary.get("copy_bandwidth_GBps")
         bw = bw if isinstance(bw, float) else None
 
+    # checks first: the decompressed prefill (rows of >= 64 new tokens) and the absorbed
+    # kernel (decode rows, short chunks, rows past the workspace) against the reference
     ck = 40 if small else 4096
+    big = 96 if small else 1024
     checks = {
-        "decode": (True, [1] * 4, [ck, ck // 2 + 3, 17, 1]),
-        "prefill": (False, [min(ck, 300), 40], [min(ck, 300), 40 + ck // 4]),
-        "mixed": (False, [1, 1, 37, 1, 130], [ck, 5, 37 + ck // 2, ck // 3, 130]),
-    }
-    for name, (decode, ql, cl) in checks.items():
-        for bs in (16, 64):
-            guarded(
-                f"check_{name}_bs{bs}_bf16",
-                lambda d=decode, ql=ql, cl=cl, bs=bs: check(
-                    ql, cl, block_size=bs, dtype=jnp.bfloat16, decode=d
-                ),
-            )
-        guarded(f"check_{name}_bs64_f32",
-                lambda d=decode, ql=ql, cl=cl: check(ql, cl, block_size=64, dtype=jnp.float32,
-                                                     decode=d))  # fmt: skip
+        "prefill_bs64_bf16": (False, [min(ck, 300), 40], [min(ck, 300), 40 + ck // 4], 64,
+                              jnp.bfloat16, {}),
+        "prefill_bs16_bf16": (False, [min(ck, 300), 40], [min(ck, 300), 40 + ck // 4], 16,
+                              jnp.bfloat16, {}),
+        "mixed_bs64_bf16": (False, [1, 1, 37, 1, 130], [ck, 5, 37 + ck // 2, ck // 3, 130], 64,
+                            jnp.bfloat16, {}),
+        "prefill_bs64_f32": (False, [min(ck, 300), 40], [min(ck, 300), 40 + ck // 4], 64,
+                             jnp.float32, {}),
+        f"chunk{big}_at{big}_bs64_bf16": (False, [big, 70], [2 * big, 70], 64, jnp.bfloat16, {}),
+        # the second row does not fit the workspace: the absorbed long launch takes it
+        "overflow_bs64_bf16": (False, [big, 70], [2 * big, 70], 64, jnp.bfloat16,
+                               dict(decompress_tokens=2 * big + 32)),
+        "absorbed_only_bs64_bf16": (False, [min(ck, 300), 40], [min(ck, 300), 40 + ck // 4], 64,
+                                    jnp.bfloat16, dict(decompress_tokens=0)),
+        "decode_bs64_bf16": (True, [1] * 4, [ck, ck // 2 + 3, 17, 1], 64, jnp.bfloat16, {}),
+    }  # fmt: skip
+    for name, (decode, ql, cl, bs, dt, tuning) in checks.items():
+        guarded(
+            f"check_{name}",
+            lambda d=decode, ql=ql, cl=cl, bs=bs, dt=dt, t=tuning: check(
+                ql, cl, block_size=bs, dtype=dt, decode=d, **t
+            ),
+        )
     summary["all_checks_ok"] = all(
         v.get("ok", False) for k, v in summary.items() if k.startswith("check_")
     )
@@ -230,13 +248,17 @@ def main() -> None:
                 res["reference"] = f"{type(e).__name__}: {str(e)[:200]}"
         return res
 
-    def timed_prefill(q_lens, ctx_lens, with_ref=True, **tuning):
+    def timed_prefill(q_lens, ctx_lens, with_ref=False, **tuning):
         rng = np.random.default_rng(1)
         a, nbytes = paged_batch(rng, q_lens, ctx_lens, poison=False)
         s = time_fn(functools.partial(mla_gpu.mla_prefill, **ATTN, interpret=INTERPRET,
                                       **tuning), a, iters=5)  # fmt: skip
-        res = {"us": s * 1e6, "TFLOPs_absorbed": absorbed_flops(q_lens, ctx_lens) / s / 1e12}
-        if with_ref and not tuning:
+        res = {
+            "us": s * 1e6,
+            "TFLOPs_absorbed": absorbed_flops(q_lens, ctx_lens) / s / 1e12,
+            "TFLOPs_decompressed": decompressed_flops(q_lens, ctx_lens) / s / 1e12,
+        }
+        if with_ref:
             try:
                 r = time_fn(functools.partial(mla_prefill_reference, **ATTN), a, iters=2,
                             repeats=2)  # fmt: skip
@@ -246,45 +268,57 @@ def main() -> None:
                 res["reference"] = f"{type(e).__name__}: {str(e)[:200]}"
         return res
 
-    contexts = [64] if small else [4096, 32768]
-    batches = [1, 2] if small else [1, 8, 32, 128]
-    for c in contexts:
-        for b in batches:
-            guarded(f"decode_ctx{c}_b{b}", lambda b=b, c=c: timed_decode(b, c))
-    if not small:  # 128 x 32k latents pass the Triton kernel's 2**31-element limit
-        guarded("decode_ctx32768_b96", lambda: timed_decode(96, 32768))
-    chunk, at = (32, 64) if small else (2048, 16384)
-    rows = 4 if small else 32
-    guarded(
-        f"mixed_{rows}x{at}_plus_chunk{chunk}_at{at // 2}",
-        lambda: timed_prefill(
-            [1] * rows + [chunk], [at] * rows + [chunk + at // 2], with_ref=False
-        ),
-    )  # the reference would build ~19 GB here
-    pf = 64 if small else 4096
-    guarded(f"prefill_chunk{pf}_fresh", lambda: timed_prefill([pf], [pf]))
-    guarded(f"prefill_chunk{pf // 2}_at{pf * 4}",
-            lambda: timed_prefill([pf // 2], [pf * 4 + pf // 2]))  # fmt: skip
+    # prefill chunks: the new path (default) and the absorbed-only baseline side by side
+    old = dict(decompress_tokens=0)
+    if small:
+        cases = [("chunk64_fresh", [64], [64]), ("chunk32_at64", [32], [96])]
+        mixed_name, mixed = "mixed_4x64_plus_chunk32_at32", ([1] * 4 + [32], [64] * 4 + [64])
+    else:
+        cases = [
+            ("chunk4096_fresh", [4096], [4096]),
+            ("chunk2048_at8192", [2048], [10240]),
+            ("chunk1024_fresh", [1024], [1024]),
+            ("chunk2048_fresh", [2048], [2048]),
+            ("chunk1024_at8192", [1024], [9216]),
+            ("chunk2048_at16384", [2048], [18432]),
+        ]
+        mixed_name = "mixed_32x16384_plus_chunk2048_at8192"
+        mixed = ([1] * 32 + [2048], [16384] * 32 + [2048 + 8192])
+    baseline_for = {cases[0][0], cases[1][0], cases[-1][0]}
+    for name, ql, cl in cases[:2]:
+        guarded(f"prefill_{name}", lambda ql=ql, cl=cl: timed_prefill(ql, cl))
+        guarded(f"prefill_{name}_absorbed_only", lambda ql=ql, cl=cl: timed_prefill(ql, cl, **old))
+    guarded(mixed_name, lambda: timed_prefill(*mixed))  # the reference would build ~19 GB here
+    guarded(mixed_name + "_absorbed_only", lambda: timed_prefill(*mixed, **old))
+    for name, ql, cl in cases[2:]:
+        guarded(f"prefill_{name}", lambda ql=ql, cl=cl: timed_prefill(ql, cl))
+        if name in baseline_for:
+            guarded(f"prefill_{name}_absorbed_only",
+                    lambda ql=ql, cl=cl: timed_prefill(ql, cl, **old))  # fmt: skip
 
-    if not small:
-        sweep_decode = [dict(head_block=32), dict(block_k_decode=64), dict(num_warps=8),
-                        dict(head_block=32, num_warps=8), dict(num_stages=3)]  # fmt: skip
-        for tuning in sweep_decode:
-            tag = "_".join(f"{k}{v}" for k, v in tuning.items())
-            for b, c in ((8, 32768), (128, 4096)):
-                guarded(
-                    f"sweep_decode_ctx{c}_b{b}_{tag}",
-                    lambda b=b, c=c, t=tuning: timed_decode(b, c, **t),
-                )
-        sweep_prefill = [dict(rows_prefill=128, num_warps_prefill=8),
-                         dict(block_k_prefill=64), dict(num_warps_prefill=8),
-                         dict(head_block=32, rows_prefill=64, num_warps_prefill=8)]  # fmt: skip
-        for tuning in sweep_prefill:
-            tag = "_".join(f"{k}{v}" for k, v in tuning.items())
-            guarded(
-                f"sweep_prefill_chunk{pf}_fresh_{tag}",
-                lambda t=tuning: timed_prefill([pf], [pf], **t),
-            )
+    pf, pc = cases[0][1], cases[0][2]
+    sweep_prefill = [dict(flash_block_q=64), dict(flash_block_k=32), dict(flash_warps=4),
+                     dict(flash_stages=3), dict(flash_block_k=128),
+                     dict(flash_block_q=64, flash_warps=4), dict(decompress_warps=8),
+                     dict(decompress_block_w=128, decompress_warps=8)]  # fmt: skip
+    sweep_absorbed = [dict(num_warps_prefill=8), dict(rows_prefill=128, num_warps_prefill=8),
+                      dict(block_k_prefill=64, num_warps_prefill=8)]  # fmt: skip
+    if small:
+        sweep_prefill, sweep_absorbed = sweep_prefill[:1], sweep_absorbed[:1]
+    for tuning in sweep_prefill:
+        tag = "_".join(f"{k}{v}" for k, v in tuning.items())
+        guarded(f"sweep_prefill_{cases[0][0]}_{tag}", lambda t=tuning: timed_prefill(pf, pc, **t))
+    for tuning in sweep_absorbed:
+        tag = "_".join(f"{k}{v}" for k, v in tuning.items())
+        guarded(f"sweep_prefill_{cases[0][0]}_absorbed_only_{tag}",
+                lambda t=tuning: timed_prefill(pf, pc, **old, **t))  # fmt: skip
+
+    # decode: the same absorbed kernel as before (a spot check that it is unchanged)
+    for b, c in ((32, 64) if small else (32, 32768), (8, 64) if small else (8, 4096)):
+        guarded(f"decode_ctx{c}_b{b}", lambda b=b, c=c: timed_decode(b, c, with_ref=False))
+    # the reference prefill is slow: last
+    guarded(f"prefill_{cases[0][0]}_with_reference",
+            lambda: timed_prefill(cases[0][1], cases[0][2], with_ref=True))  # fmt: skip
     summary["wall_s"] = time.perf_counter() - t_start
     print(json.dumps(summary, indent=1))
     write()

@@ -39,7 +39,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.attention.mla_absorb import _precision, absorbed_decode, absorbed_prefill
+from pallas_kernels.attention.mla_absorb import (
+    _precision,
+    absorb_output,
+    absorb_query,
+    absorbed_decode,
+    check_latent_batch,
+)
+from pallas_kernels.attention.mla_decompress_gpu import (
+    choose_rows,
+    decompressed_attention,
+    workspace_tokens,
+)
+from pallas_kernels.attention.mla_reference import _check
 from pallas_kernels.attention.tiles import (
     cdiv,
     merge_splits,
@@ -154,12 +166,14 @@ def latent_attention(
     num_warps_prefill: int = 4,
     num_stages_prefill: int = 2,
     max_q_len: int | None = None,
+    skip_rows: jax.Array | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal latent attention of a ragged batch. Returns o_lat [T, H, L] (padding 0).
 
     ``max_q_len``: a static bound on every row's new tokens (``mla_decode`` passes 1); when
-    the short tiles hold that many, the long launch is left out."""
+    the short tiles hold that many, the long launch is left out. ``skip_rows`` (bool[S]): rows
+    another kernel attends (the decompressed prefill); their tokens come back 0."""
     num_tokens, num_heads, width = q_abs.shape
     num_blocks, block_size, _ = latent_cache.shape
     num_rows, max_blocks = block_tables.shape
@@ -190,6 +204,8 @@ def latent_attention(
     n = jnp.asarray(num_seqs, jnp.int32)
     q_len = qsl[1:] - qsl[:-1]  # [S]
     live_row = (jnp.arange(num_rows) < n) & (q_len > 0)
+    if skip_rows is not None:
+        live_row = live_row & ~skip_rows
     is_short = q_len <= bq_short  # [S]
     seq_id, local, live = token_rows(qsl, n, num_tokens)  # [T] each
     h_in = jnp.arange(hb, dtype=jnp.int32)
@@ -232,18 +248,84 @@ def latent_attention(
         # token t, head h of the block -> row (tile, token in tile, h) of this launch's output
         tile = first_tile[seq_id] + local // bq  # [T]
         row = (tile * rows + (local % bq) * hb)[:, None] + h_in[None, :]  # [T, HB]
-        mine = (is_short[seq_id] if short else ~is_short[seq_id])[None, :, None, None]
+        mine = kind[seq_id][None, :, None, None]
         o = jnp.where(mine, merged[:, jnp.clip(row, 0, cap * rows - 1)], o)
 
     o = o.transpose(1, 0, 2, 3).reshape(num_tokens, nhb * hb, lora)[:, :num_heads]
     return jnp.where(live[:, None, None], o, 0.0)
 
 
-def mla_prefill(*args, interpret: bool = False, **kwargs) -> jax.Array:
-    """``mla_prefill_reference``'s signature and result ([T, H, Dv]) on the GPU kernel.
-    Tuning keywords (``head_block``, ``block_k_decode`` ...) go to :func:`latent_attention`."""
-    tuning = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("nope_dim", "scale")}
-    return absorbed_prefill(latent_attention, interpret=interpret, **tuning)(*args, **kwargs)
+_DECOMPRESS_KEYS = {
+    "flash_block_q": "block_q", "flash_block_k": "block_k", "flash_warps": "num_warps",
+    "flash_stages": "num_stages", "decompress_block_w": "block_w",
+    "decompress_block_l": "block_l", "decompress_warps": "num_warps_decompress",
+    "decompress_stages": "num_stages_decompress",
+}  # fmt: skip
+
+
+def mla_prefill(
+    q: jax.Array,  # [T, H, Dn + R]
+    latent_cache: jax.Array,  # [num_blocks, block_size, L + R]  new tokens already written
+    w_kv_b: jax.Array,  # [L, H, Dn + Dv]
+    query_start_loc: jax.Array,  # i32[S+1]
+    seq_lens: jax.Array,  # i32[S]  context incl. this step's tokens
+    block_tables: jax.Array,  # i32[S, max_blocks]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    nope_dim: int,
+    scale: float,
+    decompress_tokens: int = 32768,
+    decompress_min_q: int = 64,
+    interpret: bool = False,
+    **tuning,
+) -> jax.Array:
+    """``mla_prefill_reference``'s signature and result ([T, H, Dv]), one call for the batch.
+
+    Rows with at least ``decompress_min_q`` new tokens whose contexts fit a transient
+    workspace of ``decompress_tokens`` tokens (in row order) run on decompressed keys and
+    values (:mod:`pallas_kernels.attention.mla_decompress_gpu`: 3.4x fewer flops per pair at
+    Kimi-Linear shapes); the others (decode rows, short chunks, what does not fit) on the
+    absorbed latent kernel. The workspace costs ``decompress_tokens * H * (Dn + Dv)`` values
+    of the cache's dtype while the call runs (537 MB at 32k tokens, 48B shapes); 0 turns the
+    decompressed path off. Tuning keywords: :data:`_DECOMPRESS_KEYS` go to the decompressed
+    path, the rest (``head_block``, ``block_k_prefill`` ...) to :func:`latent_attention`."""
+    _, lora, rope, dv = _check(q, latent_cache, w_kv_b, nope_dim)
+    check_latent_batch(query_start_loc, seq_lens, block_tables)
+    dec_tuning = {_DECOMPRESS_KEYS[k]: tuning.pop(k) for k in list(tuning) if k in _DECOMPRESS_KEYS}
+    num_tokens = q.shape[0]
+    num_rows, max_blocks = block_tables.shape
+    min_q = max(2, decompress_min_q)
+    workspace = 0
+    if all(_is_pow2(d) for d in (nope_dim, rope, dv, lora)):
+        workspace = workspace_tokens(
+            num_tokens, num_rows, max_blocks * latent_cache.shape[1],
+            decompress_tokens=decompress_tokens, min_q=min_q,
+        )  # fmt: skip
+    chosen = None
+    if workspace > 0:
+        qsl = query_start_loc.astype(jnp.int32)
+        live_row = jnp.arange(num_rows) < jnp.asarray(num_seqs, jnp.int32)
+        chosen, ws_end = choose_rows(
+            qsl[1:] - qsl[:-1], seq_lens.astype(jnp.int32), live_row, workspace=workspace,
+            min_q=min_q,
+        )  # fmt: skip
+    q_abs = absorb_query(q, w_kv_b, nope_dim=nope_dim, dtype=latent_cache.dtype)
+    o_lat = latent_attention(
+        q_abs, latent_cache, query_start_loc, seq_lens, block_tables, num_seqs,
+        lora=lora, scale=scale, skip_rows=chosen, interpret=interpret, **tuning,
+    )  # fmt: skip
+    # o_lat in the cache's dtype: a bf16 model's output projection runs on tensor cores
+    out = absorb_output(o_lat.astype(latent_cache.dtype), w_kv_b, nope_dim=nope_dim, dtype=q.dtype)
+    if chosen is None:
+        return out
+    o_dec = decompressed_attention(
+        q, latent_cache, w_kv_b, query_start_loc, seq_lens, block_tables, chosen, ws_end,
+        nope_dim=nope_dim, scale=scale, workspace=workspace,
+        max_rows=min(num_rows, num_tokens // min_q), interpret=interpret, **dec_tuning,
+    )  # fmt: skip
+    seq_id, _, live = token_rows(query_start_loc.astype(jnp.int32), num_seqs, num_tokens)
+    mine = (chosen[seq_id] & live)[:, None, None]
+    return jnp.where(mine, o_dec.astype(q.dtype), out)
 
 
 def mla_decode(*args, interpret: bool = False, **kwargs) -> jax.Array:

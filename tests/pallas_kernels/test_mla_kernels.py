@@ -5,8 +5,10 @@ order; pages nobody owns (the null block included) and slots past a sequence's c
 NaN, and so do the padding queries, whose outputs must come back 0. Cases cover decode-only,
 prefill-only and mixed batches, block sizes 16/32/64/128, f32 and bf16 caches, several query
 tiles per chunk, several KV blocks per row (the TPU's double-buffered page DMAs) and split-KV
-merges (GPU). The prefill cases are checked against ``mla_prefill_reference`` (decompressed),
-the decode ones against ``mla_decode_reference`` (absorbed).
+merges (GPU), and on the GPU both prefill paths: decompressed keys and values for long rows
+that fit the workspace, the absorbed kernel for the rest. The prefill cases are checked
+against ``mla_prefill_reference`` (decompressed), the decode ones against
+``mla_decode_reference`` (absorbed).
 """
 
 from __future__ import annotations
@@ -104,10 +106,12 @@ def check(got, want, num_live: int, dtype) -> None:
 
 ATTN = dict(nope_dim=DN, scale=SCALE)
 TPU_TUNING = dict(interpret=pltpu.InterpretParams())
-# small blocks and few programs: several KV blocks, tiles and splits per row
+# small blocks and few programs: several KV blocks, tiles and splits per row; rows of >= 4
+# new tokens take the decompressed prefill (several query tiles, KV blocks and L chunks)
 GPU_TUNING = dict(
     interpret=True, head_block=2, block_k_decode=16, block_k_prefill=16, rows_prefill=8,
-    target_programs=16,
+    target_programs=16, decompress_min_q=4, flash_block_q=8, flash_block_k=16,
+    decompress_block_w=16, decompress_block_l=16,
 )  # fmt: skip
 KERNELS = {
     "tpu": (mla_tpu.mla_prefill, mla_tpu.mla_decode, TPU_TUNING),
@@ -119,6 +123,7 @@ PREFILL_CASES = [
     ("tpu", "prefill", [0, 40], [19, 6], 32, jnp.float32),
     ("tpu", "mixed", [65, 3, 0], [1, 12, 1], 16, jnp.bfloat16),
     ("gpu", "mixed", [130, 0, 20], [1, 9, 1], 128, jnp.float32),
+    ("gpu", "prefill", [0, 40], [19, 6], 16, jnp.bfloat16),
 ]
 DECODE_CASES = [
     # (kernel, cached, block_size, dtype)
@@ -157,6 +162,15 @@ def test_decode_matches_reference(kernel, cached, bs, dtype):
     check(got, want, case.num_live, dtype)
 
 
+def test_gpu_prefill_rows_past_the_workspace_take_the_absorbed_kernel():
+    # contexts 19, 46, 35 against a 60-token workspace: the first row is decompressed, the
+    # other two (the running total passes 60) run on the absorbed long launch
+    case = mla_case([0, 40, 5], [19, 6, 30], block_size=16, dtype=jnp.float32, seed=5)
+    want = jax.jit(functools.partial(mla_prefill_reference, **ATTN))(*case.prefill_args)
+    fn = functools.partial(mla_gpu.mla_prefill, **ATTN, **GPU_TUNING, decompress_tokens=60)
+    check(jax.jit(fn)(*case.prefill_args), want, case.num_live, jnp.float32)
+
+
 def test_bad_arguments_name_the_problem():
     case = mla_case([3], [1], block_size=16, dtype=jnp.float32)
     with pytest.raises(ValueError, match="block_q=3 must be a power of two"):
@@ -190,6 +204,8 @@ def test_gpu_kernel_lowers_to_triton_at_48b_shapes():
     fn = functools.partial(mla_gpu.mla_prefill, nope_dim=KIMI_DN, scale=(KIMI_DN + KIMI_R) ** -0.5)
     text = jax.jit(fn).trace(*_kimi_args()).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mla_latent_attention_") >= 2  # the short and the long launch
+    # prefill chunks: decompression and flash attention over the decompressed context
+    assert "mla_decompress_context" in text and "mla_decompressed_prefill" in text
     # each trip of an XLA while loop on GPU is a host round trip: none around the kernels
     assert "stablehlo.while" not in text
     # decode: one launch (every row fits a short tile), no empty prefill launch
@@ -197,6 +213,7 @@ def test_gpu_kernel_lowers_to_triton_at_48b_shapes():
     fn = functools.partial(mla_gpu.mla_decode, nope_dim=KIMI_DN, scale=(KIMI_DN + KIMI_R) ** -0.5)
     text = jax.jit(fn).trace(q, cache, w, *rest).lower(lowering_platforms=("cuda",)).as_text()
     assert "mla_latent_attention_short" in text and "mla_latent_attention_long" not in text
+    assert "mla_decompress" not in text
 
 
 def test_tiny_kimi_linear_with_the_mla_kernel_matches_reference(tmp_path):
