@@ -329,6 +329,10 @@ def mla_prefill(
 
 
 def mla_decode(*args, interpret: bool = False, **kwargs) -> jax.Array:
-    """``mla_decode_reference``'s signature and result ([S, H, Dv]) on the GPU kernel."""
+    """``mla_decode_reference``'s signature and result ([S, H, Dv]) on the GPU kernel: the
+    absorbed kernel's short launch alone (the decompressed prefill's keywords are ignored, so
+    one tuning dict serves both ops)."""
     tuning = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("nope_dim", "scale")}
+    for k in (*_DECOMPRESS_KEYS, "decompress_tokens", "decompress_min_q"):
+        tuning.pop(k, None)
     return absorbed_decode(latent_attention, interpret=interpret, **tuning)(*args, **kwargs)
