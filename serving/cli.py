@@ -54,6 +54,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="split the MoE layers by expert instead of by intermediate dim",
     )
+    p.add_argument(
+        "--compilation-cache-dir",
+        default=os.environ.get("HYJAX_COMPILATION_CACHE", "~/.cache/hyjax/jax-compilation"),
+        help="JAX's persistent compilation cache: restarts load the compiled buckets from here "
+        "('' turns it off; env HYJAX_COMPILATION_CACHE sets the default)",
+    )
 
 
 def engine_kwargs(ns: argparse.Namespace, **extra) -> dict:
@@ -80,6 +86,7 @@ def engine_kwargs(ns: argparse.Namespace, **extra) -> dict:
         seed=ns.seed,
         tensor_parallel_size=ns.tensor_parallel_size,
         enable_expert_parallel=ns.enable_expert_parallel,
+        compilation_cache_dir=ns.compilation_cache_dir or None,
         **extra,
     )
 

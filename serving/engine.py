@@ -58,6 +58,10 @@ class EngineArgs:
     # MoE experts' intermediate dim, or (expert parallel) the experts themselves.
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # JAX's persistent compilation cache: compiled buckets are kept here, so a restart with the
+    # same model shapes, flags and jax version loads them instead of compiling (minutes with the
+    # kernels on a GPU). None: not used (the CLI's default is a directory under ~/.cache).
+    compilation_cache_dir: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +119,27 @@ class StepTiming:
         self.steps, self.host, self.device = 0, 0.0, 0.0
 
 
+def use_compilation_cache(path: str) -> None:
+    """Points JAX's persistent compilation cache at ``path`` (made if missing) for every
+    compile from now on in this process, those under a second included (CPU buckets)."""
+    import jax
+
+    path = os.path.abspath(os.path.expanduser(path))
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    log.info("compilation cache: %s", path)
+
+
 class LLMEngine:
     """Args: ``args``; ``preloaded``: an already built ``(model, config)`` (benchmarks), in which
     case ``args.model`` is only searched for a tokenizer."""
 
     def __init__(self, args: EngineArgs, preloaded=None):
         self.args = args
+        if args.compilation_cache_dir:
+            use_compilation_cache(args.compilation_cache_dir)
         mesh = None
         if args.tensor_parallel_size > 1 or args.enable_expert_parallel:
             mesh = make_mesh(args.tensor_parallel_size)

@@ -3,3 +3,6 @@ import os
 # Tests run on CPU in float32; keep XLA from grabbing every core of the 2-core CI box twice.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+# The CLI keeps a persistent compilation cache under ~/.cache by default; tests start from a cold
+# one (tests/serving/test_compilation_cache.py checks the cache itself, in a temporary dir).
+os.environ.setdefault("HYJAX_COMPILATION_CACHE", "")

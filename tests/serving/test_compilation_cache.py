@@ -1,0 +1,60 @@
+"""A restart loads its compiled buckets from the persistent compilation cache.
+
+Two fresh processes build the same engine over one cache directory and serve the same request:
+the first compiles what it meets (cache misses, entries written), the second gets all of it from
+the cache (hits, no misses, no new entries) and generates the same tokens. JAX's own monitoring
+events are the witness.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from hyjax.tiny import make_tiny_model
+
+SCRIPT = r"""
+import json, sys
+import jax
+from jax import monitoring
+
+events = []
+monitoring.register_event_listener(lambda name, **kw: events.append(name))
+from serving.engine import EngineArgs, LLMEngine
+from serving.request import SamplingParams
+
+engine = LLMEngine(EngineArgs(
+    model=sys.argv[1], compilation_cache_dir=sys.argv[2], max_num_seqs=2,
+    max_num_batched_tokens=64, max_model_len=128, num_checkpoint_slots=4, progress=False,
+    warmup=False,  # only the buckets this request meets: the same ones in both processes
+))
+rid = engine.add_request(list(range(1, 40)), SamplingParams(max_tokens=6, ignore_eos=True))
+out = engine.run_to_completion()[rid]
+print(json.dumps({
+    "hits": events.count("/jax/compilation_cache/cache_hits"),
+    "misses": events.count("/jax/compilation_cache/cache_misses"),
+    "tokens": out.output_token_ids,
+}))
+"""
+
+
+def _run(model, cache):
+    env = dict(os.environ, HYJAX_COMPILATION_CACHE="")
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(model), str(cache)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_second_start_loads_its_compiled_buckets_from_the_cache(tmp_path):
+    model = make_tiny_model(tmp_path / "tiny", seed=0)
+    cache = tmp_path / "jax-cache"
+    first = _run(model, cache)
+    entries = sorted(os.listdir(cache))
+    assert first["misses"] >= 2 and len(entries) >= 2, first  # a prefill and a decode bucket
+    second = _run(model, cache)
+    assert second["misses"] == 0 and second["hits"] >= first["misses"], (first, second)
+    assert sorted(os.listdir(cache)) == entries  # nothing new compiled
+    assert second["tokens"] == first["tokens"]
