@@ -12,7 +12,10 @@ Run on an H100/H200 (``python benchmarks/attention_kernels.py --out $OUT/attn.js
 4. torch ``scaled_dot_product_attention`` (flash backend, GQA) at the same shapes on contiguous
    KV (no paging: it reads the same bytes), in the same process;
 5. with ``--baseline FILE``, the same timings of another kernel file of the same signature (an
-   older revision: before/after on one card in one run).
+   older revision: before/after on one card in one run);
+6. with ``--decode-only``, decode cases call the kernel with ``decode_only=True`` (what the
+   engine's decode buckets run), ours and the baseline's, and checks of that path are added;
+   ``--only PREFIX`` keeps the timed cases whose names start with it.
 
 Every JAX timing is one jitted program of ``iters`` chained calls, unrolled (each call's query
 depends on the last output, so nothing is hoisted), divided by the number of calls. Not a
@@ -150,7 +153,7 @@ def err_ratio(got, want) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-def check(q_lens, ctx_lens, *, hq=HQ, hkv=HKV, d=D, block_size=64) -> dict:
+def check(q_lens, ctx_lens, *, hq=HQ, hkv=HKV, d=D, block_size=64, **tuning) -> dict:
     rng = np.random.default_rng(sum(ctx_lens))
     args, _ = paged_batch(rng, q_lens, ctx_lens, hq=hq, hkv=hkv, d=d, block_size=block_size)
     # one padding token and one padding row past num_seqs, as the runner's buckets have
@@ -162,9 +165,8 @@ def check(q_lens, ctx_lens, *, hq=HQ, hkv=HKV, d=D, block_size=64) -> dict:
     args = (q, kc, vc, qsl, lens, bt, n)
     scale = d**-0.5
     want = jax.jit(functools.partial(ragged_paged_attention_reference, scale=scale))(*args)
-    got = jax.jit(functools.partial(gpu.ragged_paged_attention, scale=scale, interpret=INTERPRET))(
-        *args
-    )
+    fn = functools.partial(gpu.ragged_paged_attention, scale=scale, interpret=INTERPRET, **tuning)
+    got = jax.jit(fn)(*args)
     got_np = np.asarray(got, np.float32)
     live = int(qsl[-1])
     ratio = err_ratio(got_np[:live], want[:live])
@@ -286,6 +288,8 @@ def main() -> None:
     p.add_argument("--contexts", default="4096,16384,65472", help="decode contexts")
     p.add_argument("--batches", default="1,2,4,8,32,64", help="decode batch sizes")
     p.add_argument("--skip-checks", action="store_true")
+    p.add_argument("--decode-only", action="store_true", help="decode cases: decode_only=True")
+    p.add_argument("--only", default="", help="time only the cases whose names start so")
     args = p.parse_args()
     global INTERPRET
     INTERPRET = args.interpret
@@ -298,6 +302,9 @@ def main() -> None:
             summary[name] = {"failed": f"{type(e).__name__}: {str(e)[:500]}"}
             traceback.print_exc()
         print(name, json.dumps(summary[name]), flush=True)
+        if args.out:  # as it goes: a run stopped at its time limit keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(summary, f, indent=1)
 
     small = INTERPRET
     if not small:
@@ -318,6 +325,18 @@ def main() -> None:
         guarded(
             f"check_{name}_bs64_d128",
             lambda ql=ql, cl=cl: check(ql, cl, hq=32, hkv=4, d=128),
+        )
+    if args.decode_only and not args.skip_checks:  # one and several splits, both group sizes
+        ql, cl = checks["decode"]
+        for tp, bs in ((256, 16), (1, 128)):
+            guarded(
+                f"check_decode_only_tp{tp}_bs{bs}_d256",
+                lambda tp=tp, bs=bs: check(ql, cl, block_size=bs, decode_only=True,
+                                           target_programs=tp),
+            )  # fmt: skip
+        guarded(
+            "check_decode_only_bs64_d128",
+            lambda: check(ql, cl, hq=32, hkv=4, d=128, decode_only=True),
         )
 
     # timings
@@ -351,7 +370,11 @@ def main() -> None:
         cases.append((name, [1] * b, [c] * b))
         padded[name] = bucket - b
 
+    cases = [c for c in cases if c[0].startswith(args.only)]
+
     def timed(q_lens, ctx_lens, module=None, pad_rows=0, **tuning):
+        if args.decode_only and max(q_lens) == 1:
+            tuning["decode_only"] = True
         rng = np.random.default_rng(0)
         a, kv_bytes = paged_batch(rng, q_lens, ctx_lens, poison=False)
         if pad_rows:  # padding rows of one token each, past num_seqs, as the runner's buckets

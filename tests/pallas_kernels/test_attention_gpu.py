@@ -7,9 +7,11 @@ Qwen3-Next-80B shapes (no GPU needed). Compiling and timing it on a GPU is
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_kernels.attention import gpu
@@ -48,19 +50,63 @@ def test_matches_reference(kind, cached, new, hq, hkv, d, bs, dtype, tp):
     check_against_reference(case, got, want, dtype)
 
 
-def test_decode_only_leaves_out_the_prefill_launch():
-    """Rows of at most 16 // Gp tokens: one Triton launch, same outputs as the reference."""
-    case = attention_case([40, 0, 9], [1, 1, 2], hq=16, hkv=2, d=128, block_size=16, seed=5)
+DECODE_ONLY_CASES = [
+    # (cached, new, hq, hkv, block_size, pad_tokens, target_programs): splits = 1 or > 1
+    ([40, 0, 9], [1, 1, 1], 16, 2, 16, 3, 1),  # one split: the kernel writes the output
+    ([40, 0, 9], [1, 1, 1], 16, 2, 16, 3, 64),  # 8 splits and the merge kernel
+    ([70, 5], [2, 2], 8, 2, 32, 9, 1),  # two tokens per row; 9 padding tokens over 3 rows
+    ([70, 5], [2, 2], 8, 2, 32, 0, 32),  # ... split, no padding token
+    ([250], [1], 8, 1, 16, 1, 64),  # one row: 32 splits of one block, 16 of them empty
+]
+DECODE_ONLY_IDS = [
+    f"{new=}_{hq=}_{hkv=}_{bs=}_{pad=}_{tp=}".replace(" ", "")
+    for _, new, hq, hkv, bs, pad, tp in DECODE_ONLY_CASES
+]
+
+
+@pytest.mark.parametrize("cached,new,hq,hkv,bs,pad,tp", DECODE_ONLY_CASES, ids=DECODE_ONLY_IDS)
+def test_decode_only_matches_reference(cached, new, hq, hkv, bs, pad, tp):
+    """Row i is tile i; padding tokens and rows (NaN queries, num_seqs < S) come back 0."""
+    case = attention_case(cached, new, hq=hq, hkv=hkv, d=128, block_size=bs, pad_tokens=pad,
+                          pad_rows=2, seed=len(new) + tp)  # fmt: skip
     want = jax.jit(functools.partial(ragged_paged_attention_reference, scale=case.scale))(
         *case.args
     )
     kernel = functools.partial(gpu.ragged_paged_attention, scale=case.scale, block_k_decode=16,
-                               target_programs=16, decode_only=True)  # fmt: skip
-    got = jax.jit(functools.partial(kernel, interpret=True))(*case.args)
+                               target_programs=tp, decode_only=True, interpret=True)  # fmt: skip
+    got = jax.jit(kernel)(*case.args)
     check_against_reference(case, got, want, jnp.float32)
-    text = jax.jit(kernel).trace(*case.args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "ragged_paged_attention_short" in text
+
+
+def test_decode_only_zeroes_a_row_longer_than_a_tile():
+    """A row past ``16 // Gp`` tokens breaks the caller's promise: zeros, never stale memory."""
+    case = attention_case([4, 9], [1, 3], hq=16, hkv=2, d=128, block_size=16, seed=3)
+    want = jax.jit(functools.partial(ragged_paged_attention_reference, scale=case.scale))(
+        *case.args
+    )
+    kernel = functools.partial(gpu.ragged_paged_attention, scale=case.scale, block_k_decode=16,
+                               decode_only=True, interpret=True)  # fmt: skip
+    got = np.asarray(jax.jit(kernel)(*case.args))
+    np.testing.assert_allclose(got[0], np.asarray(want[0]), rtol=1e-4, atol=1e-4)
+    assert (got[1:] == 0).all()
+
+
+@pytest.mark.parametrize("tp", [1, 256])
+def test_decode_only_is_one_or_two_kernels_and_nothing_else(tp):
+    """Only free reshapes around the kernel (and its merge when split): no regroup, work list
+    or XLA merge. The lowering for CUDA runs without a GPU."""
+    sd = jax.ShapeDtypeStruct
+    bf, i32 = jnp.bfloat16, jnp.int32
+    t, s, max_blocks, d = 8, 8, 64, 256
+    args = (sd((t, 16, d), bf), sd((300, 64, 2, d), bf), sd((300, 64, 2, d), bf),
+            sd((s + 1,), i32), sd((s,), i32), sd((s, max_blocks), i32), sd((), i32))  # fmt: skip
+    fn = functools.partial(gpu.ragged_paged_attention, scale=d**-0.5, target_programs=tp,
+                           decode_only=True)  # fmt: skip
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    ops = set(re.findall(r"stablehlo\.([a-z_]+)", text)) - {"output_operand_alias"}
+    assert ops == {"custom_call", "reshape"}, ops
     assert "ragged_paged_attention_long" not in text
+    assert ("ragged_paged_attention_decode_merge" in text) == (tp > 1)
 
 
 def test_rejects_non_power_of_two_head_dim():
