@@ -5,18 +5,20 @@ of the script itself: ``--interpret`` (tiny contexts, the kernel interpreted).
 
 1. the device copy bandwidth (read + write bytes / s of a 1 GiB elementwise pass);
 2. checks of ``mla_gpu.mla_prefill`` / ``mla_decode`` against the reference ops computing in
-   IEEE float32 (``Precision.HIGHEST``): decode, prefill and mixed batches, block sizes 16 and
-   64, a bf16 cache (the serving dtype) and an f32 one, pages handed out at random, the null
-   block and an unused page NaN;
-3. decode at contexts 4k and 32k, batch 1..128: the kernel op (absorption einsums included),
-   the reference op, and a jitted copy of the same latent bytes (read + write, so the copy
-   moves twice the bytes decode must read); a mixed batch; prefill chunks (TFLOP/s counted as
-   the absorbed kernel's ``2 H (2L + R)`` flops per visible (query, key) pair);
-4. a small tuning sweep of the decode and prefill launches.
+   IEEE float32 (``Precision.HIGHEST``): decode, prefill and mixed batches, both prefill paths
+   (decompressed rows, absorbed rows, rows past the workspace), block sizes 16 and 64, bf16
+   and f32 caches, pages handed out at random, the null block and an unused page NaN;
+3. prefill chunks (1k-4k tokens, fresh and after 8k-16k cached) and a mixed batch (32 decode
+   rows at 16k + a chunk): the default op (decompressed prefill) beside the absorbed-only
+   kernel (``decompress_tokens=0``) with today's and with the previous long-launch tiles;
+   TFLOP/s counted both as the absorbed kernel's ``2H(2L + R)`` and as decompressed
+   attention's ``2H(Dn + R + Dv)`` flops per visible (query, key) pair;
+4. a tuning sweep of the decompressed prefill; decode spot checks (absorbed kernel, as before).
 
 Timings are jitted ``fori_loop``s of chained calls (each call's query depends on the last
-output), divided by the number of calls. Results are written after every item, so a run cut
-short still returns what it measured.
+output), divided by the number of calls; each trip of the loop costs a host round trip on
+GPU (~10 us), negligible against ms-scale prefill. Results are written after every item, so a
+run cut short still returns what it measured.
 """
 
 from __future__ import annotations
@@ -202,18 +204,15 @@ def main() -> None:
     checks = {
         "prefill_bs64_bf16": (False, [min(ck, 300), 40], [min(ck, 300), 40 + ck // 4], 64,
                               jnp.bfloat16, {}),
-        "prefill_bs16_bf16": (False, [min(ck, 300), 40], [min(ck, 300), 40 + ck // 4], 16,
-                              jnp.bfloat16, {}),
         "mixed_bs64_bf16": (False, [1, 1, 37, 1, 130], [ck, 5, 37 + ck // 2, ck // 3, 130], 64,
                             jnp.bfloat16, {}),
-        "prefill_bs64_f32": (False, [min(ck, 300), 40], [min(ck, 300), 40 + ck // 4], 64,
-                             jnp.float32, {}),
+        # f32 (IEEE products): both rows decompressed, 16-token pages
+        "prefill_bs16_f32": (False, [100, 40], [100, 40 + min(ck, 300)], 16, jnp.float32,
+                             dict(decompress_min_q=32)),
         f"chunk{big}_at{big}_bs64_bf16": (False, [big, 70], [2 * big, 70], 64, jnp.bfloat16, {}),
         # the second row does not fit the workspace: the absorbed long launch takes it
         "overflow_bs64_bf16": (False, [big, 70], [2 * big, 70], 64, jnp.bfloat16,
                                dict(decompress_tokens=2 * big + 32)),
-        "absorbed_only_bs64_bf16": (False, [min(ck, 300), 40], [min(ck, 300), 40 + ck // 4], 64,
-                                    jnp.bfloat16, dict(decompress_tokens=0)),
         "decode_bs64_bf16": (True, [1] * 4, [ck, ck // 2 + 3, 17, 1], 64, jnp.bfloat16, {}),
     }  # fmt: skip
     for name, (decode, ql, cl, bs, dt, tuning) in checks.items():
@@ -268,11 +267,14 @@ def main() -> None:
                 res["reference"] = f"{type(e).__name__}: {str(e)[:200]}"
         return res
 
-    # prefill chunks: the new path (default) and the absorbed-only baseline side by side
-    old = dict(decompress_tokens=0)
+    # prefill chunks: the new path (default) and the absorbed-only baselines side by side:
+    # "absorbed_only" = the absorbed kernel with today's long-launch tiles (8 warps, 64-key
+    # blocks), "absorbed_old_tiles" = as it was before (4 warps, 32-key blocks)
+    absorbed = dict(decompress_tokens=0)
+    old_tiles = dict(decompress_tokens=0, num_warps_prefill=4, block_k_prefill=32)
     if small:
-        cases = [("chunk64_fresh", [64], [64]), ("chunk32_at64", [32], [96])]
-        mixed_name, mixed = "mixed_4x64_plus_chunk32_at32", ([1] * 4 + [32], [64] * 4 + [64])
+        cases = [("chunk64_fresh", [64], [64]), ("chunk64_at64", [64], [128])]
+        mixed_name, mixed = "mixed_4x64_plus_chunk64_at32", ([1] * 4 + [64], [64] * 4 + [96])
     else:
         cases = [
             ("chunk4096_fresh", [4096], [4096]),
@@ -284,41 +286,39 @@ def main() -> None:
         ]
         mixed_name = "mixed_32x16384_plus_chunk2048_at8192"
         mixed = ([1] * 32 + [2048], [16384] * 32 + [2048 + 8192])
-    baseline_for = {cases[0][0], cases[1][0], cases[-1][0]}
-    for name, ql, cl in cases[:2]:
+    head = [(f"prefill_{cases[0][0]}", cases[0][1], cases[0][2]), (mixed_name, *mixed)]
+    for name, ql, cl in head:  # the reference would build ~19 GB for the mixed case
+        guarded(name, lambda ql=ql, cl=cl: timed_prefill(ql, cl))
+        guarded(name + "_absorbed_old_tiles",
+                lambda ql=ql, cl=cl: timed_prefill(ql, cl, **old_tiles))  # fmt: skip
+        guarded(name + "_absorbed_only", lambda ql=ql, cl=cl: timed_prefill(ql, cl, **absorbed))
+    for name, ql, cl in cases[1:]:
         guarded(f"prefill_{name}", lambda ql=ql, cl=cl: timed_prefill(ql, cl))
-        guarded(f"prefill_{name}_absorbed_only", lambda ql=ql, cl=cl: timed_prefill(ql, cl, **old))
-    guarded(mixed_name, lambda: timed_prefill(*mixed))  # the reference would build ~19 GB here
-    guarded(mixed_name + "_absorbed_only", lambda: timed_prefill(*mixed, **old))
-    for name, ql, cl in cases[2:]:
-        guarded(f"prefill_{name}", lambda ql=ql, cl=cl: timed_prefill(ql, cl))
-        if name in baseline_for:
-            guarded(f"prefill_{name}_absorbed_only",
-                    lambda ql=ql, cl=cl: timed_prefill(ql, cl, **old))  # fmt: skip
+    for name, ql, cl in (cases[1], cases[-1]):
+        guarded(f"prefill_{name}_absorbed_only",
+                lambda ql=ql, cl=cl: timed_prefill(ql, cl, **absorbed))  # fmt: skip
 
-    pf, pc = cases[0][1], cases[0][2]
-    sweep_prefill = [dict(flash_block_q=64), dict(flash_block_k=32), dict(flash_warps=4),
-                     dict(flash_stages=3), dict(flash_block_k=128),
-                     dict(flash_block_q=64, flash_warps=4), dict(decompress_warps=8),
-                     dict(decompress_block_w=128, decompress_warps=8)]  # fmt: skip
-    sweep_absorbed = [dict(num_warps_prefill=8), dict(rows_prefill=128, num_warps_prefill=8),
-                      dict(block_k_prefill=64, num_warps_prefill=8)]  # fmt: skip
+    sweep_prefill = [dict(flash_block_q=64), dict(flash_warps=4), dict(flash_stages=3),
+                     dict(flash_block_k=32), dict(decompress_block_w=128, decompress_warps=8),
+                     dict(flash_block_q=64, flash_warps=4), dict(flash_block_k=128)]  # fmt: skip
     if small:
-        sweep_prefill, sweep_absorbed = sweep_prefill[:1], sweep_absorbed[:1]
+        sweep_prefill = sweep_prefill[:1]
     for tuning in sweep_prefill:
         tag = "_".join(f"{k}{v}" for k, v in tuning.items())
-        guarded(f"sweep_prefill_{cases[0][0]}_{tag}", lambda t=tuning: timed_prefill(pf, pc, **t))
-    for tuning in sweep_absorbed:
-        tag = "_".join(f"{k}{v}" for k, v in tuning.items())
-        guarded(f"sweep_prefill_{cases[0][0]}_absorbed_only_{tag}",
-                lambda t=tuning: timed_prefill(pf, pc, **old, **t))  # fmt: skip
+        for name, ql, cl in cases[:2]:
+            guarded(f"sweep_prefill_{name}_{tag}",
+                    lambda ql=ql, cl=cl, t=tuning: timed_prefill(ql, cl, **t))  # fmt: skip
+
+    # where decompression starts to pay: short chunks after a long context, both paths
+    for ql in (16,) if small else (64, 128, 256):
+        ctx = 64 if small else 16384
+        for tag, t in (("", dict(decompress_min_q=min(ql, 64))), ("_absorbed_only", absorbed)):
+            guarded(f"prefill_chunk{ql}_at{ctx}{tag}",
+                    lambda ql=ql, ctx=ctx, t=t: timed_prefill([ql], [ql + ctx], **t))  # fmt: skip
 
     # decode: the same absorbed kernel as before (a spot check that it is unchanged)
     for b, c in ((32, 64) if small else (32, 32768), (8, 64) if small else (8, 4096)):
         guarded(f"decode_ctx{c}_b{b}", lambda b=b, c=c: timed_decode(b, c, with_ref=False))
-    # the reference prefill is slow: last
-    guarded(f"prefill_{cases[0][0]}_with_reference",
-            lambda: timed_prefill(cases[0][1], cases[0][2], with_ref=True))  # fmt: skip
     summary["wall_s"] = time.perf_counter() - t_start
     print(json.dumps(summary, indent=1))
     write()

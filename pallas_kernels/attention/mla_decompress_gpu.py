@@ -52,20 +52,22 @@ def _mm(x, y, contract, precision):
 
 def _decompress_kernel(
     used_ref,  # i32[1]  workspace rows in use
+    trips_ref,  # i32[Wp / BW]  L chunks of each tile: L / BL, 0 past the rows in use
     slot_ref,  # i32[Wp]  cache row of every workspace row (0 past the rows in use)
     lat_ref,  # [NB * bs, L + R]  the latent cache
     wk_ref,  # [H, L, Dn]  W_uk
     wv_ref,  # [H, L, Dv]  W_uv
     k_ref,  # [H, Wp, Dn]  out
     v_ref,  # [H, Wp, Dv]  out
-    *, block_w: int, block_l: int, lora: int, precision,
+    *, block_w: int, block_l: int, precision,
 ):  # fmt: skip
     h, i = pl.program_id(0), pl.program_id(1)  # heads fastest: a latent tile is read once
     used = used_ref[0]
     w_rows = pl.ds(i * block_w, block_w)
     ok = i * block_w + jnp.arange(block_w, dtype=jnp.int32) < used  # [BW]
     slot = pltr.load(slot_ref.at[w_rows], mask=ok, other=0)[:, None]  # [BW, 1]
-    n_l = jnp.where(i * block_w < used, lora // block_l, 0)  # tiles past the rows in use: none
+    # a loaded trip count: a traced bound of literals fails Triton's scf.for verifier
+    n_l = trips_ref[i]
     dn, dv = k_ref.shape[-1], v_ref.shape[-1]
 
     def body(c, acc):
@@ -227,11 +229,13 @@ def decompressed_attention(
     ]
     slot = jnp.where(w < used[0], page * block_size + pos % block_size, 0)
 
+    tile0 = jnp.arange(wp // block_w, dtype=jnp.int32) * block_w
+    trips = jnp.where(tile0 < used[0], lora // block_l, 0).astype(jnp.int32)
     wt = w_kv_b.astype(dtype).transpose(1, 0, 2)  # [H, L, Dn + Dv]
     wk, wv = wt[..., :nope_dim], wt[..., nope_dim:]
     k, v = pl.pallas_call(
         functools.partial(
-            _decompress_kernel, block_w=block_w, block_l=block_l, lora=lora, precision=prec
+            _decompress_kernel, block_w=block_w, block_l=block_l, precision=prec
         ),  # fmt: skip
         grid=(num_heads, wp // block_w),
         out_shape=[
@@ -243,7 +247,7 @@ def decompressed_attention(
         ),
         interpret=interpret,
         name="mla_decompress_context",
-    )(used, slot, lat, wk, wv)
+    )(used, trips, slot, lat, wk, wv)
 
     qsl = query_start_loc.astype(jnp.int32)
     q_len = qsl[1:] - qsl[:-1]
