@@ -49,6 +49,10 @@ from pallas_kernels.kda import tpu as kda_tpu
 from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
 
 
+def _whole(x: jax.Array) -> jax.Array:
+    return x
+
+
 @dataclasses.dataclass(frozen=True)
 class Ops:
     conv1d_prefill: Callable
@@ -68,6 +72,10 @@ class Ops:
     write_latent: Callable = write_latent_reference
     mla_prefill: Callable = mla_prefill_reference
     mla_decode: Callable = mla_decode_reference
+    # The logits whole on every device before sampling (identity on one device). Under TP the
+    # lm_head leaves them split by vocab, and XLA then partitions the sampler's sort and cumsum:
+    # on two H100s that cumsum became a 75 968-trip while loop, ~1.5 s a step.
+    gather_logits: Callable = _whole
 
 
 REFERENCE = Ops(

@@ -456,6 +456,8 @@ def _sharded_ops(ops, mesh: Mesh, model_type: str):
         name: _shard_op(getattr(ops, name), mesh, in_specs, out_specs, tp)
         for name, (in_specs, out_specs) in FAMILIES[model_type].ops.items()
     }
+    whole = NamedSharding(mesh, P())
+    wrapped["gather_logits"] = lambda x: jax.lax.with_sharding_constraint(x, whole)
     return dataclasses.replace(ops, **wrapped)
 
 

@@ -37,6 +37,7 @@ def _step(graphdef, ops: Ops, decode_only: bool, state, caches: Caches, arrays: 
     model = nnx.merge(graphdef, state)
     batch = Batch.from_arrays(arrays)
     caches, logits = model(batch, caches, ops, decode_only=decode_only)
+    logits = ops.gather_logits(logits)
     tokens = sample(
         logits,
         arrays["temperature"],

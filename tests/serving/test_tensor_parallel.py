@@ -122,6 +122,10 @@ def test_prefix_caching_on_off_identical_under_tp2(report):
     assert engine["pool_log"] and all("KV pool split by kv head" in s for s in engine["pool_log"])
     # The donated pools are updated in place: the compiled step copies none of them whole.
     assert engine["tp2_on_pool_copies"] == []
+    # The sampler runs on whole logits (one all-gather after the vocab-split lm_head), never
+    # on vocab shards: no collective inside its sort / cumsum / top-k.
+    assert engine["tp2_on_sampler_collectives"] == []
+    assert engine["tp2_on_logits_gathers"]
 
 
 def test_kimi_prefix_caching_on_off_identical_under_tp2(report):

@@ -280,19 +280,25 @@ def check_engine(model_dir: str) -> dict:
         out[name + "_compiles"] = engine.runner.compile_count()
         out[name + "_kv_shards"] = shard_shapes(engine.runner.caches.kv[0][0])
         out[name + "_conv_shards"] = shard_shapes(engine.runner.caches.conv[0])
-        out[name + "_pool_copies"] = pool_copies(engine.runner)
+        found = compiled_step_findings(engine.runner)
+        out[name + "_pool_copies"] = found["pool_copies"]
+        out[name + "_sampler_collectives"] = found["sampler_collectives"]
+        out[name + "_logits_gathers"] = found["logits_gathers"]
     logger.removeHandler(logs)
     logger.setLevel(level)
     out["pool_log"] = [line for line in logs.lines if line.startswith("pools per device")]
     return out
 
 
-def pool_copies(runner) -> list[str]:
-    """Copies of a whole per-device KV pool in the compiled step (a decode and a prefill bucket).
+def compiled_step_findings(runner) -> dict[str, list[str]]:
+    """What the compiled TP step (a decode and a prefill bucket) must not do, and must do.
 
-    The pools are donated and updated in place; a copy of one is a pass over gigabytes on
-    every step (seen: a reshape-scatter-reshape under ``shard_map`` with one KV head per
-    device made TP = 2 slower than TP = 1 on two H100s).
+    ``pool_copies``: copies of a whole per-device KV pool. The pools are donated and updated in
+    place; a copy of one is a pass over gigabytes on every step (a reshape-scatter-reshape under
+    ``shard_map`` with one KV head per device did it).
+    ``sampler_collectives``: collectives inside the sampler. Left split by vocab, the logits
+    made XLA partition its sort and cumsum; on two H100s that cumsum became a while loop of
+    vocab / 2 trips, ~1.5 s a step. ``logits_gathers``: the all-gather that prevents it.
     """
     import re
 
@@ -304,7 +310,9 @@ def pool_copies(runner) -> list[str]:
     pools = {tuple(x.addressable_data(0).shape) for x in jax.tree.leaves(runner.caches.kv)}
     shapes = runner.sched_cfg.step_shapes()
     picked = [next(s for s in shapes if s.decode_only == d) for d in (True, False)]
-    found = []
+    sampler_ops = ("sort", "cumsum", "top_k", "log_softmax", "take_along_axis", "sample")
+    collective = re.compile(r"(all-to-all|all-gather|all-reduce|collective-permute|reduce-scatter)")
+    found = {"pool_copies": [], "sampler_collectives": [], "logits_gathers": []}
     for shape in picked:
         arrays = replicate_tree(StepPlan.empty(shape).arrays(), runner.sharding.mesh)
         compiled = _step.lower(
@@ -313,7 +321,15 @@ def pool_copies(runner) -> list[str]:
         for line in compiled.as_text().splitlines():
             m = re.search(r"= \w+\[([\d,]+)\]\S* copy\(", line)
             if m and tuple(int(d) for d in m.group(1).split(",")) in pools:
-                found.append(line.strip()[:160])
+                found["pool_copies"].append(line.strip()[:160])
+            op = re.search(r'op_name="([^"]*)"', line)
+            if not (op and collective.search(line.split("=", 2)[1] if "=" in line else "")):
+                continue
+            name = op.group(1).replace("jit(_step)/", "")
+            if any(s in name for s in sampler_ops):
+                found["sampler_collectives"].append(name[:160])
+            elif "all-gather" in line and f",{runner.cfg.vocab_size}]" in line:
+                found["logits_gathers"].append(name[:160])
     return found
 
 
