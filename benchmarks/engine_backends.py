@@ -22,6 +22,7 @@ import inspect
 import json
 import time
 
+import jax
 import numpy as np
 
 from benchmarks.common import device_name
@@ -123,17 +124,32 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--precision",
+        choices=["default", "highest"],
+        default="default",
+        help="jax_default_matmul_precision: 'highest' turns TF32 off on GPU, so what is left of "
+        "a cached/uncached difference is not matmul rounding",
+    )
+    p.add_argument(
+        "--cached-reference", action="store_true", help="also the reference ops with caching on"
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.model = args.model or model_dir()
+    if args.precision != "default":
+        jax.config.update("jax_default_matmul_precision", args.precision)
     requests = prompts(Tokenizer.from_dir(args.model), args.num_requests, args.seed)
     runs = {
         "reference_uncached": run("reference", False, requests, args),
         "auto_uncached": run("auto", False, requests, args),
         "auto_cached": run("auto", True, requests, args),
     }
+    if args.cached_reference:
+        runs["reference_cached"] = run("reference", True, requests, args)
     summary = {
         "device": device_name(),
+        "precision": args.precision,
         "prompt_tokens": [len(r) for r in requests],
         # pass 0 compiles; pass 1 repeats the requests (cached: the first pass's prefixes hit)
         "seconds_pass1": {k: v[1]["seconds"] for k, v in runs.items()},
@@ -144,6 +160,10 @@ def main() -> None:
         "cached_vs_uncached_cold": compare(runs["auto_cached"][0], runs["auto_uncached"][1]),
         "cached_vs_uncached_warm": compare(runs["auto_cached"][1], runs["auto_uncached"][1]),
     }
+    if args.cached_reference:
+        ref_on, ref_off = runs["reference_cached"], runs["reference_uncached"][1]
+        summary["reference_cached_vs_uncached_cold"] = compare(ref_on[0], ref_off)
+        summary["reference_cached_vs_uncached_warm"] = compare(ref_on[1], ref_off)
     text = json.dumps(summary, indent=1)
     print(text)
     if args.out:
