@@ -187,7 +187,7 @@ def decompressed_attention(
     workspace: int,
     max_rows: int,
     block_q: int = 128,
-    block_k: int = 64,
+    block_k: int = 32,
     block_w: int = 64,
     block_l: int = 64,
     num_warps: int = 8,

@@ -157,13 +157,13 @@ def latent_attention(
     scale: float,
     head_block: int = 16,
     block_k_decode: int = 32,
-    block_k_prefill: int = 64,
+    block_k_prefill: int | None = None,
     rows_prefill: int = 64,
     target_programs: int = 256,
     max_splits_prefill: int = 2,
     num_warps: int = 4,
     num_stages: int = 2,
-    num_warps_prefill: int = 8,
+    num_warps_prefill: int | None = None,
     num_stages_prefill: int = 2,
     max_q_len: int | None = None,
     skip_rows: jax.Array | None = None,
@@ -172,7 +172,10 @@ def latent_attention(
     """Causal latent attention of a ragged batch. Returns o_lat [T, H, L] (padding 0).
 
     ``max_q_len``: a static bound on every row's new tokens (``mla_decode`` passes 1); when
-    the short tiles hold that many, the long launch is left out. ``skip_rows`` (bool[S]): rows
+    the short tiles hold that many, the long launch is left out. The long launch's tiles
+    default to 64-key blocks and 8 warps for 16-bit caches (3.5x faster than 32 keys and 4
+    warps on an H100, chunk 4096), 32 and 4 for f32 ones (64 f32 keys of 512 values per
+    pipeline stage pass the shared memory). ``skip_rows`` (bool[S]): rows
     another kernel attends (the decompressed prefill); their tokens come back 0."""
     num_tokens, num_heads, width = q_abs.shape
     num_blocks, block_size, _ = latent_cache.shape
@@ -210,6 +213,11 @@ def latent_attention(
     seq_id, local, live = token_rows(qsl, n, num_tokens)  # [T] each
     h_in = jnp.arange(hb, dtype=jnp.int32)
 
+    wide = jnp.dtype(latent_cache.dtype).itemsize > 2
+    if block_k_prefill is None:
+        block_k_prefill = 32 if wide else 64
+    if num_warps_prefill is None:
+        num_warps_prefill = 4 if wide else 8
     cap_long = min(num_rows, num_tokens // (bq_short + 1)) + num_tokens // bq_long
     launches = [(True, bq_short, block_k_decode, num_rows, num_warps, num_stages)]
     if max_q_len is not None and max_q_len <= bq_short:
@@ -274,8 +282,8 @@ def mla_prefill(
     *,
     nope_dim: int,
     scale: float,
-    decompress_tokens: int = 32768,
-    decompress_min_q: int = 64,
+    decompress_tokens: int | None = None,
+    decompress_min_q: int = 256,
     interpret: bool = False,
     **tuning,
 ) -> jax.Array:
@@ -287,14 +295,21 @@ def mla_prefill(
     Kimi-Linear shapes); the others (decode rows, short chunks, what does not fit) on the
     absorbed latent kernel. The workspace costs ``decompress_tokens * H * (Dn + Dv)`` values
     of the cache's dtype while the call runs (537 MB at 32k tokens, 48B shapes); 0 turns the
-    decompressed path off. Tuning keywords: :data:`_DECOMPRESS_KEYS` go to the decompressed
-    path, the rest (``head_block``, ``block_k_prefill`` ...) to :func:`latent_attention`."""
+    decompressed path off. Defaults, from an H100 (``benchmarks/mla_kernels.py``): 32k tokens
+    for 16-bit caches; off for f32 ones (its tiles have not run on a GPU: the interpret-mode
+    tests pass a size); ``decompress_min_q`` 256: after 16k cached tokens a 128-token chunk
+    took 0.89 ms absorbed and 1.37 ms decompressed, a 256-token one 1.65 and 1.40 (both
+    costs grow with the context, so the crossover is about a number of new tokens).
+    Tuning keywords: :data:`_DECOMPRESS_KEYS` go to the decompressed path, the rest
+    (``head_block``, ``block_k_prefill`` ...) to :func:`latent_attention`."""
     _, lora, rope, dv = _check(q, latent_cache, w_kv_b, nope_dim)
     check_latent_batch(query_start_loc, seq_lens, block_tables)
     dec_tuning = {_DECOMPRESS_KEYS[k]: tuning.pop(k) for k in list(tuning) if k in _DECOMPRESS_KEYS}
     num_tokens = q.shape[0]
     num_rows, max_blocks = block_tables.shape
     min_q = max(2, decompress_min_q)
+    if decompress_tokens is None:
+        decompress_tokens = 32768 if jnp.dtype(latent_cache.dtype).itemsize <= 2 else 0
     workspace = 0
     if all(_is_pow2(d) for d in (nope_dim, rope, dv, lora)):
         workspace = workspace_tokens(

@@ -110,8 +110,8 @@ TPU_TUNING = dict(interpret=pltpu.InterpretParams())
 # new tokens take the decompressed prefill (several query tiles, KV blocks and L chunks)
 GPU_TUNING = dict(
     interpret=True, head_block=2, block_k_decode=16, block_k_prefill=16, rows_prefill=8,
-    target_programs=16, decompress_min_q=4, flash_block_q=8, flash_block_k=16,
-    decompress_block_w=16, decompress_block_l=16,
+    target_programs=16, decompress_min_q=4, decompress_tokens=4096, flash_block_q=8,
+    flash_block_k=16, decompress_block_w=16, decompress_block_l=16,
 )  # fmt: skip
 KERNELS = {
     "tpu": (mla_tpu.mla_prefill, mla_tpu.mla_decode, TPU_TUNING),
@@ -167,7 +167,7 @@ def test_gpu_prefill_rows_past_the_workspace_take_the_absorbed_kernel():
     # other two (the running total passes 60) run on the absorbed long launch
     case = mla_case([0, 40, 5], [19, 6, 30], block_size=16, dtype=jnp.float32, seed=5)
     want = jax.jit(functools.partial(mla_prefill_reference, **ATTN))(*case.prefill_args)
-    fn = functools.partial(mla_gpu.mla_prefill, **ATTN, **GPU_TUNING, decompress_tokens=60)
+    fn = functools.partial(mla_gpu.mla_prefill, **ATTN, **{**GPU_TUNING, "decompress_tokens": 60})
     check(jax.jit(fn)(*case.prefill_args), want, case.num_live, jnp.float32)
 
 
@@ -202,12 +202,16 @@ def _kimi_args(t=64, s=8, max_blocks=32, bs=64):
 
 def test_gpu_kernel_lowers_to_triton_at_48b_shapes():
     fn = functools.partial(mla_gpu.mla_prefill, nope_dim=KIMI_DN, scale=(KIMI_DN + KIMI_R) ** -0.5)
-    text = jax.jit(fn).trace(*_kimi_args()).lower(lowering_platforms=("cuda",)).as_text()
+    # 512 tokens: room for a chunk of decompress_min_q = 256 new tokens
+    text = jax.jit(fn).trace(*_kimi_args(t=512)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mla_latent_attention_") >= 2  # the short and the long launch
     # prefill chunks: decompression and flash attention over the decompressed context
     assert "mla_decompress_context" in text and "mla_decompressed_prefill" in text
     # each trip of an XLA while loop on GPU is a host round trip: none around the kernels
     assert "stablehlo.while" not in text
+    # 64 tokens hold no row of 256 new tokens: the absorbed launches alone
+    text = jax.jit(fn).trace(*_kimi_args(t=64)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mla_latent_attention_long" in text and "mla_decompress" not in text
     # decode: one launch (every row fits a short tile), no empty prefill launch
     q, cache, w, _, *rest = _kimi_args(t=8)
     fn = functools.partial(mla_gpu.mla_decode, nope_dim=KIMI_DN, scale=(KIMI_DN + KIMI_R) ** -0.5)
