@@ -4,6 +4,10 @@
 (:mod:`pallas_kernels.attention.mla_reference`); both absorb ``kv_b_proj`` around one latent
 attention kernel (:mod:`pallas_kernels.attention.mla_absorb`), so decode rows and prefill
 chunks share a launch scheme and the context is read only as latents, through the block tables.
+In ``mla_prefill`` rows with many new tokens (>= 256 by default, 16-bit caches) instead run on
+keys and values decompressed per call into a transient workspace
+(:mod:`pallas_kernels.attention.mla_decompress_gpu`; 6-11x faster on an H100 for 1-4k-token
+chunks, BENCHMARKS.md); the rest of the batch stays here, in the same call.
 
 Latent attention is MQA with a single kv head of width L + R and value width L, so the layout
 follows :mod:`pallas_kernels.attention.gpu` with the query heads in the role of a GQA group: the
