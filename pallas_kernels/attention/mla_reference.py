@@ -25,8 +25,8 @@ Cost note: this prefill materialises every row's decompressed context at once
 (``S x ctx x H x (Dn + Dv)`` floats), fine for tests and small batches, too much for
 Kimi-Linear-48B with hundreds of rows and long contexts. The Pallas kernels
 (``mla_tpu.py``, ``mla_gpu.py``, around ``mla_absorb.py``) absorb on every row instead and
-read the context only as latents; a prefill that decompresses per KV tile (3.4x fewer flops
-for long chunks at 48B shapes) is still to come.
+read the context only as latents; on NVIDIA long prefill rows decompress their gathered
+context into a per-call workspace instead (``mla_decompress_gpu.py``), never into the cache.
 Positions past a sequence's length may hold anything (NaN in tests): they are zeroed before
 they meet a matmul, never only masked out of the softmax.
 """
