@@ -42,6 +42,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kernel-backend", default="auto", choices=["auto", "reference", "pallas", "interpret"]
     )
     p.add_argument("--num-checkpoint-slots", type=int, default=None)
+    p.add_argument(
+        "--cache-bytes",
+        type=_positive_int,
+        default=None,
+        help="bytes per device for the KV and state pools (default: 90%% of the free device "
+        "memory; on CPU, max-num-seqs full-length requests); with several processes, every "
+        "process sizes its pools for the smallest budget of them all",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--tensor-parallel-size",
@@ -60,6 +68,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="JAX's persistent compilation cache: restarts load the compiled buckets from here "
         "('' turns it off; env HYJAX_COMPILATION_CACHE sets the default)",
     )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    return value
 
 
 def engine_kwargs(ns: argparse.Namespace, **extra) -> dict:
@@ -83,6 +101,7 @@ def engine_kwargs(ns: argparse.Namespace, **extra) -> dict:
         retention_interval=ns.retention_interval,
         kernel_backend=ns.kernel_backend,
         num_checkpoint_slots=ns.num_checkpoint_slots,
+        cache_bytes=ns.cache_bytes,
         seed=ns.seed,
         tensor_parallel_size=ns.tensor_parallel_size,
         enable_expert_parallel=ns.enable_expert_parallel,

@@ -167,6 +167,59 @@ def engine_signature(engine) -> dict:
     }
 
 
+def signature_mismatch(mine: dict, leader: dict) -> str | None:
+    """Each field in which this process's engine differs from the leader's, with both values,
+    or None when they agree. The pools agree by construction (:func:`smallest_cache_bytes`);
+    this is the safety net for flags that differ between processes."""
+    diff = [
+        f"{k}: {mine[k]} here, {leader.get(k, '(missing)')} on the leader"
+        for k in mine
+        if mine[k] != leader.get(k)
+    ]
+    return "; ".join(diff) or None
+
+
+# ------------------------------------------------------------------------------ pool sizes
+
+
+def smallest_cache_bytes(mine: int) -> int:
+    """The least cache budget of all processes (a collective: every process must call it).
+
+    Each process measures its own devices' free memory, but all of them run the same step on
+    pools of one size: the leader's scheduler hands out block and slot ids for everyone, and a
+    follower with a smaller pool would index past its end. So every process plans its pools
+    from the smallest budget any of them can hold.
+
+    Args:
+      mine: this process's budget in bytes (per device), as it would plan alone.
+    """
+    import jax
+    from jax.experimental import multihost_utils
+
+    # Two int32 halves (without jax_enable_x64 an int64 would be cut to 32 bits, and an
+    # H100's budget is ~2**36 bytes); a bad value still enters the collective, so that every
+    # process raises the same error instead of leaving the others waiting in it.
+    hi, lo = divmod(mine, 1 << 30)
+    hi = max(-(1 << 31), min(hi, (1 << 31) - 1))  # clipped at ~2**61 bytes
+    # i32[num_processes, 2]: every process's (hi, lo), in process order
+    gathered = np.asarray(multihost_utils.process_allgather(np.array([hi, lo], np.int32)))
+    budgets = [(int(h) << 30) + int(low) for h, low in gathered.reshape(-1, 2)]
+    least = min(budgets)
+    smallest = budgets.index(least)
+    if least < 1:
+        raise ValueError(f"process {smallest}'s cache budget of {least} bytes must be positive")
+    log.info(
+        "pools sized to the smallest process: %d bytes (%.2f GiB) per device, process %d's "
+        "budget (this is process %d; budgets by process: %s)",
+        least,
+        least / (1 << 30),
+        smallest,
+        jax.process_index(),
+        budgets,
+    )
+    return least
+
+
 # ------------------------------------------------------------------------------ leader
 
 
@@ -369,12 +422,10 @@ def run_follower(
     if hello is None or hello[0].get("kind") != "hello":
         log.error("the leader closed the plan channel during the handshake")
         return 1
-    mine = engine_signature(engine)
-    theirs = {k: hello[0][k] for k in mine}
-    if theirs != mine:
-        diff = [k for k in mine if mine[k] != theirs[k]]
-        log.error("this process's engine differs from the leader's in %s: give every "
-                  "process the same model and engine flags", diff)  # fmt: skip
+    diff = signature_mismatch(engine_signature(engine), hello[0])
+    if diff is not None:
+        log.error("this process's engine differs from the leader's (%s): give every process "
+                  "the same model and engine flags", diff)  # fmt: skip
         return 1
     sock.settimeout(None)  # idle: wait for the next plan as long as the leader lives
     log.info("follower %d: mirroring the leader's steps", config.process_id)

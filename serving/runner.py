@@ -113,12 +113,20 @@ class ModelRunner:
             slot_bytes = state_slot_bytes(cfg, self.dtype)
             max_blocks, max_slots = pool_limits(cfg, sched_cfg.block_size)
         if cache_bytes is None:
-            devices = list(sharding.mesh.devices.flat) if sharding else jax.devices()[:1]
+            devices = list(sharding.mesh.devices.flat) if sharding else jax.local_devices()[:1]
+            # This process measures its own devices only (another host's have no stats here).
+            devices = [d for d in devices if d.process_index == jax.process_index()]
             cache_bytes = _default_cache_bytes(
                 sched_cfg, kv_bytes, slot_bytes, num_checkpoint_slots, devices
             )
             if jax.devices()[0].platform == "cpu" and num_checkpoint_slots is None:
                 num_checkpoint_slots = 4 * sched_cfg.max_num_seqs
+        if jax.process_count() > 1:
+            # Every process runs each step on pools of one size (the leader's scheduler hands
+            # out the block ids): all plan from the smallest budget (a collective).
+            from serving.multihost import smallest_cache_bytes
+
+            cache_bytes = smallest_cache_bytes(cache_bytes)
         self.memory: MemoryPlan = plan_memory(
             cache_bytes,
             kv_block_bytes=kv_bytes,

@@ -1,7 +1,8 @@
 """``hyjax serve`` across two processes (``jax.distributed``), as users start it.
 
 Two CPU processes with 2 simulated devices each run ``--tensor-parallel-size 4`` over both:
-process 0 serves HTTP and plans, process 1 mirrors its steps (serving/multihost.py). The
+process 0 serves HTTP and plans, process 1 mirrors its steps (serving/multihost.py). Process 1
+is given less cache memory: both must size their pools from its budget. The
 official ``openai`` client's greedy completions must match a one-process, one-device engine
 token for token; SIGTERM on the leader must end both processes with exit code 0. The plan
 channel's failure paths are tested on real sockets without JAX.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -30,6 +32,7 @@ from serving.multihost import (
     _recv_frame,
     decode_plan,
     exit_on_lost,
+    signature_mismatch,
 )
 from serving.plan import StepPlan, StepShape
 from tests.serving.server_helpers import free_port, request
@@ -44,8 +47,12 @@ PROMPTS = [
 # One sequence at a time, every prefill chunk in one 64-token bucket: two step shapes to warm
 # up, with the follower mirroring (a TP = 4 step over two processes compiles for many seconds).
 FLAGS = ["--max-num-seqs", "1", "--max-num-batched-tokens", "64", "--min-token-bucket", "64"]
-FLAGS += ["--max-model-len", "128"]
+FLAGS += ["--max-model-len", "128", "--num-checkpoint-slots", "4"]
 MAX_TOKENS = 8
+# The follower "has less memory": a budget of 10 KV blocks (null included) and 6 state slots
+# per device (2048 B/block, 1792 B/slot for this model under TP 4), one block less than the
+# leader's CPU default. Both must size their pools from it.
+FOLLOWER_CACHE_BYTES = 10 * 2048 + 6 * 1792
 
 
 def _write_model(out: str) -> str:
@@ -100,7 +107,8 @@ def job(tmp_path_factory):
     base += ["--num-processes", "2", "--plan-port", str(plans)]
     procs, logs = [], []
     for pid in (0, 1):
-        cmd = [*base, "--process-id", str(pid)] + (["--port", str(http)] if pid == 0 else [])
+        cmd = [*base, "--process-id", str(pid)]
+        cmd += ["--port", str(http)] if pid == 0 else ["--cache-bytes", str(FOLLOWER_CACHE_BYTES)]
         logs.append(d / f"process{pid}.log")
         with open(logs[-1], "w") as f:
             procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env))
@@ -131,9 +139,49 @@ def _wait_ready(procs, url, logs, timeout=240.0):
     raise TimeoutError("\n".join(log.read_text()[-3000:] for log in logs))
 
 
-def test_two_process_serve_matches_one_device_and_stops_on_sigterm(job):
+@pytest.fixture(scope="module")
+def expected(job):
+    return _reference(job[3])  # while the job compiles its buckets
+
+
+def _pools(log_text: str) -> dict:
+    """The memory plan a process logged: its agreed budget, pool lines and entry sizes."""
+    agreed = re.search(r"pools sized to the smallest process: (\d+) bytes .* budgets by "
+                       r"process: \[(\d+), (\d+)\]", log_text)  # fmt: skip
+    kv = re.search(r"KV cache: (\d+) blocks .* \((\d+) B/block\)", log_text)
+    state = re.search(r"state cache: (\d+) slots .* \((\d+) B/slot\)", log_text)
+    assert agreed and kv and state, log_text[-3000:]
+    return dict(
+        agreed=int(agreed[1]),
+        budgets=[int(agreed[2]), int(agreed[3])],
+        lines=(kv[0], state[0]),
+        kv_blocks=int(kv[1]) + 1,  # the log counts the usable blocks
+        state_slots=int(state[1]) + 1,
+        kv_bytes=int(kv[2]),
+        slot_bytes=int(state[2]),
+    )
+
+
+def test_a_process_with_less_memory_sizes_every_process_pools(job, expected):
+    """The follower's budget is smaller than the leader's: both plan from it, so the pools
+    (and the handshake's signature) agree; the serve test below runs on these pools."""
+    procs, url, logs, _ = job
+    _wait_ready(procs, url, logs)
+    leader, follower = (_pools(log.read_text()) for log in logs)
+    assert leader["budgets"] == follower["budgets"]
+    assert follower["budgets"][1] == FOLLOWER_CACHE_BYTES < leader["budgets"][0]
+    assert leader["agreed"] == follower["agreed"] == FOLLOWER_CACHE_BYTES
+    assert leader["lines"] == follower["lines"]  # identical KV and state pools
+    kv, slot = leader["kv_bytes"], leader["slot_bytes"]
+    running = 1 + 1 + 4  # NULL slot, one running sequence, four checkpoints
+    assert leader["state_slots"] == running
+    assert leader["kv_blocks"] == (FOLLOWER_CACHE_BYTES - running * slot) // kv == 10
+    alone = (leader["budgets"][0] - running * slot) // kv  # what the leader would have had
+    assert alone > leader["kv_blocks"]
+
+
+def test_two_process_serve_matches_one_device_and_stops_on_sigterm(job, expected):
     procs, url, logs, model_dir = job
-    expected = _reference(model_dir)  # while the job compiles its buckets
     _wait_ready(procs, url, logs)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
     name = client.models.list().data[0].id
@@ -253,6 +301,18 @@ def test_a_failed_leader_step_ends_the_job():
         engine.step()
     assert lost == ["the leader's step failed (RuntimeError('out of memory')); the followers "
                     "cannot go on"]  # fmt: skip
+
+
+def test_a_differing_engine_is_named_with_both_values():
+    mine = {"num_kv_blocks": 10, "num_state_slots": 6, "step_shapes": [{"num_tokens": 64}]}
+    assert signature_mismatch(mine, dict(mine, kind="hello")) is None
+    leader = dict(mine, num_kv_blocks=11, step_shapes=[{"num_tokens": 8}])
+    assert signature_mismatch(mine, leader) == (
+        "num_kv_blocks: 10 here, 11 on the leader; "
+        "step_shapes: [{'num_tokens': 64}] here, [{'num_tokens': 8}] on the leader"
+    )
+    del leader["num_state_slots"]  # an older leader
+    assert "num_state_slots: 6 here, (missing) on the leader" in signature_mismatch(mine, leader)
 
 
 def test_bad_layouts_are_named():
