@@ -21,11 +21,13 @@ long as the leader lives (TCP keep-alive notices a vanished host). A leader that
 the socket: the follower sees end-of-stream (exit 1) or the shutdown frame (exit 0).
 
 Failure: after the handshake followers never write, so the leader's watchdog thread sees a
-readable follower socket only when that follower is gone. A step would then wait forever in a
-collective, so the watchdog reports the loss to the HTTP process (``Failed``: ``/health`` turns
-503, requests fail with the reason) and ends the engine process at once (exit code 1). A step
-that fails on the leader does the same (:class:`FatalStepErrors`): the followers may already
-be inside it. A follower whose step fails exits 1, which the watchdog then sees.
+readable follower socket only when that follower is gone (one that leaves because its engine
+differs from the leader's writes why first, and the leader's message says so). A step would
+then wait forever in a collective, so the watchdog reports the loss to the HTTP process
+(``Failed``: ``/health`` turns 503, requests fail with the reason) and ends the engine process
+at once (exit code 1). A step that fails on the leader does the same
+(:class:`FatalStepErrors`): the followers may already be inside it. A follower whose step
+fails exits 1, which the watchdog then sees.
 """
 
 from __future__ import annotations
@@ -320,11 +322,25 @@ class PlanBroadcaster:
                 return
             if ready and not self._closing:
                 pid = by_fd.get(ready[0].fileno(), "?")
+                why = _farewell(ready[0])
                 self.on_lost(
                     f"follower process {pid} of {self.config.num_processes} left the "
-                    "multi-host job; every step needs all processes, so the engine stops"
+                    f"multi-host job{why}; every step needs all processes, so the engine stops"
                 )
                 return
+
+
+def _farewell(conn: socket.socket) -> str:
+    """The reason a leaving follower wrote (its only frame after the hello), as a suffix for
+    the leader's message; empty when it just vanished."""
+    conn.settimeout(1.0)
+    try:
+        frame = _recv_frame(conn, max_bytes=1 << 16)
+    except (OSError, ValueError):
+        return ""
+    if frame is None or frame[0].get("kind") != "error":
+        return ""
+    return f" ({frame[0].get('reason')})"
 
 
 def start_leader(engine_kwargs: dict, config: MultihostConfig, on_lost: Callable[[str], None]):
@@ -424,8 +440,11 @@ def run_follower(
         return 1
     diff = signature_mismatch(engine_signature(engine), hello[0])
     if diff is not None:
-        log.error("this process's engine differs from the leader's (%s): give every process "
-                  "the same model and engine flags", diff)  # fmt: skip
+        reason = (f"process {config.process_id}'s engine differs from the leader's ({diff}): "
+                  "give every process the same model and engine flags")  # fmt: skip
+        log.error("%s", reason)
+        sock.sendall(_encode({"kind": "error", "reason": reason}))  # for the leader's log
+        sock.close()
         return 1
     sock.settimeout(None)  # idle: wait for the next plan as long as the leader lives
     log.info("follower %d: mirroring the leader's steps", config.process_id)

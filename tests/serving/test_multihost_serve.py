@@ -248,6 +248,23 @@ def test_plans_travel_intact_and_a_lost_follower_is_reported():
     b.close()
 
 
+def test_a_follower_that_differs_tells_the_leader_why():
+    lost = []
+    cfg, b = _broadcaster(on_lost=lost.append)
+    f = _follower(cfg, 1)
+    b.accept({"num_kv_blocks": 11}, timeout=10)
+    assert _recv_frame(f)[0] == {"kind": "hello", "num_kv_blocks": 11}
+    why = "process 1's engine differs from the leader's (num_kv_blocks: 10 here, 11 on the leader)"
+    f.sendall(_encode({"kind": "error", "reason": why}))  # what run_follower writes, then exits
+    f.close()
+    deadline = time.monotonic() + 5
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lost == [f"follower process 1 of 2 left the multi-host job ({why}); every step "
+                    "needs all processes, so the engine stops"]  # fmt: skip
+    b.close()
+
+
 def test_shutdown_reaches_every_follower_and_a_missing_one_is_named():
     cfg, b = _broadcaster(num_processes=3)
     f1 = _follower(cfg, 2)
