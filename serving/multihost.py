@@ -204,7 +204,14 @@ def smallest_cache_bytes(mine: int) -> int:
     hi, lo = divmod(mine, 1 << 30)
     hi = max(-(1 << 31), min(hi, (1 << 31) - 1))  # clipped at ~2**61 bytes
     # i32[num_processes, 2]: every process's (hi, lo), in process order
-    gathered = np.asarray(multihost_utils.process_allgather(np.array([hi, lo], np.int32)))
+    try:
+        gathered = np.asarray(multihost_utils.process_allgather(np.array([hi, lo], np.int32)))
+    except Exception as e:  # a process that failed before this point never joins it
+        raise RuntimeError(
+            f"process {jax.process_index()} of {jax.process_count()} could not agree on the "
+            "pool sizes with the others: did one of them fail to start? (see its log) "
+            f"[{type(e).__name__}: {e}]"
+        ) from e
     budgets = [(int(h) << 30) + int(low) for h, low in gathered.reshape(-1, 2)]
     least = min(budgets)
     smallest = budgets.index(least)

@@ -33,6 +33,7 @@ from serving.multihost import (
     decode_plan,
     exit_on_lost,
     signature_mismatch,
+    smallest_cache_bytes,
 )
 from serving.plan import StepPlan, StepShape
 from tests.serving.server_helpers import free_port, request
@@ -330,6 +331,17 @@ def test_a_differing_engine_is_named_with_both_values():
     )
     del leader["num_state_slots"]  # an older leader
     assert "num_state_slots: 6 here, (missing) on the leader" in signature_mismatch(mine, leader)
+
+
+def test_the_budget_survives_the_int32_collective_and_a_bad_one_is_named():
+    """One process (the collective runs all the same): budgets past 2**31 bytes come back
+    whole, a non-positive one is an error naming the process."""
+    assert smallest_cache_bytes(70 * 2**30 + 12345) == 70 * 2**30 + 12345
+    assert smallest_cache_bytes(31232) == 31232
+    with pytest.raises(ValueError, match="process 0's cache budget of 0 bytes must be positive"):
+        smallest_cache_bytes(0)
+    with pytest.raises(ValueError, match="budget of -5 bytes must be positive"):
+        smallest_cache_bytes(-5)
 
 
 def test_bad_layouts_are_named():
