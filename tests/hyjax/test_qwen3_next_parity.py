@@ -2,190 +2,38 @@
 
 Every forward runs on the serving interface: paged KV (block tables, slot mapping), the state
 pool with src/dst slots and checkpoint writes. Caches start poisoned with NaN, so a read of
-anything not written first shows up as NaN logits.
+anything not written first shows up as NaN logits. The scenarios are
+:mod:`tests.hyjax.parity_helpers`'; here they run at step shapes that vary, padding included.
 """
 
-import functools
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from flax import nnx
 
-from hyjax.cache import init_caches
-from hyjax.loader import load_model
-from hyjax.ops import get_ops
-from hyjax.testing import SeqChunk, hf_logits, make_batch, save_tiny_qwen3_next
-
-BS = 16  # KV block size
-RTOL = 1e-4
-LONG = 150
+from hyjax.testing import save_tiny_qwen3_next
+from tests.hyjax import parity_helpers as parity
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3_next_tiny")
-    save_tiny_qwen3_next(path, seed=0)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(3, 128, size=LONG).tolist()
-    return path, tokens, hf_logits(path, tokens)
+    return parity.tiny_checkpoint(tmp_path_factory.mktemp("qwen3_next_tiny"), save_tiny_qwen3_next)
 
 
 @pytest.fixture(scope="module")
 def runner(ckpt):
-    model, cfg = load_model(ckpt[0])
-    graphdef, state = nnx.split(model)
-    ops = get_ops("reference")
-
-    @functools.partial(jax.jit, static_argnames="decode_only")
-    def forward(state, batch, caches, decode_only=False):
-        return nnx.merge(graphdef, state)(batch, caches, ops, decode_only=decode_only)
-
-    def run(rows, caches, *, num_tokens, num_seqs, decode_only=False):
-        batch, idx = make_batch(
-            rows, block_size=BS, num_tokens=num_tokens, num_seqs=num_seqs, max_blocks=16
-        )
-        caches, logits = forward(state, batch, caches, decode_only=decode_only)
-        logits = np.asarray(logits)
-        return caches, [logits[i] for i in idx]
-
-    def fresh_caches():
-        return init_caches(
-            cfg, num_blocks=40, block_size=BS, num_slots=8, dtype=jnp.float32, fill=np.nan
-        )
-
-    return run, fresh_caches
-
-
-def assert_close(got, want):
-    err = np.abs(got - want).max() / np.abs(want).max()
-    assert err < RTOL, f"relative error {err:.2e}"
+    return parity.Runner(ckpt.path)
 
 
 def test_whole_prompt_one_step(ckpt, runner):
-    _, tokens, ref = ckpt
-    run, fresh = runner
-    n = 70
-    _, (out,) = run(
-        [SeqChunk(tokens[:n], 0, range(1, 6), dst_slot=1, all_logits=True)],
-        fresh(),
-        num_tokens=72,
-        num_seqs=72,
-    )
-    assert not np.isnan(out).any()
-    assert_close(out, ref[:n])
+    parity.whole_prompt_one_step(ckpt, runner, (72, 72))
 
 
 def test_chunked_prefill_then_decode(ckpt, runner):
-    _, tokens, ref = ckpt
-    run, fresh = runner
-    caches = fresh()
-    blocks = list(range(3, 13))
-    pos = 0
-    for i, size in enumerate([5, 59, 64, 3]):  # chunks of different sizes, 131 tokens
-        caches, (out,) = run(
-            [
-                SeqChunk(
-                    tokens[pos : pos + size],
-                    pos,
-                    blocks,
-                    src_slot=0 if i == 0 else 2,
-                    dst_slot=2,
-                    all_logits=True,
-                )
-            ],
-            caches,
-            num_tokens=64,
-            num_seqs=64,
-        )
-        assert_close(out, ref[pos : pos + size])
-        pos += size
-    for _ in range(8):  # decode token by token through the update kernels
-        caches, (out,) = run(
-            [SeqChunk(tokens[pos : pos + 1], pos, blocks, src_slot=2, dst_slot=2)],
-            caches,
-            num_tokens=1,
-            num_seqs=1,
-            decode_only=True,
-        )
-        assert_close(out[0], ref[pos])
-        pos += 1
+    parity.chunked_prefill_then_decode(ckpt, runner, prefill=(64, 64), decode=(1, 1))
 
 
 def test_mixed_ragged_step(ckpt, runner):
-    """One step: a decode of a cached sequence, a fresh 1-token prompt, and longer chunks."""
-    _, tokens, ref = ckpt
-    run, fresh = runner
-    caches = fresh()
-    # Step 1: prefill 40 tokens of sequence A (blocks 1..4, slot 1).
-    caches, _ = run(
-        [SeqChunk(tokens[:40], 0, [1, 2, 3, 4], dst_slot=1)], caches, num_tokens=48, num_seqs=4
-    )
-    ref1 = hf_logits(_ckpt_path(ckpt), tokens[:1])
-    ref_b = ref  # sequence B is the same long token list from the start
-    rows = [
-        SeqChunk(tokens[40:41], 40, [1, 2, 3, 4], src_slot=1, dst_slot=1),  # decode, length 1
-        SeqChunk(tokens[:1], 0, [5], dst_slot=2),  # a 1-token prompt
-        SeqChunk(tokens[:65], 0, [6, 7, 8, 9, 10], dst_slot=3, all_logits=True),  # 65 tokens
-        SeqChunk(tokens[:7], 0, [11], dst_slot=4, all_logits=True),  # 7 tokens
-    ]
-    caches, outs = run(rows, caches, num_tokens=80, num_seqs=80)
-    assert_close(outs[0][0], ref[40])
-    assert_close(outs[1][0], ref1[0])
-    assert_close(np.stack(outs[2]), ref_b[:65])
-    assert_close(np.stack(outs[3]), ref[:7])
-    # The written running slots continue correctly in a decode-only step.
-    caches, outs = run(
-        [
-            SeqChunk(tokens[41:42], 41, [1, 2, 3, 4], src_slot=1, dst_slot=1),
-            SeqChunk(tokens[65:66], 65, [6, 7, 8, 9, 10], src_slot=3, dst_slot=3),
-        ],
-        caches,
-        num_tokens=2,
-        num_seqs=2,
-        decode_only=True,
-    )
-    assert_close(outs[0][0], ref[41])
-    assert_close(outs[1][0], ref[65])
-
-
-def _ckpt_path(ckpt):
-    return ckpt[0]
+    parity.mixed_ragged_step(ckpt, runner, first=(48, 4), mixed=(80, 80), decode=(2, 2))
 
 
 @pytest.mark.parametrize("resume_at", [64, 128])
 def test_resume_from_checkpoint(ckpt, runner, resume_at):
-    """Checkpoints written inside one 150-token step resume to the same logits."""
-    _, tokens, ref = ckpt
-    run, fresh = runner
-    caches = fresh()
-    blocks = list(range(1, 11))
-    caches, (straight,) = run(
-        [SeqChunk(tokens, 0, blocks, dst_slot=1, ckpts=[(64, 2), (128, 3)], all_logits=True)],
-        caches,
-        num_tokens=160,
-        num_seqs=160,
-    )
-    assert_close(straight, ref)
-    # A second request shares the prefix blocks and reads the checkpoint as its source.
-    shared = blocks[: resume_at // BS]
-    own = list(range(20, 20 + (LONG - resume_at) // BS + 1))
-    slot = {64: 2, 128: 3}[resume_at]
-    caches, (resumed,) = run(
-        [
-            SeqChunk(
-                tokens[resume_at:],
-                resume_at,
-                shared + own,
-                src_slot=slot,
-                dst_slot=5,
-                all_logits=True,
-            )
-        ],
-        caches,
-        num_tokens=96,
-        num_seqs=96,
-    )
-    np.testing.assert_allclose(resumed, straight[resume_at:], rtol=0, atol=1e-4)
-    assert_close(resumed, ref[resume_at:])
+    parity.resume_from_checkpoint(ckpt, runner, resume_at, straight=(160, 160), resumed=(96, 96))
