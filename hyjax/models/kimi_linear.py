@@ -5,36 +5,29 @@ Decoder layer ``i`` (pre-norm residual, plain RMSNorm ``w * normalize(x)`` every
     h = h + self_attn(input_layernorm(h))        self_attn: KDA, or MLA (NoPE) on the latent cache
     h = h + mlp(post_attention_layernorm(h))     mlp: dense SwiGLU (the first layers) or SigmoidMoe
 
-The forward takes one flat ragged batch (:class:`hyjax.batch.Batch`) and the device caches,
-and returns the updated caches with the logits of the tokens at ``batch.logits_indices``.
+The stack around the layers (embedding, cache walk, final norm, logits) is
+:mod:`hyjax.models.hybrid`'s; this file says what fills it.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hyjax.batch import Batch
-from hyjax.cache import Caches
-from hyjax.config import FULL_ATTENTION, KimiLinearConfig
+from hyjax.config import KimiLinearConfig
 from hyjax.layers.kda import KimiDeltaAttention
-from hyjax.layers.linear import Linear
 from hyjax.layers.mla import MultiHeadLatentAttention
 from hyjax.layers.moe import MLP, SigmoidMoe
-from hyjax.layers.norms import RMSNorm
-from hyjax.ops import Ops
-
-# flax >= 0.12 wants lists of modules wrapped; older versions take plain lists.
-_ModuleList = getattr(nnx, "List", list)
+from hyjax.models.hybrid import HybridDecoderLayer, HybridForCausalLM
 
 
-class KimiDecoderLayer(nnx.Module):
+class KimiDecoderLayer(HybridDecoderLayer):
+    """The mixer is ``self_attn`` in every layer, MLA or KDA (the checkpoint's names)."""
+
+    zero_centred_norm = False
+
     def __init__(self, cfg: KimiLinearConfig, i: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.is_attention = cfg.layer_types[i] == FULL_ATTENTION
-        norm = dict(eps=cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
+        super().__init__(cfg, i, dtype=dtype)
         if self.is_attention:
             self.self_attn = MultiHeadLatentAttention(cfg, dtype=dtype, rngs=rngs)
         else:
@@ -56,50 +49,9 @@ class KimiDecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, h, cache, batch: Batch, ops: Ops, *, decode_only: bool):
-        cache, y = self.self_attn(
-            self.input_layernorm(h), cache, batch, ops, decode_only=decode_only
-        )
-        h = h + y
-        h = h + self.mlp(self.post_attention_layernorm(h))
-        return cache, h
+    def mixer(self) -> nnx.Module:
+        return self.self_attn
 
 
-class KimiLinearForCausalLM(nnx.Module):
-    def __init__(self, cfg: KimiLinearConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.config = cfg
-        self.dtype = dtype
-        init = nnx.initializers.normal(0.02)
-        self.embed_tokens = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
-        self.layers = _ModuleList(
-            [KimiDecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_hidden_layers)]
-        )
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
-
-    def __call__(
-        self, batch: Batch, caches: Caches, ops: Ops, *, decode_only: bool = False
-    ) -> tuple[Caches, jax.Array]:
-        """Runs every layer over the batch. Returns ``(caches, logits f32[S, vocab])``."""
-        h = self.embed_tokens[...][batch.input_ids]  # [T, D]
-        kv, conv, ssm = list(caches.kv), list(caches.conv), list(caches.ssm)
-        attn_i = lin_i = 0
-        for layer in self.layers:
-            if layer.is_attention:
-                kv[attn_i], h = layer(h, kv[attn_i], batch, ops, decode_only=decode_only)
-                attn_i += 1
-            else:
-                (conv[lin_i], ssm[lin_i]), h = layer(
-                    h, (conv[lin_i], ssm[lin_i]), batch, ops, decode_only=decode_only
-                )
-                lin_i += 1
-        h = self.norm(h[batch.logits_indices])  # [S, D]
-        return Caches(kv=tuple(kv), conv=tuple(conv), ssm=tuple(ssm)), self.logits(h)
-
-    def logits(self, h: jax.Array) -> jax.Array:
-        if self.config.tie_word_embeddings:
-            w = self.embed_tokens[...].T
-        else:
-            w = self.lm_head.weight[...]
-        return jnp.einsum("SD,DV->SV", h, w, preferred_element_type=jnp.float32)
+class KimiLinearForCausalLM(HybridForCausalLM):
+    layer_class = KimiDecoderLayer
