@@ -67,28 +67,17 @@ def _mm(x, y, contract):
 # ----------------------------------------------------------------------------- kernel
 
 
-def _kernel(
-    tseq_ref, tq0_ref, tnq_ref, tpos_ref,  # i32[NT] each: the work list (nq = 0: empty tile)
-    bt_ref,  # i32[S * max_blocks]  block tables, flattened
-    q_ref,  # [Hkv, Tp * Gp, D]
-    k_ref, v_ref,  # [NB * bs * Hkv, D]
-    o_ref,  # f32[splits, Hkv, NT * M, D]  rows of tile i: [i * M, (i + 1) * M)
-    m_ref, l_ref,  # f32[splits, Hkv, NT * M]
-    *, bq: int, gp: int, group: int, block_k: int, block_size: int, max_blocks: int,
-    num_kv_heads: int, splits: int, scale: float,
+def _attend_split(
+    q, q_pos, ctx, j, seq, h, bt_ref, k_ref, v_ref,
+    *, block_k: int, block_size: int, max_blocks: int, num_kv_heads: int, splits: int,
+    scale: float,
 ):  # fmt: skip
-    i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows = bq * gp
-    d = q_ref.shape[-1]
-    seq, q0, nq, pos0 = tseq_ref[i], tq0_ref[i], tnq_ref[i], tpos_ref[i]
-
-    r = jnp.arange(rows, dtype=jnp.int32)
-    tok = r // gp
-    row_ok = (tok < nq) & (r % gp < group)  # [M]
-    q_pos = pos0 + tok  # [M]
-    q = pltr.load(q_ref.at[h, pl.ds(q0 * gp, rows), :], mask=row_ok[:, None], other=0.0)
-
-    ctx = pos0 + nq  # keys [0, ctx)
+    """Online softmax of ``q`` [M, D] (positions ``q_pos`` [M]) over split ``j`` of the keys
+    ``[0, ctx)`` of sequence ``seq``, kv head ``h``, read through the block tables in
+    ``block_k``-token blocks (a gathered [BK, D] load; masked past the context, so unused pages
+    are never read). Returns the unnormalised float32 partial ``(o [M, D], m [M], l [M])``."""
+    rows, d = q.shape
+    cols = jnp.arange(d, dtype=jnp.int32)[None, :]
     n_kv = cdiv(ctx, block_k)
     per = cdiv(n_kv, splits)
     start = j * per
@@ -102,10 +91,9 @@ def _kernel(
             bt_ref.at[seq * max_blocks + k_pos // block_size], mask=k_ok, other=0
         )  # [BK]
         kv_row = (page * block_size + k_pos % block_size) * num_kv_heads + h
-        at = (kv_row[:, None], jnp.arange(d, dtype=jnp.int32)[None, :])  # a [BK, D] gather
-        k_mask = jnp.broadcast_to(k_ok[:, None], (block_k, d))
-        k = pltr.load(k_ref.at[at], mask=k_mask, other=0.0)  # [BK, D]
-        v = pltr.load(v_ref.at[at], mask=k_mask, other=0.0)
+        k_mask = k_ok[:, None] & (cols >= 0)  # [BK, D]
+        k = pltr.load(k_ref.at[kv_row[:, None], cols], mask=k_mask, other=0.0)  # [BK, D]
+        v = pltr.load(v_ref.at[kv_row[:, None], cols], mask=k_mask, other=0.0)
         s = _mm(q, k, ((1,), (1,))) * scale  # [M, BK]
         ok = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         s = jnp.where(ok, s, _MASKED)
@@ -121,7 +109,34 @@ def _kernel(
         jnp.full((rows,), _MASKED, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    o, m, l = jax.lax.fori_loop(start, end, body, init)
+    return jax.lax.fori_loop(start, end, body, init)
+
+
+def _kernel(
+    tseq_ref, tq0_ref, tnq_ref, tpos_ref,  # i32[NT] each: the work list (nq = 0: empty tile)
+    bt_ref,  # i32[S * max_blocks]  block tables, flattened
+    q_ref,  # [Hkv, Tp * Gp, D]
+    k_ref, v_ref,  # [NB * bs * Hkv, D]
+    o_ref,  # f32[splits, Hkv, NT * M, D]  rows of tile i: [i * M, (i + 1) * M)
+    m_ref, l_ref,  # f32[splits, Hkv, NT * M]
+    *, bq: int, gp: int, group: int, block_k: int, block_size: int, max_blocks: int,
+    num_kv_heads: int, splits: int, scale: float,
+):  # fmt: skip
+    i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = bq * gp
+    seq, q0, nq, pos0 = tseq_ref[i], tq0_ref[i], tnq_ref[i], tpos_ref[i]
+
+    r = jnp.arange(rows, dtype=jnp.int32)
+    tok = r // gp
+    row_ok = (tok < nq) & (r % gp < group)  # [M]
+    q_pos = pos0 + tok  # [M]
+    q = pltr.load(q_ref.at[h, pl.ds(q0 * gp, rows), :], mask=row_ok[:, None], other=0.0)
+
+    ctx = pos0 + nq  # keys [0, ctx)
+    o, m, l = _attend_split(
+        q, q_pos, ctx, j, seq, h, bt_ref, k_ref, v_ref, block_k=block_k, block_size=block_size,
+        max_blocks=max_blocks, num_kv_heads=num_kv_heads, splits=splits, scale=scale,
+    )  # fmt: skip
     out = pl.ds(i * rows, rows)
     pltr.store(o_ref.at[j, h, out, :], o, mask=row_ok[:, None])
     pltr.store(m_ref.at[j, h, out], m, mask=row_ok)
@@ -214,38 +229,10 @@ def _decode_kernel(
     q = pltr.load(q_ref.at[jnp.where(row_ok, idx, 0)[:, None], cols], mask=mask, other=0.0)
 
     ctx = pos0 + nq  # keys [0, ctx)
-    n_kv = cdiv(ctx, block_k)
-    per = cdiv(n_kv, splits)
-    start = j * per
-    end = jnp.minimum(n_kv, start + per)
-
-    def body(kb, carry):
-        o, m, l = carry
-        k_pos = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK]
-        k_ok = k_pos < ctx
-        page = pltr.load(
-            bt_ref.at[i * max_blocks + k_pos // block_size], mask=k_ok, other=0
-        )  # [BK]
-        kv_row = (page * block_size + k_pos % block_size) * num_kv_heads + h
-        k_mask = k_ok[:, None] & (cols >= 0)  # [BK, D]
-        k = pltr.load(k_ref.at[kv_row[:, None], cols], mask=k_mask, other=0.0)  # [BK, D]
-        v = pltr.load(v_ref.at[kv_row[:, None], cols], mask=k_mask, other=0.0)
-        s = _mm(q, k, ((1,), (1,))) * scale  # [M, BK]
-        ok = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        s = jnp.where(ok, s, _MASKED)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
-        l = l * alpha + jnp.sum(p, axis=1)
-        o = o * alpha[:, None] + _mm(p.astype(v.dtype), v, ((1,), (0,)))
-        return o, m_new, l
-
-    init = (
-        jnp.zeros((rows, d), jnp.float32),
-        jnp.full((rows,), _MASKED, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
-    o, m, l = jax.lax.fori_loop(start, end, body, init)
+    o, m, l = _attend_split(
+        q, q_pos, ctx, j, i, h, bt_ref, k_ref, v_ref, block_k=block_k, block_size=block_size,
+        max_blocks=max_blocks, num_kv_heads=num_kv_heads, splits=splits, scale=scale,
+    )  # fmt: skip
     if splits == 1:  # normalise and write the output rows: no partials, no merge
         out = normalise_split(o, l).astype(out_ref.dtype)
         pltr.store(out_ref.at[idx[:, None], cols], out, mask=mask)
