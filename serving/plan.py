@@ -66,6 +66,7 @@ class StepPlan:
     top_k: np.ndarray  # i32[S]   0 = off
     min_p: np.ndarray  # f32[S]   0 = off
     seeds: np.ndarray  # u32[S]   per-request seed, mixed with the position by the sampler
+    logprobs: np.ndarray  # i32[S]   top logprobs the row reports; -1 = none (not computed)
 
     @classmethod
     def empty(cls, shape: StepShape) -> StepPlan:
@@ -90,6 +91,7 @@ class StepPlan:
             top_k=np.zeros(s, np.int32),
             min_p=np.zeros(s, np.float32),
             seeds=np.zeros(s, np.uint32),
+            logprobs=np.full(s, -1, np.int32),
         )
 
     def arrays(self) -> dict[str, np.ndarray]:

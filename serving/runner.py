@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -26,7 +27,7 @@ from hyjax.sharding import ShardingPlan, replicate_tree
 from serving.config import SchedulerConfig
 from serving.memory_planner import MemoryPlan, plan_memory
 from serving.plan import StepPlan
-from serving.sampler import sample, token_logprobs
+from serving.sampler import MAX_LOGPROBS, sample, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,15 @@ def _step(graphdef, ops: Ops, decode_only: bool, state, caches: Caches, arrays: 
         arrays["seeds"],
         arrays["seq_lens"],  # the sampled token's position
     )
-    return caches, (tokens, *token_logprobs(logits, tokens))
+    # Log-probabilities (a log-softmax and a top-k over the vocabulary) only in steps where
+    # some row reports them; elsewhere zeros the host never reads.
+    k = min(MAX_LOGPROBS, logits.shape[-1])
+    s = tokens.shape[0]
+    none = (jnp.zeros(s, jnp.float32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32))
+    logprobs = jax.lax.cond(
+        jnp.any(arrays["logprobs"] >= 0), lambda: token_logprobs(logits, tokens), lambda: none
+    )
+    return caches, (tokens, *logprobs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,33 +19,52 @@ def sample(
     seeds: jax.Array,  # u32[S]
     positions: jax.Array,  # i32[S]  position of the token being generated
 ) -> jax.Array:
-    """Returns i32[S] token ids."""
+    """Returns i32[S] token ids.
+
+    Only what some row asks for runs (``lax.cond`` on the batch): an all-greedy step is one
+    argmax; the full-vocabulary sort that top-k / top-p read their thresholds from runs only
+    when a sampled row sets one of them (on a GPU a segmented sort of every [S, V] step).
+    """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     vocab = logits.shape[-1]
-    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    scaled = logits / t
-    # One descending sort serves top-k and top-p: thresholds are read off the sorted row.
-    sorted_logits = -jnp.sort(-scaled, axis=-1)  # [S, V]
+    sampled_rows = temperature > 0
     k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)  # [S, 1]
+    needs_sort = jnp.any(sampled_rows & ((k < vocab) | (top_p < 1)))
+
+    def draw_all():
+        t = jnp.where(sampled_rows, temperature, 1.0)[:, None]
+        scaled = logits / t
+        top = jnp.max(scaled, axis=-1, keepdims=True)
+        # min-p: drop tokens below min_p times the top probability.
+        mth = top + jnp.log(jnp.maximum(min_p[:, None], 1e-30))
+        mth = jnp.where(min_p[:, None] > 0, mth, -jnp.inf)
+        threshold = jax.lax.cond(
+            needs_sort, lambda: jnp.maximum(_sorted_threshold(scaled, k, top_p), mth), lambda: mth
+        )
+        masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+        def draw(seed, pos, row):
+            key = jax.random.fold_in(jax.random.key(seed), pos)
+            return jax.random.categorical(key, row).astype(jnp.int32)
+
+        return jnp.where(sampled_rows, jax.vmap(draw)(seeds, positions, masked), greedy)
+
+    return jax.lax.cond(jnp.any(sampled_rows), draw_all, lambda: greedy)
+
+
+def _sorted_threshold(scaled: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """f32[S, 1]: the lowest logit top-k (``k``) and top-p keep, read off one sorted row."""
+    sorted_logits = -jnp.sort(-scaled, axis=-1)  # [S, V]
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
     sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
     # top-p: keep the smallest prefix whose mass reaches p (the first token always stays).
     mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
     keep_sorted = mass_before < top_p[:, None]
     n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
     pth = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
-    # min-p: drop tokens below min_p times the top probability.
-    mth = sorted_logits[:, :1] + jnp.log(jnp.maximum(min_p[:, None], 1e-30))
-    mth = jnp.where(min_p[:, None] > 0, mth, -jnp.inf)
-    threshold = jnp.maximum(jnp.maximum(kth, pth), mth)
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-
-    def draw(seed, pos, row):
-        key = jax.random.fold_in(jax.random.key(seed), pos)
-        return jax.random.categorical(key, row).astype(jnp.int32)
-
-    sampled = jax.vmap(draw)(seeds, positions, masked)
-    return jnp.where(temperature > 0, sampled, greedy)
+    # top_p = 1 is off: no threshold from a cumsum that may round to 1 before the tail.
+    pth = jnp.where(top_p[:, None] < 1, pth, -jnp.inf)
+    return jnp.maximum(kth, pth)
 
 
 MAX_LOGPROBS = 20  # top logprobs a request may ask for (OpenAI's chat limit)

@@ -75,6 +75,7 @@ class RowSampling:
     top_k: np.ndarray  # i32[max_num_seqs]
     min_p: np.ndarray  # f32[max_num_seqs]
     seeds: np.ndarray  # u32[max_num_seqs]
+    logprobs: np.ndarray  # i32[max_num_seqs]  -1 = none
 
     @classmethod
     def zeros(cls, n: int) -> RowSampling:
@@ -84,6 +85,7 @@ class RowSampling:
             np.zeros(n, np.int32),
             np.zeros(n, np.float32),
             np.zeros(n, np.uint32),
+            np.full(n, -1, np.int32),
         )
 
     def set(self, row: int, req: Request) -> None:
@@ -93,6 +95,7 @@ class RowSampling:
         self.top_k[row] = sp.top_k
         self.min_p[row] = sp.min_p
         self.seeds[row] = req.seed
+        self.logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
 
 
 def build_plan(
@@ -158,4 +161,5 @@ def build_plan(
     plan.top_k[:n_seqs] = sampling.top_k[rows]
     plan.min_p[:n_seqs] = sampling.min_p[rows]
     plan.seeds[:n_seqs] = sampling.seeds[rows]
+    plan.logprobs[:n_seqs] = sampling.logprobs[rows]
     return plan

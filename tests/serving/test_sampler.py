@@ -61,6 +61,34 @@ def test_temperature_sharpens_and_seeds_reproduce():
     assert (_draws(LOGITS, seed=9) != _draws(LOGITS, seed=10)).any()
 
 
+def test_a_row_draws_the_same_whatever_its_neighbours_ask():
+    """The sort runs only when some row filters by top-k / top-p; an unfiltered row's draws
+    do not change with it, and a greedy row stays the argmax in a sampled batch."""
+    n = 64
+    rows = jnp.broadcast_to(jnp.asarray(LOGITS, jnp.float32), (n, V))
+
+    def run(temperature, top_k):
+        return np.asarray(
+            jax.jit(sample)(
+                rows,
+                jnp.asarray(temperature, jnp.float32),
+                jnp.ones(n, jnp.float32),
+                jnp.asarray(top_k, jnp.int32),
+                jnp.zeros(n, jnp.float32),
+                jnp.full(n, 5, jnp.uint32),
+                jnp.arange(n, dtype=jnp.int32),
+            )
+        )
+
+    alone = run(np.ones(n), np.zeros(n))
+    mixed = run(np.r_[np.ones(n // 2), np.zeros(n // 4), np.ones(n // 4)],
+                np.r_[np.zeros(n // 2), np.zeros(n // 4), np.full(n // 4, 2)])  # fmt: skip
+    np.testing.assert_array_equal(mixed[: n // 2], alone[: n // 2])
+    assert set(mixed[n // 2 : 3 * n // 4]) == {0}  # greedy
+    assert set(mixed[3 * n // 4 :]) <= {0, 1}  # top-k 2
+    assert len(set(alone)) > 2  # unfiltered rows do reach past the top two
+
+
 def test_token_logprobs():
     logits = jnp.asarray(np.stack([LOGITS, LOGITS[::-1]]), jnp.float32)
     tokens = jnp.array([1, V - 1], jnp.int32)

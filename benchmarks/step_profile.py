@@ -1,0 +1,134 @@
+"""Where the device time of an engine step goes: prefill and decode passes under the profiler.
+
+The random Qwen3-Next-shaped model of ``benchmarks.common``; each workload runs once to
+compile, then once under ``jax.profiler.trace``. The Perfetto trace's device events (GPU
+kernels, TPU ops) are summed by name, so the kernels that dominate a step are named.
+
+    python -m benchmarks.step_profile --layers 4 --out PROFILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from benchmarks.common import bench_config, device_name, random_model
+from serving.engine import EngineArgs, LLMEngine
+from serving.request import SamplingParams
+
+
+def device_events(trace_dir: str) -> list[dict]:
+    """The complete ("X") events on device lanes of the newest Perfetto trace under trace_dir."""
+    paths = sorted(
+        glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    )
+    if not paths:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(paths[-1], "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {
+        e["pid"]: e.get("args", {}).get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    device_pids = {pid for pid, name in names.items() if "/device:" in name}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
+
+
+def summarize(events: list[dict], top: int) -> dict:
+    total = collections.Counter()
+    count = collections.Counter()
+    for e in events:
+        total[e["name"]] += float(e.get("dur", 0.0))
+        count[e["name"]] += 1
+    busy = sum(total.values())
+    return {
+        "device_busy_us": round(busy),
+        "top": [
+            {"name": n[:160], "us": round(us), "calls": count[n], "share": round(us / busy, 3)}
+            for n, us in total.most_common(top)
+        ],
+    }
+
+
+def _workload(engine: LLMEngine, phase: str, args, seed: int) -> tuple[int, float]:
+    rng = np.random.default_rng(seed)
+    if phase == "prefill":
+        n, prompt, out = args.prefill_requests, args.prompt_len, 1
+    else:
+        n, prompt, out = args.decode_requests, 32, args.output_len
+    params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
+    for _ in range(n):
+        engine.add_request(rng.integers(0, 150000, prompt).tolist(), params)
+    steps, start = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return steps, time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--prefill-requests", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--decode-requests", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--cache-gib", type=float, default=4.0)
+    p.add_argument("--kernel-backend", default="auto")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    cfg = bench_config(args.layers, args.experts)
+    model = random_model(cfg)
+    engine = LLMEngine(
+        EngineArgs(
+            model=".",
+            max_num_seqs=max(args.decode_requests, args.prefill_requests),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.prompt_len + args.output_len + 64,
+            kernel_backend=args.kernel_backend,
+            min_token_bucket=args.max_num_batched_tokens // 4,
+            cache_bytes=int(args.cache_gib * 2**30),
+            enable_prefix_caching=False,
+            warmup=False,
+            progress=False,
+        ),
+        preloaded=(model, cfg),
+    )
+    results = {
+        "device": device_name(),
+        "jax": jax.__version__,
+        "model": f"bench_config({args.layers} layers, {args.experts} experts), bf16",
+        "kernel_backend": args.kernel_backend,
+    }
+    for phase in ("prefill", "decode"):
+        _workload(engine, phase, args, seed=0)  # compiles
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                steps, seconds = _workload(engine, phase, args, seed=1)
+            events = device_events(d)
+        res = summarize(events, args.top)
+        res.update(steps=steps, wall_ms_per_step=round(1e3 * seconds / steps, 2))
+        res["device_ms_per_step"] = round(res["device_busy_us"] / 1e3 / steps, 2)
+        results[phase] = res
+        print(phase, json.dumps(res, indent=1), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
