@@ -27,7 +27,8 @@ from serving.request import SamplingParams
 
 
 def device_events(trace_dir: str) -> list[dict]:
-    """The complete ("X") events on device lanes of the newest Perfetto trace under trace_dir."""
+    """The complete ("X") events of the first device in the newest Perfetto trace under
+    trace_dir (under tensor parallel every device runs the same program)."""
     paths = sorted(
         glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     )
@@ -41,8 +42,11 @@ def device_events(trace_dir: str) -> list[dict]:
         for e in events
         if e.get("ph") == "M" and e.get("name") == "process_name"
     }
-    device_pids = {pid for pid, name in names.items() if "/device:" in name}
-    return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids]
+    devices = sorted((name, pid) for pid, name in names.items() if "/device:" in name)
+    if not devices:
+        return []  # e.g. CPU: XLA's ops do not appear as device events
+    first = devices[0][1]
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") == first]
 
 
 def summarize(events: list[dict], top: int) -> dict:
@@ -88,6 +92,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--cache-gib", type=float, default=4.0)
     p.add_argument("--kernel-backend", default="auto")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--expert-parallel", action="store_true")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -105,6 +111,8 @@ def main() -> None:
             enable_prefix_caching=False,
             warmup=False,
             progress=False,
+            tensor_parallel_size=args.tp,
+            enable_expert_parallel=args.expert_parallel,
         ),
         preloaded=(model, cfg),
     )
@@ -113,6 +121,8 @@ def main() -> None:
         "jax": jax.__version__,
         "model": f"bench_config({args.layers} layers, {args.experts} experts), bf16",
         "kernel_backend": args.kernel_backend,
+        "tensor_parallel_size": args.tp,
+        "expert_parallel": args.expert_parallel,
     }
     for phase in ("prefill", "decode"):
         _workload(engine, phase, args, seed=0)  # compiles
