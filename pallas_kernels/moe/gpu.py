@@ -1,0 +1,346 @@
+"""Routed MoE experts for NVIDIA GPUs: a grouped matmul in Pallas (Triton lowering).
+
+Same signature and semantics as :func:`pallas_kernels.moe.reference.moe_experts_reference`
+(plus tuning keywords). XLA lowers ``ragged_dot`` on GPU to dense matmuls over every expert;
+here only the rows routed to an expert meet its weights.
+
+Plan (XLA, loop-free: an XLA ``while`` trip is a host round trip on GPU)
+------------------------------------------------------------------------
+The ``P = T * k`` (token, expert) pairs are sorted by expert (skipped pairs, ids outside
+``[0, E)``, sort last and get no row) and each expert's group is padded to a multiple of the
+row block ``BM``, so a block of ``BM`` rows belongs to one expert::
+
+    sorted pairs:  | e0: 5 pairs | e1: 0 | e2: 9 pairs      | skipped |        BM = 4
+    padded rows:   | 0 1 2 3 | 4 - - - | 8 9 10 11 | 12 13 14 15 | 16 - - - | (unused) ...
+    block:             0         1          2            3            4      5 .. NB-1
+    block_expert:      0         0          2            2            2      (past `used`)
+
+    NB = (P + min(E, P) * (BM - 1)) // BM  (static bound: each non-empty group wastes < BM rows)
+
+Per padded row: the token it reads (``-1``: padding) and its routing weight (0 for padding);
+per block: its expert; ``used`` = the blocks that hold any pair. Programs of blocks past
+``used`` return at once (``pl.when``).
+
+Kernels
+-------
+A. grid ``(NB, F // BN_a)``: gathers the block's token rows of ``x`` in the kernel (a masked
+   gather: padding rows read nothing) and writes ``h = silu(x W_gate[e]) * (x W_up[e])`` for
+   its ``BN_a`` columns, both products accumulated in float32 over ``D`` in ``BK_a`` steps::
+
+       h[rows, cols] = silu(x[tok] @ W_gate[e][:, cols]) * (x[tok] @ W_up[e][:, cols])
+
+B. grid ``(NB, D // BN_b)``: ``y[rows, cols] = w_row * (h[rows] @ W_down[e][:, cols])``.
+
+Combine (XLA): each token has exactly ``k`` pairs, so ``out[t] = sum_j y[row(t, j)]`` is a
+gather and a float32 sum over ``k`` (deterministic; no scatter-add).
+
+Tiles: :func:`default_tiles` picks them from the rows per expert (decode: ~10 rows meet an
+expert, ``BM = 16``; prefill: hundreds, ``BM = 128``) and shrinks the depth step until the
+operand pipeline fits in shared memory (H100: 227 KiB a block). Requirements: tile sizes
+powers of two dividing ``D`` and ``F``; each operand under 2**31 elements (Triton's 32-bit
+offsets). ``interpret=True`` runs the kernels with Pallas' generic interpreter on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from pallas_kernels.moe.reference import check_moe_shapes
+
+# Shared memory the operand pipeline may take (of the H100's 227 KiB a block): the rest is
+# left to Triton's layout conversions and the epilogue.
+SMEM_BUDGET = 160 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeTiles:
+    """Tile sizes and launch parameters of the two kernels (all static)."""
+
+    block_m: int  # rows (pairs) per block; each expert's group is padded to a multiple of it
+    block_n_a: int  # kernel A: columns of F per program
+    block_k_a: int  # kernel A: depth step over D
+    warps_a: int
+    stages_a: int
+    block_n_b: int  # kernel B: columns of D per program
+    block_k_b: int  # kernel B: depth step over F
+    warps_b: int
+    stages_b: int
+
+    def smem_bytes(self, itemsize: int) -> tuple[int, int]:
+        """Shared memory of each kernel's operand pipeline (A: x, W_gate, W_up tiles; B: h,
+        W_down tiles), per stage times stages."""
+        a = (self.block_m + 2 * self.block_n_a) * self.block_k_a * itemsize * self.stages_a
+        b = (self.block_m + self.block_n_b) * self.block_k_b * itemsize * self.stages_b
+        return a, b
+
+
+# Rows per expert -> tiles (bf16); the thresholds and tiles come from the H100 run in
+# BENCHMARKS.md ("MoE grouped matmul").
+_TILES = (
+    # decode: a block per expert; memory bound on the weights, many narrow programs
+    (24, MoeTiles(16, 64, 128, 4, 4, 128, 64, 4, 4)),
+    (96, MoeTiles(64, 64, 64, 4, 4, 128, 64, 4, 3)),
+    # prefill: compute bound, big tiles
+    (None, MoeTiles(128, 128, 64, 8, 3, 128, 64, 8, 3)),
+)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _fit(tiles: MoeTiles, d: int, f: int, itemsize: int) -> MoeTiles:
+    """Clamps the tiles to the shapes and halves the depth steps (then the stages) until both
+    pipelines fit :data:`SMEM_BUDGET` (float32 takes twice the bytes of bf16)."""
+    t = dataclasses.replace(
+        tiles,
+        block_n_a=min(tiles.block_n_a, f), block_k_a=min(tiles.block_k_a, d),
+        block_n_b=min(tiles.block_n_b, d), block_k_b=min(tiles.block_k_b, f),
+    )  # fmt: skip
+    while t.smem_bytes(itemsize)[0] > SMEM_BUDGET:
+        if t.block_k_a > 16:
+            t = dataclasses.replace(t, block_k_a=t.block_k_a // 2)
+        elif t.stages_a > 2:
+            t = dataclasses.replace(t, stages_a=t.stages_a - 1)
+        else:
+            break
+    while t.smem_bytes(itemsize)[1] > SMEM_BUDGET:
+        if t.block_k_b > 16:
+            t = dataclasses.replace(t, block_k_b=t.block_k_b // 2)
+        elif t.stages_b > 2:
+            t = dataclasses.replace(t, stages_b=t.stages_b - 1)
+        else:
+            break
+    return t
+
+
+def default_tiles(num_pairs: int, num_experts: int, d: int, f: int, dtype) -> MoeTiles:
+    """The tiles for ``num_pairs`` (token, expert) pairs over ``num_experts`` experts."""
+    rows = num_pairs / num_experts
+    tiles = next(t for limit, t in _TILES if limit is None or rows <= limit)
+    return _fit(tiles, d, f, jnp.dtype(dtype).itemsize)
+
+
+def check_tiles(tiles: MoeTiles, d: int, f: int) -> None:
+    for name, size, dim in (
+        ("block_m", tiles.block_m, None), ("block_n_a", tiles.block_n_a, f),
+        ("block_k_a", tiles.block_k_a, d), ("block_n_b", tiles.block_n_b, d),
+        ("block_k_b", tiles.block_k_b, f),
+    ):  # fmt: skip
+        if not _is_pow2(size) or (dim is not None and dim % size):
+            raise ValueError(f"{name}={size} must be a power of two dividing {dim}")
+
+
+def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static bound on the row blocks: each non-empty group wastes fewer than ``block_m``."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutePlan:
+    """Where every pair sits in the padded, expert-sorted rows (device arrays)."""
+
+    block_expert: jax.Array  # i32[NB]  expert of each block (clamped to E - 1 past `used`)
+    used: jax.Array  # i32[1]  blocks holding any pair
+    row_token: jax.Array  # i32[NB * BM]  token a row reads; -1: padding
+    row_weight: jax.Array  # f32[NB * BM]  routing weight of the row's pair; 0: padding
+    pair_row: jax.Array  # i32[T, k]  padded row of each pair; -1: skipped
+
+
+def route(
+    experts: jax.Array,  # i32[T, k]  ids outside [0, E) are skipped
+    weights: jax.Array,  # [T, k]
+    *,
+    num_experts: int,
+    block_m: int,
+) -> RoutePlan:
+    """Sorts the pairs by expert and pads each group to a multiple of ``block_m`` rows.
+
+    Only a sort, cumulative sums, compares and gathers, plus one scatter of a permutation
+    (unique indices): no loop, no searchsorted (whose default is a while loop)."""
+    num_tokens, top_k = experts.shape
+    num_pairs = num_tokens * top_k
+    nb = num_blocks(num_pairs, num_experts, block_m)
+    e_max = num_experts - 1
+    flat = experts.reshape(-1).astype(jnp.int32)  # [P]
+    valid = (flat >= 0) & (flat < num_experts)
+    key = jnp.where(valid, flat, num_experts)  # skipped pairs sort last
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)  # [P] pair at each sorted place
+    sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)  # [E]
+    padded = (sizes + block_m - 1) // block_m * block_m
+    pad_end = jnp.cumsum(padded)  # [E]
+    pad_start = pad_end - padded
+    start = jnp.cumsum(sizes) - sizes  # [E] first sorted place of each group
+    used = pad_end[-1] // block_m
+
+    # block -> expert: the number of groups that end at or before the block's first row
+    b0 = jnp.arange(nb, dtype=jnp.int32) * block_m
+    block_expert = jnp.sum(pad_end[None, :] <= b0[:, None], axis=1, dtype=jnp.int32)  # [NB, E]
+    block_expert = jnp.minimum(block_expert, e_max)
+
+    # padded row -> pair
+    r = jnp.arange(nb * block_m, dtype=jnp.int32)
+    e_r = block_expert[r // block_m]
+    rank = r - pad_start[e_r]  # place inside the expert's group
+    row_ok = (r < used * block_m) & (rank < sizes[e_r])
+    pair = order[jnp.clip(start[e_r] + rank, 0, num_pairs - 1)]
+    row_token = jnp.where(row_ok, pair // top_k, -1)
+    w = weights.reshape(-1)[pair].astype(jnp.float32)
+    row_weight = jnp.where(row_ok, w, 0.0)
+
+    # pair -> padded row, for the combine
+    key_sorted = key[order]
+    e_s = jnp.minimum(key_sorted, e_max)
+    place = jnp.arange(num_pairs, dtype=jnp.int32)
+    row_sorted = jnp.where(key_sorted < num_experts, pad_start[e_s] + place - start[e_s], -1)
+    pair_row = jnp.zeros(num_pairs, jnp.int32).at[order].set(row_sorted, unique_indices=True)
+    return RoutePlan(
+        block_expert=block_expert, used=used.reshape(1).astype(jnp.int32), row_token=row_token,
+        row_weight=row_weight, pair_row=pair_row.reshape(num_tokens, top_k),
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _mm(x, y, precision):
+    """``x @ y`` accumulated in float32."""
+    return jax.lax.dot_general(
+        x, y, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+def _gate_up_kernel(
+    blk_expert_ref,  # i32[NB]
+    used_ref,  # i32[1]
+    row_token_ref,  # i32[NB * BM]
+    x_ref,  # [T, D]
+    wg_ref, wu_ref,  # [E, D, F]
+    h_ref,  # [NB * BM, F]  out: silu(x W_gate) * (x W_up) of each row (0 on padding rows)
+    *, bm: int, bn: int, bk: int, precision,
+):  # fmt: skip
+    b, n = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(b < used_ref[0])
+    def _():
+        e = blk_expert_ref[b]
+        rows, cols = pl.ds(b * bm, bm), pl.ds(n * bn, bn)
+        tok = row_token_ref[rows]  # [BM]
+        ok = tok >= 0
+        tok = jnp.where(ok, tok, 0)
+        kk = jnp.arange(bk, dtype=jnp.int32)
+
+        def body(i, acc):
+            g, u = acc
+            depth = i * bk + kk  # [BK]
+            mask = ok[:, None] & (depth[None, :] >= 0)
+            xa = pltr.load(x_ref.at[tok[:, None], depth[None, :]], mask=mask, other=0.0)
+            ks = pl.ds(i * bk, bk)
+            g = g + _mm(xa, wg_ref[e, ks, cols], precision)  # [BM, BN]
+            u = u + _mm(xa, wu_ref[e, ks, cols], precision)
+            return g, u
+
+        zeros = jnp.zeros((bm, bn), jnp.float32)
+        g, u = jax.lax.fori_loop(0, x_ref.shape[1] // bk, body, (zeros, zeros))
+        h = g / (1.0 + jnp.exp(-g)) * u  # silu(g) * u
+        h_ref[rows, cols] = h.astype(h_ref.dtype)
+
+
+def _down_kernel(
+    blk_expert_ref,  # i32[NB]
+    used_ref,  # i32[1]
+    row_weight_ref,  # f32[NB * BM]
+    h_ref,  # [NB * BM, F]
+    wd_ref,  # [E, F, D]
+    y_ref,  # [NB * BM, D]  out: w_row * (h W_down) of each row
+    *, bm: int, bn: int, bk: int, precision,
+):  # fmt: skip
+    b, n = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(b < used_ref[0])
+    def _():
+        e = blk_expert_ref[b]
+        rows, cols = pl.ds(b * bm, bm), pl.ds(n * bn, bn)
+
+        def body(i, acc):
+            ks = pl.ds(i * bk, bk)
+            return acc + _mm(h_ref[rows, ks], wd_ref[e, ks, cols], precision)  # [BM, BN]
+
+        acc = jax.lax.fori_loop(0, h_ref.shape[1] // bk, body, jnp.zeros((bm, bn), jnp.float32))
+        y_ref[rows, cols] = (acc * row_weight_ref[rows][:, None]).astype(y_ref.dtype)
+
+
+def moe_experts(
+    x: jax.Array,  # [T, D]
+    weights: jax.Array,  # [T, k]  routing weight of each chosen expert
+    experts: jax.Array,  # i32[T, k]  ids outside [0, E) are skipped
+    w_gate: jax.Array,  # [E, D, F]
+    w_up: jax.Array,  # [E, D, F]
+    w_down: jax.Array,  # [E, F, D]
+    *,
+    tiles: MoeTiles | None = None,
+    precision: jax.lax.Precision | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``sum_j weights[:, j] * expert_j(x)`` with SwiGLU experts. Returns [T, D] in x.dtype.
+
+    ``tiles``: :func:`default_tiles` of the shapes unless given. ``precision``: of the
+    in-kernel dots (float32 inputs: ``None`` lets Triton use TF32, ``HIGHEST`` is IEEE f32).
+    """
+    check_moe_shapes(x, weights, experts, w_gate, w_up, w_down)
+    num_tokens, d = x.shape
+    num_experts, _, f = w_gate.shape
+    top_k = experts.shape[1]
+    if tiles is None:
+        tiles = default_tiles(num_tokens * top_k, num_experts, d, f, x.dtype)
+    check_tiles(tiles, d, f)
+    for name, a in (("w_gate", w_gate), ("w_down", w_down), ("x", x)):
+        if a.size >= 2**31:
+            raise ValueError(
+                f"{name} {a.shape} has {a.size} >= 2**31 elements: the Triton kernel's 32-bit "
+                "offsets would wrap; shard the experts (expert parallel) or their F dim"
+            )
+    bm = tiles.block_m
+    plan = route(experts, weights, num_experts=num_experts, block_m=bm)
+    nb = plan.block_expert.shape[0]
+    rows = nb * bm
+    if rows * max(d, f) >= 2**31:
+        raise ValueError(f"{rows} padded rows x {max(d, f)} >= 2**31 elements: split the batch")
+
+    gate_up = functools.partial(
+        _gate_up_kernel, bm=bm, bn=tiles.block_n_a, bk=tiles.block_k_a, precision=precision
+    )
+    h = pl.pallas_call(
+        gate_up,
+        grid=(nb, f // tiles.block_n_a),
+        out_shape=jax.ShapeDtypeStruct((rows, f), w_down.dtype),
+        compiler_params=pltr.CompilerParams(num_warps=tiles.warps_a, num_stages=tiles.stages_a),
+        interpret=interpret,
+        name="moe_gate_up",
+    )(plan.block_expert, plan.used, plan.row_token, x, w_gate, w_up)
+
+    down = functools.partial(
+        _down_kernel, bm=bm, bn=tiles.block_n_b, bk=tiles.block_k_b, precision=precision
+    )
+    y = pl.pallas_call(
+        down,
+        grid=(nb, d // tiles.block_n_b),
+        out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
+        compiler_params=pltr.CompilerParams(num_warps=tiles.warps_b, num_stages=tiles.stages_b),
+        interpret=interpret,
+        name="moe_down",
+    )(plan.block_expert, plan.used, plan.row_weight, h, w_down)
+
+    # Each token's k rows, summed in float32; skipped pairs add nothing.
+    ok = plan.pair_row >= 0  # [T, k]
+    picked = y[jnp.where(ok, plan.pair_row, 0)].astype(jnp.float32)  # [T, k, D]
+    return jnp.sum(jnp.where(ok[..., None], picked, 0.0), axis=1).astype(x.dtype)
