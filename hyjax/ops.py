@@ -47,6 +47,8 @@ from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_refer
 from pallas_kernels.kda import gpu as kda_gpu
 from pallas_kernels.kda import tpu as kda_tpu
 from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
+from pallas_kernels.moe import gpu as moe_gpu
+from pallas_kernels.moe.reference import moe_experts_reference
 
 
 def _whole(x: jax.Array) -> jax.Array:
@@ -76,6 +78,10 @@ class Ops:
     # lm_head leaves them split by vocab, and XLA then partitions the sampler's sort and cumsum:
     # on two H100s that cumsum became a 75 968-trip while loop, ~1.5 s a step.
     gather_logits: Callable = _whole
+    # The routed experts of a MoE layer (called inside the TP/EP shard_map of the experts, on
+    # each device's share). The reference is ragged_dot, which XLA expands to dense matmuls
+    # over every expert on NVIDIA GPUs; the GPU kernel is a grouped matmul.
+    moe_experts: Callable = moe_experts_reference
 
 
 REFERENCE = Ops(
@@ -181,6 +187,10 @@ BACKENDS: dict[str, Ops] = {
         ),
         mla_decode=_by_platform(
             tpu=mla_tpu.mla_decode, gpu=mla_gpu.mla_decode, other=mla_decode_reference
+        ),
+        # MoE experts: the Triton grouped matmul on NVIDIA; ragged_dot on TPU and CPU.
+        moe_experts=_by_platform(
+            tpu=moe_experts_reference, gpu=moe_gpu.moe_experts, other=moe_experts_reference
         ),
     ),
 }

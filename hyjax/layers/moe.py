@@ -1,4 +1,8 @@
-"""Sparse MoE layers, the experts grouped with ``ragged_dot``.
+"""Sparse MoE layers; the routed experts run through the backend's ``ops.moe_experts``.
+
+The reference op groups the experts with ``ragged_dot`` (CPU, TPU); the ``pallas`` backend on
+NVIDIA GPUs runs the grouped-matmul kernels of :mod:`pallas_kernels.moe.gpu` (XLA expands
+``ragged_dot`` to dense matmuls over every expert there).
 
 - :class:`SparseMoe` (Qwen3-Next): softmax router, a sigmoid-gated shared expert.
 - :class:`SigmoidMoe` (Kimi-Linear): sigmoid scores, a selection-only bias, grouped top-k,
@@ -7,34 +11,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from hyjax.layers.linear import Linear
+from pallas_kernels.moe.reference import moe_experts_reference
+
+if TYPE_CHECKING:
+    from hyjax.ops import Ops
+
+# The experts op's signature: (x [T, D], weights [T, k], experts i32[T, k], w_gate [E, D, F],
+# w_up [E, D, F], w_down [E, F, D]) -> [T, D]; expert ids outside [0, E) are skipped.
+ExpertsOp = Callable[..., jax.Array]
+
+# The pure-JAX experts (``ragged_dot``), under the name the layers always used.
+routed_experts = moe_experts_reference
 
 
-def routed_experts(
-    x: jax.Array,  # [T, D]
-    weights: jax.Array,  # [T, k]  routing weight of each chosen expert
-    experts: jax.Array,  # i32[T, k]
-    w_gate: jax.Array,  # [E, D, F]
-    w_up: jax.Array,  # [E, D, F]
-    w_down: jax.Array,  # [E, F, D]
-) -> jax.Array:
-    """``sum_j weights[:, j] * expert_j(x)`` with SwiGLU experts. Returns [T, D] in x.dtype."""
-    num_experts, top_k = w_gate.shape[0], experts.shape[1]
-    # Sort the T*k (token, expert) pairs by expert so each expert sees one contiguous group.
-    flat_expert = experts.reshape(-1)  # [T*k]
-    order = jnp.argsort(flat_expert, stable=True)
-    token = order // top_k  # [T*k]
-    group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
-    xs = x[token]  # [T*k, D]
-    h = jax.lax.ragged_dot(xs, w_gate, group_sizes)
-    u = jax.lax.ragged_dot(xs, w_up, group_sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(h) * u, w_down, group_sizes)
-    out = out * weights.reshape(-1)[order][:, None]
-    return jnp.zeros_like(x).at[token].add(out.astype(x.dtype))
+def local_experts(
+    weights: jax.Array,  # [T, k]
+    experts: jax.Array,  # i32[T, k]  global expert ids
+    first: jax.Array | int,  # i32[]  first expert of this device
+    num_local: int,
+) -> tuple[jax.Array, jax.Array]:
+    """One expert-parallel device's view of the routing: ``(weights, ids)`` with ids local to
+    its experts ``[first, first + num_local)``; other devices' pairs get the id ``num_local``
+    (which the experts op skips) and weight 0."""
+    local = experts - first  # [T, k]
+    mine = (local >= 0) & (local < num_local)
+    return jnp.where(mine, weights, 0), jnp.where(mine, local, num_local)
 
 
 def parallel_routed_experts(
@@ -48,37 +57,26 @@ def parallel_routed_experts(
     mesh: jax.sharding.Mesh,
     axis: str,
     expert_parallel: bool,
+    experts_op: ExpertsOp = routed_experts,
 ) -> jax.Array:
-    """:func:`routed_experts` over the devices of ``mesh[axis]``; returns [T, D] replicated.
+    """``experts_op`` over the devices of ``mesh[axis]``; returns [T, D] replicated.
 
     Every device sees every token. Tensor parallel: each device runs all experts on its slice
     of the intermediate dim F. Expert parallel: each device runs its ``E / n`` experts on the
-    (token, expert) pairs routed to them; the other pairs sort past its groups, where
-    ``ragged_dot`` leaves zeros. Either way the partial outputs are summed over devices.
+    (token, expert) pairs routed to them; the other pairs get an id outside ``[0, E / n)``,
+    which the op skips (no row, no block). Either way the partial outputs are summed over
+    devices.
     """
     P = jax.sharding.PartitionSpec
 
     def tensor_parallel(x, weights, experts, w_gate, w_up, w_down):
-        return jax.lax.psum(routed_experts(x, weights, experts, w_gate, w_up, w_down), axis)
+        return jax.lax.psum(experts_op(x, weights, experts, w_gate, w_up, w_down), axis)
 
     def expert_parallel_(x, weights, experts, w_gate, w_up, w_down):
         num_local = w_gate.shape[0]
-        local = experts - jax.lax.axis_index(axis) * num_local  # [T, k]
-        mine = (local >= 0) & (local < num_local)
-        # Pairs of other devices' experts go to a group past the last one: never computed.
-        local = jnp.where(mine, local, num_local)
-        weights = jnp.where(mine, weights, 0)
-        top_k = experts.shape[1]
-        flat = local.reshape(-1)  # [T*k]
-        order = jnp.argsort(flat, stable=True)
-        token = order // top_k
-        group_sizes = jnp.bincount(flat, length=num_local + 1)[:num_local].astype(jnp.int32)
-        xs = x[token]  # [T*k, D]
-        h = jax.lax.ragged_dot(xs, w_gate, group_sizes)
-        u = jax.lax.ragged_dot(xs, w_up, group_sizes)
-        out = jax.lax.ragged_dot(jax.nn.silu(h) * u, w_down, group_sizes)
-        out = out * weights.reshape(-1)[order][:, None]
-        y = jnp.zeros_like(x).at[token].add(out.astype(x.dtype))
+        first = jax.lax.axis_index(axis) * num_local
+        weights, local = local_experts(weights, experts, first, num_local)
+        y = experts_op(x, weights, local, w_gate, w_up, w_down)
         return jax.lax.psum(y, axis)
 
     if expert_parallel:
@@ -95,14 +93,22 @@ def parallel_routed_experts(
     return fn(x, weights, experts, w_gate, w_up, w_down)
 
 
-def run_experts(module: nnx.Module, x: jax.Array, weights: jax.Array, experts: jax.Array):
-    """The module's experts on the device mesh ``hyjax.sharding`` gave it, if any."""
+def run_experts(
+    module: nnx.Module,
+    x: jax.Array,  # [T, D]
+    weights: jax.Array,  # [T, k]
+    experts: jax.Array,  # i32[T, k]
+    ops: Ops | None = None,
+) -> jax.Array:
+    """The module's experts on the device mesh ``hyjax.sharding`` gave it, if any, with the
+    backend's experts op (``ops.moe_experts``; the reference when no ops are given)."""
+    op = routed_experts if ops is None else ops.moe_experts
     w = (module.experts_gate[...], module.experts_up[...], module.experts_down[...])
     if module.expert_mesh is None:
-        return routed_experts(x, weights, experts, *w)
+        return op(x, weights, experts, *w)
     return parallel_routed_experts(
         x, weights, experts, *w, mesh=module.expert_mesh, axis=module.expert_axis,
-        expert_parallel=module.expert_parallel,
+        expert_parallel=module.expert_parallel, experts_op=op,
     )  # fmt: skip
 
 
@@ -114,7 +120,8 @@ class MLP(nnx.Module):
         self.up_proj = Linear(d, f, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(f, d, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, ops: Ops | None = None) -> jax.Array:
+        """``ops`` is unused (the decoder stack passes it to every MLP kind)."""
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -148,13 +155,13 @@ class SparseMoe(nnx.Module):
         self.shared_expert = MLP(d, shared_dim, dtype=dtype, rngs=rngs)
         self.shared_expert_gate = Linear(d, 1, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, ops: Ops | None = None) -> jax.Array:
         probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)  # [T, E]
         weights, experts = jax.lax.top_k(probs, self.top_k)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         weights = weights.astype(x.dtype)
-        routed = run_experts(self, x, weights, experts)
+        routed = run_experts(self, x, weights, experts, ops)
 
         shared = self.shared_expert(x) * jax.nn.sigmoid(self.shared_expert_gate(x))
         return routed + shared
@@ -225,9 +232,9 @@ class SigmoidMoe(nnx.Module):
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
         return weights * self.scaling_factor, experts
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, ops: Ops | None = None) -> jax.Array:
         weights, experts = self.route(x)
-        y = run_experts(self, x, weights, experts)
+        y = run_experts(self, x, weights, experts, ops)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y

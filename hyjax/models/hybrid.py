@@ -75,7 +75,7 @@ class HybridDecoderLayer(nnx.Module):
         """Returns the layer's updated cache entry and ``h [T, D]`` after both residuals."""
         cache, y = self.mixer()(self.input_layernorm(h), cache, batch, ops, decode_only=decode_only)
         h = h + y
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.mlp(self.post_attention_layernorm(h), ops)  # ops: the MoE experts' backend
         return cache, h
 
 

@@ -10,10 +10,10 @@ The ``P = T * k`` (token, expert) pairs are sorted by expert (skipped pairs, ids
 ``[0, E)``, sort last and get no row) and each expert's group is padded to a multiple of the
 row block ``BM``, so a block of ``BM`` rows belongs to one expert::
 
-    sorted pairs:  | e0: 5 pairs | e1: 0 | e2: 9 pairs      | skipped |        BM = 4
-    padded rows:   | 0 1 2 3 | 4 - - - | 8 9 10 11 | 12 13 14 15 | 16 - - - | (unused) ...
-    block:             0         1          2            3            4      5 .. NB-1
-    block_expert:      0         0          2            2            2      (past `used`)
+    experts of the sorted pairs:  e0 x5 | e2 x9 | skipped x2              (E = 3, BM = 4)
+    padded rows (sorted place):   | 0 1 2 3 | 4 - - - | 5 6 7 8 | 9 10 11 12 | 13 - - - | ...
+    block:                            0         1         2          3           4     5 ..
+    block_expert:                     0         0         2          2           2    (unused)
 
     NB = (P + min(E, P) * (BM - 1)) // BM  (static bound: each non-empty group wastes < BM rows)
 
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -145,9 +146,8 @@ def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 # ----------------------------------------------------------------------------- plan
 
 
-@dataclasses.dataclass(frozen=True)
-class RoutePlan:
-    """Where every pair sits in the padded, expert-sorted rows (device arrays)."""
+class RoutePlan(NamedTuple):
+    """Where every pair sits in the padded, expert-sorted rows (device arrays; a pytree)."""
 
     block_expert: jax.Array  # i32[NB]  expert of each block (clamped to E - 1 past `used`)
     used: jax.Array  # i32[1]  blocks holding any pair

@@ -1,0 +1,192 @@
+"""The Triton grouped-matmul MoE experts vs the ``ragged_dot`` reference, in Pallas interpret mode.
+
+Interpret mode checks the routing plan (sort, padding to row blocks, block experts, the skipped
+blocks past ``used``), the in-kernel gather of token rows and the combine; the weights of experts
+no pair picks are NaN, so a block that reads them fails loudly. A last test lowers the kernels to
+Triton for CUDA at Qwen3-Next-80B shapes (no GPU needed). Compiling and timing them on a GPU is
+``benchmarks/moe_kernels.py``.
+"""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hyjax.layers.moe import SparseMoe, local_experts
+from hyjax.ops import BACKENDS, REFERENCE
+from pallas_kernels.moe import gpu
+from pallas_kernels.moe.reference import moe_experts_reference
+
+SMALL = gpu.MoeTiles(4, 16, 16, 4, 1, 32, 16, 4, 1)  # several blocks, K steps and N tiles
+
+
+def _case(t, e, k, d, f, *, dtype, picks=None, seed=0):
+    """Inputs; experts no pair picks (only ``picks`` when given) get NaN weights."""
+    rng = np.random.default_rng(seed)
+    pool = np.arange(e) if picks is None else np.asarray(picks)
+    experts = np.stack([rng.choice(pool, k, replace=len(pool) < k) for _ in range(t)])
+    x = rng.normal(size=(t, d))
+    weights = rng.random((t, k))
+    w = [rng.normal(size=s) * d**-0.5 for s in ((e, d, f), (e, d, f), (e, f, d))]
+    return x, weights, experts.astype(np.int32), w
+
+
+def _poison(w, experts, e):
+    unpicked = np.setdiff1d(np.arange(e), experts)
+    out = [m.copy() for m in w]
+    for m in out:
+        m[unpicked] = np.nan
+    return out
+
+
+def _reference(x, weights, experts, w):
+    """The oracle: float32, NaN-free weights (a group of no rows must not matter)."""
+    f32 = [jnp.asarray(np.nan_to_num(a), jnp.float32) for a in (x, weights, *w)]
+    return np.asarray(moe_experts_reference(f32[0], f32[1], jnp.asarray(experts), *f32[2:]))
+
+
+# One jitted kernel for every test: cases of equal shapes and tiles share one compile.
+_KERNEL = jax.jit(gpu.moe_experts, static_argnames=("tiles", "interpret"))
+
+
+def _kernel(x, weights, experts, w, dtype, tiles):
+    args = [jnp.asarray(a, dtype) for a in (x, weights, *w)]
+    out = _KERNEL(args[0], args[1], jnp.asarray(experts), *args[2:], tiles=tiles, interpret=True)
+    return np.asarray(out.astype(jnp.float32))
+
+
+def _check(got, want, dtype):
+    assert not np.isnan(got).any()
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < (2e-2 if dtype == jnp.bfloat16 else 1e-5), f"relative error {err:.2e}"
+
+
+CASES = [
+    # (name, T, k, picks, dtype, tiles); T = 12, k = 3 share one compile per dtype
+    ("spread", 12, 3, None, jnp.float32, SMALL),
+    ("spread", 12, 3, None, jnp.bfloat16, SMALL),
+    ("unpicked_experts", 12, 3, [1, 6], jnp.float32, SMALL),
+    # one expert takes every pair (a token naming it more than once): 9 blocks, 0 padding
+    ("one_expert_all_pairs", 12, 3, [3], jnp.float32, SMALL),
+    ("one_expert_all_pairs", 12, 3, [3], jnp.bfloat16, SMALL),
+    ("one_token", 1, 4, None, jnp.float32, SMALL),
+    ("default_tiles", 9, 2, None, jnp.float32, None),  # BM = 16: mostly padding rows
+]
+IDS = [f"{n}_{t=}_{k=}_{jnp.dtype(dt).name}" for n, t, k, _, dt, _ in CASES]
+
+
+@pytest.mark.parametrize("name,t,k,picks,dtype,tiles", CASES, ids=IDS)
+def test_matches_reference(name, t, k, picks, dtype, tiles):
+    """E = 8; groups of 0 to 36 rows, padded to blocks of 4 (most groups end in padding)."""
+    x, weights, experts, w = _case(t, 8, k, 64, 32, dtype=dtype, picks=picks, seed=t + k)
+    got = _kernel(x, weights, experts, _poison(w, experts, 8), dtype, tiles)
+    _check(got, _reference(x, weights, experts, w), dtype)
+
+
+def test_out_of_range_experts_are_skipped():
+    """Ids outside [0, E) (expert parallel: other devices' experts) add nothing, whatever
+    their weight; a batch of only such pairs gives zeros."""
+    x, weights, experts, w = _case(12, 8, 3, 64, 32, dtype=jnp.float32, seed=3)
+    experts[::2, 0] = 8  # one past the last expert
+    experts[1::3, 2] = -1
+    weights[experts >= 8] = np.nan
+    weights[experts < 0] = np.nan
+    got = _kernel(x, weights, experts, w, jnp.float32, SMALL)
+    _check(got, _reference(x, weights, experts, w), jnp.float32)
+
+    none = np.full_like(experts, 8)
+    assert (_kernel(x, weights, none, w, jnp.float32, SMALL) == 0).all()
+
+
+def test_expert_parallel_shares_sum_to_the_whole():
+    """Each of 2 devices runs its 4 experts on its local view of the routing (the EP shard_map
+    body's :func:`local_experts`); the shares sum to the whole layer."""
+    x, weights, experts, w = _case(12, 8, 3, 64, 32, dtype=jnp.float32, seed=5)
+    total = 0
+    for dev in range(2):
+        wl, el = local_experts(jnp.asarray(weights), jnp.asarray(experts), dev * 4, 4)
+        share = [m[dev * 4 : (dev + 1) * 4] for m in w]
+        total = total + _kernel(x, np.asarray(wl), np.asarray(el), share, jnp.float32, SMALL)
+    _check(total, _reference(x, weights, experts, w), jnp.float32)
+
+
+def test_route_pins_blocks_rows_and_pairs():
+    """The module docstring's picture: e0 x5, e2 x9, two skipped pairs, E = 3, BM = 4."""
+    ids = np.array([2, 0, 2, 5, 0, 2, 2, 0, 2, -1, 2, 0, 2, 2, 0, 2], np.int32)  # T=16, k=1
+    route = jax.jit(functools.partial(gpu.route, num_experts=3, block_m=4))
+    plan = route(jnp.asarray(ids[:, None]), jnp.ones((16, 1)))
+    assert int(plan.used[0]) == 5
+    assert plan.block_expert.shape == (gpu.num_blocks(16, 3, 4),) == (6,)
+    assert np.asarray(plan.block_expert)[:5].tolist() == [0, 0, 2, 2, 2]
+    e0, e2 = np.flatnonzero(ids == 0), np.flatnonzero(ids == 2)  # tokens in order (stable)
+    want = np.full(24, -1)
+    want[0:5], want[8:17] = e0, e2
+    got = np.asarray(plan.row_token)
+    assert got[:20].tolist() == want[:20].tolist()
+    assert (np.asarray(plan.row_weight)[:20] == (want[:20] >= 0)).all()
+    pair_row = np.asarray(plan.pair_row)[:, 0]
+    assert pair_row[[3, 9]].tolist() == [-1, -1]
+    kept = np.flatnonzero((ids >= 0) & (ids < 3))
+    assert (got[pair_row[kept]] == kept).all()
+
+
+def test_sparse_moe_layer_through_ops():
+    """The layer takes its experts op from ``ops``; the pallas backend on CPU is ragged_dot."""
+    build = functools.partial(SparseMoe, 64, num_experts=8, top_k=3, expert_dim=32,
+                              shared_dim=32, norm_topk_prob=True, dtype=jnp.float32)  # fmt: skip
+    moe = nnx.jit(lambda: build(rngs=nnx.Rngs(0)))()
+    forward = nnx.jit(lambda m, x, ops: m(x, ops), static_argnums=2)
+    x = jax.random.normal(jax.random.key(1), (6, 64), jnp.float32)
+    kernel = functools.partial(gpu.moe_experts, tiles=SMALL, interpret=True)
+    got = forward(moe, x, dataclasses.replace(REFERENCE, moe_experts=kernel))
+    want = np.asarray(forward(moe, x, REFERENCE))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    args = _case(5, 8, 3, 64, 32, dtype=jnp.float32)
+    args = [jnp.asarray(a) for a in (*args[:3], *args[3])]
+    np.testing.assert_array_equal(  # on CPU the pallas backend keeps ragged_dot
+        np.asarray(BACKENDS["pallas"].moe_experts(*args)),
+        np.asarray(moe_experts_reference(*args)),
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("pairs", [640, 40960], ids=["decode", "prefill"])
+def test_default_tiles_fit_shared_memory(pairs, dtype):
+    tiles = gpu.default_tiles(pairs, 64, 2048, 512, dtype)
+    gpu.check_tiles(tiles, 2048, 512)
+    assert max(tiles.smem_bytes(jnp.dtype(dtype).itemsize)) <= gpu.SMEM_BUDGET
+    assert tiles.block_m == (16 if pairs == 640 else 128)
+
+
+def test_bad_arguments_are_named():
+    x, weights, experts, w = _case(4, 8, 2, 64, 32, dtype=jnp.float32)
+    args = [jnp.asarray(a, jnp.float32) for a in (x, weights, *w)]
+    ids = jnp.asarray(experts)
+    with pytest.raises(ValueError, match="block_n_a=24 must be a power of two dividing 32"):
+        bad = gpu.MoeTiles(4, 24, 16, 4, 1, 32, 16, 4, 1)
+        gpu.moe_experts(*args[:2], ids, *args[2:], tiles=bad)
+    with pytest.raises(ValueError, match="w_down must be"):
+        gpu.moe_experts(*args[:2], ids, args[2], args[3], args[4][:, :16])
+    with pytest.raises(ValueError, match="weights.shape=.* must equal experts.shape"):
+        gpu.moe_experts(args[0], args[1][:, :1], ids, *args[2:])
+
+
+def test_lowers_to_triton_at_80b_shapes():
+    """Two Triton kernels and loop-free XLA around them (an XLA while trip is a host round
+    trip on GPU)."""
+    sd = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    for t in (64, 4096):
+        w_in, w_out = sd((64, 2048, 512), bf), sd((64, 512, 2048), bf)
+        args = (sd((t, 2048), bf), sd((t, 10), bf), sd((t, 10), jnp.int32), w_in, w_in, w_out)
+        text = jax.jit(gpu.moe_experts).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("moe_gate_up") >= 1 and text.count("moe_down") >= 1
+        assert "stablehlo.while" not in text
+        assert set(re.findall(r"stablehlo\.custom_call @([\w$.]+)", text)) <= {
+            "__gpu$xla.gpu.triton"
+        }
