@@ -56,8 +56,13 @@ def summarize(events: list[dict], top: int) -> dict:
         total[e["name"]] += float(e.get("dur", 0.0))
         count[e["name"]] += 1
     busy = sum(total.values())
+    span = 0.0
+    if events:
+        span = max(e["ts"] + e.get("dur", 0.0) for e in events) - min(e["ts"] for e in events)
     return {
         "device_busy_us": round(busy),
+        "device_span_us": round(span),  # first kernel start to last kernel end
+        "kernels": len(events),
         "top": [
             {"name": n[:160], "us": round(us), "calls": count[n], "share": round(us / busy, 3)}
             for n, us in total.most_common(top)
@@ -133,6 +138,7 @@ def main() -> None:
         res = summarize(events, args.top)
         res.update(steps=steps, wall_ms_per_step=round(1e3 * seconds / steps, 2))
         res["device_ms_per_step"] = round(res["device_busy_us"] / 1e3 / steps, 2)
+        res["kernels_per_step"] = round(res["kernels"] / steps, 1)
         results[phase] = res
         print(phase, json.dumps(res, indent=1), flush=True)
     if args.out:
