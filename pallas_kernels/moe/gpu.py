@@ -81,14 +81,13 @@ class MoeTiles:
         return a, b
 
 
-# Rows per expert -> tiles (bf16); the thresholds and tiles come from the H100 run in
-# BENCHMARKS.md ("MoE grouped matmul").
+# Rows per expert -> tiles (bf16): the best of the H100 sweep in BENCHMARKS.md ("MoE grouped
+# matmul"): 16-row blocks while an expert meets ~10 rows (decode: the weights are the traffic),
+# 64 up to 256 rows, 128 x 128 (x2 for gate and up) past that.
 _TILES = (
-    # decode: a block per expert; memory bound on the weights, many narrow programs
     (24, MoeTiles(16, 64, 128, 4, 4, 128, 64, 4, 4)),
-    (96, MoeTiles(64, 64, 64, 4, 4, 128, 64, 4, 3)),
-    # prefill: compute bound, big tiles
-    (None, MoeTiles(128, 128, 64, 8, 3, 128, 64, 8, 3)),
+    (256, MoeTiles(64, 64, 64, 4, 4, 128, 64, 4, 3)),
+    (None, MoeTiles(128, 128, 32, 8, 4, 256, 32, 8, 4)),
 )
 
 
@@ -174,7 +173,13 @@ def route(
     flat = experts.reshape(-1).astype(jnp.int32)  # [P]
     valid = (flat >= 0) & (flat < num_experts)
     key = jnp.where(valid, flat, num_experts)  # skipped pairs sort last
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)  # [P] pair at each sorted place
+    place = jnp.arange(num_pairs, dtype=jnp.int32)
+    if (num_experts + 1) * num_pairs < 2**31:
+        # One int32 operand (expert, pair) packed: a plain sort that XLA may hand to a radix
+        # sort, where a stable argsort sorts (key, index) pairs with a comparator.
+        order = jax.lax.sort(key * num_pairs + place) % num_pairs  # [P] pair at each place
+    else:
+        order = jnp.argsort(key, stable=True).astype(jnp.int32)
     sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)  # [E]
     padded = (sizes + block_m - 1) // block_m * block_m
     pad_end = jnp.cumsum(padded)  # [E]
@@ -200,7 +205,6 @@ def route(
     # pair -> padded row, for the combine
     key_sorted = key[order]
     e_s = jnp.minimum(key_sorted, e_max)
-    place = jnp.arange(num_pairs, dtype=jnp.int32)
     row_sorted = jnp.where(key_sorted < num_experts, pad_start[e_s] + place - start[e_s], -1)
     pair_row = jnp.zeros(num_pairs, jnp.int32).at[order].set(row_sorted, unique_indices=True)
     return RoutePlan(
