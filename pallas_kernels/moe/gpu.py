@@ -35,10 +35,15 @@ Combine (XLA): each token has exactly ``k`` pairs, so ``out[t] = sum_j y[row(t, 
 gather and a float32 sum over ``k`` (deterministic; no scatter-add).
 
 Tiles: :func:`default_tiles` picks them from the rows per expert (decode: ~10 rows meet an
-expert, ``BM = 16``; prefill: hundreds, ``BM = 128``) and shrinks the depth step until the
-operand pipeline fits in shared memory (H100: 227 KiB a block). Requirements: tile sizes
-powers of two dividing ``D`` and ``F``; each operand under 2**31 elements (Triton's 32-bit
-offsets). ``interpret=True`` runs the kernels with Pallas' generic interpreter on CPU.
+expert, ``BM = 16``; up to 256 rows ``BM = 64``; past that ``BM = 128``) and shrinks the depth
+step until the operand pipeline fits in shared memory (H100: 227 KiB a block). Requirements:
+tile sizes powers of two dividing ``D`` and ``F``; each operand under 2**31 elements (Triton's
+32-bit offsets). ``interpret=True`` runs the kernels with Pallas' generic interpreter on CPU.
+
+On an H100 at Qwen3-Next-80B expert shapes (BENCHMARKS.md, "MoE grouped matmul"): decode reads
+the expert weights at 2.2-2.6 TB/s (T = 64: 0.19 ms against ``ragged_dot``'s 0.56 at E = 64),
+prefill runs 323 TFLOP/s (T = 4096: 0.80 ms against 25.8), both close to torch's CUTLASS
+grouped GEMM; the route plan is 0.04-0.13 ms of it.
 """
 
 from __future__ import annotations
