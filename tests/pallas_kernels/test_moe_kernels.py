@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hyjax.layers.moe import SparseMoe, local_experts
+from hyjax.layers.moe import SparseMoe, local_experts, parallel_routed_experts
 from hyjax.ops import BACKENDS, REFERENCE
+from hyjax.sharding import make_mesh
 from pallas_kernels.moe import gpu
 from pallas_kernels.moe.reference import moe_experts_reference
 
@@ -114,6 +115,20 @@ def test_expert_parallel_shares_sum_to_the_whole():
         share = [m[dev * 4 : (dev + 1) * 4] for m in w]
         total = total + _kernel(x, np.asarray(wl), np.asarray(el), share, jnp.float32, SMALL)
     _check(total, _reference(x, weights, experts, w), jnp.float32)
+
+
+def test_runs_inside_the_experts_shard_map():
+    """``parallel_routed_experts`` calls the op in its expert-parallel shard_map body (a
+    one-device mesh here; the multi-device split is tests/serving/test_tensor_parallel.py with
+    the reference op, the other devices' pairs test_expert_parallel_shares_sum_to_the_whole)."""
+    x, weights, experts, w = _case(12, 8, 3, 64, 32, dtype=jnp.float32, seed=7)
+    mesh = make_mesh(1)
+    op = functools.partial(gpu.moe_experts, tiles=SMALL, interpret=True)
+    fn = jax.jit(functools.partial(parallel_routed_experts, mesh=mesh, axis="model",
+                                   expert_parallel=True, experts_op=op))  # fmt: skip
+    args = [jnp.asarray(a, jnp.float32) for a in (x, weights, *w)]
+    got = np.asarray(fn(args[0], args[1], jnp.asarray(experts), *args[2:]))
+    _check(got, _reference(x, weights, experts, w), jnp.float32)
 
 
 def test_route_pins_blocks_rows_and_pairs():
