@@ -101,12 +101,14 @@ def _is_pow2(n: int) -> bool:
 
 
 def _fit(tiles: MoeTiles, d: int, f: int, itemsize: int) -> MoeTiles:
-    """Clamps the tiles to the shapes and halves the depth steps (then the stages) until both
-    pipelines fit :data:`SMEM_BUDGET` (float32 takes twice the bytes of bf16)."""
+    """Clamps the tiles to the largest powers of two dividing the shapes (D = 2304: 256) and
+    halves the depth steps (then the stages) until both pipelines fit :data:`SMEM_BUDGET`
+    (float32 takes twice the bytes of bf16)."""
+    pd, pf = d & -d, f & -f  # the largest power of two dividing each
     t = dataclasses.replace(
         tiles,
-        block_n_a=min(tiles.block_n_a, f), block_k_a=min(tiles.block_k_a, d),
-        block_n_b=min(tiles.block_n_b, d), block_k_b=min(tiles.block_k_b, f),
+        block_n_a=min(tiles.block_n_a, pf), block_k_a=min(tiles.block_k_a, pd),
+        block_n_b=min(tiles.block_n_b, pd), block_k_b=min(tiles.block_k_b, pf),
     )  # fmt: skip
     while t.smem_bytes(itemsize)[0] > SMEM_BUDGET:
         if t.block_k_a > 16:

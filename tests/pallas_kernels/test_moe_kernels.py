@@ -181,6 +181,8 @@ def test_default_tiles_fit_shared_memory(pairs, dtype):
     gpu.check_tiles(tiles, 2048, 512)
     assert max(tiles.smem_bytes(jnp.dtype(dtype).itemsize)) <= gpu.SMEM_BUDGET
     assert tiles.block_m == (16 if pairs == 640 else 128)
+    # Kimi-Linear-48B (D = 2304, F = 1024) split over 8 devices: tiles divide what is left
+    gpu.check_tiles(gpu.default_tiles(pairs, 256, 2304, 128, dtype), 2304, 128)
 
 
 def test_bad_arguments_are_named():
