@@ -99,3 +99,23 @@ class StepPlan:
         return {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "shape"
         }
+
+    def packed(self) -> tuple[np.ndarray, PlanLayout]:
+        """Every device-bound array in one int32 buffer, and where each lies in it.
+
+        One host-to-device transfer per step instead of one per array: on a GPU host each
+        transfer costs tens of microseconds, ~20 of them per step. Every field is 4 bytes wide
+        (int32, uint32, float32), so each is a bit-exact view of its stretch of the buffer.
+        """
+        arrays = self.arrays()
+        layout = tuple((name, a.dtype.str, a.shape) for name, a in arrays.items())
+        parts = []
+        for name, a in arrays.items():
+            if a.dtype.itemsize != 4:
+                raise TypeError(f"StepPlan.{name} is {a.dtype}: packed fields must be 4 bytes")
+            parts.append(np.ascontiguousarray(a).reshape(-1).view(np.int32))
+        return np.concatenate(parts), layout
+
+
+# (field name, numpy dtype string, shape) of each array in ``StepPlan.packed``'s buffer, in order.
+PlanLayout = tuple[tuple[str, str, tuple[int, ...]], ...]

@@ -314,10 +314,7 @@ def compiled_step_findings(runner) -> dict[str, list[str]]:
     collective = re.compile(r"(all-to-all|all-gather|all-reduce|collective-permute|reduce-scatter)")
     found = {"pool_copies": [], "sampler_collectives": [], "logits_gathers": []}
     for shape in picked:
-        arrays = replicate_tree(StepPlan.empty(shape).arrays(), runner.sharding.mesh)
-        compiled = _step.lower(
-            runner.graphdef, runner.ops, shape.decode_only, runner.state, runner.caches, arrays
-        ).compile()
+        compiled = _step.lower(*runner.step_args(StepPlan.empty(shape))).compile()
         for line in compiled.as_text().splitlines():
             m = re.search(r"= \w+\[([\d,]+)\]\S* copy\(", line)
             if m and tuple(int(d) for d in m.group(1).split(",")) in pools:
