@@ -104,9 +104,10 @@ class StepResult:
     """What a step sends back to the host, per row."""
 
     tokens: np.ndarray  # i32[S]
-    logprobs: np.ndarray  # f32[S]   the sampled token's logprob
-    top_ids: np.ndarray  # i32[S, K] the K most likely tokens (K = MAX_LOGPROBS), best first
-    top_logprobs: np.ndarray  # f32[S, K]
+    # None when no row of the step asked for log-probabilities (nothing computed or fetched).
+    logprobs: np.ndarray | None = None  # f32[S]   the sampled token's logprob
+    top_ids: np.ndarray | None = None  # i32[S, K] the K most likely tokens (K = MAX_LOGPROBS)
+    top_logprobs: np.ndarray | None = None  # f32[S, K]
 
 
 class ModelRunner:
@@ -220,6 +221,8 @@ class ModelRunner:
         if self.on_execute is not None:
             self.on_execute(plan)
         self.caches, out = _step(*self.step_args(plan))
+        if not (plan.logprobs >= 0).any():
+            out = out[:1]  # one device-to-host copy: the tokens
         return StepResult(*_fetch(out))
 
     def step_args(self, plan: StepPlan) -> tuple:
