@@ -78,7 +78,8 @@ def _step(static: _Static, ops: Ops, decode_only: bool, state_leaves: list, cach
     arrays = _unpack(buf, layout)
     batch = Batch.from_arrays(arrays)
     caches, logits = model(batch, caches, ops, decode_only=decode_only)
-    logits = ops.gather_logits(logits)
+    # Under TP the logits stay split by vocab where XLA partitions the work well (argmax, max,
+    # the Gumbel draw); the sampler's sort and the log-probs gather them whole first.
     tokens = sample(
         logits,
         arrays["temperature"],
@@ -87,6 +88,7 @@ def _step(static: _Static, ops: Ops, decode_only: bool, state_leaves: list, cach
         arrays["min_p"],
         arrays["seeds"],
         arrays["seq_lens"],  # the sampled token's position
+        gather=ops.gather_logits,
     )
     # Log-probabilities (a log-softmax and a top-k over the vocabulary) only in steps where
     # some row reports them; elsewhere zeros the host never reads.
@@ -94,7 +96,9 @@ def _step(static: _Static, ops: Ops, decode_only: bool, state_leaves: list, cach
     s = tokens.shape[0]
     none = (jnp.zeros(s, jnp.float32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32))
     logprobs = jax.lax.cond(
-        jnp.any(arrays["logprobs"] >= 0), lambda: token_logprobs(logits, tokens), lambda: none
+        jnp.any(arrays["logprobs"] >= 0),
+        lambda: token_logprobs(ops.gather_logits(logits), tokens),
+        lambda: none,
     )
     return caches, (tokens, *logprobs)
 

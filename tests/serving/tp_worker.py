@@ -246,6 +246,8 @@ def _workload():
     rng = np.random.default_rng(3)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    # No filter: drawn on the vocab-split logits, without the gather the sort needs.
+    unfiltered = SamplingParams(max_tokens=12, temperature=0.8, seed=11)
     shared = rng.integers(0, 256, size=140).tolist()
     return [
         [("a", shared + [1, 2, 3], greedy), ("short", [5, 6, 7], greedy)],
@@ -253,6 +255,7 @@ def _workload():
             ("b", shared + [9, 8], greedy),
             ("c", shared + [4], sampled),
             ("a_again", shared + [1, 2, 3], greedy),
+            ("d", [7, 7, 1, 9], unfiltered),
         ],
     ]
 
@@ -282,7 +285,7 @@ def check_engine(model_dir: str) -> dict:
         out[name + "_conv_shards"] = shard_shapes(engine.runner.caches.conv[0])
         found = compiled_step_findings(engine.runner)
         out[name + "_pool_copies"] = found["pool_copies"]
-        out[name + "_sampler_collectives"] = found["sampler_collectives"]
+        out[name + "_vocab_collectives"] = found["vocab_collectives"]
         out[name + "_logits_gathers"] = found["logits_gathers"]
     logger.removeHandler(logs)
     logger.setLevel(level)
@@ -296,9 +299,13 @@ def compiled_step_findings(runner) -> dict[str, list[str]]:
     ``pool_copies``: copies of a whole per-device KV pool. The pools are donated and updated in
     place; a copy of one is a pass over gigabytes on every step (a reshape-scatter-reshape under
     ``shard_map`` with one KV head per device did it).
-    ``sampler_collectives``: collectives inside the sampler. Left split by vocab, the logits
-    made XLA partition its sort and cumsum; on two H100s that cumsum became a while loop of
-    vocab / 2 trips, ~1.5 s a step. ``logits_gathers``: the all-gather that prevents it.
+    ``vocab_collectives``: collectives that move vocab-wide rows between devices other than
+    the gathers the sampler asks for: an all-to-all anywhere, or a collective whose result has
+    a vocab-shard dim. Left split by vocab, a partitioned sort and cumsum did that (two
+    all-to-alls and a while loop of vocab / 2 trips, ~1.5 s a step on two H100s); argmax, max
+    and the Gumbel draw are partitioned with a few scalars per row crossing devices.
+    ``logits_gathers``: all-gathers of whole-vocab rows (the sort's and the log-probs', inside
+    the branches that need them).
     """
     import re
 
@@ -308,25 +315,26 @@ def compiled_step_findings(runner) -> dict[str, list[str]]:
     # The KV pools (the state pools' gather + in-place update still gets copied by XLA's CPU
     # backend, TP or not: a separate, open problem noted in BENCHMARKS.md).
     pools = {tuple(x.addressable_data(0).shape) for x in jax.tree.leaves(runner.caches.kv)}
+    vocab = runner.cfg.vocab_size
+    shard = vocab // runner.sharding.mesh.size
     shapes = runner.sched_cfg.step_shapes()
     picked = [next(s for s in shapes if s.decode_only == d) for d in (True, False)]
-    sampler_ops = ("sort", "cumsum", "top_k", "log_softmax", "take_along_axis", "sample")
     collective = re.compile(r"(all-to-all|all-gather|all-reduce|collective-permute|reduce-scatter)")
-    found = {"pool_copies": [], "sampler_collectives": [], "logits_gathers": []}
+    found = {"pool_copies": [], "vocab_collectives": [], "logits_gathers": []}
     for shape in picked:
         compiled = _step.lower(*runner.step_args(StepPlan.empty(shape))).compile()
         for line in compiled.as_text().splitlines():
             m = re.search(r"= \w+\[([\d,]+)\]\S* copy\(", line)
             if m and tuple(int(d) for d in m.group(1).split(",")) in pools:
                 found["pool_copies"].append(line.strip()[:160])
-            op = re.search(r'op_name="([^"]*)"', line)
-            if not (op and collective.search(line.split("=", 2)[1] if "=" in line else "")):
+            if "=" not in line or not collective.search(line.split("=", 2)[1]):
                 continue
-            name = op.group(1).replace("jit(_step)/", "")
-            if any(s in name for s in sampler_ops):
-                found["sampler_collectives"].append(name[:160])
-            elif "all-gather" in line and f",{runner.cfg.vocab_size}]" in line:
-                found["logits_gathers"].append(name[:160])
+            result = re.search(r"= \(?\w+\[([\d,]*)\]", line)
+            dims = {int(d) for d in result.group(1).split(",") if d} if result else set()
+            if "all-gather" in line and vocab in dims:
+                found["logits_gathers"].append(line.strip()[:160])
+            elif "all-to-all" in line or shard in dims or vocab in dims:
+                found["vocab_collectives"].append(line.strip()[:160])
     return found
 
 
