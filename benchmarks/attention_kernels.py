@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import time_chained
 from pallas_kernels.attention import gpu
 from pallas_kernels.attention.reference import ragged_paged_attention_reference
 
@@ -99,24 +100,10 @@ def attention_flops(q_lens, ctx_lens, hq=HQ, d=D) -> float:
 
 
 def time_attention(fn, args, iters: int, repeats: int = 3) -> float:
-    """Median seconds per call of ``fn(*args)`` from a jitted loop of ``iters`` chained calls."""
+    """Median seconds per call of ``fn(*args)`` (``common.time_chained``; once in interpret)."""
     if INTERPRET:
         iters, repeats = 1, 1
-    q, rest = args[0], args[1:]
-
-    @jax.jit
-    def loop(q, rest):
-        for _ in range(iters):  # unrolled: no while-loop trips (a host round trip each on GPU)
-            q = q + (fn(q, *rest) * 0).astype(q.dtype)
-        return q
-
-    jax.block_until_ready(loop(q, rest))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(loop(q, rest))
-        times.append((time.perf_counter() - t0) / iters)
-    return float(np.median(times))
+    return time_chained(fn, args, iters, repeats)
 
 
 def copy_bandwidth() -> float:

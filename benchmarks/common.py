@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hyjax.config import Qwen3NextConfig
@@ -49,3 +52,73 @@ def random_model(cfg: Qwen3NextConfig, seed: int = 0):
 def device_name() -> str:
     d = jax.devices()[0]
     return f"{d.platform}:{getattr(d, 'device_kind', '?')}"
+
+
+def time_chained(fn, args, iters: int, repeats: int = 3) -> float:
+    """Median seconds per call of ``fn(*args)``: one jitted program of ``iters`` chained calls.
+
+    Unrolled, not a ``fori_loop``: on a GPU every loop trip is a host round trip (~10 us) that
+    would be counted as the kernel's. Each call's output feeds the next call's first argument
+    (times zero), so XLA can neither drop nor reorder the calls; that link is one small
+    elementwise op per call (a sum first when the output's shape differs).
+    """
+    x, rest = args[0], args[1:]
+
+    def link(x, out):
+        if out.shape != x.shape:
+            out = jnp.sum(out.astype(jnp.float32))
+        return x + (out * 0).astype(x.dtype)
+
+    @jax.jit
+    def loop(x, rest):
+        for _ in range(iters):
+            x = link(x, fn(x, *rest))
+        return x
+
+    jax.block_until_ready(loop(x, rest))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(x, rest))
+        times.append((time.perf_counter() - t0) / iters)
+    return float(np.median(times))
+
+
+def add_engine_workload_args(p, *, layers: int, prefill_requests: int, output_len: int,
+                             cache_gib: float) -> None:  # fmt: skip
+    """The engine benchmarks' shared flags: model size, the prefill and decode workloads."""
+    p.add_argument("--layers", type=int, default=layers)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--prefill-requests", type=int, default=prefill_requests)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--decode-requests", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=output_len)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--cache-gib", type=float, default=cache_gib)
+
+
+def workload_engine(args, backend: str, tp: int = 1, expert_parallel: bool = False):
+    """A random bench model and an engine sized for ``add_engine_workload_args``'s workloads
+    (prefix caching off: every prompt is computed; buckets compiled as they are met)."""
+    from serving.engine import EngineArgs, LLMEngine
+
+    cfg = bench_config(args.layers, args.experts)
+    model = random_model(cfg)
+    engine = LLMEngine(
+        EngineArgs(
+            model=".",
+            max_num_seqs=max(args.decode_requests, args.prefill_requests),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.prompt_len + args.output_len + 64,
+            kernel_backend=backend,
+            min_token_bucket=args.max_num_batched_tokens // 4,
+            cache_bytes=int(args.cache_gib * 2**30),
+            enable_prefix_caching=False,
+            warmup=False,
+            progress=False,
+            tensor_parallel_size=tp,
+            enable_expert_parallel=expert_parallel,
+        ),
+        preloaded=(model, cfg),
+    )
+    return engine, model

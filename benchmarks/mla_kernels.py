@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import time_chained
 from pallas_kernels.attention import mla_gpu
 from pallas_kernels.attention.mla_reference import mla_decode_reference, mla_prefill_reference
 
@@ -93,26 +94,11 @@ def decompressed_flops(q_lens, ctx_lens) -> float:
 
 
 def time_fn(fn, args, iters: int = 10, repeats: int = 3) -> float:
-    """Median seconds per call of ``fn(*args)`` from a jitted loop of chained calls."""
+    """Median seconds per call of ``fn(*args)`` (``common.time_chained``, unrolled: the
+    ``fori_loop`` this used counted a host round trip per call on a GPU; once in interpret)."""
     if INTERPRET:
         iters, repeats = 1, 1
-    q, rest = args[0], args[1:]
-
-    @jax.jit
-    def loop(q, rest):
-        def body(_, q):
-            o = fn(q, *rest)
-            return q + (jnp.sum(o.astype(jnp.float32)) * 0).astype(q.dtype)
-
-        return jax.lax.fori_loop(0, iters, body, q)
-
-    jax.block_until_ready(loop(q, rest))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(loop(q, rest))
-        times.append((time.perf_counter() - t0) / iters)
-    return float(np.median(times))
+    return time_chained(fn, args, iters, repeats)
 
 
 def time_copy(nbytes: int) -> float:

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import time_chained
 from pallas_kernels.moe import gpu
 from pallas_kernels.moe.reference import moe_experts_reference
 
@@ -111,25 +112,6 @@ def err_ratio(got, want) -> float:
 
 
 # ----------------------------------------------------------------------------- timing
-
-
-def time_fn(fn, args, iters: int, repeats: int = 3) -> float:
-    """Median seconds per call from a jitted program of ``iters`` chained, unrolled calls."""
-    x, rest = args[0], args[1:]
-
-    @jax.jit
-    def loop(x, rest):
-        for _ in range(iters):  # unrolled: no while-loop trips (a host round trip each on GPU)
-            x = x + (fn(x, *rest) * 0).astype(x.dtype)
-        return x
-
-    jax.block_until_ready(loop(x, rest))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(loop(x, rest))
-        times.append((time.perf_counter() - t0) / iters)
-    return float(np.median(times))
 
 
 def one_call(fn, args) -> float:
@@ -220,7 +202,7 @@ def torch_grouped_mm(shapes) -> dict:
 
 
 def timed(t: int, e_hit: int, fn, a, iters: int) -> dict:
-    return figures(t, e_hit, time_fn(fn, a, iters))
+    return figures(t, e_hit, time_chained(fn, a, iters))
 
 
 def check(fn, a, want) -> float:

@@ -21,8 +21,8 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.common import bench_config, device_name, random_model
-from serving.engine import EngineArgs, LLMEngine
+from benchmarks.common import add_engine_workload_args, device_name, workload_engine
+from serving.engine import LLMEngine
 from serving.request import SamplingParams
 
 
@@ -88,39 +88,14 @@ def _workload(engine: LLMEngine, phase: str, args, seed: int) -> tuple[int, floa
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--prefill-requests", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--decode-requests", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--cache-gib", type=float, default=4.0)
+    add_engine_workload_args(p, layers=4, prefill_requests=8, output_len=32, cache_gib=4.0)
     p.add_argument("--kernel-backend", default="auto")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     p.add_argument("--expert-parallel", action="store_true")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    cfg = bench_config(args.layers, args.experts)
-    model = random_model(cfg)
-    engine = LLMEngine(
-        EngineArgs(
-            model=".",
-            max_num_seqs=max(args.decode_requests, args.prefill_requests),
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.prompt_len + args.output_len + 64,
-            kernel_backend=args.kernel_backend,
-            min_token_bucket=args.max_num_batched_tokens // 4,
-            cache_bytes=int(args.cache_gib * 2**30),
-            enable_prefix_caching=False,
-            warmup=False,
-            progress=False,
-            tensor_parallel_size=args.tp,
-            enable_expert_parallel=args.expert_parallel,
-        ),
-        preloaded=(model, cfg),
-    )
+    engine, _ = workload_engine(args, args.kernel_backend, args.tp, args.expert_parallel)
     results = {
         "device": device_name(),
         "jax": jax.__version__,

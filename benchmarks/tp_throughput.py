@@ -23,8 +23,8 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.common import bench_config, device_name, random_model
-from serving.engine import EngineArgs, LLMEngine
+from benchmarks.common import add_engine_workload_args, device_name, workload_engine
+from serving.engine import LLMEngine
 from serving.request import SamplingParams
 
 
@@ -58,25 +58,7 @@ def _decode(engine: LLMEngine, n: int, output_len: int, seed: int) -> tuple[floa
 
 
 def run(tp: int, expert_parallel: bool, backend: str, args) -> dict:
-    cfg = bench_config(args.layers, args.experts)
-    model = random_model(cfg)
-    engine = LLMEngine(
-        EngineArgs(
-            model=".",
-            max_num_seqs=max(args.decode_requests, args.prefill_requests),
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.prompt_len + args.output_len + 64,
-            kernel_backend=backend,
-            min_token_bucket=args.max_num_batched_tokens // 4,
-            cache_bytes=int(args.cache_gib * 2**30),
-            enable_prefix_caching=False,  # every prompt is computed
-            warmup=False,
-            progress=False,
-            tensor_parallel_size=tp,
-            enable_expert_parallel=expert_parallel,
-        ),
-        preloaded=(model, cfg),
-    )
+    engine, model = workload_engine(args, backend, tp, expert_parallel)
     res = {
         "kernel_backend": backend,
         "tensor_parallel_size": tp,
@@ -99,14 +81,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--expert-parallel", action="store_true", help="also N with EP")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--prefill-requests", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--decode-requests", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--cache-gib", type=float, default=8.0)
+    add_engine_workload_args(p, layers=8, prefill_requests=16, output_len=64, cache_gib=8.0)
     p.add_argument("--kernel-backend", nargs="+", default=["auto"])
     p.add_argument("--out", default=None)
     args = p.parse_args()
