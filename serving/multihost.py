@@ -184,6 +184,31 @@ def signature_mismatch(mine: dict, leader: dict) -> str | None:
 # ------------------------------------------------------------------------------ pool sizes
 
 
+def _gather_ints(mine: list[int]) -> list[list[int]]:
+    """Every process's ``mine`` (non-negative ints up to ~2**61), in process order: a
+    collective every process must enter. Each int travels as two int32 halves (without
+    jax_enable_x64 an int64 would be cut to 32 bits, and an H100's budget is ~2**36 bytes); a
+    bad value still enters the collective, so that every process raises the same error instead
+    of leaving the others waiting in it."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    halves = []
+    for v in mine:
+        hi, lo = divmod(v, 1 << 30)
+        halves += [max(-(1 << 31), min(hi, (1 << 31) - 1)), lo]  # clipped at ~2**61
+    try:
+        gathered = np.asarray(multihost_utils.process_allgather(np.array(halves, np.int32)))
+    except Exception as e:  # a process that failed before this point never joins it
+        raise RuntimeError(
+            f"process {jax.process_index()} of {jax.process_count()} could not agree on the "
+            "pool sizes with the others: did one of them fail to start? (see its log) "
+            f"[{type(e).__name__}: {e}]"
+        ) from e
+    rows = gathered.reshape(-1, len(mine), 2)  # [num_processes, len(mine), (hi, lo)]
+    return [[(int(h) << 30) + int(low) for h, low in row] for row in rows]
+
+
 def smallest_cache_bytes(mine: int) -> int:
     """The least cache budget of all processes (a collective: every process must call it).
 
@@ -196,23 +221,8 @@ def smallest_cache_bytes(mine: int) -> int:
       mine: this process's budget in bytes (per device), as it would plan alone.
     """
     import jax
-    from jax.experimental import multihost_utils
 
-    # Two int32 halves (without jax_enable_x64 an int64 would be cut to 32 bits, and an
-    # H100's budget is ~2**36 bytes); a bad value still enters the collective, so that every
-    # process raises the same error instead of leaving the others waiting in it.
-    hi, lo = divmod(mine, 1 << 30)
-    hi = max(-(1 << 31), min(hi, (1 << 31) - 1))  # clipped at ~2**61 bytes
-    # i32[num_processes, 2]: every process's (hi, lo), in process order
-    try:
-        gathered = np.asarray(multihost_utils.process_allgather(np.array([hi, lo], np.int32)))
-    except Exception as e:  # a process that failed before this point never joins it
-        raise RuntimeError(
-            f"process {jax.process_index()} of {jax.process_count()} could not agree on the "
-            "pool sizes with the others: did one of them fail to start? (see its log) "
-            f"[{type(e).__name__}: {e}]"
-        ) from e
-    budgets = [(int(h) << 30) + int(low) for h, low in gathered.reshape(-1, 2)]
+    budgets = [row[0] for row in _gather_ints([mine])]
     least = min(budgets)
     smallest = budgets.index(least)
     if least < 1:
@@ -227,6 +237,16 @@ def smallest_cache_bytes(mine: int) -> int:
         budgets,
     )
     return least
+
+
+def fewest_checkpoint_slots(mine: int) -> int:
+    """The fewest checkpoint slots any process planned (a collective), so that all plan the
+    same pools from the same budget even where their defaults differ (on CPU the default is
+    four a sequence without ``--cache-bytes`` and a tenth of the budget with it)."""
+    counts = [row[0] for row in _gather_ints([mine])]
+    if len(set(counts)) > 1:
+        log.info("checkpoint slots by process: %s; all use %d", counts, min(counts))
+    return min(counts)
 
 
 # ------------------------------------------------------------------------------ leader

@@ -181,17 +181,26 @@ class ModelRunner:
             from serving.multihost import smallest_cache_bytes
 
             cache_bytes = smallest_cache_bytes(cache_bytes)
-        self.memory: MemoryPlan = plan_memory(
+        plan = functools.partial(
+            plan_memory,
             cache_bytes,
             kv_block_bytes=kv_bytes,
             state_slot_bytes=slot_bytes,
             block_size=sched_cfg.block_size,
             max_num_seqs=sched_cfg.max_num_seqs,
             max_model_len=sched_cfg.max_model_len,
-            num_checkpoint_slots=num_checkpoint_slots,
             max_kv_blocks=max_blocks,
             max_state_slots=max_slots,
         )
+        self.memory: MemoryPlan = plan(num_checkpoint_slots=num_checkpoint_slots)
+        if jax.process_count() > 1:
+            # The same budget, but defaults may still differ by process (flags given to one):
+            # all take the fewest checkpoint slots, which fits every plan's state cap.
+            from serving.multihost import fewest_checkpoint_slots
+
+            fewest = fewest_checkpoint_slots(self.memory.num_checkpoint_slots)
+            if fewest != self.memory.num_checkpoint_slots:
+                self.memory = plan(num_checkpoint_slots=fewest)
         if sharding is not None:
             log.info(sharding.describe_pools())
         for line in self.memory.describe().splitlines():

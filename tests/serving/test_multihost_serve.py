@@ -48,7 +48,10 @@ PROMPTS = [
 # One sequence at a time, every prefill chunk in one 64-token bucket: two step shapes to warm
 # up, with the follower mirroring (a TP = 4 step over two processes compiles for many seconds).
 FLAGS = ["--max-num-seqs", "1", "--max-num-batched-tokens", "64", "--min-token-bucket", "64"]
-FLAGS += ["--max-model-len", "128", "--num-checkpoint-slots", "4"]
+FLAGS += ["--max-model-len", "128"]
+# Checkpoint slots differ by process (as defaults do when only one gets --cache-bytes): all
+# plan with the fewest.
+CHECKPOINT_SLOTS = {0: "5", 1: "4"}
 MAX_TOKENS = 8
 # The follower "has less memory": a budget of 10 KV blocks (null included) and 6 state slots
 # per device (2048 B/block, 1792 B/slot for this model under TP 4), one block less than the
@@ -108,7 +111,7 @@ def job(tmp_path_factory):
     base += ["--num-processes", "2", "--plan-port", str(plans)]
     procs, logs = [], []
     for pid in (0, 1):
-        cmd = [*base, "--process-id", str(pid)]
+        cmd = [*base, "--process-id", str(pid), "--num-checkpoint-slots", CHECKPOINT_SLOTS[pid]]
         cmd += ["--port", str(http)] if pid == 0 else ["--cache-bytes", str(FOLLOWER_CACHE_BYTES)]
         logs.append(d / f"process{pid}.log")
         with open(logs[-1], "w") as f:
@@ -173,6 +176,8 @@ def test_a_process_with_less_memory_sizes_every_process_pools(job, expected):
     assert follower["budgets"][1] == FOLLOWER_CACHE_BYTES < leader["budgets"][0]
     assert leader["agreed"] == follower["agreed"] == FOLLOWER_CACHE_BYTES
     assert leader["lines"] == follower["lines"]  # identical KV and state pools
+    for log in logs:
+        assert "checkpoint slots by process: [5, 4]; all use 4" in log.read_text()
     kv, slot = leader["kv_bytes"], leader["slot_bytes"]
     running = 1 + 1 + 4  # NULL slot, one running sequence, four checkpoints
     assert leader["state_slots"] == running
