@@ -9,7 +9,9 @@ import pytest
 import hyjax
 from hyjax.tiny import make_tiny_model
 
+# One 64-token prefill bucket: the start-up compiles 4 step shapes, not every small bucket.
 SMALL = ["--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--max-model-len", "128"]
+SMALL += ["--min-token-bucket", "64"]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,10 @@ def test_generate_cli_bad_input_file(model_dir, tmp_path):
 
 
 def test_llm_api(model_dir):
-    llm = hyjax.LLM(model=model_dir, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
+    llm = hyjax.LLM(
+        model=model_dir, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128,
+        min_token_bucket=64,
+    )  # fmt: skip
     params = hyjax.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = llm.generate(["The cat", "The cat sat"], params)
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
