@@ -28,10 +28,6 @@ if TYPE_CHECKING:
 # w_up [E, D, F], w_down [E, F, D]) -> [T, D]; expert ids outside [0, E) are skipped.
 ExpertsOp = Callable[..., jax.Array]
 
-# The pure-JAX experts (``ragged_dot``), under the name the layers always used.
-routed_experts = moe_experts_reference
-
-
 def local_experts(
     weights: jax.Array,  # [T, k]
     experts: jax.Array,  # i32[T, k]  global expert ids
@@ -57,7 +53,7 @@ def parallel_routed_experts(
     mesh: jax.sharding.Mesh,
     axis: str,
     expert_parallel: bool,
-    experts_op: ExpertsOp = routed_experts,
+    experts_op: ExpertsOp = moe_experts_reference,
 ) -> jax.Array:
     """``experts_op`` over the devices of ``mesh[axis]``; returns [T, D] replicated.
 
@@ -102,7 +98,7 @@ def run_experts(
 ) -> jax.Array:
     """The module's experts on the device mesh ``hyjax.sharding`` gave it, if any, with the
     backend's experts op (``ops.moe_experts``; the reference when no ops are given)."""
-    op = routed_experts if ops is None else ops.moe_experts
+    op = moe_experts_reference if ops is None else ops.moe_experts
     w = (module.experts_gate[...], module.experts_up[...], module.experts_down[...])
     if module.expert_mesh is None:
         return op(x, weights, experts, *w)
