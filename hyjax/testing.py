@@ -160,12 +160,22 @@ def save_tiny_kimi_linear(
     return hf_cfg.to_dict()
 
 
-def _numpy_init(cls, cfg, seed: int):
+# Long-memory gates: the per-token decay exp(-exp(A_log) * softplus(a + dt_bias)) of a
+# linear-attention head. With A = exp(A_log) in U(0.05, 0.5) and dt_bias in U(-5, -2.5), at
+# a = 0 the decay lies in [0.94, 0.9997] (median ~0.99): a state remembers hundreds of tokens,
+# so a prefix hit that resumes from a wrong state changes the greedy tokens.
+LONG_MEMORY_A = (0.05, 0.5)
+LONG_MEMORY_DT_BIAS = (-5.0, -2.5)
+
+
+def _numpy_init(cls, cfg, seed: int, *, long_memory: bool = False):
     """A random model filled from numpy on the host.
 
     XLA takes tens of seconds on CPU to compile the random initialisers of a whole model, eager
     or jitted; numpy fills the same shapes in milliseconds. Norm weights are ``1 + noise``,
-    ``A_log`` is ``log U(1, 16)``, everything else a small normal.
+    ``A_log`` is ``log U(1, 16)``, everything else a small normal. ``long_memory`` draws the
+    gates so most heads decay by 0.9-0.999 a token (``LONG_MEMORY_*``) instead of forgetting
+    their state within a few tokens, and gives the norms more spread (``1 + 0.3 * noise``).
     """
     import jax.numpy as jnp
     from flax import nnx
@@ -177,9 +187,12 @@ def _numpy_init(cls, cfg, seed: int):
     for path, var in flat.items():
         shape, name = var.value.shape, "/".join(map(str, path))
         if "norm" in name:
-            value = 1.0 + 0.1 * rng.normal(size=shape)
+            value = 1.0 + (0.3 if long_memory else 0.1) * rng.normal(size=shape)
         elif path[-1] == "A_log":
-            value = np.log(rng.uniform(1.0, 16.0, size=shape))
+            lo, hi = LONG_MEMORY_A if long_memory else (1.0, 16.0)
+            value = np.log(rng.uniform(lo, hi, size=shape))
+        elif path[-1] == "dt_bias" and long_memory:
+            value = rng.uniform(*LONG_MEMORY_DT_BIAS, size=shape)
         elif "conv1d" in name or path[-1] == "dt_bias":
             value = 0.5 * rng.normal(size=shape)
         else:
@@ -197,13 +210,16 @@ KIMI_CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_kimi_linear_model(out_dir: str | os.PathLike, *, seed: int = 0) -> str:
+def make_tiny_kimi_linear_model(
+    out_dir: str | os.PathLike, *, seed: int = 0, long_memory: bool = False
+) -> str:
     """Writes a random tiny Kimi-Linear with Kimi's tokenizer layout; returns the path.
 
     The tokenizer is a ``tiktoken.model`` rank file (the 256 single bytes, no merges) plus
     ``tokenizer_config.json`` naming the special tokens after the ranks and the reserved
     block (256 of them, as Kimi reserves), and no ``tokenizer.json``: what the engine must
-    load for a real Kimi checkpoint. Its outputs are random text.
+    load for a real Kimi checkpoint. Its outputs are random text. ``long_memory``: KDA gates
+    that keep the state for hundreds of tokens (see :func:`_numpy_init`).
     """
     import base64
     import json
@@ -237,7 +253,8 @@ def make_tiny_kimi_linear_model(out_dir: str | os.PathLike, *, seed: int = 0) ->
             ),
         }
     )
-    save_hf_checkpoint(_numpy_init(KimiLinearForCausalLM, cfg, seed), cfg, out_dir)
+    model = _numpy_init(KimiLinearForCausalLM, cfg, seed, long_memory=long_memory)
+    save_hf_checkpoint(model, cfg, out_dir)
     with open(os.path.join(out_dir, "tiktoken.model"), "w") as f:
         f.writelines(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256))
     specials = {256 + i: t for i, t in enumerate(KIMI_SPECIAL_TOKENS)}

@@ -66,12 +66,24 @@ def tiny_config(vocab_size: int) -> Qwen3NextConfig:
     )
 
 
-def make_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0) -> str:
-    """Writes the tiny model and its tokenizer to ``out_dir``; returns the path."""
+def make_tiny_model(
+    out_dir: str | os.PathLike, *, seed: int = 0, long_memory: bool = False
+) -> str:
+    """Writes the tiny model and its tokenizer to ``out_dir``; returns the path.
+
+    ``long_memory``: the Gated DeltaNet gates keep the state for hundreds of tokens (filled from
+    numpy, :func:`hyjax.testing._numpy_init`): what prefix-caching tests need, since the default
+    initialisation forgets the state within a few tokens and cannot show a wrong resumed state.
+    """
     out_dir = os.fspath(out_dir)
     tok = byte_level_tokenizer()
     cfg = tiny_config(vocab_size=tok.get_vocab_size())
-    model = Qwen3NextForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    if long_memory:
+        from hyjax.testing import _numpy_init
+
+        model = _numpy_init(Qwen3NextForCausalLM, cfg, seed, long_memory=True)
+    else:
+        model = Qwen3NextForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(seed))
     save_hf_checkpoint(model, cfg, out_dir)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
