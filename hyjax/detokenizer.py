@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 _REPLACEMENT = "\ufffd"
+_MAX_CONTEXT = 8  # prompt ids kept as a decoder's left context
 
 
 class _Decoder(Protocol):
@@ -41,7 +42,8 @@ class DetokenizerStream:
     previous boundary and ``boundary`` to the end, so windows stay a few tokens long.
 
     Invariant: the concatenated deltas of ``step``/``extend`` plus ``flush`` equal
-    ``decode(ids)`` with no context, or ``decode(context + ids)[len(decode(context)):]``.
+    ``decode(ids)`` with no context, or ``decode(context + ids)[len(decode(context)):]`` for
+    the kept context (one that ends on a character boundary).
     """
 
     def __init__(
@@ -55,13 +57,21 @@ class DetokenizerStream:
 
         Args:
             tokenizer: Anything with ``decode(ids, skip_special_tokens=...)``.
-            context_ids: Ids decoded before the stream's own (a prompt's last few); their
-                text is never returned.
+            context_ids: Ids decoded before the stream's own (a prompt); their text is never
+                returned. Only the last few are kept, without any that end inside a character.
             skip_special_tokens: As in ``decode``.
         """
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._ids = list(context_ids)
+        # A few ids of left context are all a decoder needs. A context that ends inside a
+        # character (a token-id prompt cut in the middle of a UTF-8 sequence) would lend its
+        # dangling bytes to the completion's first token, and the completion's text would
+        # start with U+FFFD the completion never produced: such ids are dropped, so the text
+        # is the decoding of the completion's own tokens.
+        context = list(context_ids[-_MAX_CONTEXT:])
+        while context and self._decode(context).endswith(_REPLACEMENT):
+            context.pop()
+        self._ids = context
         self._num_context = len(self._ids)
         self._start = 0
         self._boundary = len(self._ids)

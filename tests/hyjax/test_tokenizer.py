@@ -162,6 +162,20 @@ def test_stream_with_prompt_context(tok):
     assert "".join(deltas) == " world 東京 🚀!"
 
 
+def test_prompt_cut_inside_a_character_lends_no_bytes(tok):
+    """A token-id prompt that ends inside a UTF-8 sequence: the completion's text is the
+    decoding of the completion's tokens only, not the prompt's dangling bytes as U+FFFD."""
+    emoji = tok.encode("😀")
+    assert len(emoji) > 1 and tok.decode(emoji[:1]).endswith("\ufffd")
+    prompt = tok.encode("Hello ") + emoji[:1]  # cut inside the emoji's four bytes
+    completion = tok.encode(" world 東京")
+    deltas, rest = _stream(tok, completion, context=prompt)
+    assert "".join(deltas) + rest == " world 東京" == tok.decode(completion)
+    # The completion's own dangling bytes (a continuation byte first) are its text.
+    deltas, rest = _stream(tok, emoji[1:] + completion, context=prompt)
+    assert "".join(deltas) + rest == tok.decode(emoji[1:] + completion)
+
+
 def test_stream_flushes_incomplete_bytes(tok):
     lone_byte = tok.token_to_id("\u00f0")  # byte 0xF0 (an emoji's first byte) stands for itself
     ids = [*tok.encode("ok"), lone_byte]
