@@ -31,9 +31,9 @@ merges the splits with their log-sum-exp weights. Splits are chosen so that a la
 programs whose share is empty exit at once. Everything around the kernels is loop-free (an
 XLA ``while`` on GPU costs a host round trip per trip; a test checks the lowered module).
 
-Requirements: ``D`` a power of two (Triton ``arange``); element offsets of one layer's cache
-below 2**31 (Triton's 32-bit pointer arithmetic). Tuning defaults: the H200 sweep in
-BENCHMARKS.md (D = 256).
+Requirements: ``D`` a power of two (Triton ``arange``; :func:`unsupported_reason`); element
+offsets of one layer's cache below 2**31 (Triton's 32-bit pointer arithmetic). Tuning
+defaults: the H200 sweep in BENCHMARKS.md (D = 256).
 """
 
 from __future__ import annotations
@@ -59,8 +59,23 @@ from pallas_kernels.attention.tiles import (
 _MASKED = -1e30  # finite: a row whose keys are all masked gives p = 0, never NaN
 
 
+# The narrowest head dim the kernel takes (one Triton tile holds a head; narrower ones would
+# run as FMA loops never compiled on a GPU).
+MIN_HEAD_DIM = 8
+
+
+def unsupported_reason(head_dim: int) -> str | None:
+    """Why the kernel cannot take this head dim, or None (``hyjax.ops`` then uses the
+    reference op for the model)."""
+    if head_dim & (head_dim - 1) or head_dim < MIN_HEAD_DIM:
+        return f"head dim {head_dim} is not a power of two >= {MIN_HEAD_DIM} (a Triton tile)"
+    return None
+
+
 def _mm(x, y, contract):
-    """``x @ y`` over the given dims, accumulated in float32 (``pl.dot`` is gone in JAX 0.12)."""
+    """``x @ y`` over the given dims, accumulated in float32 (``pl.dot`` is gone in JAX 0.12).
+    The precision is ``jax_default_matmul_precision``'s: f32 products are TF32 unless the step
+    is traced at ``highest`` (float32 serving without ``--allow-tf32``: IEEE)."""
     return jax.lax.dot_general(x, y, (contract, ((), ())), preferred_element_type=jnp.float32)
 
 

@@ -69,8 +69,23 @@ from pallas_kernels.attention.tiles import (
 _MASKED = -1e30  # finite: a row whose keys are all masked gives p = 0, never NaN
 
 
+# The narrowest latent tile (the tiny test model's rope dims); narrower ones would run as FMA
+# loops never compiled on a GPU.
+MIN_TILE = 8
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and not n & (n - 1)
+
+
+def unsupported_reason(kv_lora_rank: int, rope_dim: int) -> str | None:
+    """Why the latent kernel cannot take these dims, or None (``hyjax.ops`` then uses the
+    reference ops for the model). The decompressed prefill path has its own rule and is left
+    out, not failed, where it does not hold (:func:`mla_prefill`)."""
+    for name, d in (("kv_lora_rank", kv_lora_rank), ("rope dims", rope_dim)):
+        if not (_is_pow2(d) and d >= MIN_TILE):
+            return f"{name} {d} is not a power of two >= {MIN_TILE} (a Triton tile)"
+    return None
 
 
 def _kernel(

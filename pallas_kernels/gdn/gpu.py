@@ -35,7 +35,9 @@ to zero, which is exact (``g = beta = 0`` rows contribute nothing)::
 
 The serial part is two Dk x BV matmuls per chunk plus the output's; the inverse, which
 dominated the single-kernel version, runs once per (chunk, head) in the parallel launch.
-Requirements: ``Dk`` and ``BV`` powers of two, ``T >= 64`` (the wrapper pads shorter batches).
+Requirements: ``Dk`` a power of two, ``BV`` a power of two dividing ``Dv`` (by default the
+largest one up to 32 or 64), ``T >= 64`` (the wrapper pads shorter batches);
+:func:`unsupported_reason` says which head dims ``hyjax.ops`` must leave to the reference.
 """
 
 from __future__ import annotations
@@ -57,11 +59,30 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _block_v(dv: int, requested: int | None) -> int:
-    bv = min(dv, 32) if requested is None else requested
+# The narrowest tile a kernel here takes on a head dim (the tiny test models' Dv = 8). Narrower
+# ones would run as Triton FMA loops nobody has compiled on a GPU: those models take the
+# reference ops instead (``unsupported_reason``).
+MIN_TILE = 8
+
+
+def _block_v(dv: int, requested: int | None, default: int = 32) -> int:
+    """The Dv columns a program owns: ``requested``, else the largest power of two dividing Dv
+    up to ``default`` (Dv = 48: 16), so a Dv that is not a power of two still tiles exactly."""
+    bv = min(dv & -dv, default) if requested is None else requested
     if not (_is_pow2(bv) and dv % bv == 0):
         raise ValueError(f"block_v={bv} must be a power of two dividing {dv=}")
     return bv
+
+
+def unsupported_reason(dk: int, dv: int) -> str | None:
+    """Why the kernels of this module (and the fused decode) cannot take these head dims, or
+    None. Triton tiles are powers of two: a program holds all of Dk, and Dv in tiles of the
+    largest power of two dividing it."""
+    if not (_is_pow2(dk) and dk >= MIN_TILE):
+        return f"key head dim {dk} is not a power of two >= {MIN_TILE} (one Triton tile holds Dk)"
+    if dv & -dv < MIN_TILE:
+        return f"value head dim {dv} has no power-of-two tile of >= {MIN_TILE} columns"
+    return None
 
 
 def _compiler_params(num_warps: int, num_stages: int):
@@ -155,7 +176,7 @@ def gdn_decode(
         raise ValueError(f"decode rows {rows} must equal {src_slot.shape[0]=} (one token each)")
     if not _is_pow2(dk):
         raise ValueError(f"{dk=} must be a power of two for the Triton kernels")
-    bv = _block_v(dv, block_v or min(dv, 64))  # H200 sweep at B=64: 64 columns, 4 warps
+    bv = _block_v(dv, block_v, default=64)  # H200 sweep at B=64: 64 columns, 4 warps
     args = (
         src_slot.astype(jnp.int32), dst_slot.astype(jnp.int32), ckpt_offsets.astype(jnp.int32),
         ckpt_slots.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32).reshape(1),
@@ -215,7 +236,6 @@ def _intra_kernel(
         mm = functools.partial(_mm, precision=precision)
         k = pltr.load(k_ref.at[win, h // ratio, :], mask=valid[:, None], other=0.0)
         k = _l2norm(k.astype(jnp.float32))
-        v = pltr.load(v_ref.at[win, h, :], mask=valid[:, None], other=0.0).astype(jnp.float32)
         a = pltr.load(a_ref.at[win, h], mask=valid, other=0.0)
         b = pltr.load(b_ref.at[win, h], mask=valid, other=0.0)
         g, beta = _gates(gates_ref, h, a, b)
@@ -226,9 +246,14 @@ def _intra_kernel(
         a_mat = beta[:, None] * mm(k, k, ((1,), (1,))) * decay  # strictly lower [C, C]
         tm = _unit_lower_inverse(a_mat, ii, jj, lambda x, y: mm(x, y, ((1,), (0,))))
         w = mm(tm, k * (beta * jnp.exp(gam))[:, None], ((1,), (0,)))  # [C, Dk]
-        u = mm(tm, v * beta[:, None], ((1,), (0,)))  # [C, Dv]
         pltr.store(w_ref.at[win, h, :], w, mask=valid[:, None])
-        pltr.store(u_ref.at[win, h, :], u, mask=valid[:, None])
+        dv = v_ref.shape[-1]
+        bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
+        for vb in range(dv // bv):
+            vs = pl.ds(vb * bv, bv)
+            v = pltr.load(v_ref.at[win, h, vs], mask=valid[:, None], other=0.0)
+            u = mm(tm, v.astype(jnp.float32) * beta[:, None], ((1,), (0,)))  # [C, BV]
+            pltr.store(u_ref.at[win, h, vs], u, mask=valid[:, None])
         pltr.store(gam_ref.at[win, h], gam, mask=valid)
 
 
@@ -503,7 +528,7 @@ def gdn_prefill(
             interpret=interpret,
             name="gdn_prefill_state_gpu",
         )(*args)
-        bo = _block_v(dv, block_v_out or min(dv, 64))
+        bo = _block_v(dv, block_v_out, default=64)
         o = pl.pallas_call(
             functools.partial(
                 _output_kernel, bv=bo, ratio=hv // hk, scale=scale, precision=precision

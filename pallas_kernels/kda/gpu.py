@@ -31,9 +31,11 @@ the ``exp``)::
 Chunks come from :mod:`pallas_kernels.common.chunking` (never straddling a sequence or a
 checkpoint offset; the scheduler's offsets are multiples of 64, hence of 16). A chunk is read
 as a 16-row window clamped into ``[0, T - 16]``; rows outside it are masked to zero, which is
-exact (``g = beta = k = 0`` rows contribute nothing). Requirements: ``Dk`` and ``BV`` powers
-of two, ``T >= 16`` (the wrapper pads shorter batches). FLA's ``chunk_kda`` uses 64-token
-chunks with 16-row sub-blocks and three kernels; this is the simple first form.
+exact (``g = beta = k = 0`` rows contribute nothing). Requirements: ``Dk`` a power of two,
+``BV`` a power of two dividing ``Dv``, ``T >= 16`` (the wrapper pads shorter batches);
+:func:`unsupported_reason` says which head dims ``hyjax.ops`` must leave to the reference.
+FLA's ``chunk_kda`` uses 64-token chunks with 16-row sub-blocks and three kernels; this is the
+simple first form.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from pallas_kernels.common.ragged import check_slot_args
 from pallas_kernels.kda.reference import check_kda_args
 
 CHUNK = 16
+MIN_TILE = 8  # as pallas_kernels.gdn.gpu: the narrowest head-dim tile compiled on a GPU
 
 
 def _is_pow2(n: int) -> bool:
@@ -57,10 +60,21 @@ def _is_pow2(n: int) -> bool:
 
 
 def _block_v(dv: int, requested: int | None) -> int:
-    bv = min(dv, 32) if requested is None else requested
+    """``requested``, else the largest power of two dividing Dv, at most 32."""
+    bv = min(dv & -dv, 32) if requested is None else requested
     if not (_is_pow2(bv) and dv % bv == 0):
         raise ValueError(f"block_v={bv} must be a power of two dividing {dv=}")
     return bv
+
+
+def unsupported_reason(dk: int, dv: int) -> str | None:
+    """Why these kernels cannot take the head dims, or None (the GDN kernels' rule: a Triton
+    tile holds all of Dk, and Dv in tiles of the largest power of two dividing it)."""
+    if not (_is_pow2(dk) and dk >= MIN_TILE):
+        return f"key head dim {dk} is not a power of two >= {MIN_TILE} (one Triton tile holds Dk)"
+    if dv & -dv < MIN_TILE:
+        return f"value head dim {dv} has no power-of-two tile of >= {MIN_TILE} columns"
+    return None
 
 
 def _softplus(x):

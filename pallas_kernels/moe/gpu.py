@@ -127,6 +127,19 @@ def _fit(tiles: MoeTiles, d: int, f: int, itemsize: int) -> MoeTiles:
     return t
 
 
+# The narrowest tile :func:`_fit` may clamp to (F = 12 in the tiny test models: 4).
+MIN_TILE = 4
+
+
+def unsupported_reason(d: int, f: int) -> str | None:
+    """Why the kernels cannot take a hidden size ``d`` and (per device) intermediate size ``f``,
+    or None. Tiles clamp to the largest power of two dividing each (:func:`_fit`)."""
+    for name, size in (("hidden size", d), ("expert intermediate size", f)):
+        if size & -size < MIN_TILE:
+            return f"{name} {size} has no power-of-two tile of >= {MIN_TILE}"
+    return None
+
+
 def default_tiles(num_pairs: int, num_experts: int, d: int, f: int, dtype) -> MoeTiles:
     """The tiles for ``num_pairs`` (token, expert) pairs over ``num_experts`` experts."""
     rows = num_pairs / num_experts
