@@ -12,15 +12,23 @@ beats it (prefill 70x, decode 5x at B >= 16). The TPU kernels pass their interpr
 and lower through Mosaic for v5e and v6e in CI, but have not run on a TPU: if one misbehaves
 there, ``--kernel-backend reference`` is the way out. Where a kernel does not exist yet, a
 backend falls back to the reference op; each such entry below says so.
+
+The runner takes its ops from :func:`ops_for_model`, once at start-up: a kernel that cannot take
+the model's shapes (the Triton kernels' power-of-two tiles; each GPU kernel module's
+``unsupported_reason``) is swapped for its reference op with one warning, and
+``Ops.matmul_precision`` makes float32 models compute IEEE float32 products on every platform
+(XLA's dots and the Pallas GPU kernels' alike) unless TF32 is allowed (``--allow-tf32``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.attention import gpu as attention_gpu
@@ -49,6 +57,8 @@ from pallas_kernels.kda import tpu as kda_tpu
 from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
 from pallas_kernels.moe import gpu as moe_gpu
 from pallas_kernels.moe.reference import moe_experts_reference
+
+log = logging.getLogger(__name__)
 
 
 def _whole(x: jax.Array) -> jax.Array:
@@ -82,6 +92,11 @@ class Ops:
     # each device's share). The reference is ragged_dot, which XLA expands to dense matmuls
     # over every expert on NVIDIA GPUs; the GPU kernel is a grouped matmul.
     moe_experts: Callable = moe_experts_reference
+    # The precision of every matmul of the step that does not pin its own, XLA's and the
+    # Pallas GPU kernels' alike (``jax_default_matmul_precision`` while the step is traced):
+    # None is the platform's default (f32 products in TF32 on NVIDIA, in bf16 passes on TPU),
+    # "highest" is IEEE f32. :func:`ops_for_model` picks it from the model's dtype.
+    matmul_precision: str | None = None
 
 
 REFERENCE = Ops(
@@ -111,6 +126,12 @@ def _by_platform(*, tpu: Callable, gpu: Callable, other: Callable) -> Callable:
 
 # Decode-only steps on NVIDIA: the attention kernel without its (empty) prefill launch.
 GPU_DECODE_ATTENTION = functools.partial(attention_gpu.ragged_paged_attention, decode_only=True)
+
+# The GDN prefill on NVIDIA follows ``Ops.matmul_precision`` (precision None): TF32 tensor
+# cores inside the chunk for bfloat16 models and with --allow-tf32 (output error ratio 1.4e-3
+# against the IEEE f32 reference on an H200; FLA's bar: 5e-3), IEEE f32 dots (~40x slower in
+# the chunk) for float32 models.
+GPU_GDN_PREFILL = functools.partial(gdn_gpu.gdn_prefill, precision=None)
 
 BACKENDS: dict[str, Ops] = {
     "reference": REFERENCE,
@@ -147,11 +168,7 @@ BACKENDS: dict[str, Ops] = {
             other=causal_conv1d_update_reference,
         ),
         gdn_prefill=_by_platform(
-            tpu=gdn_tpu.gdn_prefill,
-            # TF32 tensor cores inside the chunk: output error ratio 1.4e-3 against the IEEE
-            # f32 reference on an H200 (FLA's bar: 5e-3); IEEE f32 dots are ~40x slower.
-            gpu=functools.partial(gdn_gpu.gdn_prefill, precision=jax.lax.Precision.DEFAULT),
-            other=gdn_prefill_reference,
+            tpu=gdn_tpu.gdn_prefill, gpu=GPU_GDN_PREFILL, other=gdn_prefill_reference
         ),
         gdn_decode=_by_platform(
             tpu=gdn_tpu.gdn_decode, gpu=gdn_gpu.gdn_decode, other=gdn_decode_reference
@@ -223,3 +240,72 @@ def resolve_backend(name: str) -> str:
 
 def get_ops(name: str) -> Ops:
     return BACKENDS[resolve_backend(name)]
+
+
+def matmul_precision(dtype, *, allow_tf32: bool = False) -> str | None:
+    """``Ops.matmul_precision`` for a model served in ``dtype``: float32 means IEEE float32
+    products on every platform unless TF32 is allowed; 16-bit models keep the platform's."""
+    return "highest" if jnp.dtype(dtype) == jnp.float32 and not allow_tf32 else None
+
+
+def unsupported_kernels(
+    cfg, kernel_platform: str, *, tp: int = 1, expert_parallel: bool = False
+) -> dict[str, str]:
+    """``{op field: why}`` for each kernel op that cannot take ``cfg``'s shapes on
+    ``kernel_platform`` (``tpu``: the Mosaic kernels, also what ``interpret`` runs; ``cuda`` /
+    ``rocm``: the Triton ones). ``tp``: devices the MoE intermediate dim is split over.
+
+    The TPU kernels take each head dim whole as a block, so every shape fits them (the
+    interpreter runs head dims 24 and 40); the Triton kernels need power-of-two tiles.
+    """
+    if kernel_platform not in ("cuda", "rocm"):
+        return {}
+    rules: list[tuple[tuple[str, ...], str | None]] = []
+    if cfg.model_type == "qwen3_next":
+        gdn = gdn_gpu.unsupported_reason(cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        rules += [
+            (("gdn_prefill", "gdn_decode", "conv_gdn_decode"), gdn),
+            (("paged_attention", "paged_attention_decode"),
+             attention_gpu.unsupported_reason(cfg.head_dim)),
+        ]  # fmt: skip
+    elif cfg.model_type == "kimi_linear":
+        rules += [
+            (("kda_prefill", "kda_decode"),
+             kda_gpu.unsupported_reason(cfg.linear_head_dim, cfg.linear_head_dim)),
+            (("mla_prefill", "mla_decode"),
+             mla_gpu.unsupported_reason(cfg.kv_lora_rank, cfg.qk_rope_head_dim)),
+        ]  # fmt: skip
+    if cfg.num_experts:
+        f = cfg.moe_intermediate_size // (1 if expert_parallel else tp)
+        rules.append((("moe_experts",), moe_gpu.unsupported_reason(cfg.hidden_size, f)))
+    return {field: why for fields, why in rules if why for field in fields}
+
+
+def ops_for_model(
+    name: str,
+    cfg,
+    dtype,
+    *,
+    allow_tf32: bool = False,
+    tp: int = 1,
+    expert_parallel: bool = False,
+) -> Ops:
+    """The ops of backend ``name`` for one model, decided once at start-up.
+
+    Each kernel that cannot take the model's shapes (:func:`unsupported_kernels`) is replaced
+    by its reference op, with one warning naming the op and why, so no request meets a shape
+    error mid-serving. ``matmul_precision`` comes from ``dtype`` and ``allow_tf32``
+    (:func:`matmul_precision`).
+    """
+    backend = resolve_backend(name)
+    ops = BACKENDS[backend]
+    changes: dict = {"matmul_precision": matmul_precision(dtype, allow_tf32=allow_tf32)}
+    if backend != "reference":
+        kernel_platform = "tpu" if backend == "interpret" else accelerator_platform()
+        unsupported = unsupported_kernels(
+            cfg, kernel_platform, tp=tp, expert_parallel=expert_parallel
+        )
+        for field, why in unsupported.items():
+            log.warning("%s: reference op instead of the %s kernel: %s", field, backend, why)
+            changes[field] = getattr(REFERENCE, field)
+    return dataclasses.replace(ops, **changes)

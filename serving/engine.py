@@ -48,6 +48,8 @@ class EngineArgs:
     checkpoint_interval: int | None = None
     retention_interval: int = 0
     kernel_backend: str = "auto"
+    # float32 models: matmuls in TF32 on NVIDIA (bf16 passes on TPU) instead of IEEE float32.
+    allow_tf32: bool = False
     num_checkpoint_slots: int | None = None
     cache_bytes: int | None = None
     seed: int | None = 0
@@ -177,6 +179,7 @@ class LLMEngine:
             cache_bytes=args.cache_bytes,
             num_checkpoint_slots=args.num_checkpoint_slots,
             sharding=sharding,
+            allow_tf32=args.allow_tf32,
         )
         cache_cfg = CacheConfig(
             self.runner.memory.num_kv_blocks, self.runner.memory.num_state_slots

@@ -7,6 +7,7 @@ and a step costs one host-to-device transfer of the plan's arrays.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -23,7 +24,7 @@ from tqdm import tqdm
 from hyjax.batch import Batch
 from hyjax.cache import Caches, init_caches, kv_block_bytes, pool_limits, state_slot_bytes
 from hyjax.config import ModelConfig
-from hyjax.ops import Ops, get_ops
+from hyjax.ops import Ops, ops_for_model
 from hyjax.sharding import ShardingPlan, replicate_tree
 from serving.config import SchedulerConfig
 from serving.memory_planner import MemoryPlan, plan_memory
@@ -77,7 +78,11 @@ def _step(static: _Static, ops: Ops, decode_only: bool, state_leaves: list, cach
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
     arrays = _unpack(buf, layout)
     batch = Batch.from_arrays(arrays)
-    caches, logits = model(batch, caches, ops, decode_only=decode_only)
+    # Every matmul traced here that pins no precision of its own (XLA's and the Pallas GPU
+    # kernels') gets the ops' one: "highest" (IEEE f32) for float32 models, else the default.
+    precision = ops.matmul_precision
+    with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+        caches, logits = model(batch, caches, ops, decode_only=decode_only)
     # Under TP the logits stay split by vocab where XLA partitions the work well (argmax, max,
     # the Gumbel draw); the sampler's sort and the log-probs gather them whole first.
     tokens = sample(
@@ -121,7 +126,11 @@ class ModelRunner:
       model: the loaded NNX model.
       cfg: its config.
       sched_cfg: the scheduler's config (buckets, block size).
-      kernel_backend: ``auto``, ``reference``, ``pallas`` or ``interpret``.
+      kernel_backend: ``auto``, ``reference``, ``pallas`` or ``interpret``; a kernel that cannot
+        take the model's shapes is replaced by its reference op (``hyjax.ops.ops_for_model``,
+        one warning each).
+      allow_tf32: a float32 model's matmuls may use TF32 on NVIDIA (the MXU's bf16 passes on
+        TPU); by default they are IEEE float32. No effect on 16-bit models.
       cache_bytes: bytes for both pools; ``None`` asks the device (90 % of what is free) or,
         on CPU, sizes the pools for ``max_num_seqs`` full-length requests.
       num_checkpoint_slots: state slots kept for checkpoints (``None``: 10 % of the memory).
@@ -140,6 +149,7 @@ class ModelRunner:
         cache_bytes: int | None = None,
         num_checkpoint_slots: int | None = None,
         sharding: ShardingPlan | None = None,
+        allow_tf32: bool = False,
     ):
         self.cfg = cfg
         self.sched_cfg = sched_cfg
@@ -147,7 +157,14 @@ class ModelRunner:
         # Multi-host serve: the leader ships each plan to the followers before running it, so
         # every process enters the step's collectives (serving/multihost.py).
         self.on_execute: Callable[[StepPlan], None] | None = None
-        self.ops = get_ops(kernel_backend)
+        self.ops = ops_for_model(
+            kernel_backend,
+            cfg,
+            model.dtype,
+            allow_tf32=allow_tf32,
+            tp=sharding.tp if sharding is not None else 1,
+            expert_parallel=sharding is not None and sharding.expert_parallel,
+        )
         if sharding is not None:
             model = sharding.shard_model(model)
             self.ops = sharding.shard_ops(self.ops)
