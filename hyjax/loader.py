@@ -301,8 +301,8 @@ def load_model(
 
     for path, sources in by_param.items():
         var = params[path]
-        want_shape = tuple(var.value.shape)
-        want_dtype = jnp.float32 if path[-1] in FLOAT32_PARAMS else var.value.dtype
+        want_shape = tuple(var.get_value().shape)
+        want_dtype = jnp.float32 if path[-1] in FLOAT32_PARAMS else var.get_value().dtype
         views: dict[int | None, np.ndarray] = {}  # expert (None: whole tensor) -> host view
         for name, tg in sources:
             arr = _convert(read(name), tg)  # a view of the map: nothing is read yet
@@ -384,7 +384,8 @@ def _restore_converted(
     device = jax.local_devices()[0]
     for path, var in params.items():
         sharding = plan.sharding(path) if plan is not None else SingleDeviceSharding(device)
-        var.set_value(jax.ShapeDtypeStruct(var.value.shape, var.value.dtype, sharding=sharding))
+        value = var.get_value()
+        var.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
     target = nnx.to_pure_dict(nnx.from_flat_state(params))
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(os.path.join(model_dir, ORBAX_DIR), target)

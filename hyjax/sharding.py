@@ -387,7 +387,7 @@ class ShardingPlan:
         params = dict(nnx.to_flat_state(state))
         multi_process = jax.process_count() > 1
         for path, var in params.items():
-            value, sharding = var.value, self.sharding(path)
+            value, sharding = var.get_value(), self.sharding(path)
             if multi_process and value.is_fully_addressable and value.sharding != sharding:
                 value = np.asarray(value)  # the same host copy on every process
             var.set_value(jax.device_put(value, sharding))
@@ -506,7 +506,7 @@ def local_shapes(plan: ShardingPlan, state: nnx.State) -> dict[str, tuple[int, .
     out = {}
     for path, var in nnx.to_flat_state(state):
         sharding = plan.sharding(path)
-        out[path_name(path)] = sharding.shard_shape(tuple(var.value.shape))
+        out[path_name(path)] = sharding.shard_shape(tuple(var.get_value().shape))
     return out
 
 
