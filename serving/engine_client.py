@@ -4,8 +4,9 @@ No jax here: the engine runs in a child process (``serving.engine_process.engine
 started with the ``spawn`` method, so the child imports jax and the parent never does). A
 reader thread blocks on the outbox and hands each message list to the event loop, which
 routes deltas to per-request ``asyncio.Queue`` s and resolves the futures of pending adds and
-stats queries. If the engine process dies, every waiter gets an error and ``alive`` turns
-False (``/health`` then answers 503).
+stats queries. If the engine process dies, every waiter gets an error, ``alive`` turns
+False (``/health`` then answers 503) and ``on_dead`` is called once (the server then exits
+non-zero, so that its supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 import multiprocessing
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from serving.messages import (
     AbortRequest,
@@ -86,6 +87,8 @@ class EngineClient:
         self._closing = False
         self.dead_reason: str | None = None
         self.info: EngineInfo | None = None
+        # Called once, on the event loop, when the engine dies other than by ``close()``.
+        self.on_dead: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -280,6 +283,7 @@ class EngineClient:
                 self._fail_all(m.message)
 
     def _fail_all(self, reason: str) -> None:
+        first = self.dead_reason is None
         self.dead_reason = reason
         err = EngineDeadError(reason)
         for p in self._pending.values():
@@ -290,6 +294,8 @@ class EngineClient:
         for fut in self._stats.values():
             if not fut.done():
                 fut.set_exception(err)
+        if first and not self._closing and self.on_dead is not None:
+            self.on_dead(reason)
 
 
 def _engine_main(engine_kwargs: dict, inbox, outbox) -> None:

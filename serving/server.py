@@ -10,6 +10,11 @@ The engine is started (and its shape buckets compiled) before the port opens. On
 SIGINT the server drains: new requests get 503, requests in flight may finish for up to
 ``--shutdown-timeout`` seconds, the rest are aborted (their streams end with finish reason
 "abort"), the engine process is stopped and the server exits 0. A second SIGINT forces exit.
+
+If the engine process dies (killed, out of memory, a failed step), the requests in flight get
+an error, new ones 503, and the server exits with code 1 as soon as they are answered: a
+supervisor (systemd, Kubernetes, a shell loop) restarts the whole server, as vLLM's users
+expect of theirs. It never lingers answering 503.
 """
 
 from __future__ import annotations
@@ -233,6 +238,7 @@ class _DrainingServer(uvicorn.Server):
         self.state = state
         self.drain_timeout = drain_timeout
         self._drain_started = False
+        self.exit_code = 0
 
     def handle_exit(self, sig: int, frame) -> None:
         if self._drain_started:
@@ -259,6 +265,22 @@ class _DrainingServer(uvicorn.Server):
             deadline = loop_time() + 5.0
             while st.in_flight and loop_time() < deadline:
                 await asyncio.sleep(0.05)
+        self.should_exit = True
+
+    def engine_died(self, reason: str) -> None:
+        """``EngineClient.on_dead``: answer what is in flight (errors), then exit 1."""
+        if self._drain_started:  # shutting down anyway; the drain finishes the job
+            return
+        self._drain_started = True
+        self.exit_code = 1
+        log.error("%s: the server exits with code 1 (restart it)", reason)
+        self.state.draining = True
+        asyncio.get_running_loop().create_task(self._exit_when_answered())
+
+    async def _exit_when_answered(self) -> None:
+        deadline = loop_time() + 5.0
+        while self.state.in_flight and loop_time() < deadline:
+            await asyncio.sleep(0.05)
         self.should_exit = True
 
 
@@ -305,7 +327,8 @@ def serve(
             lifespan="on",
         )
         server = _DrainingServer(config, state, shutdown_timeout)
+        client.on_dead = server.engine_died
         server.run()
-        return 0 if server.started else 1
+        return server.exit_code if server.started else 1
     finally:
         client.close()
