@@ -13,8 +13,6 @@ import time
 
 from tqdm import tqdm
 
-ROW_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos")
-
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine flags shared by ``generate`` and ``serve``."""
@@ -133,8 +131,14 @@ def engine_args(ns: argparse.Namespace, **extra):
 
 
 def read_rows(path: str) -> list[dict]:
+    """The JSON objects of a JSONL file (blank lines skipped); a line that is not one stops
+    the command, naming the line."""
     rows = []
-    with open(path) as f:
+    try:
+        f = open(path)
+    except OSError as e:
+        raise SystemExit(f"hyjax generate: --input {path}: {e.strerror}") from None
+    with f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -142,20 +146,32 @@ def read_rows(path: str) -> list[dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise SystemExit(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or ("prompt" in row) == ("prompt_token_ids" in row):
-                raise SystemExit(f"{path}:{n}: a row needs exactly one of prompt, prompt_token_ids")
+            if not isinstance(row, dict):
+                raise SystemExit(f"{path}:{n}: a row is a JSON object")
             rows.append(row)
     return rows
 
 
-def row_params(row: dict, defaults: dict):
-    from serving.request import SamplingParams
+def row_request(row: dict, ns: argparse.Namespace):
+    """A row's prompt and ``SamplingParams``, validated as the server validates a completion
+    request (:class:`serving.protocol.GenerateRow`); ValueError names the bad field."""
+    from pydantic import ValidationError
 
-    kw = dict(defaults)
-    kw.update({k: row[k] for k in ROW_SAMPLING_KEYS if k in row})
-    if "stop" in row:
-        kw["stop"] = (row["stop"],) if isinstance(row["stop"], str) else tuple(row["stop"])
-    return SamplingParams(**kw)
+    from serving.protocol import GenerateRow
+
+    try:
+        req = GenerateRow.model_validate(row)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(map(str, err["loc"])) or "row"
+        raise ValueError(f"{where}: {err['msg']}") from None
+    bad = req.unsupported_fields()
+    if bad:
+        raise ValueError(f"{bad[0]} is not supported by hyjax generate")
+    max_tokens = ns.max_tokens if req.max_tokens is None else req.max_tokens
+    params = req.to_sampling_params(max_tokens, default_temperature=ns.temperature)
+    prompt = req.prompt if req.prompt is not None else req.prompt_token_ids
+    return prompt, params
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -166,22 +182,28 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if ns.input is not None and ns.output is None:
         raise SystemExit("hyjax generate: --input needs --output")
     rows = read_rows(ns.input) if ns.input is not None else [{"prompt": p} for p in ns.prompt]
+    requests: dict[int, tuple] = {}
+    errors: dict[int, str] = {}
+    for i, row in enumerate(rows):  # checked before the model loads: a typo fails fast
+        try:
+            requests[i] = row_request(row, ns)
+        except ValueError as e:
+            errors[i] = str(e)
     if ns.distributed or ns.coordinator_address or ns.num_processes:
         from hyjax.sharding import initialize_distributed
 
         initialize_distributed(ns.coordinator_address, ns.num_processes, ns.process_id)
     # A few --prompt texts compile only the step shapes they use, not every bucket up front.
-    engine = LLMEngine(engine_args(ns, progress=not ns.quiet, warmup=not ns.prompt))
-    defaults = {"max_tokens": ns.max_tokens, "temperature": ns.temperature}
-    ids: list[str | None] = []
+    try:
+        engine = LLMEngine(engine_args(ns, progress=not ns.quiet, warmup=not ns.prompt))
+    except (OSError, ValueError) as e:  # no such directory, not a checkpoint, bad flags
+        raise SystemExit(f"hyjax generate: cannot start the engine: {e}") from None
+    ids: list[str | None] = [None] * len(rows)
     results: dict[str, object] = {}
-    errors: dict[int, str] = {}
-    for i, row in enumerate(rows):
-        prompt = row.get("prompt", row.get("prompt_token_ids"))
+    for i, (prompt, params) in requests.items():
         try:
-            ids.append(engine.add_request(prompt, row_params(row, defaults), request_id=str(i)))
-        except (ValueError, TypeError) as e:
-            ids.append(None)
+            ids[i] = engine.add_request(prompt, params, request_id=str(i))
+        except ValueError as e:  # what the engine rejects: too long, ids outside the vocab
             errors[i] = str(e)
     start = time.perf_counter()
     bar = tqdm(total=len(rows), desc="generating", disable=ns.quiet, unit="req")
@@ -194,6 +216,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     bar.close()
     seconds = time.perf_counter() - start
     n_prompt = n_out = n_cached = 0
+    failed: list[tuple[int, str]] = []
     with open(ns.output or os.devnull, "w") as f:
         for i, row in enumerate(rows):
             rec = dict(row)
@@ -201,6 +224,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             if out is None or out.error:
                 rec.update(error=errors.get(i) or (out.error if out else "not run"))
                 rec.update(finish_reason="error")
+                failed.append((i, rec["error"]))
             else:
                 rec.update(
                     output_token_ids=out.output_token_ids,
@@ -217,12 +241,21 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                 text = rec.get("text", f"[error: {rec.get('error')}]")
                 print(("" if i == 0 else "\n" + "-" * 40 + "\n") + rec["prompt"] + text)
     hit = n_cached / n_prompt if n_prompt else 0.0
+    n_failed = len(failed) - len(errors)
     print(
-        f"{len(rows)} requests ({len(errors)} rejected), {n_prompt} prompt tokens, "
-        f"{n_out} output tokens in {seconds:.2f} s: {(n_prompt + n_out) / seconds:.1f} tok/s, "
-        f"{n_out / seconds:.1f} output tok/s, prefix-cache hit rate {hit:.1%}",
+        f"{len(rows)} requests ({len(errors)} rejected, {n_failed} failed), {n_prompt} prompt "
+        f"tokens, {n_out} output tokens in {seconds:.2f} s: "
+        f"{(n_prompt + n_out) / seconds:.1f} tok/s, {n_out / seconds:.1f} output tok/s, "
+        f"prefix-cache hit rate {hit:.1%}",
         file=sys.stderr if ns.quiet or ns.prompt else sys.stdout,
     )
+    if failed:  # the good rows' output is written; the exit code says not all of it is
+        where = ns.input or "--prompt"
+        for i, msg in failed[:10]:
+            print(f"hyjax generate: {where} row {i + 1}: {msg}", file=sys.stderr)
+        if len(failed) > 10:
+            print(f"hyjax generate: ... and {len(failed) - 10} more", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -255,26 +255,10 @@ class OpenAIServing:
     def sampling_params(
         self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None = None
     ) -> SamplingParams:
-        stop = req.stop if req.stop is not None else ()
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
-            seed=req.seed,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
-        )
         try:
-            params.validate()
+            return req.to_sampling_params(max_tokens, logprobs)
         except ValueError as e:
             raise ApiError(400, str(e), param=_param_of(str(e))) from None
-        if any(s == "" for s in params.stop):
-            raise ApiError(400, "stop strings must not be empty", param="stop")
-        return params
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

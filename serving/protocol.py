@@ -12,7 +12,9 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+
+from serving.request import SamplingParams
 
 MAX_N = 16  # choices per prompt
 MAX_STOP = 16  # stop strings per request
@@ -64,6 +66,32 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
+    def to_sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None = None,
+        *,
+        default_temperature: float = 1.0,
+    ) -> SamplingParams:
+        """The engine's ``SamplingParams``; raises ValueError naming the first bad field."""
+        stop = self.stop if self.stop is not None else ()
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=default_temperature if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+        params.validate()
+        if any(s == "" for s in params.stop):
+            raise ValueError(f"stop={list(params.stop)!r} must not hold an empty string")
+        return params
+
     def unsupported_fields(self) -> list[str]:
         bad = []
         if self.presence_penalty:
@@ -95,6 +123,29 @@ class CompletionRequest(_SamplingFields):
             bad.append("best_of")
         if self.suffix:
             bad.append("suffix")
+        return bad
+
+
+class GenerateRow(_SamplingFields):
+    """One input row of ``hyjax generate``: one prompt (text or token ids) and the sampling
+    fields of a completion request, validated alike. Other keys are kept (and written back)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt: StrictStr | None = None
+    prompt_token_ids: TokenIds | None = None
+    max_tokens: int | None = None  # None: the command's --max-tokens
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRow:
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("a row needs exactly one of prompt (a string), prompt_token_ids")
+        return self
+
+    def unsupported_fields(self) -> list[str]:
+        bad = super().unsupported_fields()
+        if self.n != 1:
+            bad.append("n")  # one completion a row
         return bad
 
 

@@ -25,6 +25,11 @@ def test_generate_cli(model_dir, tmp_path):
         {"prompt_token_ids": [5, 6, 7], "max_tokens": 3, "temperature": 0.7, "seed": 3},
         {"prompt": "x" * 300},  # over --max-model-len: a per-row error, the rest carry on
         {"prompt": "Hello there", "max_tokens": 5, "stop": ["\u0000"]},
+        # Checked as the server checks a request, before the model loads; the field is named.
+        {"prompt": "Hi", "max_tokens": "ten"},
+        {"prompt": ["a", "b"]},
+        {"prompt": "Hi", "stop": [""]},
+        {"prompt": "Hi", "prompt_token_ids": [1]},
     ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -42,10 +47,13 @@ def test_generate_cli(model_dir, tmp_path):
         *SMALL,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "4 requests (1 rejected)" in proc.stdout and "prefix-cache hit rate" in proc.stdout
+    # Rows that failed: exit 1 with a summary naming them; the good rows' output is written.
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "8 requests (5 rejected, 0 failed)" in proc.stdout
+    assert "prefix-cache hit rate" in proc.stdout
+    assert f"{inp} row 3: " in proc.stderr and f"{inp} row 8: " in proc.stderr
     got = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(got) == 4
+    assert len(got) == 8
     for r_in, r_out in zip(rows, got):
         for k, v in r_in.items():
             assert r_out[k] == v  # input fields kept, in input order
@@ -54,6 +62,11 @@ def test_generate_cli(model_dir, tmp_path):
     assert isinstance(got[0]["text"], str) and got[0]["num_cached_tokens"] == 0
     assert len(got[1]["output_token_ids"]) == 3
     assert got[2]["finish_reason"] == "error" and "maximum context length" in got[2]["error"]
+    assert got[4]["error"].startswith("max_tokens: ")
+    assert got[5]["error"].startswith("prompt: ")
+    assert got[6]["error"].startswith("stop=") and "empty" in got[6]["error"]
+    assert "exactly one of prompt" in got[7]["error"]
+    assert all(r["finish_reason"] == "error" for r in got[4:])
     assert got[3]["output_token_ids"][:5] == got[0]["output_token_ids"][:5] or (
         got[3]["finish_reason"] == "stop"
     )
@@ -77,6 +90,18 @@ def test_generate_cli_bad_input_file(model_dir, tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "bad.jsonl:2: not valid JSON" in proc.stderr
+    # A missing input file and a model directory that is not one: a message, no traceback.
+    i = cmd.index("--input") + 1
+    proc = subprocess.run(cmd[:i] + [str(tmp_path / "missing.jsonl")] + cmd[i + 1 :],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode != 0 and "missing.jsonl: No such file" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    inp.write_text('{"prompt": "ok"}\n')
+    m = cmd.index("--model") + 1
+    proc = subprocess.run(cmd[:m] + [str(tmp_path / "nowhere")] + cmd[m + 1 :],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode != 0 and "cannot start the engine" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_llm_api(model_dir):
