@@ -394,6 +394,24 @@ def test_disconnect_aborts_and_frees_pools(server, stream):
     assert m["hyjax:generation_tokens_total"] - before < 16 * 240, "the choices ran to the end"
 
 
+def test_readme_client_snippet(server, capsys):
+    """The README's OpenAI client snippet, run as written but for the address, key and name."""
+    from tests.test_readme import client_snippet
+
+    code = client_snippet()
+    for old, new in [
+        ("http://127.0.0.1:8000", server.url),
+        ('"KEY"', f'"{KEY}"'),
+        ('model="qwen3-next-pystdlib-tiny"', f'model="{NAME}", max_tokens=3'),
+    ]:
+        assert old in code, old
+        code = code.replace(old, new)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["r"].choices[0].finish_reason in ("stop", "length")
+    assert capsys.readouterr().out.endswith("\n")  # it printed the answer
+
+
 # ------------------------------------------------------------------------------ a dead engine
 
 
