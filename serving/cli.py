@@ -22,22 +22,60 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="a Hugging Face checkpoint directory (default: the embedded "
         "qwen3-next-pystdlib-tiny, trained on Python's standard library)",
     )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the weights' and activations' type (auto: the checkpoint's; float32 for the "
+        "embedded model)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument(
+        "--max-num-seqs", type=int, default=32, help="requests running at once (a step's rows)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="tokens per step: the prefill chunk budget and the largest token bucket",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + completion (default: the model's max_position_embeddings)",
+    )
     p.add_argument(
         "--min-token-bucket",
         type=int,
         default=8,
         help="the smallest token capacity of a prefill step: larger means fewer compiles",
     )
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--checkpoint-interval", type=int, default=None)
-    p.add_argument("--retention-interval", type=int, default=0)
     p.add_argument(
-        "--kernel-backend", default="auto", choices=["auto", "reference", "pallas", "interpret"]
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse cached KV blocks and recurrent-state checkpoints of repeated prefixes",
+    )
+    p.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=None,
+        help="granularity of state checkpoints and prefill chunk edges, in tokens (default: "
+        "lcm(64, block size))",
+    )
+    p.add_argument(
+        "--retention-interval",
+        type=int,
+        default=0,
+        help="also keep a state checkpoint every this many prompt tokens (0: only at the "
+        "prompt end and the latest decode boundary)",
+    )
+    p.add_argument(
+        "--kernel-backend",
+        default="auto",
+        choices=["auto", "reference", "pallas", "interpret"],
+        help="auto: Pallas kernels on GPU / TPU, the pure-JAX reference ops on CPU",
     )
     p.add_argument(
         "--allow-tf32",
@@ -45,7 +83,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="float32 models: let matmuls use TF32 tensor cores on NVIDIA (bf16 passes on TPU): "
         "faster, ~1e-3 relative error; by default float32 means IEEE float32 products",
     )
-    p.add_argument("--num-checkpoint-slots", type=int, default=None)
+    p.add_argument(
+        "--num-checkpoint-slots",
+        type=int,
+        default=None,
+        help="state slots kept for prefix-cache checkpoints (default: from the cache budget)",
+    )
     p.add_argument(
         "--cache-bytes",
         type=_positive_int,
@@ -54,7 +97,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "memory; on CPU, max-num-seqs full-length requests); with several processes, every "
         "process sizes its pools for the smallest budget of them all",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the sampler's seed for unseeded requests")
     p.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -324,7 +367,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             host=ns.host,
             port=ns.port,
             served_model_name=ns.served_model_name,
-            api_key=ns.api_key,
+            api_key=ns.api_key if ns.api_key is not None else os.environ.get("HYJAX_API_KEY"),
             max_request_bytes=ns.max_request_bytes,
             shutdown_timeout=ns.shutdown_timeout,
             log_level="warning" if ns.quiet else "info",
@@ -335,11 +378,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="the HTTP port")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("HYJAX_API_KEY"),
+        default=None,  # not $HYJAX_API_KEY here: --help prints the defaults
         help="require 'Authorization: Bearer KEY' on /v1 (default: $HYJAX_API_KEY, else none)",
     )
     p.add_argument("--served-model-name", default=None, help="default: the model dir's name")
@@ -357,8 +400,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="several processes: HOST:PORT of process 0 (jax.distributed); process 0 serves "
         "HTTP, the others (same flags, their own --process-id) mirror its steps",
     )
-    p.add_argument("--num-processes", type=int, default=None)
-    p.add_argument("--process-id", type=int, default=None)
+    p.add_argument("--num-processes", type=int, default=None, help="several processes: how many")
+    p.add_argument("--process-id", type=int, default=None, help="several processes: this one's")
     p.add_argument(
         "--plan-port",
         type=int,
@@ -368,10 +411,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to an option's help unless it has no default or says its own."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hyjax", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="batch generation from a JSONL file of prompts")
+    defaults = {"formatter_class": _DefaultsHelp}
+    g = sub.add_parser("generate", help="batch generation from a JSONL file of prompts", **defaults)
     add_engine_args(g)
     g.add_argument("--input", help="JSONL: prompt or prompt_token_ids per row")
     g.add_argument("--output", help="JSONL results (needed with --input)")
@@ -383,43 +436,59 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--max-tokens", type=int, default=64, help="default per row")
     g.add_argument("--temperature", type=float, default=0.0, help="default per row")
-    g.add_argument("--quiet", action="store_true")
+    g.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
     g.add_argument(
         "--coordinator-address",
         default=None,
         help="several hosts: HOST:PORT of process 0 (jax.distributed.initialize); every "
         "process runs the same command with its own --process-id",
     )
-    g.add_argument("--num-processes", type=int, default=None)
-    g.add_argument("--process-id", type=int, default=None)
+    g.add_argument("--num-processes", type=int, default=None, help="several hosts: how many")
+    g.add_argument("--process-id", type=int, default=None, help="several hosts: this one's")
     g.add_argument(
         "--distributed",
         action="store_true",
         help="jax.distributed.initialize() with what JAX detects (Cloud TPU, SLURM, ...)",
     )
     g.set_defaults(fn=cmd_generate)
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server", **defaults)
     add_engine_args(s)
     add_serve_args(s)
     s.set_defaults(fn=cmd_serve)
-    t = sub.add_parser("make-tiny-model", help="write a tiny random Qwen3-Next (HF layout)")
-    t.add_argument("out")
-    t.add_argument("--seed", type=int, default=0)
+    t = sub.add_parser(
+        "make-tiny-model", help="write a tiny random Qwen3-Next (HF layout)", **defaults
+    )
+    t.add_argument("out", help="the directory to write")
+    t.add_argument("--seed", type=int, default=0, help="the random weights' seed")
     t.set_defaults(fn=cmd_make_tiny_model)
     c = sub.add_parser(
         "convert",
         help="save a checkpoint's converted parameters (orbax) for fast, sharded start-up",
+        **defaults,
     )
     c.add_argument("model", help="a Hugging Face checkpoint directory")
     c.add_argument("out", help="the directory to write (then use it as --model)")
-    c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    c.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the type to save the parameters in (auto: the checkpoint's)",
+    )
     c.set_defaults(fn=cmd_convert)
     return p
 
 
+def setup_logging(quiet: bool) -> None:
+    """INFO lines (warnings only with ``--quiet``), without JAX's note that a platform it
+    probes for is absent (``Unable to initialize backend 'tpu'``, on every start)."""
+    level = logging.WARNING if quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax._src.xla_bridge").setLevel(max(level, logging.WARNING))
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ns = build_parser().parse_args(argv)
+    setup_logging(getattr(ns, "quiet", False))
     return ns.fn(ns)
 
 

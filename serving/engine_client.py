@@ -75,7 +75,7 @@ class EngineClient:
         self._outbox = ctx.Queue()
         self._proc = ctx.Process(
             target=_engine_main,
-            args=(engine_kwargs, self._inbox, self._outbox),
+            args=(engine_kwargs, self._inbox, self._outbox, logging.getLogger().level),
             name="hyjax-engine",
             daemon=True,
         )
@@ -298,9 +298,9 @@ class EngineClient:
             self.on_dead(reason)
 
 
-def _engine_main(engine_kwargs: dict, inbox, outbox) -> None:
+def _engine_main(engine_kwargs: dict, inbox, outbox, log_level: int) -> None:
     # Imported in the child only: serving.engine_process pulls in nothing heavy itself, but
     # keeping the import here makes the parent's module graph obviously jax-free.
     from serving.engine_process import engine_main
 
-    engine_main(engine_kwargs, inbox, outbox)
+    engine_main(engine_kwargs, inbox, outbox, log_level)

@@ -184,19 +184,24 @@ def engine_info(engine: Any) -> EngineInfo:
     )
 
 
-def engine_main(engine_kwargs: dict, inbox: _Queue, outbox: _Queue) -> None:
+def engine_main(
+    engine_kwargs: dict, inbox: _Queue, outbox: _Queue, log_level: int = logging.INFO
+) -> None:
     """The engine process: builds the engine, says Ready (or Failed), runs the loop.
 
     Args:
         engine_kwargs: ``EngineArgs`` fields.
         inbox: The ``ToEngine`` queue.
         outbox: The ``list[FromEngine]`` queue.
+        log_level: The HTTP process's (a spawned process starts with no logging set up).
     """
     # The HTTP process owns shutdown (drain, then Shutdown); a Ctrl-C or a SIGTERM sent to the
     # whole process group must not kill the engine under requests that are finishing.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from serving.cli import setup_logging
+
+    setup_logging(quiet=log_level > logging.INFO)
     engine_kwargs = dict(engine_kwargs)
     multihost = engine_kwargs.pop("multihost", None)  # MultihostConfig fields: process 0
     broadcaster = None

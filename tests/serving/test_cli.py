@@ -117,3 +117,15 @@ def test_llm_api(model_dir):
     assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="does not match"):
         llm.generate(["a", "b"], [params])
+
+
+def test_every_flag_says_what_it_does():
+    """``--help`` of each command documents every option (and argparse adds its default)."""
+    from serving.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0]
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            if action.dest != "help":
+                assert action.help, f"hyjax {name} {action.option_strings or action.dest}"
+        assert "(default: 32)" in parser.format_help() or name not in ("generate", "serve")
