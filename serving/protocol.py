@@ -3,8 +3,9 @@
 Requests accept the OpenAI fields hyjax implements plus vLLM-style extras (``top_k``,
 ``min_p``, ``ignore_eos``, ``stop_token_ids``); unknown fields are ignored, as the OpenAI
 clients send new fields before servers know them. Fields that would change the output in a way
-hyjax does not implement yet (``echo``, penalties, ``logit_bias`` ...) are
-rejected with a 400 rather than silently dropped (``unsupported_fields``).
+hyjax does not implement yet (``echo``, penalties, ``logit_bias``, ``response_format``, a
+``tool_choice`` that demands a call, vLLM's guided decoding ...) are rejected with a 400
+naming the field rather than silently dropped (``unsupported_fields``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,25 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Fields that would change the output and are not implemented yet (OpenAI's, and the
+    # extras vLLM users send): parsed so that ``unsupported_fields`` can name them in a 400,
+    # never silently dropped. Their "off" values pass.
+    response_format: dict[str, Any] | None = None
+    repetition_penalty: float | None = None
+    length_penalty: float | None = None
+    min_tokens: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    use_beam_search: bool = False
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    logits_processors: Any = None
 
     def to_sampling_params(
         self,
@@ -93,14 +113,29 @@ class _SamplingFields(BaseModel):
         return params
 
     def unsupported_fields(self) -> list[str]:
-        bad = []
-        if self.presence_penalty:
-            bad.append("presence_penalty")
-        if self.frequency_penalty:
-            bad.append("frequency_penalty")
-        if self.logit_bias:
-            bad.append("logit_bias")
-        return bad
+        """The fields set to a value that would change the output in a way not implemented."""
+        on = {
+            "presence_penalty": bool(self.presence_penalty),
+            "frequency_penalty": bool(self.frequency_penalty),
+            "logit_bias": bool(self.logit_bias),
+            "response_format": (self.response_format or {}).get("type", "text") != "text",
+            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+            "length_penalty": self.length_penalty not in (None, 1.0),
+            "min_tokens": bool(self.min_tokens),
+            "bad_words": bool(self.bad_words),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": not self.skip_special_tokens,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "use_beam_search": self.use_beam_search,
+            "guided_json": self.guided_json is not None,
+            "guided_regex": self.guided_regex is not None,
+            "guided_choice": self.guided_choice is not None,
+            "guided_grammar": self.guided_grammar is not None,
+            "structured_outputs": self.structured_outputs is not None,
+            "logits_processors": self.logits_processors is not None,
+        }
+        return [name for name, is_set in on.items() if is_set]
 
 
 TokenIds = list[StrictInt]
@@ -176,8 +211,17 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        bad = super().unsupported_fields()
+        # The tools reach the chat template, but calls are not parsed or enforced yet: a
+        # tool_choice that demands a call ("required", a named function) cannot be honoured.
+        if self.tool_choice not in (None, "none", "auto"):
+            bad.append("tool_choice")
+        return bad
 
     def requested_logprobs(self) -> int | None:
         """How many top logprobs to report (None: no logprobs)."""
