@@ -127,8 +127,11 @@ def _fit(tiles: MoeTiles, d: int, f: int, itemsize: int) -> MoeTiles:
     return t
 
 
-# The narrowest tile :func:`_fit` may clamp to (F = 12 in the tiny test models: 4).
-MIN_TILE = 4
+# The narrowest tile :func:`_fit` may clamp to. On an H200 (benchmarks/gpu_check.py
+# --diagnose-tf32, results/gpu_check_tf32_h200_89aed57.json) 4-wide tiles (F = 12) gave wrong
+# results with tensor-core (TF32) dots, logprob error 0.78 of the largest logit, while IEEE
+# (FMA) dots were right; 16-wide ones were right in both.
+MIN_TILE = 16
 
 
 def unsupported_reason(d: int, f: int) -> str | None:

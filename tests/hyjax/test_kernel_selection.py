@@ -47,12 +47,12 @@ def _replaced(ops, backend="pallas") -> set[str]:
 def test_qwen3_next_odd_head_dims_take_the_reference_ops_on_gpu(monkeypatch, caplog):
     cfg = qwen3_next_tiny(linear_key_head_dim=24, linear_value_head_dim=40, head_dim=24)
     ops, logged = _select(monkeypatch, caplog, cfg)
-    assert _replaced(ops) == logged == GDN_OPS | ATTENTION_OPS
+    assert _replaced(ops) == logged == GDN_OPS | ATTENTION_OPS | {"moe_experts"}
     for field in logged:
         assert getattr(ops, field) is getattr(REFERENCE, field)
     gdn = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("gdn_prefill"))
     assert "key head dim 24" in gdn
-    assert ops.moe_experts is PALLAS.moe_experts  # F = 12: tiles of 4 fit
+    assert ops.moe_experts is REFERENCE.moe_experts  # F = 12: tiles of 4 are below MIN_TILE
     # The TPU kernels (and the interpreter running them) take every head dim as a whole block.
     ops, logged = _select(monkeypatch, caplog, cfg, platform="tpu")
     assert not logged and not _replaced(ops)
@@ -62,21 +62,23 @@ def test_qwen3_next_odd_head_dims_take_the_reference_ops_on_gpu(monkeypatch, cap
 
 def test_value_dim_tiles_clamp_and_small_tiles_fall_back(monkeypatch, caplog):
     # Dv = 24 tiles by 8: the GDN kernels stay (their lowering is checked below).
-    ops, logged = _select(monkeypatch, caplog, qwen3_next_tiny(linear_value_head_dim=24))
+    moe32 = dict(moe_intermediate_size=32)
+    ops, logged = _select(monkeypatch, caplog, qwen3_next_tiny(linear_value_head_dim=24, **moe32))
     assert not logged and not _replaced(ops)
-    ops, logged = _select(monkeypatch, caplog, qwen3_next_tiny(linear_value_head_dim=12))
+    ops, logged = _select(monkeypatch, caplog, qwen3_next_tiny(linear_value_head_dim=12, **moe32))
     assert logged == GDN_OPS  # 4-column tiles are below MIN_TILE
-    # MoE under TP: F = 12 / 2 = 6 per device has 2-wide tiles; expert parallel keeps F = 12.
-    ops, logged = _select(monkeypatch, caplog, qwen3_next_tiny(), tp=2)
+    # MoE under TP: F = 32 / 4 = 8 per device has 8-wide tiles; expert parallel keeps F = 32.
+    ops, logged = _select(monkeypatch, caplog, qwen3_next_tiny(**moe32), tp=4)
     assert logged == {"moe_experts"} and ops.moe_experts is REFERENCE.moe_experts
-    _, logged = _select(monkeypatch, caplog, qwen3_next_tiny(), tp=2, expert_parallel=True)
+    _, logged = _select(monkeypatch, caplog, qwen3_next_tiny(**moe32), tp=4, expert_parallel=True)
     assert not logged
 
 
 def test_kimi_linear_odd_dims_take_the_reference_ops_on_gpu(monkeypatch, caplog):
-    ops, logged = _select(monkeypatch, caplog, kimi_linear_tiny())
+    ops, logged = _select(monkeypatch, caplog, kimi_linear_tiny(moe_intermediate_size=32))
     assert not logged and not _replaced(ops)
     cfg = kimi_linear_tiny(
+        moe_intermediate_size=32,
         linear_attn_config={"full_attn_layers": [2, 4], "kda_layers": [1, 3], "num_heads": 2,
                             "head_dim": 24, "short_conv_kernel_size": 4},
         kv_lora_rank=24,
