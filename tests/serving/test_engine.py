@@ -1,7 +1,11 @@
 """The engine end to end on a tiny model: prefix caching on is token-identical to off.
 
-The hits must really happen (cached tokens > 0 where a prefix repeats), under preemption and
-several token budgets too, and nothing compiles after start-up.
+The model is the long-memory tiny Qwen3-Next (its GDN states decay by 0.94-0.9997 a token), so
+a hit that resumes from a wrong state changes the greedy tokens: the tests check that it does
+(zeroing the cached states changes most hits' tokens). The hits must really happen (cached
+tokens > 0 where a prefix repeats), under preemption and several token budgets too, and
+nothing compiles after start-up. ``tests/mutations.py`` checks that these tests catch small
+bugs of the caching path.
 """
 
 import numpy as np
@@ -10,11 +14,13 @@ import pytest
 from hyjax.tiny import make_tiny_model
 from serving.engine import EngineArgs, LLMEngine
 from serving.request import SamplingParams
+from tests.serving.engine_helpers import hit_names, run_waves, zero_state_pool
 
 G = 64  # checkpoint granularity: lcm(64, block_size 16)
 BASE = dict(
     max_num_seqs=4,
     max_num_batched_tokens=128,
+    min_token_bucket=64,  # token buckets 64 and 128: 9 shapes to compile instead of 18
     max_model_len=512,
     num_checkpoint_slots=24,
     progress=False,
@@ -23,7 +29,7 @@ BASE = dict(
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0, long_memory=True)
 
 
 @pytest.fixture(scope="module")
@@ -33,42 +39,47 @@ def engines(model_dir):
     return on, off
 
 
+@pytest.fixture(scope="module")
+def want(engines):
+    """The caching-off run of ``workload()``: the tokens every caching run must reproduce."""
+    return run_waves(engines[1], workload())
+
+
 def _rand(rng, n):
     return rng.integers(0, 256, size=n).tolist()
 
 
-def run_waves(engine, waves):
-    """Each wave is a list of (name, prompt ids or callable(prev outputs), params)."""
-    outputs = {}
-    for wave in waves:
-        names = {}
-        for name, prompt, params in wave:
-            if callable(prompt):
-                prompt = prompt(outputs)
-            names[engine.add_request(prompt, params)] = name
-        for rid, out in engine.run_to_completion().items():
-            outputs[names[rid]] = out
-    return outputs
-
-
 def workload(seed=0, max_tokens=24):
+    """Two waves: the first writes checkpoints, the second hits them.
+
+    Checkpoints the first wave leaves (prompt end ``(P - 1) // G * G``, decode boundaries)::
+
+        a          A (150)             128
+        nested_200 L[:200]             64 (a junction: exact, waiting, shares L[:128]), 192
+        exact      L[:128]             128 (the boundary its last prefill chunk reaches)
+        turn1      T (100) + 40 out    64, 128 (decode: the answer crosses 128)
+    """
     rng = np.random.default_rng(seed)
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.9, seed=7)
-    shared = _rand(rng, 150)
+    answer = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    a = _rand(rng, 150)
     long = _rand(rng, 260)
     turn1 = _rand(rng, 100)
     wave1 = [
-        ("shared_a", shared + _rand(rng, 9), greedy),
+        ("a", a, greedy),
         ("nested_200", long[:200], greedy),
         ("exact", long[: 2 * G], greedy),  # N * G
-        ("turn1", turn1, greedy),
+        ("turn1", turn1, answer),
         ("one_token", _rand(rng, 1), greedy),
         ("g_minus_1", _rand(rng, G - 1), greedy),
     ]
     wave2 = [
-        ("shared_b", shared + _rand(rng, 20), greedy),
-        ("shared_c", shared + _rand(rng, 3), sampled),
+        # A hit at 128 followed by 1, 2, 7 and 40 new prompt tokens.
+        *((f"hit_plus_{n}", a[: 2 * G] + _rand(rng, n), greedy) for n in (1, 2, 7, 40)),
+        # KV cached to 160 (a's prompt and answer), checkpoints only at 128: the hit is cut.
+        ("kv_past_ckpt", lambda o: a + o["a"].output_token_ids + _rand(rng, 5), greedy),
+        ("sampled", a + _rand(rng, 3), sampled),
         ("nested_260", long, greedy),
         ("nested_70", long[:70], greedy),
         ("exact_again", long[: 2 * G], greedy),
@@ -79,33 +90,66 @@ def workload(seed=0, max_tokens=24):
     return [wave1, wave2]
 
 
-def test_caching_is_token_identical_and_hits(engines):
-    on, off = engines
+WAVE1 = {name for name, _, _ in workload()[0]}
+
+
+def test_caching_is_token_identical_and_hits(engines, want):
+    on, _ = engines
     compiles = on.runner.compile_count()
     got = run_waves(on, workload())
-    want = run_waves(off, workload())
     assert got.keys() == want.keys()
     for name in want:
         assert got[name].output_token_ids == want[name].output_token_ids, name
         assert want[name].num_cached_tokens == 0
     # Hits: the longest checkpoint at or below the KV hit, capped at num_tokens - 1.
-    assert got["shared_b"].num_cached_tokens == 2 * G  # prompt end (158 - 1) // 64 * 64
-    assert got["shared_c"].num_cached_tokens == 2 * G
-    assert got["nested_260"].num_cached_tokens == 3 * G  # decode boundary of nested_200
-    assert got["exact_again"].num_cached_tokens == G  # capped: (128 - 1) // 64 * 64
-    assert got["exact_plus_1"].num_cached_tokens == 2 * G  # decode boundary of `exact`
-    assert got["turn2"].num_cached_tokens >= G
-    assert got["nested_70"].num_cached_tokens == G
+    cached = {name: out.num_cached_tokens for name, out in got.items()}
+    assert cached == {
+        **{name: 0 for name in WAVE1 - {"exact"}},
+        "exact": G,  # the junction nested_200 checkpointed for it (same wave, admitted first)
+        **{f"hit_plus_{n}": 2 * G for n in (1, 2, 7, 40)},
+        "kv_past_ckpt": 2 * G,  # KV hit 160 cut to the checkpoint below it
+        "sampled": 2 * G,  # a's prompt end (150 - 1) // 64 * 64
+        "nested_260": 3 * G,  # nested_200's prompt end
+        "nested_70": G,
+        "exact_again": G,  # capped: (128 - 1) // 64 * 64
+        "exact_plus_1": 2 * G,
+        "exact_minus_1": G,
+        "turn2": 2 * G,  # turn1's decode checkpoint: where its answer crossed 128
+    }
     m = on.metrics()
     assert m.effective_hit_tokens > 0 and m.num_running == 0 and m.kv_usage == 0
     assert on.runner.compile_count() == compiles, "a step compiled after warm-up"
 
 
+def test_resumed_state_matters(model_dir, engines, want):
+    """With every cached state zeroed between the waves, most hits' tokens change: the model
+    remembers its prefix through the recurrent state, so the identity test above sees a
+    wrong resumed state (the KV hit alone does not carry the answer)."""
+    fresh = LLMEngine(EngineArgs(model=model_dir, **dict(BASE, warmup=False)))
+    compiles = fresh.runner.compile_count()
+    zeroed = run_waves(fresh, workload(), between=zero_state_pool)
+    assert fresh.runner.compile_count() == compiles  # shares the warm engines' executables
+    hits = hit_names(zeroed, WAVE1)
+    assert len(hits) == 12
+    changed = [n for n in hits if zeroed[n].output_token_ids != want[n].output_token_ids]
+    assert len(changed) >= len(hits) - 1, sorted(set(hits) - set(changed))
+    for name in WAVE1:  # nothing cached was zeroed under the first wave
+        assert zeroed[name].output_token_ids == want[name].output_token_ids, name
+
+
 def test_preemption_under_a_tiny_pool(model_dir):
-    # KV for ~2.5 requests of ~280 tokens: four concurrent requests must preempt.
-    # warmup=False: compile only the buckets this workload meets (the warm-up itself is
-    # checked by test_caching_is_token_identical_and_hits); these pools' shapes are new.
-    tiny = dict(BASE, cache_bytes=45 * 4096 + 9 * 16896, num_checkpoint_slots=4, warmup=False)
+    # KV for ~2.5 requests of ~280 tokens: four concurrent requests must preempt, and a
+    # preempted request resumes through the same lookup. warmup=False: compile only the
+    # buckets this workload meets (the warm-up itself is checked by
+    # test_caching_is_token_identical_and_hits); these pools' shapes are new, so one token
+    # bucket (128) keeps them to 6.
+    tiny = dict(
+        BASE,
+        min_token_bucket=128,
+        cache_bytes=45 * 4096 + 9 * 16896,
+        num_checkpoint_slots=4,
+        warmup=False,
+    )
     on = LLMEngine(EngineArgs(model=model_dir, **tiny))
     off = LLMEngine(EngineArgs(model=model_dir, enable_prefix_caching=False, **tiny))
     assert on.runner.memory.num_kv_blocks < 4 * 18
@@ -113,6 +157,7 @@ def test_preemption_under_a_tiny_pool(model_dir):
     want = run_waves(off, workload(seed=1, max_tokens=80))
     for name in want:
         assert got[name].output_token_ids == want[name].output_token_ids, name
+    assert on.metrics().effective_hit_tokens > 0
     assert on.metrics().num_preemptions > 0
     assert off.metrics().num_preemptions > 0
     for e in (on, off):
@@ -125,10 +170,13 @@ def test_token_budgets_agree(engines, model_dir):
     small = LLMEngine(
         EngineArgs(model=model_dir, **dict(BASE, max_num_batched_tokens=64, warmup=False))
     )
+    compiles = small.runner.compile_count()
     want = run_waves(on, workload(seed=2))
     got = run_waves(small, workload(seed=2))
     for name in want:
         assert got[name].output_token_ids == want[name].output_token_ids, name
+    assert got["nested_260"].num_cached_tokens == 3 * G
+    assert small.runner.compile_count() == compiles  # its buckets are a subset of `on`'s
 
 
 def test_bad_requests_fail_alone(engines):
@@ -149,7 +197,6 @@ def test_bad_requests_fail_alone(engines):
 def test_stop_strings_and_abort(engines):
     on, off = engines
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    full = off.run_to_completion() or None
     rid = off.add_request("Hello world", params)
     full = off.run_to_completion()[rid]
     assert len(full.text) > 4

@@ -1,0 +1,67 @@
+"""Shared by the engine caching tests of both model families (test_engine*.py).
+
+A workload is a list of waves; each wave is a list of ``(name, prompt, params)`` where the
+prompt is token ids or a callable of the outputs of the earlier waves (a follow-up turn). A
+wave runs to completion before the next one is queued, so the checkpoints a wave writes are
+there for the next one to hit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from serving.engine import LLMEngine
+
+
+def run_waves(
+    engine: LLMEngine, waves: list, between: Callable[[LLMEngine], None] | None = None
+) -> dict:
+    """Runs ``waves`` in order; returns ``{name: RequestOutput}``.
+
+    ``between(engine)`` runs after every wave but the last, while no request is running.
+    """
+    outputs = {}
+    for i, wave in enumerate(waves):
+        names = {}
+        for name, prompt, params in wave:
+            if callable(prompt):
+                prompt = prompt(outputs)
+            names[engine.add_request(prompt, params)] = name
+        for rid, out in engine.run_to_completion().items():
+            outputs[names[rid]] = out
+        if between is not None and i + 1 < len(waves):
+            between(engine)
+    return outputs
+
+
+def zero_state_pool(engine: LLMEngine) -> None:
+    """Zeroes every slot of the state pool (conv windows and recurrent states) in place of
+    the runner's device caches: every checkpoint written so far now holds the zero state, so a
+    later hit resumes as if nothing were cached, with the KV blocks of the hit still cached.
+
+    Only between waves: a running request's slot would be zeroed too. The new arrays keep the
+    old ones' shapes, dtypes and placement, so no step compiles again.
+    """
+    assert engine.metrics().num_running == 0, "zeroing the pool under a running request"
+    runner = engine.runner
+    caches = runner.caches
+
+    def zeros(x: jax.Array) -> jax.Array:
+        return jax.device_put(np.zeros(x.shape, x.dtype), x.sharding)
+
+    runner.caches = dataclasses.replace(
+        caches,
+        conv=tuple(zeros(x) for x in caches.conv),
+        ssm=tuple(zeros(x) for x in caches.ssm),
+    )
+
+
+def hit_names(outputs: dict, first_wave_names: set[str]) -> list[str]:
+    """Requests after the first wave that resumed from a checkpoint (cached tokens > 0)."""
+    return sorted(
+        n for n, o in outputs.items() if n not in first_wave_names and o.num_cached_tokens > 0
+    )
