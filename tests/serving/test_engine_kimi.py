@@ -1,8 +1,10 @@
 """The engine end to end on a tiny Kimi-Linear (KDA + MLA latent cache, tiktoken tokenizer).
 
 Prefix caching on must be token-identical to off, with real hits (checkpointed KDA states
-plus cached MLA latent blocks), and nothing may compile after start-up. Few buckets
-(one token bucket, two sequence buckets) keep the compile time small.
+plus cached MLA latent blocks), and nothing may compile after start-up. The model is the
+long-memory one (KDA gates decaying by 0.94-0.9997 a token), so a wrong resumed state changes
+the tokens: zeroing the cached states changes most hits. Few buckets (one token bucket, two
+sequence buckets) keep the compile time small.
 """
 
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 from hyjax.testing import make_tiny_kimi_linear_model
 from serving.engine import EngineArgs, LLMEngine
 from serving.request import SamplingParams
+from tests.serving.engine_helpers import hit_names, run_waves, zero_state_pool
 
 G = 64  # checkpoint granularity: lcm(64, block_size 16)
 BASE = dict(
@@ -25,50 +28,91 @@ BASE = dict(
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_kimi_linear_model(tmp_path_factory.mktemp("kimi"), seed=0)
-
-
-def run_waves(engine, waves):
-    outputs = {}
-    for wave in waves:
-        names = {engine.add_request(prompt, params): name for name, prompt, params in wave}
-        for rid, out in engine.run_to_completion().items():
-            outputs[names[rid]] = out
-    return outputs
+    return make_tiny_kimi_linear_model(tmp_path_factory.mktemp("kimi"), seed=0, long_memory=True)
 
 
 def workload():
+    """The first wave leaves checkpoints at 64 (a junction a writes for exact, which waits
+    in the queue and shares A[:128]) and 128 (a's prompt end) of A, and at 64 and 128 of
+    turn1 (prompt end; the decode boundary its answer crosses); the second wave hits them."""
     rng = np.random.default_rng(0)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
-    shared = rng.integers(0, 256, size=140).tolist()
+    answer = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    a = rng.integers(0, 256, size=140).tolist()
+    turn1 = rng.integers(0, 256, size=100).tolist()
+
+    def rand(n):
+        return rng.integers(0, 256, size=n).tolist()
+
     return [
-        [("a", shared + [1, 2, 3], greedy), ("exact", shared[: 2 * G], greedy)],
+        [("a", a, greedy), ("exact", a[: 2 * G], greedy), ("turn1", turn1, answer)],
         [
-            ("b", shared + [4, 5, 6, 7, 8], greedy),
-            ("c", shared[:100] + [9], sampled),
-            ("exact_plus_1", shared[: 2 * G + 1], greedy),
+            # A hit at 128 followed by 1, 2, 7 and 40 new prompt tokens.
+            *((f"hit_plus_{n}", a[: 2 * G] + rand(n), greedy) for n in (1, 2, 7, 40)),
+            # KV cached to 144 (a's prompt and answer), checkpoints at 64 and 128: cut to 128.
+            ("kv_past_ckpt", lambda o: a + o["a"].output_token_ids + rand(3), greedy),
+            ("nested_101", a[:100] + [9], sampled),
+            ("exact_plus_1", a[: 2 * G + 1], greedy),
+            ("turn2", lambda o: turn1 + o["turn1"].output_token_ids + rand(5), greedy),
         ],
     ]
 
 
-def test_kimi_caching_on_off_identical_and_hits(model_dir):
+WAVE1 = {name for name, _, _ in workload()[0]}
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir):
     on = LLMEngine(EngineArgs(model=model_dir, **BASE))
     off = LLMEngine(EngineArgs(model=model_dir, enable_prefix_caching=False, **BASE))
+    return on, off
+
+
+@pytest.fixture(scope="module")
+def want(engines):
+    """The caching-off run: the tokens every caching run must reproduce."""
+    return run_waves(engines[1], workload())
+
+
+def test_kimi_caching_on_off_identical_and_hits(engines, want):
+    on, _ = engines
     assert on.tokenizer is not None  # tiktoken.model + tokenizer_config.json, no tokenizer.json
     compiles = on.runner.compile_count()
-    got, want = run_waves(on, workload()), run_waves(off, workload())
+    got = run_waves(on, workload())
     for name in want:
         assert got[name].output_token_ids == want[name].output_token_ids, name
         assert want[name].num_cached_tokens == 0
-    assert got["b"].num_cached_tokens == 2 * G  # a's prompt-end checkpoint (143 - 1) // 64
-    assert got["c"].num_cached_tokens == G
-    assert got["exact_plus_1"].num_cached_tokens == 2 * G
+    cached = {name: out.num_cached_tokens for name, out in got.items()}
+    assert cached == {
+        "a": 0,
+        "exact": G,  # the junction a checkpointed for it: (128 - 1) // 64 * 64
+        "turn1": 0,
+        **{f"hit_plus_{n}": 2 * G for n in (1, 2, 7, 40)},
+        "kv_past_ckpt": 2 * G,
+        "nested_101": G,
+        "exact_plus_1": 2 * G,
+        "turn2": 2 * G,  # turn1's decode checkpoint
+    }
     assert on.runner.compile_count() == compiles, "a step compiled after warm-up"
     m = on.metrics()
     assert m.num_running == 0 and m.kv_usage == 0
-    text = on.run_to_completion() or on.add_request("Hello", SamplingParams(max_tokens=3))
+    text = on.add_request("Hello", SamplingParams(max_tokens=3))
     assert len(on.run_to_completion()[text].output_token_ids) == 3
+
+
+def test_kimi_resumed_state_matters(model_dir, engines, want):
+    """Every cached KDA state zeroed between the waves: most hits' tokens change."""
+    fresh = LLMEngine(EngineArgs(model=model_dir, **dict(BASE, warmup=False)))
+    compiles = fresh.runner.compile_count()
+    zeroed = run_waves(fresh, workload(), between=zero_state_pool)
+    assert fresh.runner.compile_count() == compiles  # shares the warm engines' executables
+    hits = hit_names(zeroed, WAVE1)
+    assert len(hits) == 8
+    changed = [n for n in hits if zeroed[n].output_token_ids != want[n].output_token_ids]
+    assert len(changed) >= len(hits) - 1, sorted(set(hits) - set(changed))
+    for name in WAVE1:
+        assert zeroed[name].output_token_ids == want[name].output_token_ids, name
 
 
 def test_kimi_generate_cli(model_dir, tmp_path):
