@@ -71,12 +71,19 @@ def ragged_case(lens: list[int], *, max_ckpt: int = 2, extra_tokens: int = 5, ex
     )
 
 
-def assert_close(got, want, *, rtol: float, atol: float, what: str):
-    """Elementwise closeness with NaN == NaN (untouched poisoned slots must stay NaN)."""
-    np.testing.assert_allclose(
-        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=rtol, atol=atol,
-        err_msg=what,
-    )  # fmt: skip
+def assert_close(got, want, *, rtol: float, atol: float, what: str = ""):
+    """Elementwise closeness with NaN == NaN (untouched poisoned slots must stay NaN).
+
+    ``atol`` is relative to the magnitude compared: it is scaled by ``max(1, max |want|)``.
+    Float32 rounding in a sum grows with its terms, not its result, so a near-zero entry of a
+    large state or output carries the noise of the large ones; an absolute bound would sit at
+    the noise floor and pass or fail with the host's vector width (AVX2 vs AVX-512). The
+    callers' inputs are of magnitude ~1, where this is the plain absolute tolerance.
+    """
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    finite = np.isfinite(want)
+    scale = max(1.0, float(np.abs(want[finite]).max(initial=0.0)))
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol * scale, err_msg=what)
 
 
 def assert_rel_close(got, want, *, tol: float, what: str):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
-from tests.pallas_kernels.ragged_cases import ragged_case
+from tests.pallas_kernels.ragged_cases import assert_close, ragged_case
 
 H, DK, DV = 3, 8, 6
 
@@ -73,13 +73,13 @@ def test_kda_prefill(lens):
         lo, hi = qsl[i], qsl[i + 1]
         s0 = pool[case.src[i]] if case.src[i] else np.zeros((H, DK, DV))
         o, states = kda_sequence(*(a[lo:hi] for a in x[:5]), *x[5:], s0)
-        np.testing.assert_allclose(out[lo:hi], o, rtol=1e-4, atol=1e-4)
+        assert_close(out[lo:hi], o, rtol=1e-4, atol=1e-4)
         if case.dst[i]:
-            np.testing.assert_allclose(new[case.dst[i]], states[-1], rtol=1e-4, atol=1e-4)
+            assert_close(new[case.dst[i]], states[-1], rtol=1e-4, atol=1e-4)
             written.add(case.dst[i])
         for off, slot in zip(case.ckpt_offsets[i], case.ckpt_slots[i]):
             if slot:
-                np.testing.assert_allclose(new[slot], states[off - 1], rtol=1e-4, atol=1e-4)
+                assert_close(new[slot], states[off - 1], rtol=1e-4, atol=1e-4)
                 written.add(slot)
     assert np.all(out[qsl[case.num_seqs] :] == 0), "padding tokens must give zeros"
     for slot in set(range(case.num_slots)) - written:
@@ -108,8 +108,8 @@ def test_kda_decode_continues_prefill():
         s0 = pool[src[i]] if src[i] else np.zeros((H, DK, DV))
         one = (a[i : i + 1] for a in (q, k, v, g, b))
         o, st = kda_sequence(*one, A_log, dt_bias, s0)
-        np.testing.assert_allclose(out[i], o[0], rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(new[dst[i]], st[0], rtol=1e-5, atol=1e-5)
+        assert_close(out[i], o[0], rtol=1e-5, atol=1e-5)
+        assert_close(new[dst[i]], st[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(new[7], new[1])
     np.testing.assert_array_equal(new[9], new[6])
     assert np.isnan(new[8]).all() and np.isnan(new[0]).all()

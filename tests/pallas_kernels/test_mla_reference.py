@@ -14,6 +14,7 @@ from pallas_kernels.attention.mla_reference import (
     mla_prefill_reference,
     write_latent_reference,
 )
+from tests.pallas_kernels.ragged_cases import assert_close
 
 H, L, R, DN, DV, NB = 3, 10, 4, 8, 6, 24
 SCALE = (DN + R) ** -0.5
@@ -89,7 +90,7 @@ def test_mla_prefill_on_paged_latents(block_size):
     out = np.asarray(out)
     for i in range(4):
         want = mla_sequence(q_rows[i].astype(np.float64), latents[i], w, cached[i])
-        np.testing.assert_allclose(out[qsl[i] : qsl[i + 1]], want, rtol=1e-5, atol=1e-5)
+        assert_close(out[qsl[i] : qsl[i + 1]], want, rtol=1e-5, atol=1e-5)
     assert np.all(out[qsl[4] :] == 0)
     # Only the new tokens' positions (and the null block, for padding) were written.
     changed = ~np.isclose(np.asarray(written), cache, equal_nan=True).all(-1)
@@ -119,7 +120,7 @@ def test_mla_decode_absorbed_matches_oracle():
     out = np.asarray(out)
     for i in range(4):
         want = mla_sequence(q[i : i + 1].astype(np.float64), latents[i], w, cached[i])
-        np.testing.assert_allclose(out[i], want[0], rtol=1e-5, atol=1e-5)
+        assert_close(out[i], want[0], rtol=1e-5, atol=1e-5)
     assert np.all(out[4:] == 0) and not np.isnan(out).any()
     # The same step as a prefill of one token per row gives the same outputs.
     qsl = np.arange(rows + 1, dtype=np.int32).clip(max=4)
@@ -127,7 +128,7 @@ def test_mla_decode_absorbed_matches_oracle():
         jnp.asarray(q), written, jnp.asarray(w), jnp.asarray(qsl), jnp.asarray(seq_lens),
         jnp.asarray(tables), jnp.int32(4), **attn,
     )  # fmt: skip
-    np.testing.assert_allclose(out, np.asarray(pre), rtol=1e-5, atol=1e-5)
+    assert_close(out, np.asarray(pre), rtol=1e-5, atol=1e-5)
 
 
 def test_mla_bad_widths_name_the_argument():

@@ -22,6 +22,7 @@ from hyjax.ops import BACKENDS, REFERENCE
 from hyjax.sharding import make_mesh
 from pallas_kernels.moe import gpu
 from pallas_kernels.moe.reference import moe_experts_reference
+from tests.pallas_kernels.ragged_cases import assert_close
 
 SMALL = gpu.MoeTiles(4, 16, 16, 4, 1, 32, 16, 4, 1)  # several blocks, K steps and N tiles
 
@@ -167,7 +168,7 @@ def test_sparse_moe_layer_through_ops():
     assert str(traced).count("pallas_call") == 2  # the layer ran the op it was given
     got = forward(state, x, ops)
     want = forward(state, x, REFERENCE)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert_close(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     args = _case(5, 8, 3, 64, 32, dtype=jnp.float32)
     args = [jnp.asarray(a) for a in (*args[:3], *args[3])]
     on_cpu = jax.make_jaxpr(BACKENDS["pallas"].moe_experts)(*args)

@@ -19,6 +19,7 @@ from pallas_kernels.conv1d.reference import (
 )
 from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_reference
 from tests.pallas_kernels.oracles import attention_sequence, conv_sequence, gdn_sequence
+from tests.pallas_kernels.ragged_cases import assert_close
 
 HK, HV, DK, DV, NUM_SLOTS, M = 2, 6, 8, 4, 12, 3
 
@@ -74,15 +75,13 @@ def test_gdn_prefill(lens):
         o, states = gdn_sequence(
             q[lo:hi], k[lo:hi], v[lo:hi], a[lo:hi], b[lo:hi], A_log, dt_bias, s0
         )
-        np.testing.assert_allclose(out[lo:hi], o, rtol=1e-4, atol=1e-4)
+        assert_close(out[lo:hi], o, rtol=1e-4, atol=1e-4)
         if dst[i]:
-            np.testing.assert_allclose(new[dst[i]], states[-1], rtol=1e-4, atol=1e-4)
+            assert_close(new[dst[i]], states[-1], rtol=1e-4, atol=1e-4)
             writes[dst[i]] = True
         for j in range(M):
             if ck_slot[i, j]:
-                np.testing.assert_allclose(
-                    new[ck_slot[i, j]], states[ck_off[i, j] - 1], rtol=1e-4, atol=1e-4
-                )
+                assert_close(new[ck_slot[i, j]], states[ck_off[i, j] - 1], rtol=1e-4, atol=1e-4)
                 writes[ck_slot[i, j]] = True
     assert np.all(out[qsl[n] :] == 0), "padding tokens must give zeros"
     for slot in range(len(pool)):
@@ -115,9 +114,9 @@ def test_gdn_decode_matches_prefill_of_one_token():
         o, st = gdn_sequence(
             q[i : i + 1], k[i : i + 1], v[i : i + 1], a[i : i + 1], b[i : i + 1], A_log, dt_bias, s0
         )
-        np.testing.assert_allclose(out[i], o[0], rtol=1e-5, atol=1e-5)
+        assert_close(out[i], o[0], rtol=1e-5, atol=1e-5)
         if dst[i]:
-            np.testing.assert_allclose(new[dst[i]], st[0], rtol=1e-5, atol=1e-5)
+            assert_close(new[dst[i]], st[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(new[9], new[1])
     assert np.isnan(new[10]).all() and np.isnan(new[0]).all() and np.isnan(new[7]).all()
     np.testing.assert_array_equal(new[3], pool[3])  # dst 0: not written
@@ -152,7 +151,7 @@ def test_conv1d_prefill_and_update(lens):
         lo, hi = qsl[i], qsl[i + 1]
         w0 = pool[src[i]] if src[i] else np.zeros((kw - 1, c))
         yy, windows = conv_sequence(x[lo:hi].astype(np.float64), w, w0)
-        np.testing.assert_allclose(y[lo:hi], yy, rtol=1e-5, atol=1e-5)
+        assert_close(y[lo:hi], yy, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(new[dst[i]], windows[-1], rtol=1e-6)
         np.testing.assert_allclose(new[ck_slot[i, 0]], windows[ck_off[i, 0] - 1], rtol=1e-6)
     assert np.isnan(new[0]).all()
@@ -165,7 +164,7 @@ def test_conv1d_prefill_and_update(lens):
     )
     for i in range(n):
         yy, windows = conv_sequence(xd[i : i + 1].astype(np.float64), w, new[dst[i]])
-        np.testing.assert_allclose(np.asarray(yd)[i], yy[0], rtol=1e-5, atol=1e-5)
+        assert_close(np.asarray(yd)[i], yy[0], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(new2)[dst[i]], windows[0], rtol=1e-6)
 
 
@@ -227,7 +226,7 @@ def test_paged_attention(block_size, head_dim):
         want = attention_sequence(
             q_rows[i].astype(np.float64), k_all[i], v_all[i], cached[i], head_dim**-0.5
         )
-        np.testing.assert_allclose(out[qsl[i] : qsl[i + 1]], want, rtol=1e-5, atol=1e-5)
+        assert_close(out[qsl[i] : qsl[i + 1]], want, rtol=1e-5, atol=1e-5)
     assert np.all(out[qsl[4] :] == 0)
 
 

@@ -21,6 +21,7 @@ from hyjax.testing import SeqChunk, make_batch, tiny_qwen3_next_config
 from hyjax.training.chunked import chunk_gated_delta_rule
 from hyjax.training.dense import dense_forward, load_balancing_loss
 from pallas_kernels.gdn.reference import gdn_prefill_reference
+from tests.pallas_kernels.ragged_cases import assert_close
 
 BS = 16
 
@@ -98,8 +99,8 @@ def test_chunked_rule_matches_token_scan():
 
     q32, k32, v32, g, beta = _prepare(q, k, v, a, b, a_log, dt_bias)
     o, s = chunk_gated_delta_rule(q32[None], k32[None], v32[None], g[None], beta[None], chunk=chunk)
-    np.testing.assert_allclose(o[0], want_o, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(s[0], want_s[1], rtol=1e-4, atol=1e-4)
+    assert_close(o[0], want_o, rtol=1e-4, atol=1e-4)
+    assert_close(s[0], want_s[1], rtol=1e-4, atol=1e-4)
 
 
 def test_load_balancing_loss_is_top_k_when_balanced_and_grows_when_not():
