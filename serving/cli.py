@@ -236,9 +236,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         from hyjax.sharding import initialize_distributed
 
         initialize_distributed(ns.coordinator_address, ns.num_processes, ns.process_id)
-    # A few --prompt texts compile only the step shapes they use, not every bucket up front.
     try:
-        engine = LLMEngine(engine_args(ns, progress=not ns.quiet, warmup=not ns.prompt))
+        # Each bucket compiles when a step first meets it: a batch job meets only some.
+        engine = LLMEngine(engine_args(ns, progress=not ns.quiet, warmup=False))
     except (OSError, ValueError) as e:  # no such directory, not a checkpoint, bad flags
         raise SystemExit(f"hyjax generate: cannot start the engine: {e}") from None
     ids: list[str | None] = [None] * len(rows)
@@ -336,7 +336,9 @@ def multihost_config(ns: argparse.Namespace):
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     multihost = multihost_config(ns)
-    kwargs = engine_kwargs(ns, progress=not ns.quiet)
+    # One process: answer as soon as the model is loaded, compiling the buckets in the
+    # background. Several: every process warms up in step (the warm-up steps are collective).
+    kwargs = engine_kwargs(ns, progress=not ns.quiet, background_warmup=multihost is None)
     if multihost is not None and multihost.process_id > 0:
         import signal
 

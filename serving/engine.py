@@ -54,7 +54,12 @@ class EngineArgs:
     cache_bytes: int | None = None
     seed: int | None = 0
     min_token_bucket: int = 8
+    # Compile every step bucket before serving (``warmup``), or, with ``background_warmup``
+    # too, in a background thread while serving: the engine is ready at once and a step whose
+    # bucket is not compiled yet compiles it then (``hyjax serve``). ``warmup=False``: each
+    # bucket compiles when a step first meets it (``hyjax generate``).
     warmup: bool = True
+    background_warmup: bool = False
     progress: bool = True
     # Devices the model is split over (hyjax.sharding): heads of GDN / attention and the
     # MoE experts' intermediate dim, or (expert parallel) the experts themselves.
@@ -195,7 +200,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        if args.warmup:
+        if args.warmup and args.background_warmup:
+            self.runner.start_background_warmup()
+        elif args.warmup:
             self.runner.warmup(progress=args.progress)
 
     # ------------------------------------------------------------------ requests

@@ -1,8 +1,10 @@
 """The model runner: the only owner of ``jax.jit`` and device arrays (DESIGN.md §5).
 
 ``step(params, caches, plan) -> (caches, sampled)`` is one jitted function per bucket
-(:class:`serving.plan.StepShape`); every bucket is compiled at start-up, caches are donated,
-and a step costs one host-to-device transfer of the plan's arrays.
+(:class:`serving.plan.StepShape`); caches are donated, and a step costs one host-to-device
+transfer of the plan's arrays. Every bucket is compiled at start-up (``warmup``), or, for a
+server that should answer at once, in a background thread while it serves
+(``start_background_warmup``): a step whose bucket is not compiled yet compiles it then.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +31,7 @@ from hyjax.ops import Ops, ops_for_model
 from hyjax.sharding import ShardingPlan, replicate_tree
 from serving.config import SchedulerConfig
 from serving.memory_planner import MemoryPlan, plan_memory
-from serving.plan import PlanLayout, StepPlan
+from serving.plan import PlanLayout, StepPlan, StepShape
 from serving.sampler import MAX_LOGPROBS, sample, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -157,6 +160,8 @@ class ModelRunner:
         # Multi-host serve: the leader ships each plan to the followers before running it, so
         # every process enters the step's collectives (serving/multihost.py).
         self.on_execute: Callable[[StepPlan], None] | None = None
+        # Background warm-up: bucket -> its compile (None -> the closing log line).
+        self._warming: dict[StepShape | None, Future] = {}
         self.ops = ops_for_model(
             kernel_backend,
             cfg,
@@ -246,10 +251,50 @@ class ModelRunner:
         log.info("compiled %d buckets in %.1f s", len(shapes), seconds)
         return seconds
 
+    def start_background_warmup(self) -> None:
+        """Compiles every bucket in a background thread (decode buckets first, then prefill by
+        size) while steps run. Compiling needs only the arguments' shapes, so the thread never
+        touches the caches the steps donate; XLA keeps what it compiles, and a step's first
+        call of a warmed bucket then only traces it again. A step that meets a bucket still
+        queued compiles it itself; one that meets the bucket being compiled waits for it."""
+        shapes = sorted(
+            self.sched_cfg.step_shapes(), key=lambda s: (not s.decode_only, s.num_tokens)
+        )
+        sds = functools.partial(jax.tree.map, _shape_of)
+        avals = (sds(self._state_leaves), sds(self.caches))
+        pool = ThreadPoolExecutor(1, thread_name_prefix="hyjax-warmup")
+        start = time.perf_counter()
+        self._warming = {s: pool.submit(self._compile_ahead, s, avals) for s in shapes}
+        for shape, fut in self._warming.items():
+            fut.add_done_callback(functools.partial(_log_failure, shape))
+        done = pool.submit(
+            lambda: log.info(
+                "compiled %d buckets in the background in %.1f s",
+                len(shapes),
+                time.perf_counter() - start,
+            )
+        )
+        self._warming[None] = done
+        pool.shutdown(wait=False)
+
+    def wait_warm(self) -> None:
+        """Blocks until the background warm-up (if any) has compiled every bucket."""
+        for fut in list(self._warming.values()):
+            if not fut.cancelled():
+                fut.result()
+
+    def _compile_ahead(self, shape: StepShape, avals: tuple) -> None:
+        static, ops, decode_only, _, _, buf = self.step_args(StepPlan.empty(shape))
+        _step.lower(static, ops, decode_only, *avals, buf).compile()
+
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step. Returns every row's sampled token and logprobs (padding included)."""
         if self.on_execute is not None:
             self.on_execute(plan)
+        if self._warming:
+            fut = self._warming.pop(plan.shape, None)
+            if fut is not None and not fut.cancel():  # under way (or done): its result
+                fut.result()
         self.caches, out = _step(*self.step_args(plan))
         if not (plan.logprobs >= 0).any():
             out = out[:1]  # one device-to-host copy: the tokens
@@ -283,6 +328,15 @@ class ModelRunner:
     def compile_count() -> int:
         """Executables compiled so far for the step function (all runners of this process)."""
         return _step._cache_size()
+
+
+def _log_failure(shape: StepShape, fut: Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("background compile of %s failed: %r", shape, fut.exception())
+
+
+def _shape_of(x: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
 def _fetch(out: tuple[jax.Array, ...]) -> tuple[np.ndarray, ...]:

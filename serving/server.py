@@ -6,10 +6,13 @@
                      -> FastAPI routes (serving/openai_api.py: validate, tokenize, stream)
                      -> EngineClient --messages--> engine process (serving/engine_process.py)
 
-The engine is started (and its shape buckets compiled) before the port opens. On SIGTERM or
-SIGINT the server drains: new requests get 503, requests in flight may finish for up to
-``--shutdown-timeout`` seconds, the rest are aborted (their streams end with finish reason
-"abort"), the engine process is stopped and the server exits 0. A second SIGINT forces exit.
+The port is bound first (a taken one is reported before anything loads), then the engine
+process starts; the server answers once its model is loaded, while the engine compiles its
+step buckets in the background (a request whose bucket is not compiled yet waits for it).
+On SIGTERM or SIGINT the server drains: new requests get 503, requests in flight may finish
+for up to ``--shutdown-timeout`` seconds, the rest are aborted (their streams end with finish
+reason "abort"), the engine process is stopped and the server exits 0. A second SIGINT forces
+exit.
 
 If the engine process dies (killed, out of memory, a failed step), the requests in flight get
 an error, new ones 503, and the server exits with code 1 as soon as they are answered: a
@@ -25,6 +28,7 @@ import hmac
 import logging
 import os
 import signal
+import socket
 from typing import Any
 
 import uvicorn
@@ -299,13 +303,19 @@ def serve(
     shutdown_timeout: float = 30.0,
     log_level: str = "info",
 ) -> int:
-    """Starts the engine process, then serves until SIGTERM/SIGINT. Returns the exit code."""
+    """Binds the port, starts the engine process, then serves until SIGTERM/SIGINT. Returns
+    the exit code (1: the port is taken, the engine failed or died)."""
     model_dir = engine_kwargs["model"]
     name = served_model_name or os.path.basename(os.path.normpath(model_dir))
     try:
         tokenizer = Tokenizer.from_dir(model_dir)
     except TokenizerFilesError:
         tokenizer = None
+    try:  # before the engine loads and compiles: a taken port is reported at once
+        sock = bind_socket(host, port)
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", host, port, e.strerror or e)
+        return 1
     client = EngineClient(engine_kwargs)
     try:
         info = client.start()
@@ -328,7 +338,23 @@ def serve(
         )
         server = _DrainingServer(config, state, shutdown_timeout)
         client.on_dead = server.engine_died
-        server.run()
+        server.run(sockets=[sock])
         return server.exit_code if server.started else 1
     finally:
         client.close()
+        sock.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (IPv6 when ``host`` is an IPv6 address), as uvicorn
+    would bind it; raises OSError when the address is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock

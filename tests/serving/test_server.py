@@ -422,6 +422,20 @@ def test_readme_client_snippet(server, capsys):
     assert capsys.readouterr().out.endswith("\n")  # it printed the answer
 
 
+def test_taken_port_is_reported_before_the_engine_starts(tmp_path):
+    """The port is bound first: a taken one fails the start at once, nothing loaded."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        srv = ServerProcess(str(tmp_path / "no-model-here"), tmp_path / "log", port=port)
+        code = srv.proc.wait(60)
+        log = srv.log()
+        srv.stop()
+    assert code == 1 and f"cannot listen on 127.0.0.1:{port}" in log, log
+    assert "loaded" not in log and "engine" not in log
+
+
 # ------------------------------------------------------------------------------ a dead engine
 
 
