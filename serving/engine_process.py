@@ -232,4 +232,7 @@ def engine_main(
     finally:
         if broadcaster is not None:  # the followers exit too
             broadcaster.close()
+        runner = getattr(engine, "runner", None)
+        if runner is not None:  # exit now, not after the buckets left to warm up
+            runner.stop_background_warmup()
     log.info("engine loop stopped")

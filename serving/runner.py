@@ -162,6 +162,7 @@ class ModelRunner:
         self.on_execute: Callable[[StepPlan], None] | None = None
         # Background warm-up: bucket -> its compile (None -> the closing log line).
         self._warming: dict[StepShape | None, Future] = {}
+        self._warmup_pool: ThreadPoolExecutor | None = None
         self.ops = ops_for_model(
             kernel_backend,
             cfg,
@@ -275,7 +276,13 @@ class ModelRunner:
             )
         )
         self._warming[None] = done
-        pool.shutdown(wait=False)
+        self._warmup_pool = pool
+
+    def stop_background_warmup(self) -> None:
+        """Drops the buckets not compiled yet (the one in compile finishes): at shutdown."""
+        pool, self._warmup_pool = self._warmup_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def wait_warm(self) -> None:
         """Blocks until the background warm-up (if any) has compiled every bucket."""

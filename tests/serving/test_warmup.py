@@ -55,3 +55,13 @@ def test_background_warmup(model_dir):
     assert compiles == [], "serving compiled a bucket the warm-up had compiled"
     sync = LLMEngine(EngineArgs(model=model_dir, **SMALL))
     assert (got_one, got_two) == (_requests(sync, ONE), _requests(sync, TWO))
+
+
+def test_stopping_the_warmup_drops_what_is_left(model_dir):
+    """At shutdown the engine does not wait for the buckets left to compile."""
+    other = dict(SMALL, max_model_len=96)  # other block tables: buckets not compiled yet
+    engine = LLMEngine(EngineArgs(model=model_dir, background_warmup=True, **other))
+    engine.runner.stop_background_warmup()
+    engine.runner.wait_warm()  # at most the one compile under way
+    futures = engine.runner._warming.values()
+    assert sum(f.cancelled() for f in futures) >= len(futures) - 1
