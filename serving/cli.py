@@ -338,7 +338,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     multihost = multihost_config(ns)
     # One process: answer as soon as the model is loaded, compiling the buckets in the
     # background. Several: every process warms up in step (the warm-up steps are collective).
-    kwargs = engine_kwargs(ns, progress=not ns.quiet, background_warmup=multihost is None)
+    background = ns.warmup == "background" and multihost is None
+    kwargs = engine_kwargs(ns, progress=not ns.quiet, background_warmup=background)
     if multihost is not None and multihost.process_id > 0:
         import signal
 
@@ -396,6 +397,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds in-flight requests may finish before they are aborted",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
+    p.add_argument(
+        "--warmup",
+        default="background",
+        choices=["background", "all"],
+        help="background: answer once the model is loaded, compiling the step buckets in the "
+        "background (a request may wait for its bucket); all: compile every bucket before "
+        "the port answers (always so with several processes)",
+    )
     p.add_argument(
         "--coordinator-address",
         default=None,
