@@ -54,6 +54,7 @@ def workload(seed=0, max_tokens=24):
 
     Checkpoints the first wave leaves (prompt end ``(P - 1) // G * G``, decode boundaries)::
 
+        same_step_writer  X (70)       64
         a          A (150)             128
         nested_200 L[:200]             64 (a junction: exact, waiting, shares L[:128]), 192
         exact      L[:128]             128 (the boundary its last prefill chunk reaches)
@@ -66,7 +67,12 @@ def workload(seed=0, max_tokens=24):
     a = _rand(rng, 150)
     long = _rand(rng, 260)
     turn1 = _rand(rng, 100)
+    x = _rand(rng, 70)
     wave1 = [
+        # The writer's one step checkpoints 64 (its prompt end) and leaves budget for the
+        # reader, which must wait for that step to write it (the same-step rule), then hit.
+        ("same_step_writer", x, greedy),
+        ("same_step_reader", x[:G] + _rand(rng, 9), greedy),
         ("a", a, greedy),
         ("nested_200", long[:200], greedy),
         ("exact", long[: 2 * G], greedy),  # N * G
@@ -104,7 +110,8 @@ def test_caching_is_token_identical_and_hits(engines, want):
     # Hits: the longest checkpoint at or below the KV hit, capped at num_tokens - 1.
     cached = {name: out.num_cached_tokens for name, out in got.items()}
     assert cached == {
-        **{name: 0 for name in WAVE1 - {"exact"}},
+        **{name: 0 for name in WAVE1 - {"exact", "same_step_reader"}},
+        "same_step_reader": G,  # a step after the writer's
         "exact": G,  # the junction nested_200 checkpointed for it (same wave, admitted first)
         **{f"hit_plus_{n}": 2 * G for n in (1, 2, 7, 40)},
         "kv_past_ckpt": 2 * G,  # KV hit 160 cut to the checkpoint below it

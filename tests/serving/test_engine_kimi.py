@@ -18,8 +18,9 @@ from tests.serving.engine_helpers import hit_names, run_waves, zero_state_pool
 G = 64  # checkpoint granularity: lcm(64, block_size 16)
 BASE = dict(
     max_num_seqs=2,
-    max_num_batched_tokens=64,
-    min_token_bucket=64,
+    # One token bucket; 128 tokens leave a step room for a second prompt (the same-step rule).
+    max_num_batched_tokens=128,
+    min_token_bucket=128,
     max_model_len=256,
     num_checkpoint_slots=12,
     progress=False,
@@ -45,8 +46,18 @@ def workload():
     def rand(n):
         return rng.integers(0, 256, size=n).tolist()
 
+    x = rand(70)
+
     return [
-        [("a", a, greedy), ("exact", a[: 2 * G], greedy), ("turn1", turn1, answer)],
+        [
+            # The writer's one step checkpoints 64 (its prompt end) and leaves budget for the
+            # reader, which must wait for that step to write it (the same-step rule), then hit.
+            ("same_step_writer", x, greedy),
+            ("same_step_reader", x[:G] + rand(9), greedy),
+            ("a", a, greedy),
+            ("exact", a[: 2 * G], greedy),
+            ("turn1", turn1, answer),
+        ],
         [
             # A hit at 128 followed by 1, 2, 7 and 40 new prompt tokens.
             *((f"hit_plus_{n}", a[: 2 * G] + rand(n), greedy) for n in (1, 2, 7, 40)),
@@ -85,6 +96,8 @@ def test_kimi_caching_on_off_identical_and_hits(engines, want):
         assert want[name].num_cached_tokens == 0
     cached = {name: out.num_cached_tokens for name, out in got.items()}
     assert cached == {
+        "same_step_writer": 0,
+        "same_step_reader": G,  # a step after the writer's
         "a": 0,
         "exact": G,  # the junction a checkpointed for it: (128 - 1) // 64 * 64
         "turn1": 0,
