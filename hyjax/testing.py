@@ -185,7 +185,7 @@ def _numpy_init(cls, cfg, seed: int, *, long_memory: bool = False):
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
     for path, var in flat.items():
-        shape, name = var.value.shape, "/".join(map(str, path))
+        shape, name = var.get_value().shape, "/".join(map(str, path))
         if "norm" in name:
             value = 1.0 + (0.3 if long_memory else 0.1) * rng.normal(size=shape)
         elif path[-1] == "A_log":
@@ -197,7 +197,7 @@ def _numpy_init(cls, cfg, seed: int, *, long_memory: bool = False):
             value = 0.5 * rng.normal(size=shape)
         else:
             value = 0.1 * rng.normal(size=shape)
-        var.set_value(jnp.asarray(value, var.value.dtype))
+        var.set_value(jnp.asarray(value, var.get_value().dtype))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
