@@ -7,10 +7,14 @@ and asserts on the JSON it prints. Run by hand::
     python -m tests.serving.tp_worker all         # prints one JSON object
     python -m tests.serving.tp_worker kimi        # Kimi-Linear (run beside ``all``)
     python -m tests.serving.tp_worker distributed PROCESS_ID PORT   (one of two processes)
+
+Every float comparison is reported as the largest absolute difference and the largest absolute
+value of the reference it is taken against (``*_scale``): the test bounds their ratio.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -64,9 +68,28 @@ def tp_config(vocab_size: int = 256) -> Qwen3NextConfig:
     )
 
 
-def random_model(cfg, seed: int) -> Qwen3NextForCausalLM:
-    """Filled from numpy: compiling the random initialisers would cost seconds per process."""
-    return _numpy_init(Qwen3NextForCausalLM, cfg, seed)
+def random_model(cfg, seed: int, *, long_memory: bool = False) -> Qwen3NextForCausalLM:
+    """Filled from numpy: compiling the random initialisers would cost seconds per process.
+
+    ``long_memory``: GDN gates that keep the state for hundreds of tokens, so a prefix hit
+    resumed from a wrong state changes the greedy tokens (``hyjax.testing._numpy_init``).
+    """
+    return _numpy_init(Qwen3NextForCausalLM, cfg, seed, long_memory=long_memory)
+
+
+def compare(got, ref) -> tuple[float, float]:
+    """``(max |got - ref|, max |ref|)``: the test bounds the ratio (a relative error)."""
+    got, ref = np.asarray(got), np.asarray(ref)
+    return float(np.max(np.abs(got - ref))), float(np.max(np.abs(ref)))
+
+
+def logits_report(pre, dec, ssm, ref, ref_ssm) -> dict:
+    """Prefill and decode logits and the mid-prefill checkpoint against the one-device ones."""
+    out = {}
+    for name, got, want in (("prefill", pre, ref[0]), ("decode", dec, ref[1]),
+                            ("checkpoint", ssm, ref_ssm)):  # fmt: skip
+        out[name], out[f"{name}_scale"] = compare(got, want)
+    return out
 
 
 def _batches(cfg, block_size: int = 16):
@@ -163,21 +186,23 @@ def shard_shapes(x: jax.Array) -> list[str]:
 
 
 def check_logits() -> dict:
+    """TP 2 and 4 (expert parallel) with the reference ops, and TP 2 with the Pallas kernels
+    (run by the TPU interpreter on CPU), against one device with the reference ops. TP 8 is
+    checked across two processes (``check_distributed``) against these one-device logits."""
     cfg = tp_config()
-    model = random_model(cfg, 0)
+    model = random_model(cfg, 0, long_memory=True)
     graphdef, state = nnx.split(model)
     ref, ref_ssm, _ = forward_logits(nnx.merge(graphdef, state), cfg, 1)
     result = {"tp=1": {"prefill": ref[0].tolist(), "decode": ref[1].tolist()}}
-    cases = [(2, False), (4, True), (8, False)]  # EP on 4: 2 experts per device
-    for tp, ep in cases:
+    # EP on 4: 2 experts per device.
+    cases = [(2, False, "reference"), (4, True, "reference"), (2, False, "interpret")]
+    for tp, ep, backend in cases:
         m = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # fresh modules
-        (pre, dec), ssm, caches = forward_logits(m, cfg, tp, expert_parallel=ep)
-        result[f"tp={tp}{' ep' if ep else ''}"] = {
-            "prefill": float(np.max(np.abs(pre - ref[0]))),
-            "decode": float(np.max(np.abs(dec - ref[1]))),
-            "checkpoint": float(np.max(np.abs(ssm - ref_ssm))),
+        (pre, dec), ssm, caches = forward_logits(m, cfg, tp, expert_parallel=ep, backend=backend)
+        name = f"tp={tp}{' ep' if ep else ''}{' interpret' if backend == 'interpret' else ''}"
+        result[name] = {
+            **logits_report(pre, dec, ssm, ref, ref_ssm),
             "ssm_shard_shapes": shard_shapes(caches.ssm[0]),
-            "logit_scale": float(np.max(np.abs(ref[0]))),
         }
     return result
 
@@ -203,7 +228,7 @@ def check_kimi() -> dict:
     from hyjax.models.kimi_linear import KimiLinearForCausalLM
 
     cfg = kimi_tp_config()
-    graphdef, state = nnx.split(_numpy_init(KimiLinearForCausalLM, cfg, 0))
+    graphdef, state = nnx.split(_numpy_init(KimiLinearForCausalLM, cfg, 0, long_memory=True))
     ref, ref_ssm, _ = forward_logits(nnx.merge(graphdef, state), cfg, 1)
     out = {}
     for tp, ep in [(2, False), (4, True), (8, False)]:
@@ -211,10 +236,7 @@ def check_kimi() -> dict:
         (pre, dec), ssm, caches = forward_logits(fresh, cfg, tp, expert_parallel=ep)
         kda, mla = fresh.layers[0].self_attn, fresh.layers[1].self_attn
         out[f"kimi tp={tp}{' ep' if ep else ''}"] = {
-            "prefill": float(np.max(np.abs(pre - ref[0]))),
-            "decode": float(np.max(np.abs(dec - ref[1]))),
-            "checkpoint": float(np.max(np.abs(ssm - ref_ssm))),
-            "logit_scale": float(np.max(np.abs(ref[0]))),
+            **logits_report(pre, dec, ssm, ref, ref_ssm),
             "ssm_shards": shard_shapes(caches.ssm[0]),
             "conv_shards": shard_shapes(caches.conv[0]),
             "latent_shards": shard_shapes(caches.kv[0][0]),
@@ -228,58 +250,122 @@ def check_kimi() -> dict:
             "pool_bytes": ShardingPlan(make_mesh(tp), cfg, ep).pool_bytes(16, np.float32),
         }
     out["kimi tp=1 pool_bytes"] = ShardingPlan(make_mesh(1), cfg).pool_bytes(16, np.float32)
+    # The KDA and MLA Pallas kernels (TPU interpreter) under shard_map on two devices.
+    fresh = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+    (pre, dec), ssm, _ = forward_logits(fresh, cfg, 2, backend="interpret")
+    out["kimi tp=2 interpret"] = logits_report(pre, dec, ssm, ref, ref_ssm)
     return out
 
 
-def _run_waves(engine, waves):
+def _run_waves(engine, waves) -> dict:
+    """Runs each wave to completion before adding the next (so its checkpoints are cached);
+    a wave may be a function of the outputs so far (a follow-up turn)."""
     outputs = {}
     for wave in waves:
+        if callable(wave):
+            wave = wave(outputs)
         names = {engine.add_request(prompt, params): name for name, prompt, params in wave}
         for rid, out in engine.run_to_completion().items():
             outputs[names[rid]] = out
     return outputs
 
 
-def _workload():
+def _workload() -> list:
+    """Three waves over a 216-token shared prefix (checkpoint granularity 64); the test names
+    the hits it expects.
+
+    ::
+
+        wave 1   a  = S[:216] + 3          ckpts 128 (junction with n) and 192 (prompt end)
+                 n  = S[:140] + 3          waits for 128, hits it
+                 m  = 100 own tokens       40 greedy tokens: decode ckpt at 128
+        wave 2   a_again, hit1 .. hit40    hit 192 (hit1 .. hit40: S[:192] + 1, 2, 7, 40)
+                 c (top-p), d, short       sampled / unfiltered / cold
+        wave 3   m_turn2 = m + answer + 5  hits the decode ckpt at 128
+    """
     from serving.request import SamplingParams
 
     rng = np.random.default_rng(3)
-    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    sampled = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    answer = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=7)
     # No filter: drawn on the vocab-split logits, without the gather the sort needs.
-    unfiltered = SamplingParams(max_tokens=12, temperature=0.8, seed=11)
-    shared = rng.integers(0, 256, size=140).tolist()
-    return [
-        [("a", shared + [1, 2, 3], greedy), ("short", [5, 6, 7], greedy)],
-        [
-            ("b", shared + [9, 8], greedy),
-            ("c", shared + [4], sampled),
-            ("a_again", shared + [1, 2, 3], greedy),
-            ("d", [7, 7, 1, 9], unfiltered),
-        ],
-    ]
+    unfiltered = SamplingParams(max_tokens=8, temperature=0.8, seed=11)
+
+    def tokens(n: int) -> list[int]:
+        return rng.integers(0, 250, size=n).tolist()  # below every eos / special id
+
+    shared, m = tokens(216), tokens(100)
+    waves = [
+        [("a", shared + [1, 2, 3], greedy), ("n", shared[:140] + [9, 9, 9], greedy),
+         ("m", m, answer)],
+        [("a_again", shared + [1, 2, 3], greedy)]
+        + [(f"hit{k}", shared[:192] + tokens(k), greedy) for k in (1, 2, 7, 40)]
+        + [("c", shared + [4], sampled), ("d", [7, 7, 1, 9], unfiltered),
+           ("short", [5, 6, 7], greedy)],
+    ]  # fmt: skip
+    turn = tokens(5)
+
+    def follow_up(outputs):
+        return [("m_turn2", m + outputs["m"].output_token_ids + turn, greedy)]
+
+    return [*waves, follow_up]
+
+
+@contextlib.contextmanager
+def hits_resume_from_zero():
+    """The control: every prefix hit reads the zero state (slot 0) instead of its checkpoint,
+    the KV prefix still reused. What a lost or misaddressed checkpoint would do."""
+    from serving.scheduler import Scheduler
+
+    add_row = Scheduler._add_row
+
+    def zero_src(self, b, req, start, n, src):
+        if src != self.cache.alloc(req.request_id).running_slot:  # a hit's first row
+            src = 0
+        add_row(self, b, req, start, n, src)
+
+    Scheduler._add_row = zero_src
+    try:
+        yield
+    finally:
+        Scheduler._add_row = add_row
 
 
 def check_engine(model_dir: str) -> dict:
-    """Prefix caching on / off under TP = 2, and TP = 1: the same tokens; hits happen."""
+    """Greedy tokens and hits of the engine under TP = 2 with caching on, against TP = 1 and
+    caching off; and a TP = 1 control whose hits resume from the zero state."""
     from serving.engine import EngineArgs, LLMEngine
 
     base = dict(
         model=model_dir, max_num_seqs=2, max_num_batched_tokens=64, min_token_bucket=64,
         max_model_len=256, num_checkpoint_slots=12, progress=False, warmup=False,
-        tensor_parallel_size=2,
     )  # fmt: skip
-    runs = {"tp2_on": {}, "tp2_off": dict(enable_prefix_caching=False)}
+    # The second engine of a kind reuses the first one's compiled buckets. TP = 1 runs one
+    # sequence a step: half the buckets to compile (decode and prefill of one row), and its
+    # tokens must not depend on which requests share a step either. Its pools are sized in
+    # bytes (the CPU default follows max_num_seqs: 21 KV blocks would evict the prefixes).
+    tp1 = dict(max_num_seqs=1, cache_bytes=1 << 20)
+    runs = {
+        "tp2_on": dict(tensor_parallel_size=2),
+        "tp2_off": dict(tensor_parallel_size=2, enable_prefix_caching=False),
+        "tp1_on": tp1,
+        "tp1_zero_resume": tp1,
+    }
     out = {}
     logs, logger = _LogLines(), logging.getLogger("serving.runner")
     level = logger.level
     logger.addHandler(logs)
     logger.setLevel(logging.INFO)
     for name, kw in runs.items():
-        engine = LLMEngine(EngineArgs(**base, **kw))
-        res = _run_waves(engine, _workload())
+        control = hits_resume_from_zero() if name == "tp1_zero_resume" else contextlib.nullcontext()
+        with control:
+            engine = LLMEngine(EngineArgs(**{**base, **kw}))
+            res = _run_waves(engine, _workload())
         out[name] = {k: v.output_token_ids for k, v in res.items()}
         out[name + "_cached"] = {k: v.num_cached_tokens for k, v in res.items()}
+        if name != "tp2_on":
+            continue
         out[name + "_compiles"] = engine.runner.compile_count()
         out[name + "_kv_shards"] = shard_shapes(engine.runner.caches.kv[0][0])
         out[name + "_conv_shards"] = shard_shapes(engine.runner.caches.conv[0])
@@ -418,7 +504,7 @@ def check_distributed(process_id: int, port: int) -> dict:
 
     initialize_distributed(f"localhost:{port}", 2, process_id)
     cfg = tp_config()
-    model = random_model(cfg, 0)
+    model = random_model(cfg, 0, long_memory=True)
     (pre, dec), _, caches = forward_logits(model, cfg, 8)
     return {  # the test compares the logits with the one-device ones of ``check_logits``
         "process_index": jax.process_index(),
@@ -452,7 +538,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = os.path.join(tmp, "tp_model")
             cfg = tp_config()
-            save_hf_checkpoint(random_model(cfg, 1), cfg, model_dir)
+            save_hf_checkpoint(random_model(cfg, 1, long_memory=True), cfg, model_dir)
             if mode in ("all", "loading"):
                 out["loading"] = check_loading(model_dir, tmp)
                 lap("loading")
@@ -465,7 +551,8 @@ def main() -> None:
         out["kimi_logits"] = check_kimi()
         lap("kimi logits")
         with tempfile.TemporaryDirectory() as tmp:
-            kimi_dir = make_tiny_kimi_linear_model(os.path.join(tmp, "kimi"))  # 2 + 2 heads
+            kimi_dir = os.path.join(tmp, "kimi")
+            make_tiny_kimi_linear_model(kimi_dir, long_memory=True)  # 2 KDA + 2 MLA heads
             out["kimi_engine"] = check_engine(kimi_dir)
             lap("kimi engine")
     if mode in ("all", "errors"):
