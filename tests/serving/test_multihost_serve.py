@@ -100,7 +100,8 @@ def job(tmp_path_factory):
         JAX_PLATFORMS="cpu",
         XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false",
     )
-    base = [sys.executable, "-m", "serving.cli", "serve", "--model", model_dir, "--quiet"]
+    # Not --quiet: the checks read the INFO lines (pool agreement, the follower's shutdown).
+    base = [sys.executable, "-m", "serving.cli", "serve", "--model", model_dir]
     base += [
         *FLAGS,
         "--tensor-parallel-size",

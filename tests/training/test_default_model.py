@@ -61,4 +61,4 @@ def test_generate_without_model_uses_the_embedded_one():
     assert proc.stdout.startswith("def read_text(path):")
     completion = proc.stdout[len("def read_text(path):") :]
     assert completion.strip(), proc.stdout
-    assert "1 requests (0 rejected)" in proc.stderr
+    assert "1 requests (0 rejected, 0 failed)" in proc.stderr
