@@ -65,3 +65,21 @@ def hit_names(outputs: dict, first_wave_names: set[str]) -> list[str]:
     return sorted(
         n for n, o in outputs.items() if n not in first_wave_names and o.num_cached_tokens > 0
     )
+
+
+def assert_resumed_state_matters(
+    fresh: LLMEngine, waves: list, want: dict, first_wave_names: set[str], num_hits: int
+) -> None:
+    """Runs ``waves`` on ``fresh`` (built with ``warmup=False`` beside warm engines of the same
+    shapes) with the state pool zeroed between the waves: at least all hits but one must
+    change their tokens from ``want`` (the caching-off run), the first wave none, and nothing
+    may compile (the warm engines' executables serve)."""
+    compiles = fresh.runner.compile_count()
+    zeroed = run_waves(fresh, waves, between=zero_state_pool)
+    assert fresh.runner.compile_count() == compiles  # shares the warm engines' executables
+    hits = hit_names(zeroed, first_wave_names)
+    assert len(hits) == num_hits
+    changed = [n for n in hits if zeroed[n].output_token_ids != want[n].output_token_ids]
+    assert len(changed) >= len(hits) - 1, sorted(set(hits) - set(changed))
+    for name in first_wave_names:  # nothing cached was zeroed under the first wave
+        assert zeroed[name].output_token_ids == want[name].output_token_ids, name

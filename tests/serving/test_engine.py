@@ -14,7 +14,10 @@ import pytest
 from hyjax.tiny import make_tiny_model
 from serving.engine import EngineArgs, LLMEngine
 from serving.request import SamplingParams
-from tests.serving.engine_helpers import hit_names, run_waves, zero_state_pool
+from tests.serving.engine_helpers import (
+    assert_resumed_state_matters,
+    run_waves,
+)
 
 G = 64  # checkpoint granularity: lcm(64, block_size 16)
 BASE = dict(
@@ -133,15 +136,7 @@ def test_resumed_state_matters(model_dir, engines, want):
     remembers its prefix through the recurrent state, so the identity test above sees a
     wrong resumed state (the KV hit alone does not carry the answer)."""
     fresh = LLMEngine(EngineArgs(model=model_dir, **dict(BASE, warmup=False)))
-    compiles = fresh.runner.compile_count()
-    zeroed = run_waves(fresh, workload(), between=zero_state_pool)
-    assert fresh.runner.compile_count() == compiles  # shares the warm engines' executables
-    hits = hit_names(zeroed, WAVE1)
-    assert len(hits) == 12
-    changed = [n for n in hits if zeroed[n].output_token_ids != want[n].output_token_ids]
-    assert len(changed) >= len(hits) - 1, sorted(set(hits) - set(changed))
-    for name in WAVE1:  # nothing cached was zeroed under the first wave
-        assert zeroed[name].output_token_ids == want[name].output_token_ids, name
+    assert_resumed_state_matters(fresh, workload(), want, WAVE1, num_hits=12)
 
 
 def test_preemption_under_a_tiny_pool(model_dir):

@@ -13,7 +13,10 @@ import pytest
 from hyjax.testing import make_tiny_kimi_linear_model
 from serving.engine import EngineArgs, LLMEngine
 from serving.request import SamplingParams
-from tests.serving.engine_helpers import hit_names, run_waves, zero_state_pool
+from tests.serving.engine_helpers import (
+    assert_resumed_state_matters,
+    run_waves,
+)
 
 G = 64  # checkpoint granularity: lcm(64, block_size 16)
 BASE = dict(
@@ -117,15 +120,7 @@ def test_kimi_caching_on_off_identical_and_hits(engines, want):
 def test_kimi_resumed_state_matters(model_dir, engines, want):
     """Every cached KDA state zeroed between the waves: most hits' tokens change."""
     fresh = LLMEngine(EngineArgs(model=model_dir, **dict(BASE, warmup=False)))
-    compiles = fresh.runner.compile_count()
-    zeroed = run_waves(fresh, workload(), between=zero_state_pool)
-    assert fresh.runner.compile_count() == compiles  # shares the warm engines' executables
-    hits = hit_names(zeroed, WAVE1)
-    assert len(hits) == 8
-    changed = [n for n in hits if zeroed[n].output_token_ids != want[n].output_token_ids]
-    assert len(changed) >= len(hits) - 1, sorted(set(hits) - set(changed))
-    for name in WAVE1:
-        assert zeroed[name].output_token_ids == want[name].output_token_ids, name
+    assert_resumed_state_matters(fresh, workload(), want, WAVE1, num_hits=8)
 
 
 def test_kimi_generate_cli(model_dir, tmp_path):
