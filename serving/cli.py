@@ -444,7 +444,7 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
     """Adds "(default: X)" to an option's help unless it has no default or says its own."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, False) or "default" in (action.help or ""):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help or ""
         return super()._get_help_string(action)
 

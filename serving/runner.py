@@ -163,6 +163,7 @@ class ModelRunner:
         # Background warm-up: bucket -> its compile (None -> the closing log line).
         self._warming: dict[StepShape | None, Future] = {}
         self._warmup_pool: ThreadPoolExecutor | None = None
+        self._warm_pending = False  # a background warm-up is still compiling
         self.ops = ops_for_model(
             kernel_backend,
             cfg,
@@ -268,14 +269,17 @@ class ModelRunner:
         self._warming = {s: pool.submit(self._compile_ahead, s, avals) for s in shapes}
         for shape, fut in self._warming.items():
             fut.add_done_callback(functools.partial(_log_failure, shape))
-        done = pool.submit(
-            lambda: log.info(
+
+        def finished() -> None:
+            self._warm_pending = False  # steps stop looking the bucket up
+            log.info(
                 "compiled %d buckets in the background in %.1f s",
                 len(shapes),
                 time.perf_counter() - start,
             )
-        )
-        self._warming[None] = done
+
+        self._warm_pending = True
+        self._warming[None] = pool.submit(finished)
         self._warmup_pool = pool
 
     def stop_background_warmup(self) -> None:
@@ -298,7 +302,7 @@ class ModelRunner:
         """Runs one step. Returns every row's sampled token and logprobs (padding included)."""
         if self.on_execute is not None:
             self.on_execute(plan)
-        if self._warming:
+        if self._warm_pending:
             fut = self._warming.pop(plan.shape, None)
             if fut is not None and not fut.cancel():  # under way (or done): its result
                 fut.result()
