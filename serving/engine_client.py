@@ -82,6 +82,9 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, _Pending] = {}
         self._stats: dict[int, asyncio.Future] = {}
+        # The newest stats the engine sent: what /metrics shows while a step (a compile of a
+        # new shape, say) keeps the engine from answering.
+        self.last_stats: EngineStats | None = None
         self._tokens = itertools.count()
         self._reader: threading.Thread | None = None
         self._closing = False
@@ -276,6 +279,7 @@ class EngineClient:
                 if p is not None and not p.accepted.done():
                     p.accepted.set_exception(RequestRejected(m.message, m.client_error))
             elif isinstance(m, StatsReply):
+                self.last_stats = m.stats
                 fut = self._stats.get(m.token)
                 if fut is not None and not fut.done():
                     fut.set_result(m.stats)
