@@ -36,7 +36,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common.ragged import token_seq_ids
+from pallas_kernels.common.ragged import set_rows, token_seq_ids
 
 EXACT = jax.lax.Precision.HIGHEST  # IEEE f32 on every platform (no TF32 on GPU)
 
@@ -52,9 +52,7 @@ def write_latent_reference(
             f"latent {latent.shape} and latent_cache {latent_cache.shape} widths differ"
         )
     nb, bs, width = latent_cache.shape
-    flat = (
-        latent_cache.reshape(nb * bs, width).at[slot_mapping].set(latent.astype(latent_cache.dtype))
-    )
+    flat = set_rows(latent_cache.reshape(nb * bs, width), slot_mapping, latent)
     return flat.reshape(nb, bs, width)
 
 
