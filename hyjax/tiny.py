@@ -66,9 +66,7 @@ def tiny_config(vocab_size: int) -> Qwen3NextConfig:
     )
 
 
-def make_tiny_model(
-    out_dir: str | os.PathLike, *, seed: int = 0, long_memory: bool = False
-) -> str:
+def make_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0, long_memory: bool = False) -> str:
     """Writes the tiny model and its tokenizer to ``out_dir``; returns the path.
 
     ``long_memory``: the Gated DeltaNet gates keep the state for hundreds of tokens (filled from

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 # w_up [E, D, F], w_down [E, F, D]) -> [T, D]; expert ids outside [0, E) are skipped.
 ExpertsOp = Callable[..., jax.Array]
 
+
 def local_experts(
     weights: jax.Array,  # [T, k]
     experts: jax.Array,  # i32[T, k]  global expert ids
