@@ -52,6 +52,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="the smallest token capacity of a prefill step: larger means fewer compiles",
     )
     p.add_argument(
+        "--mixed-row-buckets",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prefill steps pad their rows to a power of two (a bucket per row count) instead "
+        "of to min(tokens, --max-num-seqs); default: off on CPU (a quarter of the compiles and "
+        "their memory), on elsewhere",
+    )
+    p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -143,6 +151,7 @@ def engine_kwargs(ns: argparse.Namespace, **extra) -> dict:
         max_num_batched_tokens=ns.max_num_batched_tokens,
         max_model_len=ns.max_model_len,
         min_token_bucket=ns.min_token_bucket,
+        mixed_row_buckets=ns.mixed_row_buckets,
         enable_prefix_caching=ns.enable_prefix_caching,
         checkpoint_interval=ns.checkpoint_interval,
         retention_interval=ns.retention_interval,

@@ -54,6 +54,11 @@ class SchedulerConfig:
         checkpoints sit only at multiples of G.
       retention_interval: R; a checkpoint is kept every R tokens of a prompt (0 = none in the
         middle, only at the prompt end and the latest decode boundary). A multiple of G.
+      mixed_row_buckets: a step with prefill tokens pads its rows to a power of two (one
+        bucket per token count and row count); False pads them to ``min(T, max_num_seqs)``,
+        one bucket per token count: a quarter of the compiles and their memory, for the padded
+        rows' logits (free on CPU, where the embedded model's mixed steps take as long at 2 rows
+        as at 32).
     """
 
     max_num_seqs: int = 256
@@ -64,6 +69,7 @@ class SchedulerConfig:
     checkpoint_interval: int | None = None
     retention_interval: int = 0
     min_token_bucket: int = 8  # the smallest token bucket of mixed steps (fewer compiles)
+    mixed_row_buckets: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -131,11 +137,23 @@ class SchedulerConfig:
         """The bucket of a step with ``num_tokens`` tokens over ``num_seqs`` rows."""
         s = _smallest_at_least(self.seq_buckets, num_seqs)
         t = s if decode_only else _smallest_at_least(self.token_buckets, num_tokens)
+        if not decode_only and not self.mixed_row_buckets:
+            s = self._mixed_rows(t)
         return StepShape(t, s, self.max_blocks, self.max_ckpt, decode_only)
+
+    def _mixed_rows(self, t: int) -> int:
+        """The rows of a mixed step of ``t`` tokens without row buckets: as many as fit."""
+        return min(t, self.max_num_seqs)
 
     def step_shapes(self) -> list[StepShape]:
         """Every shape ``schedule()`` can produce: what the runner compiles at start-up."""
         shapes = [StepShape(s, s, self.max_blocks, self.max_ckpt, True) for s in self.seq_buckets]
+        if not self.mixed_row_buckets:
+            shapes += [
+                StepShape(t, self._mixed_rows(t), self.max_blocks, self.max_ckpt, False)
+                for t in self.token_buckets
+            ]
+            return shapes
         for t in self.token_buckets:
             prev = 0
             for s in self.seq_buckets:

@@ -56,8 +56,9 @@ def test_step_shape_picks_the_smallest_bucket():
     assert cfg.step_shape(100, 8, False).num_tokens == 100
 
 
-def test_step_shapes_cover_every_reachable_step():
-    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100)
+@pytest.mark.parametrize("row_buckets", [True, False])
+def test_step_shapes_cover_every_reachable_step(row_buckets):
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, mixed_row_buckets=row_buckets)
     shapes = set(cfg.step_shapes())
     assert len(shapes) == len(cfg.step_shapes())
     for rows in range(1, 9):
@@ -66,6 +67,18 @@ def test_step_shapes_cover_every_reachable_step():
             assert cfg.step_shape(tokens, rows, False) in shapes
     assert StepShape(8, 8, 256, 4, False) in shapes  # 5..8 rows with 5..8 tokens
     assert not any(s.num_seqs > 8 for s in shapes if s.num_tokens == 4 and not s.decode_only)
+
+
+def test_without_mixed_row_buckets_a_token_count_is_one_bucket():
+    kw = dict(max_num_seqs=32, max_num_batched_tokens=512)
+    rows = SchedulerConfig(**kw, mixed_row_buckets=False)
+    assert rows.step_shape(9, 1, False) == rows.step_shape(16, 16, False) == StepShape(
+        16, 16, 256, 4, False
+    )
+    assert rows.step_shape(300, 2, False).num_seqs == 32  # min(T, max_num_seqs)
+    assert rows.step_shape(3, 3, True) == StepShape(4, 4, 256, 4, True)  # decode: as before
+    # 6 decode + 7 mixed buckets, against 6 + 39 with row buckets.
+    assert (len(rows.step_shapes()), len(SchedulerConfig(**kw).step_shapes())) == (13, 45)
 
 
 def test_cache_config_needs_a_real_block_and_slot():

@@ -16,7 +16,7 @@ import pytest
 from hyjax.testing import make_tiny_kimi_linear_model
 from hyjax.tiny import make_tiny_model
 from serving.engine import EngineArgs, LLMEngine
-from serving.plan import StepPlan
+from serving.plan import StepPlan, StepShape
 from serving.runner import _step
 
 SMALL = dict(
@@ -44,6 +44,6 @@ def _pool_copies(runner, shape) -> list[str]:
 @pytest.mark.parametrize("decode_only", [True, False], ids=["decode", "prefill"])
 @pytest.mark.parametrize("rows", [1, 2])
 def test_no_step_copies_a_pool(runner, rows, decode_only):
-    shape = runner.sched_cfg.step_shape(rows if decode_only else 64, rows, decode_only)
-    assert shape.num_seqs == rows
+    cfg = runner.sched_cfg
+    shape = StepShape(rows if decode_only else 64, rows, cfg.max_blocks, cfg.max_ckpt, decode_only)
     assert _pool_copies(runner, shape) == []
