@@ -72,8 +72,10 @@ def test_step_shapes_cover_every_reachable_step(row_buckets):
 def test_without_mixed_row_buckets_a_token_count_is_one_bucket():
     kw = dict(max_num_seqs=32, max_num_batched_tokens=512)
     rows = SchedulerConfig(**kw, mixed_row_buckets=False)
-    assert rows.step_shape(9, 1, False) == rows.step_shape(16, 16, False) == StepShape(
-        16, 16, 256, 4, False
+    assert (
+        rows.step_shape(9, 1, False)
+        == rows.step_shape(16, 16, False)
+        == StepShape(16, 16, 256, 4, False)
     )
     assert rows.step_shape(300, 2, False).num_seqs == 32  # min(T, max_num_seqs)
     assert rows.step_shape(3, 3, True) == StepShape(4, 4, 256, 4, True)  # decode: as before
