@@ -27,6 +27,7 @@ from hyjax.sharding import ShardingPlan, make_mesh
 from hyjax.tokenizer import Tokenizer, TokenizerFilesError
 from serving.config import CacheConfig, SchedulerConfig
 from serving.messages import EngineStats
+from serving.pool_sizing import size_pools
 from serving.request import Request, SamplingParams
 from serving.runner import ModelRunner
 from serving.scheduler import Scheduler
@@ -190,13 +191,20 @@ class LLMEngine:
             min_token_bucket=args.min_token_bucket,
             mixed_row_buckets=_mixed_row_buckets(args.mixed_row_buckets),
         )
+        memory = size_pools(
+            self.model_config,
+            self.sched_config,
+            model.dtype,
+            cache_bytes=args.cache_bytes,
+            num_checkpoint_slots=args.num_checkpoint_slots,
+            sharding=sharding,
+        )
         self.runner = ModelRunner(
             model,
             self.model_config,
             self.sched_config,
+            memory=memory,
             kernel_backend=args.kernel_backend,
-            cache_bytes=args.cache_bytes,
-            num_checkpoint_slots=args.num_checkpoint_slots,
             sharding=sharding,
             allow_tf32=args.allow_tf32,
         )

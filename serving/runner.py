@@ -25,12 +25,12 @@ from flax import nnx
 from tqdm import tqdm
 
 from hyjax.batch import Batch
-from hyjax.cache import Caches, init_caches, kv_block_bytes, pool_limits, state_slot_bytes
+from hyjax.cache import Caches, init_caches
 from hyjax.config import ModelConfig
 from hyjax.ops import Ops, ops_for_model
 from hyjax.sharding import ShardingPlan, replicate_tree
 from serving.config import SchedulerConfig
-from serving.memory_planner import MemoryPlan, plan_memory
+from serving.memory_planner import MemoryPlan
 from serving.plan import PlanLayout, StepPlan, StepShape
 from serving.sampler import MAX_LOGPROBS, sample, token_logprobs
 
@@ -129,17 +129,15 @@ class ModelRunner:
       model: the loaded NNX model.
       cfg: its config.
       sched_cfg: the scheduler's config (buckets, block size).
+      memory: the pool sizes (``serving.pool_sizing.size_pools``), allocated here.
       kernel_backend: ``auto``, ``reference``, ``pallas`` or ``interpret``; a kernel that cannot
         take the model's shapes is replaced by its reference op (``hyjax.ops.ops_for_model``,
         one warning each).
       allow_tf32: a float32 model's matmuls may use TF32 on NVIDIA (the MXU's bf16 passes on
         TPU); by default they are IEEE float32. No effect on 16-bit models.
-      cache_bytes: bytes for both pools; ``None`` asks the device (90 % of what is free) or,
-        on CPU, sizes the pools for ``max_num_seqs`` full-length requests.
-      num_checkpoint_slots: state slots kept for checkpoints (``None``: 10 % of the memory).
       sharding: tensor / expert parallel plan (``hyjax.sharding``): parameters are placed by
         its rules, the pools split by head, the kernels run under ``shard_map``. Pool sizes
-        and ``cache_bytes`` are then per device.
+        are then per device.
     """
 
     def __init__(
@@ -148,9 +146,8 @@ class ModelRunner:
         cfg: ModelConfig,
         sched_cfg: SchedulerConfig,
         *,
+        memory: MemoryPlan,
         kernel_backend: str = "auto",
-        cache_bytes: int | None = None,
-        num_checkpoint_slots: int | None = None,
         sharding: ShardingPlan | None = None,
         allow_tf32: bool = False,
     ):
@@ -177,54 +174,7 @@ class ModelRunner:
             self.ops = sharding.shard_ops(self.ops)
         self.graphdef, self.state = nnx.split(model)
         self.dtype = model.dtype
-        if sharding is not None:
-            kv_bytes, slot_bytes = sharding.pool_bytes(sched_cfg.block_size, self.dtype)
-            kv_split, slot_split = sharding.pool_splits()
-            max_blocks, max_slots = pool_limits(
-                sharding.cache_config(),
-                sched_cfg.block_size,
-                kv_split=kv_split,
-                slot_split=slot_split,
-            )
-        else:
-            kv_bytes = kv_block_bytes(cfg, sched_cfg.block_size, self.dtype)
-            slot_bytes = state_slot_bytes(cfg, self.dtype)
-            max_blocks, max_slots = pool_limits(cfg, sched_cfg.block_size)
-        if cache_bytes is None:
-            devices = list(sharding.mesh.devices.flat) if sharding else jax.local_devices()[:1]
-            # This process measures its own devices only (another host's have no stats here).
-            devices = [d for d in devices if d.process_index == jax.process_index()]
-            cache_bytes = _default_cache_bytes(
-                sched_cfg, kv_bytes, slot_bytes, num_checkpoint_slots, devices
-            )
-            if jax.devices()[0].platform == "cpu" and num_checkpoint_slots is None:
-                num_checkpoint_slots = 4 * sched_cfg.max_num_seqs
-        if jax.process_count() > 1:
-            # Every process runs each step on pools of one size (the leader's scheduler hands
-            # out the block ids): all plan from the smallest budget (a collective).
-            from serving.multihost import smallest_cache_bytes
-
-            cache_bytes = smallest_cache_bytes(cache_bytes)
-        plan = functools.partial(
-            plan_memory,
-            cache_bytes,
-            kv_block_bytes=kv_bytes,
-            state_slot_bytes=slot_bytes,
-            block_size=sched_cfg.block_size,
-            max_num_seqs=sched_cfg.max_num_seqs,
-            max_model_len=sched_cfg.max_model_len,
-            max_kv_blocks=max_blocks,
-            max_state_slots=max_slots,
-        )
-        self.memory: MemoryPlan = plan(num_checkpoint_slots=num_checkpoint_slots)
-        if jax.process_count() > 1:
-            # The same budget, but defaults may still differ by process (flags given to one):
-            # all take the fewest checkpoint slots, which fits every plan's state cap.
-            from serving.multihost import fewest_checkpoint_slots
-
-            fewest = fewest_checkpoint_slots(self.memory.num_checkpoint_slots)
-            if fewest != self.memory.num_checkpoint_slots:
-                self.memory = plan(num_checkpoint_slots=fewest)
+        self.memory = memory
         if sharding is not None:
             log.info(sharding.describe_pools())
         for line in self.memory.describe().splitlines():
@@ -356,25 +306,3 @@ def _fetch(out: tuple[jax.Array, ...]) -> tuple[np.ndarray, ...]:
     if all(x.is_fully_addressable for x in out):
         return tuple(np.asarray(x) for x in jax.device_get(out))
     return tuple(np.asarray(x.addressable_data(0)) for x in out)
-
-
-def _default_cache_bytes(
-    sched_cfg: SchedulerConfig,
-    kv_bytes: int,
-    slot_bytes: int,
-    num_checkpoint_slots: int | None,
-    devices: list,
-) -> int:
-    """Bytes for the pools on each of ``devices`` (the least free of them on accelerators)."""
-    free = []
-    for device in devices:
-        stats = device.memory_stats() if device.platform != "cpu" else None
-        if stats and "bytes_limit" in stats:
-            free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    if free:
-        return int(min(free) * 0.9)
-    # CPU: every sequence at full length plus 25 % for cached prefixes, the running slots, and
-    # the checkpoint slots (given, or four per sequence).
-    ckpt = num_checkpoint_slots if num_checkpoint_slots is not None else 4 * sched_cfg.max_num_seqs
-    blocks = 1.25 * sched_cfg.max_num_seqs * sched_cfg.max_blocks + 1
-    return int(blocks * kv_bytes + (sched_cfg.max_num_seqs + 1 + ckpt) * slot_bytes)

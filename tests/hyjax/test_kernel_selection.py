@@ -20,6 +20,7 @@ from serving.cli import build_parser, engine_kwargs
 from serving.config import SchedulerConfig
 from serving.engine import EngineArgs
 from serving.plan import StepPlan
+from serving.pool_sizing import size_pools
 from serving.runner import ModelRunner, _step
 
 PALLAS = BACKENDS["pallas"]
@@ -155,8 +156,9 @@ def tiny_model():
 def test_float32_step_traces_ieee_matmuls_unless_tf32_allowed(tiny_model, allow_tf32):
     model, cfg = tiny_model
     sched = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128)
-    runner = ModelRunner(model, cfg, sched, kernel_backend="reference", cache_bytes=2**22,
-                         num_checkpoint_slots=2, allow_tf32=allow_tf32)  # fmt: skip
+    memory = size_pools(cfg, sched, model.dtype, cache_bytes=2**22, num_checkpoint_slots=2)
+    runner = ModelRunner(model, cfg, sched, memory=memory, kernel_backend="reference",
+                         allow_tf32=allow_tf32)  # fmt: skip
     shape = sched.step_shapes()[-1]
     precisions = _dot_precisions(_step.trace(*runner.step_args(StepPlan.empty(shape))).jaxpr.jaxpr)
     assert len(precisions) > 10  # the projections, lm_head, the reference recurrences

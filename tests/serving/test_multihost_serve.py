@@ -24,6 +24,7 @@ import numpy as np
 import openai
 import pytest
 
+from serving.distributed import smallest_cache_bytes
 from serving.multihost import (
     FatalStepErrors,
     MultihostConfig,
@@ -33,7 +34,6 @@ from serving.multihost import (
     decode_plan,
     exit_on_lost,
     signature_mismatch,
-    smallest_cache_bytes,
 )
 from serving.plan import StepPlan, StepShape
 from tests.serving.server_helpers import free_port, request

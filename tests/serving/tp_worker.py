@@ -144,13 +144,14 @@ def _batches(cfg, block_size: int = 16):
 def forward_logits(model, cfg, tp: int, *, expert_parallel: bool = False, backend="reference"):
     """Prefill logits, decode logits, the checkpoint state (slot 3) and the caches."""
     from serving.config import SchedulerConfig
+    from serving.pool_sizing import size_pools
     from serving.runner import ModelRunner
 
     sched = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
     plan = ShardingPlan(make_mesh(tp), cfg, expert_parallel) if tp > 1 else None
+    memory = size_pools(cfg, sched, model.dtype, num_checkpoint_slots=2, sharding=plan)
     runner = ModelRunner(
-        model, cfg, sched, kernel_backend=backend, cache_bytes=None, num_checkpoint_slots=2,
-        sharding=plan,
+        model, cfg, sched, memory=memory, kernel_backend=backend, sharding=plan
     )  # fmt: skip
 
     def fwd(state, caches, arrays, decode_only):

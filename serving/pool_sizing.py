@@ -1,0 +1,114 @@
+"""How large the pools are: the bytes one KV block and one state slot take for a model, the
+budget (free device memory, or on CPU what the flags need), and the split between the two
+pools (:func:`serving.memory_planner.plan_memory`). The engine calls :func:`size_pools` before
+it builds the runner, which then allocates what the plan says.
+
+Needs a model's config and dtype, never its weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from hyjax.cache import kv_block_bytes, pool_limits, state_slot_bytes
+from hyjax.config import ModelConfig
+from hyjax.sharding import ShardingPlan
+from serving.config import SchedulerConfig
+from serving.memory_planner import MemoryPlan, plan_memory
+
+log = logging.getLogger(__name__)
+
+
+def size_pools(
+    cfg: ModelConfig,
+    sched_cfg: SchedulerConfig,
+    dtype: jnp.dtype,
+    *,
+    cache_bytes: int | None = None,
+    num_checkpoint_slots: int | None = None,
+    sharding: ShardingPlan | None = None,
+) -> MemoryPlan:
+    """The pool sizes for ``cfg`` in ``dtype`` under ``sched_cfg``'s flags.
+
+    Args:
+      cache_bytes: bytes for both pools (per device under ``sharding``); ``None`` asks the
+        device (90 % of what is free) or, on CPU, sizes the pools for ``max_num_seqs``
+        full-length requests plus a quarter for cached prefixes.
+      num_checkpoint_slots: state slots kept for checkpoints; ``None``: a tenth of the memory,
+        or four a sequence on CPU without ``cache_bytes``.
+      sharding: tensor / expert parallel plan: the pools are split by head, and the bytes are
+        a device's share.
+
+    In a multi-process job every process must call this (it is a collective): all size their
+    pools from the smallest budget and the fewest checkpoint slots any of them planned.
+    """
+    if sharding is not None:
+        kv_bytes, slot_bytes = sharding.pool_bytes(sched_cfg.block_size, dtype)
+        kv_split, slot_split = sharding.pool_splits()
+        max_blocks, max_slots = pool_limits(
+            sharding.cache_config(), sched_cfg.block_size, kv_split=kv_split, slot_split=slot_split
+        )
+    else:
+        kv_bytes = kv_block_bytes(cfg, sched_cfg.block_size, dtype)
+        slot_bytes = state_slot_bytes(cfg, dtype)
+        max_blocks, max_slots = pool_limits(cfg, sched_cfg.block_size)
+    if cache_bytes is None:
+        devices = list(sharding.mesh.devices.flat) if sharding else jax.local_devices()[:1]
+        # This process measures its own devices only (another host's have no stats here).
+        devices = [d for d in devices if d.process_index == jax.process_index()]
+        cache_bytes = default_cache_bytes(
+            sched_cfg, kv_bytes, slot_bytes, num_checkpoint_slots, devices
+        )
+        if jax.devices()[0].platform == "cpu" and num_checkpoint_slots is None:
+            num_checkpoint_slots = 4 * sched_cfg.max_num_seqs
+    if jax.process_count() > 1:
+        from serving.distributed import smallest_cache_bytes
+
+        cache_bytes = smallest_cache_bytes(cache_bytes)
+    plan = functools.partial(
+        plan_memory,
+        cache_bytes,
+        kv_block_bytes=kv_bytes,
+        state_slot_bytes=slot_bytes,
+        block_size=sched_cfg.block_size,
+        max_num_seqs=sched_cfg.max_num_seqs,
+        max_model_len=sched_cfg.max_model_len,
+        max_kv_blocks=max_blocks,
+        max_state_slots=max_slots,
+    )
+    memory = plan(num_checkpoint_slots=num_checkpoint_slots)
+    if jax.process_count() > 1:
+        # The same budget, but defaults may still differ by process (flags given to one): all
+        # take the fewest checkpoint slots, which fits every plan's state cap.
+        from serving.distributed import fewest_checkpoint_slots
+
+        fewest = fewest_checkpoint_slots(memory.num_checkpoint_slots)
+        if fewest != memory.num_checkpoint_slots:
+            memory = plan(num_checkpoint_slots=fewest)
+    return memory
+
+
+def default_cache_bytes(
+    sched_cfg: SchedulerConfig,
+    kv_bytes: int,
+    slot_bytes: int,
+    num_checkpoint_slots: int | None,
+    devices: list,
+) -> int:
+    """Bytes for the pools on each of ``devices`` (the least free of them on accelerators)."""
+    free = []
+    for device in devices:
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        if stats and "bytes_limit" in stats:
+            free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    if free:
+        return int(min(free) * 0.9)
+    # CPU: every sequence at full length plus 25 % for cached prefixes, the running slots, and
+    # the checkpoint slots (given, or four per sequence).
+    ckpt = num_checkpoint_slots if num_checkpoint_slots is not None else 4 * sched_cfg.max_num_seqs
+    blocks = 1.25 * sched_cfg.max_num_seqs * sched_cfg.max_blocks + 1
+    return int(blocks * kv_bytes + (sched_cfg.max_num_seqs + 1 + ckpt) * slot_bytes)
