@@ -13,6 +13,8 @@ import time
 
 from tqdm import tqdm
 
+from serving.logs import setup_logging
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine flags shared by ``generate`` and ``serve``."""
@@ -514,14 +516,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(fn=cmd_convert)
     return p
-
-
-def setup_logging(quiet: bool) -> None:
-    """INFO lines (warnings only with ``--quiet``), without JAX's note that a platform it
-    probes for is absent (``Unable to initialize backend 'tpu'``, on every start)."""
-    level = logging.WARNING if quiet else logging.INFO
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("jax._src.xla_bridge").setLevel(max(level, logging.WARNING))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -199,7 +199,7 @@ def engine_main(
     # whole process group must not kill the engine under requests that are finishing.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from serving.cli import setup_logging
+    from serving.logs import setup_logging
 
     setup_logging(quiet=log_level > logging.INFO)
     engine_kwargs = dict(engine_kwargs)
