@@ -225,7 +225,7 @@ def row_request(row: dict, ns: argparse.Namespace):
     max_tokens = ns.max_tokens if req.max_tokens is None else req.max_tokens
     params = req.to_sampling_params(max_tokens, default_temperature=ns.temperature)
     prompt = req.prompt if req.prompt is not None else req.prompt_token_ids
-    return prompt, params
+    return prompt, params, req.cache_salt
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -254,9 +254,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         raise SystemExit(f"hyjax generate: cannot start the engine: {e}") from None
     ids: list[str | None] = [None] * len(rows)
     results: dict[str, object] = {}
-    for i, (prompt, params) in requests.items():
+    for i, (prompt, params, salt) in requests.items():
         try:
-            ids[i] = engine.add_request(prompt, params, request_id=str(i))
+            ids[i] = engine.add_request(prompt, params, request_id=str(i), cache_salt=salt)
         except ValueError as e:  # what the engine rejects: too long, ids outside the vocab
             errors[i] = str(e)
     compiling = _compile_seconds()

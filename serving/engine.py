@@ -234,8 +234,15 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Validates and queues a request. Raises ValueError with a message for the client."""
+        """Validates and queues a request. Raises ValueError with a message for the client.
+
+        ``cache_salt``: the request reuses cached prefixes (KV blocks and states) only of
+        requests with the same salt; ``None`` is a salt of its own (the unsalted requests').
+        """
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt={cache_salt!r} must be a non-empty string")
         params = dataclasses.replace(params) if params is not None else SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -255,6 +262,7 @@ class LLMEngine:
             prompt_token_ids=ids,
             sampling_params=params,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            cache_salt=cache_salt,
         )
         self.scheduler.add_request(req)  # raises ValueError for what the scheduler rejects
         detok = self.tokenizer.detokenizer(context_ids=ids) if self.tokenizer else None

@@ -150,7 +150,11 @@ class EngineClient:
     # ------------------------------------------------------------------ requests
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[Delta]:
         """Adds a request and yields its deltas until the finished one.
 
@@ -159,7 +163,7 @@ class EngineClient:
         that disconnected, a cancelled task) aborts the request, which frees its blocks and
         slot.
         """
-        deltas = await self.add(request_id, prompt_token_ids, params)
+        deltas = await self.add(request_id, prompt_token_ids, params, cache_salt=cache_salt)
         finished = False
         try:
             while not finished:
@@ -178,6 +182,8 @@ class EngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         deltas: asyncio.Queue | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> asyncio.Queue:
         """Sends ``AddRequest`` and waits for ``Accepted`` (raises ``RequestRejected``).
 
@@ -190,7 +196,7 @@ class EngineClient:
         assert self._loop is not None, "attach() first"
         p = _Pending(self._loop.create_future(), deltas if deltas is not None else asyncio.Queue())
         self._pending[request_id] = p
-        self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params))
+        self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params, cache_salt))
         try:
             await p.accepted
         except BaseException:

@@ -109,7 +109,9 @@ class EngineLoop:
         if isinstance(msg, AddRequest):
             rid = msg.request_id
             try:
-                self.engine.add_request(msg.prompt_token_ids, msg.params, request_id=rid)
+                self.engine.add_request(
+                    msg.prompt_token_ids, msg.params, request_id=rid, cache_salt=msg.cache_salt
+                )
             except ValueError as e:
                 out.append(Rejected(rid, str(e), client_error=True))
             except Exception as e:  # an engine bug must not take the server down

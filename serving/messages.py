@@ -29,6 +29,7 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,7 +97,9 @@ class _Group:
         self.by_id: dict[str, _Choice] = {}
         self.unfinished: set[str] = set()
 
-    async def add_all(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    async def add_all(
+        self, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None = None
+    ) -> None:
         """Adds ``len(prompts) * n`` requests; on any rejection aborts the rest and raises."""
         for i, _ in enumerate(prompts):
             for j in range(self.n):
@@ -111,7 +113,7 @@ class _Group:
             if j and params.seed is not None:
                 p.seed = (params.seed + j * SEED_STRIDE) % 2**32
             ids = prompts[c.index // self.n]
-            adds.append(self.client.add(c.request_id, ids, p, self.queue))
+            adds.append(self.client.add(c.request_id, ids, p, self.queue, cache_salt=cache_salt))
         results = await asyncio.gather(*adds, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         self.unfinished = {
@@ -303,7 +305,12 @@ class OpenAIServing:
         return await self._encode(text, add_special_tokens=False)
 
     async def _start(
-        self, prefix: str, prompts: list[list[int]], params: SamplingParams, n: int
+        self,
+        prefix: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        cache_salt: str | None = None,
     ) -> _Group:
         if len(prompts) * n > MAX_CHOICES:
             raise ApiError(
@@ -311,7 +318,7 @@ class OpenAIServing:
             )
         group = _Group(self.client, self.metrics, prefix, n)
         try:
-            await group.add_all(prompts, params)
+            await group.add_all(prompts, params, cache_salt)
         except EngineDeadError as e:
             raise engine_unavailable(e) from None
         return group
@@ -322,7 +329,7 @@ class OpenAIServing:
         self.check_model(req)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         prompts = await self.completion_prompts(req)
-        group = await self._start("cmpl", prompts, params, req.n)
+        group = await self._start("cmpl", prompts, params, req.n, req.cache_salt)
         wants = params.logprobs is not None
 
         def chunk(c: _Choice | None, d: Delta | None) -> dict:
@@ -375,7 +382,7 @@ class OpenAIServing:
             raise ApiError(400, str(e), param="top_logprobs") from None
         params = self.sampling_params(req, max_tokens, n_logprobs)
         prompt = await self.chat_prompt(req)
-        group = await self._start("chatcmpl", [prompt], params, req.n)
+        group = await self._start("chatcmpl", [prompt], params, req.n, req.cache_salt)
         wants = params.logprobs is not None
 
         def chunk(c: _Choice | None, d: Delta | None, role: bool = False) -> dict:

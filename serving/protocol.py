@@ -66,6 +66,9 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Prefix caching: requests share cached blocks and states only with requests of the same
+    # salt (vLLM's field), so one tenant cannot time another's prompts.
+    cache_salt: Annotated[StrictStr, Field(min_length=1)] | None = None
     # Fields that would change the output and are not implemented yet (OpenAI's, and the
     # extras vLLM users send): parsed so that ``unsupported_fields`` can name them in a 400,
     # never silently dropped. Their "off" values pass.

@@ -31,6 +31,7 @@ def test_generate_cli(model_dir, tmp_path):
         {"prompt": ["a", "b"]},
         {"prompt": "Hi", "stop": [""]},
         {"prompt": "Hi", "prompt_token_ids": [1]},
+        {"prompt": "Hi", "cache_salt": ""},
     ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -50,14 +51,14 @@ def test_generate_cli(model_dir, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     # Rows that failed: exit 1 with a summary naming them; the good rows' output is written.
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "8 requests (5 rejected, 0 failed)" in proc.stdout
+    assert "9 requests (6 rejected, 0 failed)" in proc.stdout
     assert "prefix-cache hit rate" in proc.stdout
     # The buckets compile as the batch meets them; that time is reported, not in the tok/s.
     compile_s = float(re.search(r"and ([0-9.]+) s compiling step shapes", proc.stdout)[1])
     assert compile_s > 0
     assert f"{inp} row 3: " in proc.stderr and f"{inp} row 8: " in proc.stderr
     got = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(got) == 8
+    assert len(got) == 9
     for r_in, r_out in zip(rows, got):
         for k, v in r_in.items():
             assert r_out[k] == v  # input fields kept, in input order
@@ -70,6 +71,7 @@ def test_generate_cli(model_dir, tmp_path):
     assert got[5]["error"].startswith("prompt: ")
     assert got[6]["error"].startswith("stop=") and "empty" in got[6]["error"]
     assert "exactly one of prompt" in got[7]["error"]
+    assert got[8]["error"].startswith("cache_salt: ")
     assert all(r["finish_reason"] == "error" for r in got[4:])
     assert got[3]["output_token_ids"][:5] == got[0]["output_token_ids"][:5] or (
         got[3]["finish_reason"] == "stop"

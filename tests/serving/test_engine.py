@@ -196,6 +196,29 @@ def test_bad_requests_fail_alone(engines):
     assert len(final[ok].output_token_ids) == 4
 
 
+def test_cache_salt_isolates_prefixes(engines):
+    """A salted request hits only prefixes cached under its own salt; the tokens never change."""
+    on, off = engines
+    prompt = _rand(np.random.default_rng(7), 150)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def run(salt):
+        rid = on.add_request(prompt, greedy, cache_salt=salt)
+        out = on.run_to_completion()[rid]
+        return out.output_token_ids, out.num_cached_tokens
+
+    ref_id = off.add_request(prompt, greedy)
+    ref = off.run_to_completion()[ref_id].output_token_ids
+    first = run("tenant-a")
+    cached = {salt: run(salt) for salt in ("tenant-a", "tenant-b", None)}
+    assert first == (ref, 0)
+    assert cached["tenant-a"] == (ref, 128)  # the checkpoint at 2 x G = 128 tokens
+    assert cached["tenant-b"] == (ref, 0) and cached[None] == (ref, 0)
+    assert run(None) == (ref, 128)  # unsalted requests share among themselves
+    with pytest.raises(ValueError, match="cache_salt"):
+        on.add_request([1, 2], greedy, cache_salt="")
+
+
 def test_stop_strings_and_abort(engines):
     on, off = engines
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -43,7 +43,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.crash_step = False
 
-    def add_request(self, prompt, params, request_id):
+    def add_request(self, prompt, params, request_id, cache_salt=None):
         if not prompt:
             raise ValueError("the prompt is empty")
         if prompt == [666]:

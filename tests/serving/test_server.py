@@ -248,6 +248,21 @@ def test_cached_tokens_on_repeated_long_prefix(client):
     )
 
 
+def test_cache_salt_separates_tenants(client):
+    """vLLM's ``cache_salt``: a prefix cached under one salt is a miss under another."""
+    prefix = "Salted prefixes stay with their tenant, however long they are. " * 3  # > 128
+    kw = dict(model=NAME, max_tokens=2, temperature=0)
+
+    def cached(salt, tail):
+        extra = {"cache_salt": salt} if salt else {}
+        r = client.completions.create(prompt=prefix + tail, extra_body=extra, **kw)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("a", "1") == 0
+    assert cached("a", "2") >= 128
+    assert cached("b", "3") == 0 and cached(None, "4") == 0
+
+
 def test_concurrent_streams(client):
     results: list = [None] * 6
 
@@ -298,6 +313,8 @@ BAD = [
         "top_p",
     ),
     ("top_k_negative", C, {"prompt": "a", "top_k": -3}, 400, "top_k"),
+    ("empty_cache_salt", C, {"prompt": "a", "cache_salt": ""}, 400, "cache_salt"),
+    ("cache_salt_not_a_string", CHAT, {**HI, "cache_salt": 7}, 400, "cache_salt"),
     ("n_zero", C, {"prompt": "a", "n": 0}, 400, "n"),
     ("prompt_too_long", C, {"prompt": LONG, "max_tokens": 1}, 400, None),
     ("chat_too_long", CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, None),
