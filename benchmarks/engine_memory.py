@@ -42,7 +42,7 @@ def measure(model: str | None, row_buckets: bool) -> dict:
     from serving.request import SamplingParams
 
     out["rss_mb"]["jax"] = _rss_mb()
-    from serving.cli import resolve_model
+    from serving.engine_args import resolve_model
 
     args = EngineArgs(
         model=resolve_model(model),

@@ -26,6 +26,7 @@ from hyjax.loader import load_model
 from hyjax.sharding import ShardingPlan, make_mesh
 from hyjax.tokenizer import Tokenizer, TokenizerFilesError
 from serving.config import CacheConfig, SchedulerConfig
+from serving.engine_args import EngineArgs
 from serving.messages import EngineStats
 from serving.pool_sizing import size_pools
 from serving.request import Request, SamplingParams
@@ -33,46 +34,6 @@ from serving.runner import ModelRunner
 from serving.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineArgs:
-    """The flags shared by ``hyjax generate`` and ``hyjax serve``."""
-
-    model: str
-    dtype: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # None: min(config's max positions, 4096)
-    enable_prefix_caching: bool = True
-    checkpoint_interval: int | None = None
-    retention_interval: int = 0
-    kernel_backend: str = "auto"
-    # float32 models: matmuls in TF32 on NVIDIA (bf16 passes on TPU) instead of IEEE float32.
-    allow_tf32: bool = False
-    num_checkpoint_slots: int | None = None
-    cache_bytes: int | None = None
-    seed: int | None = 0
-    min_token_bucket: int = 8
-    # Mixed steps' rows in power-of-two buckets (True) or padded to min(T, max_num_seqs)
-    # (False: a quarter of the compiles); None: False on CPU, True on accelerators.
-    mixed_row_buckets: bool | None = None
-    # Compile every step bucket before serving (``warmup``), or, with ``background_warmup``
-    # too, in a background thread while serving: the engine is ready at once and a step whose
-    # bucket is not compiled yet compiles it then (``hyjax serve``). ``warmup=False``: each
-    # bucket compiles when a step first meets it (``hyjax generate``).
-    warmup: bool = True
-    background_warmup: bool = False
-    progress: bool = True
-    # Devices the model is split over (hyjax.sharding): heads of GDN / attention and the
-    # MoE experts' intermediate dim, or (expert parallel) the experts themselves.
-    tensor_parallel_size: int = 1
-    enable_expert_parallel: bool = False
-    # JAX's persistent compilation cache: compiled buckets are kept here, so a restart with the
-    # same model shapes, flags and jax version loads them instead of compiling (minutes with the
-    # kernels on a GPU). None: not used (the CLI's default is a directory under ~/.cache).
-    compilation_cache_dir: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

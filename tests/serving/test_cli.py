@@ -135,3 +135,29 @@ def test_every_flag_says_what_it_does():
             if action.dest != "help":
                 assert action.help, f"hyjax {name} {action.option_strings or action.dest}"
         assert "(default: 32)" in parser.format_help() or name not in ("generate", "serve")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_every_engine_flag_reaches_engine_args(command):
+    """Each ``EngineArgs`` flag field is a flag of both commands, and its value arrives."""
+    from serving.cli import build_parser, engine_kwargs
+    from serving.engine_args import flag_fields
+
+    argv, want = [command] + (["--prompt", "x"] if command == "generate" else []), {}
+    for f in flag_fields():
+        flag = "--" + f.name.replace("_", "-")
+        choices = f.metadata["argparse"].get("choices")
+        if isinstance(f.default, bool) or f.type == "bool | None":
+            value = not f.default
+            argv.append(flag if value else "--no-" + flag[2:])
+            if f.default is False:
+                argv[-1] = flag  # store_true
+        else:
+            value = choices[-1] if choices else ("/m" if f.name == "model" else 7)
+            if f.name == "compilation_cache_dir":
+                value = "/cache"
+            argv += [flag, str(value)]
+        want[f.name] = value
+    got = engine_kwargs(build_parser().parse_args(argv))
+    assert {k: got[k] for k in want} == want
+    assert len(want) >= 19
