@@ -33,6 +33,3 @@ class Batch:
     def from_arrays(cls, arrays: dict[str, np.ndarray | jax.Array]) -> Batch:
         """Picks this batch's fields out of a larger dict (e.g. a plan with sampling fields)."""
         return cls(**{f.name: jnp.asarray(arrays[f.name]) for f in dataclasses.fields(cls)})
-
-
-BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(Batch))

@@ -132,7 +132,3 @@ def init_caches(
     conv = tuple(jnp.full(conv_shape, fill, dtype) for _ in range(spec.num_linear_layers))
     ssm = tuple(jnp.full(ssm_shape, fill, jnp.float32) for _ in range(spec.num_linear_layers))
     return Caches(kv=kv, conv=conv, ssm=ssm)
-
-
-def cache_nbytes(caches: Caches) -> int:
-    return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(caches)))

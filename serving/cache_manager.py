@@ -108,17 +108,9 @@ class CacheManager:
     def alloc(self, request_id: str) -> _Alloc:
         return self._allocs[request_id]
 
-    def holds(self, request_id: str) -> bool:
-        return request_id in self._allocs
-
     def spare_state_slots(self) -> int:
         """Free slots beyond those reserved for requests that could still be admitted."""
         return self.state.num_free - (self.cfg.max_num_seqs - len(self._allocs))
-
-    def blocks_needed(self, req: Request, end: int) -> int:
-        """New KV blocks ``req`` needs to hold tokens ``[0, end)``. Mutates nothing."""
-        have = len(self._allocs[req.request_id].block_ids)
-        return max(0, -(-end // self.block_size) - have)
 
     # ---------------------------------------------------------------- hashing and lookup
 

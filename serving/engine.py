@@ -341,10 +341,3 @@ class LLMEngine:
                 if o.finished:
                     final[o.request_id] = o
         return final
-
-
-def default_model_dir() -> str | None:
-    """The embedded default model shipped with the package, if present."""
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hyjax")
-    path = os.path.join(here, "assets", "default_model")
-    return path if os.path.exists(os.path.join(path, "config.json")) else None

@@ -130,10 +130,6 @@ class EngineClient:
     def alive(self) -> bool:
         return self.dead_reason is None and self._proc.is_alive()
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._pending)
-
     def close(self, timeout: float = 10.0) -> None:
         """Asks the engine to abort what is left and exit; kills it if it does not."""
         self._closing = True

@@ -7,7 +7,6 @@ import enum
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
-FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort", "error")
 
 
 class RequestStatus(enum.Enum):
