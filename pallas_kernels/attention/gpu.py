@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.attention.reference import check_attention_shapes
+from pallas_kernels.attention.reference import check_attention_args
 from pallas_kernels.attention.tiles import (
     cdiv,
     merge_splits,
@@ -400,7 +400,7 @@ def ragged_paged_attention(
     12.6 us a call on an H100 against 17.4 us with the general path's regroup, work list, merge
     and scatter, BENCHMARKS.md). A longer row comes back as zeros.
     """
-    check_attention_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     num_tokens, num_q_heads, d = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_rows, max_blocks = block_tables.shape

@@ -52,7 +52,7 @@ def ragged_paged_attention_reference(
     scale: float,
 ) -> jax.Array:
     """Causal attention of every query token over its sequence's paged KV. Returns [T, Hq, D]."""
-    check_attention_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -79,7 +79,7 @@ def ragged_paged_attention_reference(
     return jnp.where(live[:, None, None], out, 0.0).astype(q.dtype)
 
 
-def check_attention_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
+def check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
     """Raises ``ValueError`` naming the first inconsistent shape (shared by every backend)."""
     if q.ndim != 3:
         raise ValueError(f"q {q.shape} must be [T, Hq, D]")

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.attention.reference import check_attention_shapes
+from pallas_kernels.attention.reference import check_attention_args
 from pallas_kernels.attention.tiles import cdiv, token_rows, work_list
 
 _MASKED = -1e30  # finite: a row whose keys are all masked gets p = 0, never NaN
@@ -184,7 +184,7 @@ def ragged_paged_attention(
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
     """Causal GQA attention of every query token over its sequence's paged KV. [T, Hq, D]."""
-    check_attention_shapes(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     num_tokens, num_q_heads, d = q.shape
     num_blocks, bs, num_kv_heads, _ = k_cache.shape
     num_rows, max_blocks = block_tables.shape

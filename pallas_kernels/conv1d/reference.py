@@ -22,11 +22,29 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common.ragged import (
+    check_slot_args,
     read_slots,
     token_seq_ids,
     write_decode_states,
     write_index,
 )
+
+
+def check_conv_args(
+    x, weight, conv_state, src_slot, dst_slot, ckpt_offsets, ckpt_slots, query_start_loc=None
+) -> None:
+    """Raises ``ValueError`` naming the first inconsistent shape."""
+    if x.ndim != 2:
+        raise ValueError(f"x {x.shape} must be [T, C]")
+    c = x.shape[1]
+    if weight.ndim != 2 or weight.shape[0] != c:
+        raise ValueError(f"weight {weight.shape} must be [C={c}, K]")
+    km1 = weight.shape[1] - 1
+    if not 1 <= km1 <= 8:
+        raise ValueError(f"kernel width K={km1 + 1} must be in [2, 9]")
+    if conv_state.ndim != 3 or conv_state.shape[1:] != (km1, c):
+        raise ValueError(f"conv_state {conv_state.shape} must be [num_slots, {km1}, {c}]")
+    check_slot_args(src_slot, dst_slot, ckpt_offsets, ckpt_slots, query_start_loc)
 
 
 def _silu(x):

@@ -44,25 +44,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.common.chunking import gather_chunks, max_chunks, plan_chunks, scatter_tokens
-from pallas_kernels.common.ragged import check_slot_args, read_slots
+from pallas_kernels.common.ragged import read_slots
+from pallas_kernels.conv1d.reference import check_conv_args
 
 CHUNK = 128
-
-
-def check_conv_shapes(x, weight, conv_state, src_slot, dst_slot, ckpt_offsets, ckpt_slots,
-                      query_start_loc=None) -> None:  # fmt: skip
-    """Raises ``ValueError`` naming the first inconsistent shape."""
-    if x.ndim != 2:
-        raise ValueError(f"x {x.shape} must be [T, C]")
-    c = x.shape[1]
-    if weight.ndim != 2 or weight.shape[0] != c:
-        raise ValueError(f"weight {weight.shape} must be [C={c}, K]")
-    km1 = weight.shape[1] - 1
-    if not 1 <= km1 <= 8:
-        raise ValueError(f"kernel width K={km1 + 1} must be in [2, 9]")
-    if conv_state.ndim != 3 or conv_state.shape[1:] != (km1, c):
-        raise ValueError(f"conv_state {conv_state.shape} must be [num_slots, {km1}, {c}]")
-    check_slot_args(src_slot, dst_slot, ckpt_offsets, ckpt_slots, query_start_loc)
 
 
 def _channels_per_block(c: int, requested: int | None) -> int:
@@ -144,7 +129,7 @@ def causal_conv1d_prefill(
     Writes the window after the last token to ``dst_slot`` and after ``ckpt_offsets`` tokens
     to ``ckpt_slots`` for live rows; padding tokens give 0.
     """
-    check_conv_shapes(x, weight, conv_state, src_slot, dst_slot, ckpt_offsets, ckpt_slots,
+    check_conv_args(x, weight, conv_state, src_slot, dst_slot, ckpt_offsets, ckpt_slots,
                       query_start_loc)  # fmt: skip
     n, c = x.shape
     kw = weight.shape[1]
@@ -262,7 +247,7 @@ def causal_conv1d_update(
     interpret=False,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode: one token per row. Returns ``(y [S, C], conv_state)``."""
-    check_conv_shapes(x, weight, conv_state, src_slot, dst_slot, ckpt_offsets, ckpt_slots)
+    check_conv_args(x, weight, conv_state, src_slot, dst_slot, ckpt_offsets, ckpt_slots)
     rows, c = x.shape
     if rows != src_slot.shape[0]:
         raise ValueError(f"update rows {rows} must equal {src_slot.shape[0]=} (one token each)")

@@ -41,8 +41,7 @@ from pallas_kernels.gdn.gpu import (
     _l2norm,
     gdn_decode,
 )
-from pallas_kernels.gdn.reference import gdn_decode_reference
-from pallas_kernels.gdn.tpu import check_gdn_shapes
+from pallas_kernels.gdn.reference import check_gdn_args, gdn_decode_reference
 
 
 def unpack_conv_channels(
@@ -218,7 +217,7 @@ def conv_gdn_decode(
         )  # fmt: skip
     _, hv, dk, dv = ssm_state.shape
     q, k, v = unpack_conv_channels(mixed, (num_k_heads, dk), (hv, dv), 1)  # shapes, for checks
-    check_gdn_shapes(q, k, v, a, b, A_log, dt_bias, ssm_state, src_slot, dst_slot, ckpt_offsets,
+    check_gdn_args(q, k, v, a, b, A_log, dt_bias, ssm_state, src_slot, dst_slot, ckpt_offsets,
                      ckpt_slots)  # fmt: skip
     if rows != src_slot.shape[0]:
         raise ValueError(f"decode rows {rows} must equal {src_slot.shape[0]=} (one token each)")

@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common.chunking import max_chunks, plan_chunks
-from pallas_kernels.gdn.tpu import check_gdn_shapes
+from pallas_kernels.gdn.reference import check_gdn_args
 
 CHUNK = 64
 
@@ -168,7 +168,7 @@ def gdn_decode(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """One token per row; see the module docstring. Returns ``(o [S, Hv, Dv], state)``."""
-    check_gdn_shapes(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets,
+    check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets,
                      ckpt_slots)  # fmt: skip
     rows, hk, dk = q.shape
     _, hv, dv = v.shape
@@ -449,7 +449,7 @@ def gdn_prefill(
     ``[NC, Hv, Dk, Dv]``); by default it is used when that scratch fits
     ``max_scratch_bytes`` (long prefills; decode-heavy mixed batches have many small chunks).
     """
-    check_gdn_shapes(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets,
+    check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets,
                      ckpt_slots, query_start_loc)  # fmt: skip
     n, hk, dk = q.shape
     _, hv, dv = v.shape

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common.ragged import (
+    check_slot_args,
     read_slots,
     token_seq_ids,
     write_decode_states,
@@ -30,6 +31,41 @@ from pallas_kernels.common.ragged import (
 # The oracle is IEEE float32 on every platform: at XLA's default precision an NVIDIA GPU may
 # run f32 contractions in TF32 (10-bit mantissa), and the recurrent state accumulates that.
 EXACT = jax.lax.Precision.HIGHEST
+
+
+def check_gdn_args(
+    q,
+    k,
+    v,
+    a,
+    b,
+    A_log,
+    dt_bias,
+    state,
+    src_slot,
+    dst_slot,
+    ckpt_offsets,
+    ckpt_slots,
+    query_start_loc=None,
+) -> None:
+    """Raises ``ValueError`` naming the first inconsistent shape."""
+    if q.ndim != 3 or k.shape != q.shape:
+        raise ValueError(f"q {q.shape} and k {k.shape} must both be [T, Hk, Dk]")
+    n, hk, dk = q.shape
+    if v.ndim != 3 or v.shape[0] != n:
+        raise ValueError(f"v {v.shape} must be [T, Hv, Dv] with T = {n}")
+    _, hv, dv = v.shape
+    if hv % hk:
+        raise ValueError(f"{hv=} value heads must be a multiple of {hk=} key heads")
+    if a.shape != (n, hv) or b.shape != (n, hv):
+        raise ValueError(f"a {a.shape} and b {b.shape} must be [T, Hv] = {(n, hv)}")
+    if A_log.shape != (hv,) or dt_bias.shape != (hv,):
+        raise ValueError(f"A_log {A_log.shape} and dt_bias {dt_bias.shape} must be [{hv}]")
+    if state.ndim != 4 or state.shape[1:] != (hv, dk, dv):
+        raise ValueError(f"state {state.shape} must be [num_slots, {hv}, {dk}, {dv}]")
+    if state.dtype != jnp.float32:
+        raise ValueError(f"state dtype {state.dtype} must be float32")
+    check_slot_args(src_slot, dst_slot, ckpt_offsets, ckpt_slots, query_start_loc)
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:

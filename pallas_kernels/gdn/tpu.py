@@ -75,35 +75,13 @@ from pallas_kernels.common.chunking import (
     plan_chunks,
     scatter_tokens,
 )
-from pallas_kernels.common.ragged import check_slot_args
+from pallas_kernels.gdn.reference import check_gdn_args
 
 CHUNK = 64
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 # ----------------------------------------------------------------------------- checks
-
-
-def check_gdn_shapes(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets,
-                     ckpt_slots, query_start_loc=None) -> None:  # fmt: skip
-    """Raises ``ValueError`` naming the first inconsistent shape."""
-    if q.ndim != 3 or k.shape != q.shape:
-        raise ValueError(f"q {q.shape} and k {k.shape} must both be [T, Hk, Dk]")
-    n, hk, dk = q.shape
-    if v.ndim != 3 or v.shape[0] != n:
-        raise ValueError(f"v {v.shape} must be [T, Hv, Dv] with T = {n}")
-    _, hv, dv = v.shape
-    if hv % hk:
-        raise ValueError(f"{hv=} value heads must be a multiple of {hk=} key heads")
-    if a.shape != (n, hv) or b.shape != (n, hv):
-        raise ValueError(f"a {a.shape} and b {b.shape} must be [T, Hv] = {(n, hv)}")
-    if A_log.shape != (hv,) or dt_bias.shape != (hv,):
-        raise ValueError(f"A_log {A_log.shape} and dt_bias {dt_bias.shape} must be [{hv}]")
-    if state.ndim != 4 or state.shape[1:] != (hv, dk, dv):
-        raise ValueError(f"state {state.shape} must be [num_slots, {hv}, {dk}, {dv}]")
-    if state.dtype != jnp.float32:
-        raise ValueError(f"state dtype {state.dtype} must be float32")
-    check_slot_args(src_slot, dst_slot, ckpt_offsets, ckpt_slots, query_start_loc)
 
 
 def _heads_per_block(hv: int, ratio: int, requested: int | None) -> int:
@@ -316,7 +294,7 @@ def gdn_prefill(
     Writes ``state[dst_slot[s]]`` (final state) and ``state[ckpt_slots[s, m]]`` (state after
     ``ckpt_offsets[s, m]`` tokens) for live rows; every other slot is left untouched.
     """
-    check_gdn_shapes(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets,
+    check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets,
                      ckpt_slots, query_start_loc)  # fmt: skip
     n, hk, dk = q.shape
     _, hv, dv = v.shape
@@ -464,7 +442,7 @@ def gdn_decode(
     Writes ``state[dst_slot[s]]`` and ``state[ckpt_slots[s, m]]`` where
     ``ckpt_offsets[s, m] == 1`` for live rows.
     """
-    check_gdn_shapes(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets,
+    check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets,
                      ckpt_slots)  # fmt: skip
     rows, hk, dk = q.shape
     _, hv, dv = v.shape

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.moe.reference import check_moe_shapes
+from pallas_kernels.moe.reference import check_moe_args
 
 # Shared memory the operand pipeline may take (of the H100's 227 KiB a block): the rest is
 # left to Triton's layout conversions and the epilogue.
@@ -323,7 +323,7 @@ def moe_experts(
     ``tiles``: :func:`default_tiles` of the shapes unless given. ``precision``: of the
     in-kernel dots (float32 inputs: ``None`` lets Triton use TF32, ``HIGHEST`` is IEEE f32).
     """
-    check_moe_shapes(x, weights, experts, w_gate, w_up, w_down)
+    check_moe_args(x, weights, experts, w_gate, w_up, w_down)
     num_tokens, d = x.shape
     num_experts, _, f = w_gate.shape
     top_k = experts.shape[1]

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 
-def check_moe_shapes(
+def check_moe_args(
     x: jax.Array,  # [T, D]
     weights: jax.Array,  # [T, k]
     experts: jax.Array,  # i32[T, k]
@@ -54,7 +54,7 @@ def moe_experts_reference(
     w_down: jax.Array,  # [E, F, D]
 ) -> jax.Array:
     """``sum_j weights[:, j] * expert_j(x)`` with SwiGLU experts. Returns [T, D] in x.dtype."""
-    check_moe_shapes(x, weights, experts, w_gate, w_up, w_down)
+    check_moe_args(x, weights, experts, w_gate, w_up, w_down)
     num_experts, top_k = w_gate.shape[0], experts.shape[1]
     # Sort the T*k (token, expert) pairs by expert so each expert sees one contiguous group;
     # skipped pairs get the id E and sort past the last group, where ragged_dot computes
