@@ -25,8 +25,16 @@ from serving.engine_client import EngineClient, EngineDeadError, RequestRejected
 from serving.http_metrics import ServerMetrics
 from serving.messages import Delta
 from serving.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
     CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
     Usage,
     _SamplingFields,
     error_body,
@@ -333,41 +341,30 @@ class OpenAIServing:
         wants = params.logprobs is not None
 
         def chunk(c: _Choice | None, d: Delta | None) -> dict:
-            body = {
-                "id": group.id,
-                "object": "text_completion",
-                "created": group.created,
-                "model": self.model_name,
-                "choices": [],
-            }
+            choices = []
             if c is not None and d is not None:
-                body["choices"] = [
-                    {
-                        "index": c.index,
-                        "text": d.text,
-                        "logprobs": self._completion_logprobs(d.logprobs),
-                        "finish_reason": d.finish_reason if d.finished else None,
-                    }
-                ]
-            return body
+                logprobs = self._completion_logprobs(d.logprobs)
+                reason = d.finish_reason if d.finished else None
+                choices.append(CompletionChoice(index=c.index, text=d.text, logprobs=logprobs,
+                                                finish_reason=reason))  # fmt: skip
+            body = CompletionResponse(id=group.id, created=group.created, model=self.model_name,
+                                      choices=choices)  # fmt: skip
+            return body.model_dump(exclude={"usage"})  # streamed: usage only where asked
 
         def final() -> dict:
-            return {
-                "id": group.id,
-                "object": "text_completion",
-                "created": group.created,
-                "model": self.model_name,
-                "choices": [
-                    {
-                        "index": c.index,
-                        "text": "".join(c.text),
-                        "logprobs": self._completion_logprobs(c.logprobs if wants else None),
-                        "finish_reason": c.finish_reason,
-                    }
-                    for c in group.choices
-                ],
-                "usage": group.usage().model_dump(),
-            }
+            choices = [
+                CompletionChoice(
+                    index=c.index,
+                    text="".join(c.text),
+                    logprobs=self._completion_logprobs(c.logprobs if wants else None),
+                    finish_reason=c.finish_reason,
+                )
+                for c in group.choices
+            ]
+            return CompletionResponse(
+                id=group.id, created=group.created, model=self.model_name, choices=choices,
+                usage=group.usage(),
+            ).model_dump()  # fmt: skip
 
         return await self._respond(req, raw, group, chunk, final, first=None)
 
@@ -386,47 +383,38 @@ class OpenAIServing:
         wants = params.logprobs is not None
 
         def chunk(c: _Choice | None, d: Delta | None, role: bool = False) -> dict:
-            body = {
-                "id": group.id,
-                "object": "chat.completion.chunk",
-                "created": group.created,
-                "model": self.model_name,
-                "choices": [],
-            }
+            choices = []
             if c is not None:
-                delta: dict = {"role": "assistant", "content": ""} if role else {}
+                delta = DeltaMessage(role="assistant", content="") if role else DeltaMessage()
                 if d is not None and d.text:
-                    delta["content"] = d.text
-                body["choices"] = [
-                    {
-                        "index": c.index,
-                        "delta": delta,
-                        "logprobs": self._chat_logprobs(d.logprobs if d is not None else None),
-                        "finish_reason": d.finish_reason if d is not None and d.finished else None,
-                    }
-                ]
-            return body
+                    delta.content = d.text
+                choices.append(ChatChunkChoice(
+                    index=c.index,
+                    delta=delta,
+                    logprobs=self._chat_logprobs(d.logprobs if d is not None else None),
+                    finish_reason=d.finish_reason if d is not None and d.finished else None,
+                ))  # fmt: skip
+            body = ChatCompletionChunk(id=group.id, created=group.created, model=self.model_name,
+                                       choices=choices)  # fmt: skip
+            return body.model_dump(exclude={"usage"})  # streamed: usage only where asked
 
         def first() -> list[dict]:
             return [chunk(c, None, role=True) for c in group.choices]
 
         def final() -> dict:
-            return {
-                "id": group.id,
-                "object": "chat.completion",
-                "created": group.created,
-                "model": self.model_name,
-                "choices": [
-                    {
-                        "index": c.index,
-                        "message": {"role": "assistant", "content": "".join(c.text)},
-                        "logprobs": self._chat_logprobs(c.logprobs if wants else None),
-                        "finish_reason": c.finish_reason,
-                    }
-                    for c in group.choices
-                ],
-                "usage": group.usage().model_dump(),
-            }
+            choices = [
+                ChatChoice(
+                    index=c.index,
+                    message=ChatCompletionMessage(content="".join(c.text)),
+                    logprobs=self._chat_logprobs(c.logprobs if wants else None),
+                    finish_reason=c.finish_reason,
+                )
+                for c in group.choices
+            ]
+            return ChatCompletionResponse(
+                id=group.id, created=group.created, model=self.model_name, choices=choices,
+                usage=group.usage(),
+            ).model_dump()  # fmt: skip
 
         return await self._respond(req, raw, group, chunk, final, first=first)
 
