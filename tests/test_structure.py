@@ -60,3 +60,27 @@ def test_serving_has_no_import_circle():
     assert {"engine", "runner", "multihost", "cli"} <= set(graph)
     assert "runner" in graph["engine"]  # the graph is read
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+# The plain-Python core of DESIGN.md: scheduling, caching and planning, no device code.
+CORE = (
+    "scheduler", "cache_manager", "block_pool", "state_pool", "kv_hash", "request", "plan",
+    "scheduler_output", "config", "memory_planner",
+)  # fmt: skip
+
+
+def test_the_core_never_imports_jax():
+    """Imported in a fresh interpreter, the core modules pull in no jax, jaxlib or flax."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        + "".join(f"import serving.{m}\n" for m in CORE)
+        + "heavy = ('jax', 'jaxlib', 'flax')\n"
+        + "bad = [m for m in sys.modules if m.split('.')[0] in heavy]\n"
+        + "assert not bad, bad[:5]\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert set(CORE) <= set(import_graph("serving"))  # every name is a module of serving/
