@@ -69,15 +69,20 @@ def main() -> None:
     p.add_argument("--out", default=None)
     ns = p.parse_args()
     runs = [one_start(ns.model, sync_warmup=s, timeout=ns.timeout) for s in (False, True)]
+    write_report(runs, ns.model, ns.out)
+
+
+def write_report(runs: list[dict], model: str | None, out: str | None) -> None:
+    """Prints the CPU runs' report (machine, model, runs) and writes it to ``out``."""
     report = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "cpu": _cpu_name(),
-        "model": ns.model or "embedded qwen3-next-pystdlib-tiny",
+        "model": model or "embedded qwen3-next-pystdlib-tiny",
         "runs": runs,
     }
     print(json.dumps(report, indent=2))
-    if ns.out:
-        with open(ns.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             json.dump(report, f, indent=2)
 
 

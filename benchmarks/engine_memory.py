@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.cold_start import _cpu_name
+from benchmarks.cold_start import write_report
 
 
 def _rss_mb() -> float:
@@ -91,16 +91,7 @@ def main() -> None:
             cmd += ["--model", ns.model]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
         runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
-    report = {
-        "machine": f"{os.cpu_count()} cores",
-        "cpu": _cpu_name(),
-        "model": ns.model or "embedded qwen3-next-pystdlib-tiny",
-        "runs": runs,
-    }
-    print(json.dumps(report, indent=2))
-    if ns.out:
-        with open(ns.out, "w") as f:
-            json.dump(report, f, indent=2)
+    write_report(runs, ns.model, ns.out)
 
 
 if __name__ == "__main__":

@@ -37,13 +37,11 @@ def positive_int(text: str) -> int:
 class EngineArgs:
     """The engine's configuration. Fields with a help text are the CLI's engine flags."""
 
-    model: str = dataclasses.field(
-        metadata={
-            "help": "a Hugging Face checkpoint directory (default: the embedded "
-            "qwen3-next-pystdlib-tiny, trained on Python's standard library)",
-            "cli_default": None,
-            "argparse": {},
-        }
+    model: str = _flag(
+        dataclasses.MISSING,
+        "a Hugging Face checkpoint directory (default: the embedded qwen3-next-pystdlib-tiny, "
+        "trained on Python's standard library)",
+        cli_default=None,
     )
     dtype: str = _flag(
         "auto",

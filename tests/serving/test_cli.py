@@ -149,9 +149,7 @@ def test_every_engine_flag_reaches_engine_args(command):
         choices = f.metadata["argparse"].get("choices")
         if isinstance(f.default, bool) or f.type == "bool | None":
             value = not f.default
-            argv.append(flag if value else "--no-" + flag[2:])
-            if f.default is False:
-                argv[-1] = flag  # store_true
+            argv.append(flag if value else "--no-" + flag[2:])  # False -> True: store_true
         else:
             value = choices[-1] if choices else ("/m" if f.name == "model" else 7)
             if f.name == "compilation_cache_dir":
