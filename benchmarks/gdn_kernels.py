@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import device_name
+from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
     causal_conv1d_update_reference,
@@ -75,7 +76,14 @@ def _prefill_batch(batch, seq_len, max_ckpt=2, ckpt_every=None):
         slots = s + 1 + jnp.arange(s * max_ckpt, dtype=jnp.int32).reshape(s, max_ckpt)
         ck_slot = jnp.where(ck_off > 0, slots, 0)
     num_slots = 1 + s + s * max_ckpt
-    return qsl, src, dst, ck_off, ck_slot, jnp.int32(s), num_slots
+    return qsl, StateSlots(src, dst, ck_off, ck_slot, jnp.int32(s)), num_slots
+
+
+def _running_slots(rows) -> StateSlots:
+    """Decode rows that read and write their own slot 1..rows, no checkpoints."""
+    running = 1 + jnp.arange(rows, dtype=jnp.int32)
+    none = jnp.zeros((rows, 2), jnp.int32)
+    return StateSlots(running, running, none, none, jnp.int32(rows))
 
 
 def _pool(key, num_slots):
@@ -156,8 +164,8 @@ def check_prefill(precision) -> dict:
     ck_off[4], ck_slot[4] = [64, 640], [6, 7]
     ck_off[5], ck_slot[5] = [1024, 1999], [8, 9]
     pool = _pool(jax.random.PRNGKey(1), 10).at[0].set(jnp.nan).at[4:].set(jnp.nan)
-    args = (*acts, pool, qsl, src, dst, jnp.asarray(ck_off), jnp.asarray(ck_slot),
-            jnp.int32(len(lens)))  # fmt: skip
+    slots = StateSlots(src, dst, jnp.asarray(ck_off), jnp.asarray(ck_slot), jnp.int32(len(lens)))
+    args = (*acts, pool, qsl, slots)
     want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
     kernel = functools.partial(gpu.gdn_prefill, precision=precision, interpret=INTERPRET)
     got_o, got_s = jax.jit(kernel)(*args)
@@ -179,7 +187,7 @@ def check_decode() -> dict:
     dst = dst.at[7].set(7)  # row 7 updates its slot in place
     ck_off = jnp.zeros((rows, 2), jnp.int32).at[0, 0].set(1)
     ck_slot = jnp.zeros((rows, 2), jnp.int32).at[0, 0].set(2 * rows + 1)
-    args = (*acts, pool, src, dst, ck_off, ck_slot, jnp.int32(rows - 2))
+    args = (*acts, pool, StateSlots(src, dst, ck_off, ck_slot, jnp.int32(rows - 2)))
     want_o, want_s = jax.jit(gdn_decode_reference)(*args)
     got_o, got_s = jax.jit(functools.partial(gpu.gdn_decode, interpret=INTERPRET))(*args)
     return {
@@ -192,10 +200,10 @@ def check_decode() -> dict:
 
 
 def time_prefill(batch, seq_len, precision, *, reference: bool, **tuning) -> dict:
-    qsl, src, dst, ck_off, ck_slot, num_seqs, num_slots = _prefill_batch(batch, seq_len)
+    qsl, slot_args, num_slots = _prefill_batch(batch, seq_len)
     acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
     pool = _pool(jax.random.PRNGKey(5), num_slots)
-    slots = (qsl, src, dst, ck_off, ck_slot, num_seqs)
+    slots = (qsl, slot_args)
     out = {}
     kernel = functools.partial(gpu.gdn_prefill, precision=precision, interpret=INTERPRET, **tuning)
 
@@ -215,10 +223,7 @@ def time_prefill(batch, seq_len, precision, *, reference: bool, **tuning) -> dic
 def time_decode(rows, **tuning) -> dict:
     acts = _activations(jax.random.PRNGKey(6), rows)
     pool = _pool(jax.random.PRNGKey(7), rows + 1)
-    slots = (
-        1 + jnp.arange(rows, dtype=jnp.int32), 1 + jnp.arange(rows, dtype=jnp.int32),
-        jnp.zeros((rows, 2), jnp.int32), jnp.zeros((rows, 2), jnp.int32), jnp.int32(rows),
-    )  # fmt: skip
+    slots = (_running_slots(rows),)
 
     def step(fn):
         return lambda st, acts, slots: fn(*acts, st, *slots)[1]
@@ -255,8 +260,8 @@ def check_fused_decode() -> dict:
     dst = jnp.arange(1, rows + 1, dtype=jnp.int32).at[5].set(0)  # in place (src == dst)
     ck_off = jnp.zeros((rows, 2), jnp.int32)
     ck_slot = jnp.zeros((rows, 2), jnp.int32)
-    args = (mixed, weight, conv, a, b, A_log, dt_bias, ssm, src, dst, ck_off, ck_slot,
-            jnp.int32(rows - 2))  # fmt: skip
+    slots = StateSlots(src, dst, ck_off, ck_slot, jnp.int32(rows - 2))
+    args = (mixed, weight, conv, a, b, A_log, dt_bias, ssm, slots)
     ref = functools.partial(fused_decode.conv_gdn_decode_reference, num_k_heads=HK)
     want = jax.jit(ref)(*args)
     kernel = functools.partial(fused_decode.conv_gdn_decode, num_k_heads=HK, interpret=INTERPRET)
@@ -270,10 +275,7 @@ def check_fused_decode() -> dict:
 def time_fused_decode(rows) -> dict:
     """Fused conv + delta rule vs XLA conv update + the GDN decode kernel vs the references."""
     mixed, weight, conv, a, b, A_log, dt_bias = _fused_inputs(rows)
-    slots = (
-        1 + jnp.arange(rows, dtype=jnp.int32), 1 + jnp.arange(rows, dtype=jnp.int32),
-        jnp.zeros((rows, 2), jnp.int32), jnp.zeros((rows, 2), jnp.int32), jnp.int32(rows),
-    )  # fmt: skip
+    slots = _running_slots(rows)
     unfused = fused_decode.composed_conv_gdn_decode(
         causal_conv1d_update_reference, functools.partial(gpu.gdn_decode, interpret=INTERPRET)
     )
@@ -289,7 +291,7 @@ def time_fused_decode(rows) -> dict:
 
         def step(st, *ops, fn=fn):
             conv, ssm = st
-            _, conv, ssm = fn(ops[0], ops[1], conv, *ops[2:6], ssm, *slots)
+            _, conv, ssm = fn(ops[0], ops[1], conv, *ops[2:6], ssm, slots)
             return conv, ssm
 
         state = (jnp.copy(conv), _pool(jax.random.PRNGKey(7), rows + 1))  # donated each time
@@ -305,13 +307,14 @@ def time_conv_prefill(seq_len) -> dict:
     x = jax.random.normal(jax.random.PRNGKey(10), (seq_len, CONV_C), jnp.bfloat16)
     weight = 0.5 * jax.random.normal(jax.random.PRNGKey(11), (CONV_C, CONV_K), jnp.bfloat16)
     conv = jnp.zeros((3, CONV_K - 1, CONV_C), jnp.bfloat16)
-    slots = (jnp.array([0, seq_len], jnp.int32), jnp.array([1], jnp.int32),
-             jnp.array([2], jnp.int32), jnp.zeros((1, 2), jnp.int32),
-             jnp.zeros((1, 2), jnp.int32), jnp.int32(1))  # fmt: skip
+    qsl = jnp.array([0, seq_len], jnp.int32)
+    none = jnp.zeros((1, 2), jnp.int32)
+    one, two = jnp.array([1], jnp.int32), jnp.array([2], jnp.int32)
+    slots = StateSlots(one, two, none, none, jnp.int32(1))
 
     def step(state, x, weight):  # y is carried: XLA would drop an unused output
         conv, y = state
-        y_new, conv = causal_conv1d_prefill_reference(x + y, weight, conv, *slots)
+        y_new, conv = causal_conv1d_prefill_reference(x + y, weight, conv, qsl, slots)
         return conv, y_new
 
     t = _time_loop(step, (conv, jnp.zeros_like(x)), (x, weight), iters=20)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import device_name
+from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.kda import gpu
 from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
 
@@ -97,8 +98,8 @@ def check_prefill(precision, lens) -> dict:
     ck_off[long_row] = [64, 64 * (lens[long_row] // 128) or 1]
     ck_slot[long_row] = [6, 7]
     pool = _pool(jax.random.PRNGKey(1), 10).at[0].set(jnp.nan).at[4:].set(jnp.nan)
-    args = (*acts, pool, qsl, jnp.asarray(src), jnp.asarray(dst), jnp.asarray(ck_off),
-            jnp.asarray(ck_slot), jnp.int32(len(lens)))  # fmt: skip
+    slots = StateSlots(*(jnp.asarray(x) for x in (src, dst, ck_off, ck_slot)), jnp.int32(len(lens)))
+    args = (*acts, pool, qsl, slots)
     want_o, want_s = jax.jit(kda_prefill_reference)(*args)
     kernel = functools.partial(gpu.kda_prefill, precision=precision, interpret=INTERPRET)
     got_o, got_s = jax.jit(kernel)(*args)
@@ -122,7 +123,7 @@ def check_decode() -> dict:
     dst = (rows + 1 + jnp.arange(rows, dtype=jnp.int32)).at[5].set(0).at[2].set(2)
     ck_off = jnp.zeros((rows, 2), jnp.int32).at[0, 0].set(1)
     ck_slot = jnp.zeros((rows, 2), jnp.int32).at[0, 0].set(2 * rows + 1)
-    args = (*acts, pool, src, dst, ck_off, ck_slot, jnp.int32(rows - 2))
+    args = (*acts, pool, StateSlots(src, dst, ck_off, ck_slot, jnp.int32(rows - 2)))
     want_o, want_s = jax.jit(kda_decode_reference)(*args)
     got_o, got_s = jax.jit(functools.partial(gpu.kda_decode, interpret=INTERPRET))(*args)
     return {
@@ -163,8 +164,9 @@ def check_against_fla(t: int = 300, rows: int = 8) -> dict:
     h0 = _pool(jax.random.PRNGKey(11), 2)
     one = jnp.array([0, t], jnp.int32)
     z = jnp.zeros((1, 1), jnp.int32)
+    slot1 = jnp.array([1], jnp.int32)
     want_o, want_s = jax.jit(kda_prefill_reference)(
-        *acts, h0, one, jnp.array([1], jnp.int32), jnp.array([1], jnp.int32), z, z, jnp.int32(1)
+        *acts, h0, one, StateSlots(slot1, slot1, z, z, jnp.int32(1))
     )
     q, k, v, g, b, A_log, dt_bias = (_to_torch(torch, x) for x in acts)
     o, s = _fla_call(chunk_kda, torch, q[None], k[None], v[None], g[None], b[None], A_log,
@@ -175,7 +177,8 @@ def check_against_fla(t: int = 300, rows: int = 8) -> dict:
     pool = _pool(jax.random.PRNGKey(13), rows + 1)
     slots = jnp.arange(1, rows + 1, dtype=jnp.int32)
     zz = jnp.zeros((rows, 1), jnp.int32)
-    want_o, want_s = jax.jit(kda_decode_reference)(*acts, pool, slots, slots, zz, zz, rows)
+    running = StateSlots(slots, slots, zz, zz, jnp.int32(rows))
+    want_o, want_s = jax.jit(kda_decode_reference)(*acts, pool, running)
     q, k, v, g, b, A_log, dt_bias = (_to_torch(torch, x) for x in acts)
     o, s = _fla_call(fused_recurrent_kda, torch, q[:, None], k[:, None], v[:, None], g[:, None],
                      b[:, None], A_log, dt_bias, _to_torch(torch, pool[1:]))  # fmt: skip
@@ -226,7 +229,7 @@ def time_prefill(bsz, seq_len, precision, **tuning) -> dict:
     zeros = jnp.zeros((bsz, 2), jnp.int32)
     acts = _activations(jax.random.PRNGKey(4), bsz * seq_len)
     pool = _pool(jax.random.PRNGKey(5), bsz + 1)
-    args = (qsl, slots, slots, zeros, zeros, jnp.int32(bsz))
+    args = (qsl, StateSlots(slots, slots, zeros, zeros, jnp.int32(bsz)))
     kernel = functools.partial(gpu.kda_prefill, precision=precision, interpret=INTERPRET, **tuning)
     t = _time_loop(lambda st, a, s: kernel(*a, st, *s)[1], pool, (acts, args), iters=5)
     return {"pallas_ms": 1e3 * t, "pallas_Mtok_per_s": bsz * seq_len / t / 1e6}
@@ -237,7 +240,7 @@ def time_decode(rows) -> dict:
     pool = _pool(jax.random.PRNGKey(7), rows + 1)
     slots = (1 + jnp.arange(rows)).astype(jnp.int32)
     zeros = jnp.zeros((rows, 2), jnp.int32)
-    args = (slots, slots, zeros, zeros, jnp.int32(rows))
+    args = (StateSlots(slots, slots, zeros, zeros, jnp.int32(rows)),)
     out = {}
     for name, fn in [("pallas", functools.partial(gpu.kda_decode, interpret=INTERPRET)),
                      ("reference", kda_decode_reference)]:  # fmt: skip

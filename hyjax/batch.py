@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.common.slots import StateSlots
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +30,13 @@ class Batch:
     ckpt_offsets: jax.Array  # i32[S, max_ckpt]
     ckpt_slots: jax.Array  # i32[S, max_ckpt]
     logits_indices: jax.Array  # i32[S]
+
+    @property
+    def slots(self) -> StateSlots:
+        """The linear-attention layers' slot arguments (DESIGN.md §3) as one pytree."""
+        return StateSlots(
+            self.src_slot, self.dst_slot, self.ckpt_offsets, self.ckpt_slots, self.num_seqs
+        )
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray | jax.Array]) -> Batch:

@@ -213,13 +213,15 @@ H1, H2, H3 = P(M), P(None, M), P(None, M, None)  # split on the head axis (chann
 CONV_STATE, SSM, KV = P(None, None, M), P(None, M, None, None), P(None, None, M, None)
 
 # op name -> (in_specs of its positional args, out_specs). Every other input is replicated.
+# SLOTS: the StateSlots pytree (one spec for its five arrays), the same on every device.
+SLOTS = R
 _QWEN3_NEXT_OPS: dict[str, tuple[tuple, object]] = {
-    "conv1d_prefill": ((H2, P(M, None), CONV_STATE, R, R, R, R, R, R), (H2, CONV_STATE)),
-    "conv1d_update": ((H2, P(M, None), CONV_STATE, R, R, R, R, R), (H2, CONV_STATE)),
-    "gdn_prefill": ((H3, H3, H3, H2, H2, H1, H1, SSM, R, R, R, R, R, R), (H3, SSM)),
-    "gdn_decode": ((H3, H3, H3, H2, H2, H1, H1, SSM, R, R, R, R, R), (H3, SSM)),
+    "conv1d_prefill": ((H2, P(M, None), CONV_STATE, R, SLOTS), (H2, CONV_STATE)),
+    "conv1d_update": ((H2, P(M, None), CONV_STATE, SLOTS), (H2, CONV_STATE)),
+    "gdn_prefill": ((H3, H3, H3, H2, H2, H1, H1, SSM, R, SLOTS), (H3, SSM)),
+    "gdn_decode": ((H3, H3, H3, H2, H2, H1, H1, SSM, SLOTS), (H3, SSM)),
     "conv_gdn_decode": (
-        (H2, P(M, None), CONV_STATE, H2, H2, H1, H1, SSM, R, R, R, R, R),
+        (H2, P(M, None), CONV_STATE, H2, H2, H1, H1, SSM, SLOTS),
         (H3, CONV_STATE, SSM),
     ),
     "write_kv": ((H3, H3, KV, KV, R), (KV, KV)),
@@ -281,8 +283,8 @@ _KIMI_LINEAR_OPS: dict[str, tuple[tuple, object]] = {
     "conv1d_prefill": _QWEN3_NEXT_OPS["conv1d_prefill"],
     "conv1d_update": _QWEN3_NEXT_OPS["conv1d_update"],
     # q, k, v, g [T, H, D]; b [T, H]; A_log [H]; dt_bias [H, Dk]; state by head
-    "kda_prefill": ((H3, H3, H3, H3, H2, H1, P(M, None), SSM, R, R, R, R, R, R), (H3, SSM)),
-    "kda_decode": ((H3, H3, H3, H3, H2, H1, P(M, None), SSM, R, R, R, R, R), (H3, SSM)),
+    "kda_prefill": ((H3, H3, H3, H3, H2, H1, P(M, None), SSM, R, SLOTS), (H3, SSM)),
+    "kda_decode": ((H3, H3, H3, H3, H2, H1, P(M, None), SSM, SLOTS), (H3, SSM)),
     # Every device writes the same latent into its own copy of the pool (no collective);
     # under shard_map so a Pallas writer would run per device too.
     "write_latent": ((R, LATENT, R), LATENT),

@@ -68,22 +68,17 @@ class GatedDeltaNet(nnx.Module):
 
         mixed = pack_conv_channels(q, k, v, self.conv_shards)  # [n, C]
         conv_state, ssm_state = cache
-        slots = (batch.src_slot, batch.dst_slot)
+        slots, qsl = batch.slots, batch.query_start_loc
         gates = (self.A_log[...], self.dt_bias[...])
-        ckpt = (batch.ckpt_offsets, batch.ckpt_slots, batch.num_seqs)
         if decode_only:  # one token per row: conv and delta rule in one pass over the slots
             o, conv_state, ssm_state = ops.conv_gdn_decode(
-                mixed, self.conv1d[...], conv_state, a, b, *gates, ssm_state, *slots, *ckpt,
+                mixed, self.conv1d[...], conv_state, a, b, *gates, ssm_state, slots,
                 num_k_heads=hk,
             )  # fmt: skip
         else:
-            mixed, conv_state = ops.conv1d_prefill(
-                mixed, self.conv1d[...], conv_state, batch.query_start_loc, *slots, *ckpt
-            )
+            mixed, conv_state = ops.conv1d_prefill(mixed, self.conv1d[...], conv_state, qsl, slots)
             q, k, v = unpack_conv_channels(mixed, (hk, dk), (hv, dv), self.conv_shards)
-            o, ssm_state = ops.gdn_prefill(
-                q, k, v, a, b, *gates, ssm_state, batch.query_start_loc, *slots, *ckpt
-            )
+            o, ssm_state = ops.gdn_prefill(q, k, v, a, b, *gates, ssm_state, qsl, slots)
         o = self.norm(o, z).reshape(n, hv * dv)
         return (conv_state, ssm_state), self.out_proj(o)
 

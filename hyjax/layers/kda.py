@@ -87,22 +87,17 @@ class KimiDeltaAttention(nnx.Module):
         g = self.f_b_proj(self.f_a_proj(x)).reshape(n, h, d)  # raw per-channel gate
         b = self.b_proj(x)  # [T, H] beta logits
         conv_state, ssm_state = cache
-        slots = (batch.src_slot, batch.dst_slot)
+        slots, qsl = batch.slots, batch.query_start_loc
         gates = (self.A_log[...], self.dt_bias[...].reshape(h, d))
-        ckpt = (batch.ckpt_offsets, batch.ckpt_slots, batch.num_seqs)
         if decode_only:
-            mixed, conv_state = ops.conv1d_update(mixed, weight, conv_state, *slots, *ckpt)
+            mixed, conv_state = ops.conv1d_update(mixed, weight, conv_state, slots)
         else:
-            mixed, conv_state = ops.conv1d_prefill(
-                mixed, weight, conv_state, batch.query_start_loc, *slots, *ckpt
-            )
+            mixed, conv_state = ops.conv1d_prefill(mixed, weight, conv_state, qsl, slots)
         q, k, v = unpack_conv_channels(mixed, (h, d), (h, d), shards)  # [T, H, D] each
         if decode_only:
-            o, ssm_state = ops.kda_decode(q, k, v, g, b, *gates, ssm_state, *slots, *ckpt)
+            o, ssm_state = ops.kda_decode(q, k, v, g, b, *gates, ssm_state, slots)
         else:
-            o, ssm_state = ops.kda_prefill(
-                q, k, v, g, b, *gates, ssm_state, batch.query_start_loc, *slots, *ckpt
-            )
+            o, ssm_state = ops.kda_prefill(q, k, v, g, b, *gates, ssm_state, qsl, slots)
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(n, h, d)
         o = self.o_norm(o, gate).reshape(n, p)
         return (conv_state, ssm_state), self.o_proj(o)

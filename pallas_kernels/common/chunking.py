@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common.ragged import token_seq_ids
+from pallas_kernels.common.slots import StateSlots
 
 
 class ChunkPlan(NamedTuple):
@@ -59,16 +60,16 @@ def max_chunks(num_tokens: int, num_rows: int, max_ckpt: int, chunk: int) -> int
 
 def plan_chunks(
     query_start_loc: jax.Array,  # i32[S+1]
-    num_seqs: jax.Array,  # i32[]
-    ckpt_offsets: jax.Array,  # i32[S, M]
+    slots: StateSlots,  # the rows' checkpoint offsets cut chunks; num_seqs ends the batch
     *,
     num_tokens: int,
     chunk: int,
 ) -> ChunkPlan:
     """Cuts a ragged batch into chunks (see the module docstring)."""
+    ckpt_offsets = slots.ckpt_offsets
     num_rows, max_ckpt = ckpt_offsets.shape
     cap = max_chunks(num_tokens, num_rows, max_ckpt, chunk)
-    seq_id, local, live = token_seq_ids(query_start_loc, num_seqs, num_tokens)
+    seq_id, local, live = token_seq_ids(query_start_loc, slots.num_seqs, num_tokens)
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     at_ckpt = jnp.any(ckpt_offsets[seq_id] == local[:, None], axis=1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common.slots import StateSlots
+
 
 def token_seq_ids(
     query_start_loc: jax.Array,  # i32[S + 1]
@@ -72,28 +74,14 @@ def set_rows(
 def write_decode_states(
     pool: jax.Array,  # [num_slots, ...]
     new: jax.Array,  # [S, ...]  the state after each row's one token
-    live: jax.Array,  # bool[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]
-    ckpt_slots: jax.Array,  # i32[S, M]
+    slots: StateSlots,
 ) -> jax.Array:
-    """Scatters decode states to ``dst_slot`` and to checkpoint slots at offset 1."""
+    """Scatters decode states of live rows to ``dst_slot`` and to checkpoint slots at offset 1."""
     num_slots = pool.shape[0]
-    m = ckpt_slots.shape[1]
-    ckpt_idx = write_index(ckpt_slots, live[:, None] & (ckpt_offsets == 1), num_slots)
-    idx = jnp.concatenate([ckpt_idx.reshape(-1), write_index(dst_slot, live, num_slots)])
+    m = slots.ckpt_slots.shape[1]
+    live = jnp.arange(slots.num_rows) < slots.num_seqs
+    at_one = live[:, None] & (slots.ckpt_offsets == 1)
+    ckpt_idx = write_index(slots.ckpt_slots, at_one, num_slots)
+    idx = jnp.concatenate([ckpt_idx.reshape(-1), write_index(slots.dst_slot, live, num_slots)])
     vals = jnp.concatenate([jnp.repeat(new, m, axis=0), new]).astype(pool.dtype)
     return pool.at[idx].set(vals, mode="drop")
-
-
-def check_slot_args(src_slot, dst_slot, ckpt_offsets, ckpt_slots, query_start_loc=None) -> None:
-    """Shape checks shared by every slotted kernel; messages name the bad argument."""
-    rows = src_slot.shape[0]
-    if src_slot.shape != (rows,) or dst_slot.shape != (rows,):
-        raise ValueError(f"src_slot {src_slot.shape} and dst_slot {dst_slot.shape} must be [S]")
-    if ckpt_offsets.ndim != 2 or ckpt_offsets.shape[0] != rows:
-        raise ValueError(f"ckpt_offsets {ckpt_offsets.shape} must be [S={rows}, M]")
-    if ckpt_slots.shape != ckpt_offsets.shape:
-        raise ValueError(f"ckpt_slots {ckpt_slots.shape} must match {ckpt_offsets.shape=}")
-    if query_start_loc is not None and query_start_loc.shape != (rows + 1,):
-        raise ValueError(f"query_start_loc {query_start_loc.shape} must be [S+1 = {rows + 1}]")

@@ -22,17 +22,15 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common.ragged import (
-    check_slot_args,
     read_slots,
     token_seq_ids,
     write_decode_states,
     write_index,
 )
+from pallas_kernels.common.slots import StateSlots
 
 
-def check_conv_args(
-    x, weight, conv_state, src_slot, dst_slot, ckpt_offsets, ckpt_slots, query_start_loc=None
-) -> None:
+def check_conv_args(x, weight, conv_state, slots: StateSlots, query_start_loc=None) -> None:
     """Raises ``ValueError`` naming the first inconsistent shape."""
     if x.ndim != 2:
         raise ValueError(f"x {x.shape} must be [T, C]")
@@ -44,7 +42,7 @@ def check_conv_args(
         raise ValueError(f"kernel width K={km1 + 1} must be in [2, 9]")
     if conv_state.ndim != 3 or conv_state.shape[1:] != (km1, c):
         raise ValueError(f"conv_state {conv_state.shape} must be [num_slots, {km1}, {c}]")
-    check_slot_args(src_slot, dst_slot, ckpt_offsets, ckpt_slots, query_start_loc)
+    slots.check(query_start_loc)
 
 
 def _silu(x):
@@ -86,18 +84,13 @@ def causal_conv1d_prefill_reference(
     weight: jax.Array,  # [C, K]
     conv_state: jax.Array,  # [num_slots, K-1, C]
     query_start_loc: jax.Array,  # i32[S+1]
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
 ) -> tuple[jax.Array, jax.Array]:
     """Returns ``(y [T, C] in x.dtype, updated conv_state)``; padding tokens give 0."""
     num_tokens, _ = x.shape
     num_slots = conv_state.shape[0]
-    num_rows = src_slot.shape[0]
-    seq_id, local, live = token_seq_ids(query_start_loc, num_seqs, num_tokens)
-    init = read_slots(conv_state, src_slot)  # [S, K-1, C]
+    seq_id, local, live = token_seq_ids(query_start_loc, slots.num_seqs, num_tokens)
+    init = read_slots(conv_state, slots.src_slot)  # [S, K-1, C]
 
     # Window of inputs for each token: the K-1 before it, then itself.
     prev = _window_after(x, init, query_start_loc, seq_id, local)  # [T, K-1, C]
@@ -106,16 +99,16 @@ def causal_conv1d_prefill_reference(
     y = jnp.where(live[:, None], y, 0).astype(x.dtype)
 
     # Final windows -> dst, checkpoint windows -> their slots.
-    rows = jnp.arange(num_rows, dtype=jnp.int32)
-    row_live = rows < num_seqs
+    rows = jnp.arange(slots.num_rows, dtype=jnp.int32)
+    row_live = rows < slots.num_seqs
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     final = _window_after(x, init, query_start_loc, rows, q_len)
-    ckpt_seq = jnp.repeat(rows, ckpt_offsets.shape[1])
-    ckpt = _window_after(x, init, query_start_loc, ckpt_seq, ckpt_offsets.reshape(-1))
+    ckpt_seq = jnp.repeat(rows, slots.ckpt_offsets.shape[1])
+    ckpt = _window_after(x, init, query_start_loc, ckpt_seq, slots.ckpt_offsets.reshape(-1))
     idx = jnp.concatenate(
         [
-            write_index(ckpt_slots.reshape(-1), row_live[ckpt_seq], num_slots),
-            write_index(dst_slot, row_live, num_slots),
+            write_index(slots.ckpt_slots.reshape(-1), row_live[ckpt_seq], num_slots),
+            write_index(slots.dst_slot, row_live, num_slots),
         ]
     )
     vals = jnp.concatenate([ckpt, final]).astype(conv_state.dtype)
@@ -127,23 +120,16 @@ def causal_conv1d_update_reference(
     x: jax.Array,  # [S, C] one new token per sequence
     weight: jax.Array,  # [C, K]
     conv_state: jax.Array,  # [num_slots, K-1, C]
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]  only offset 1 is meaningful
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
 ) -> tuple[jax.Array, jax.Array]:
     """Decode: one token per sequence. Returns ``(y [S, C], updated conv_state)``.
 
     The new window goes to ``dst_slot`` and, where ``ckpt_offsets == 1``, to that checkpoint.
     """
-    num_rows = x.shape[0]
-    init = read_slots(conv_state, src_slot)  # [S, K-1, C]
+    init = read_slots(conv_state, slots.src_slot)  # [S, K-1, C]
     window = jnp.concatenate([init, x[:, None, :]], axis=1)  # [S, K, C]
     y = _silu(_taps(window, weight))
-    live = jnp.arange(num_rows) < num_seqs
+    live = jnp.arange(x.shape[0]) < slots.num_seqs
     y = jnp.where(live[:, None], y, 0).astype(x.dtype)
-    conv_state = write_decode_states(
-        conv_state, window[:, 1:], live, dst_slot, ckpt_offsets, ckpt_slots
-    )
+    conv_state = write_decode_states(conv_state, window[:, 1:], slots)
     return y, conv_state

@@ -45,6 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.common.chunking import gather_chunks, max_chunks, plan_chunks, scatter_tokens
 from pallas_kernels.common.ragged import read_slots
+from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import check_conv_args
 
 CHUNK = 128
@@ -114,11 +115,7 @@ def causal_conv1d_prefill(
     weight: jax.Array,  # [C, K]
     conv_state: jax.Array,  # [num_slots, K-1, C]  donated: updated in place
     query_start_loc: jax.Array,  # i32[S+1]
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
     *,
     chunk: int = CHUNK,
     channels_per_block: int | None = None,
@@ -129,15 +126,14 @@ def causal_conv1d_prefill(
     Writes the window after the last token to ``dst_slot`` and after ``ckpt_offsets`` tokens
     to ``ckpt_slots`` for live rows; padding tokens give 0.
     """
-    check_conv_args(x, weight, conv_state, src_slot, dst_slot, ckpt_offsets, ckpt_slots,
-                      query_start_loc)  # fmt: skip
+    check_conv_args(x, weight, conv_state, slots, query_start_loc)
     n, c = x.shape
     kw = weight.shape[1]
     km1 = kw - 1
-    rows, max_ckpt = ckpt_offsets.shape
+    rows, max_ckpt = slots.ckpt_offsets.shape
     cb = _channels_per_block(c, channels_per_block)
     halo = 8
-    plan = plan_chunks(query_start_loc, num_seqs, ckpt_offsets, num_tokens=n, chunk=chunk)
+    plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=chunk)
     nc = max_chunks(n, rows, max_ckpt, chunk)
 
     # Block row r of chunk c holds position p = end - (H + chunk) + r of its sequence:
@@ -150,16 +146,14 @@ def causal_conv1d_prefill(
     oob = n + rows * km1
     idx = jnp.where(p >= 0, from_x, jnp.where(p >= -km1, from_state, oob))
     idx = jnp.where(plan.length[:, None] > 0, idx, oob)
-    init = read_slots(conv_state, src_slot).astype(x.dtype)  # [S, K-1, C]
+    init = read_slots(conv_state, slots.src_slot).astype(x.dtype)  # [S, K-1, C]
     xw = gather_chunks(jnp.concatenate([x, init.reshape(rows * km1, c)]), idx)
 
     def chunk_map(ci, k, c_seq, c_end, c_last, nch, *_):
         return (jnp.minimum(k, jnp.maximum(nch[0] - 1, 0)), 0, ci)
 
-    prefetch = (
-        plan.seq, plan.end, plan.last, plan.num_chunks, dst_slot.astype(jnp.int32),
-        ckpt_offsets.reshape(-1).astype(jnp.int32), ckpt_slots.reshape(-1).astype(jnp.int32),
-    )  # fmt: skip
+    _, dst, ck_off, ck_slot, _ = slots.flat()
+    prefetch = (plan.seq, plan.end, plan.last, plan.num_chunks, dst, ck_off, ck_slot)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
         grid=(c // cb, nc),
@@ -237,22 +231,18 @@ def causal_conv1d_update(
     x: jax.Array,  # [S, C] one new token per row
     weight: jax.Array,  # [C, K]
     conv_state: jax.Array,  # [num_slots, K-1, C]  donated: updated in place
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]  only offset 1 is meaningful
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
     *,
     channels_per_block: int | None = None,
     interpret=False,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode: one token per row. Returns ``(y [S, C], conv_state)``."""
-    check_conv_args(x, weight, conv_state, src_slot, dst_slot, ckpt_offsets, ckpt_slots)
+    check_conv_args(x, weight, conv_state, slots)
     rows, c = x.shape
-    if rows != src_slot.shape[0]:
-        raise ValueError(f"update rows {rows} must equal {src_slot.shape[0]=} (one token each)")
+    if rows != slots.num_rows:
+        raise ValueError(f"update rows {rows} must equal {slots.num_rows=} (one token each)")
     kw = weight.shape[1]
-    max_ckpt = ckpt_offsets.shape[1]
+    max_ckpt = slots.ckpt_offsets.shape[1]
     cb = _channels_per_block(c, channels_per_block)
 
     def row_map(ci, r, *_):
@@ -261,11 +251,7 @@ def causal_conv1d_update(
     def state_map(ci, r, src, dst, ck_off, ck_slot, n):
         return (jnp.where(r < n[0], src[r], 0), 0, ci)  # src 0: fetched, never used
 
-    prefetch = (
-        src_slot.astype(jnp.int32), dst_slot.astype(jnp.int32),
-        ckpt_offsets.reshape(-1).astype(jnp.int32), ckpt_slots.reshape(-1).astype(jnp.int32),
-        jnp.asarray(num_seqs, jnp.int32).reshape(1),
-    )  # fmt: skip
+    prefetch = slots.flat()
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
         grid=(c // cb, rows),

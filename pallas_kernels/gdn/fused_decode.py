@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import causal_conv1d_update_reference
 from pallas_kernels.gdn.gpu import (
     _block_v,
@@ -91,20 +92,15 @@ def composed_conv_gdn_decode(conv1d_update: Callable, gdn_decode: Callable) -> C
         A_log: jax.Array,  # f32[Hv]
         dt_bias: jax.Array,  # f32[Hv]
         ssm_state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]
-        src_slot: jax.Array,  # i32[S]
-        dst_slot: jax.Array,  # i32[S]
-        ckpt_offsets: jax.Array,  # i32[S, M]  only offset 1 is meaningful
-        ckpt_slots: jax.Array,  # i32[S, M]
-        num_seqs: jax.Array,  # i32[]
+        slots: StateSlots,  # DESIGN.md §3
         *,
         num_k_heads: int,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         check_fused_shapes(mixed, conv_weight, conv_state, ssm_state, num_k_heads)
-        slots = (src_slot, dst_slot, ckpt_offsets, ckpt_slots, num_seqs)
-        y, conv_state = conv1d_update(mixed, conv_weight, conv_state, *slots)
+        y, conv_state = conv1d_update(mixed, conv_weight, conv_state, slots)
         _, hv, dk, dv = ssm_state.shape
         q, k, v = unpack_conv_channels(y, (num_k_heads, dk), (hv, dv), 1)
-        o, ssm_state = gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, *slots)
+        o, ssm_state = gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, slots)
         return o, conv_state, ssm_state
 
     return op
@@ -185,11 +181,7 @@ def conv_gdn_decode(
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
     ssm_state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]  donated: updated in place
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
     *,
     num_k_heads: int,
     block_v: int | None = None,
@@ -212,22 +204,20 @@ def conv_gdn_decode(
             functools.partial(gdn_decode, num_warps=num_warps, interpret=interpret),
         )
         return unfused(
-            mixed, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, src_slot,
-            dst_slot, ckpt_offsets, ckpt_slots, num_seqs, num_k_heads=num_k_heads,
+            mixed, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slots,
+            num_k_heads=num_k_heads,
         )  # fmt: skip
     _, hv, dk, dv = ssm_state.shape
     q, k, v = unpack_conv_channels(mixed, (num_k_heads, dk), (hv, dv), 1)  # shapes, for checks
-    check_gdn_args(q, k, v, a, b, A_log, dt_bias, ssm_state, src_slot, dst_slot, ckpt_offsets,
-                     ckpt_slots)  # fmt: skip
-    if rows != src_slot.shape[0]:
-        raise ValueError(f"decode rows {rows} must equal {src_slot.shape[0]=} (one token each)")
+    check_gdn_args(q, k, v, a, b, A_log, dt_bias, ssm_state, slots)
+    if rows != slots.num_rows:
+        raise ValueError(f"decode rows {rows} must equal {slots.num_rows=} (one token each)")
     if not _is_pow2(dk):
         raise ValueError(f"{dk=} must be a power of two for the Triton kernels")
     bv = _block_v(dv, block_v)
     args = (
-        src_slot.astype(jnp.int32), dst_slot.astype(jnp.int32), ckpt_offsets.astype(jnp.int32),
-        ckpt_slots.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32).reshape(1),
-        _gate_params(A_log, dt_bias), mixed, conv_weight, a, b, conv_state, ssm_state,
+        *slots.arrays(), _gate_params(A_log, dt_bias),
+        mixed, conv_weight, a, b, conv_state, ssm_state,
     )  # fmt: skip
     kernel = functools.partial(_kernel, hk=num_k_heads, bv=bv, scale=float(dk) ** -0.5)
     return pl.pallas_call(

@@ -50,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common.chunking import max_chunks, plan_chunks
+from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.gdn.reference import check_gdn_args
 
 CHUNK = 64
@@ -156,11 +157,7 @@ def gdn_decode(
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
     state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]  donated: updated in place
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]  only offset 1 is meaningful
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
     *,
     block_v: int | None = None,
     num_warps: int = 4,
@@ -168,20 +165,15 @@ def gdn_decode(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """One token per row; see the module docstring. Returns ``(o [S, Hv, Dv], state)``."""
-    check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets,
-                     ckpt_slots)  # fmt: skip
+    check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots)
     rows, hk, dk = q.shape
     _, hv, dv = v.shape
-    if rows != src_slot.shape[0]:
-        raise ValueError(f"decode rows {rows} must equal {src_slot.shape[0]=} (one token each)")
+    if rows != slots.num_rows:
+        raise ValueError(f"decode rows {rows} must equal {slots.num_rows=} (one token each)")
     if not _is_pow2(dk):
         raise ValueError(f"{dk=} must be a power of two for the Triton kernels")
     bv = _block_v(dv, block_v, default=64)  # H200 sweep at B=64: 64 columns, 4 warps
-    args = (
-        src_slot.astype(jnp.int32), dst_slot.astype(jnp.int32), ckpt_offsets.astype(jnp.int32),
-        ckpt_slots.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32).reshape(1),
-        _gate_params(A_log, dt_bias), q, k, v, a, b, state,
-    )  # fmt: skip
+    args = (*slots.arrays(), _gate_params(A_log, dt_bias), q, k, v, a, b, state)
     kernel = functools.partial(_decode_kernel, bv=bv, ratio=hv // hk, scale=float(dk) ** -0.5)
     return pl.pallas_call(
         kernel,
@@ -425,11 +417,7 @@ def gdn_prefill(
     dt_bias: jax.Array,  # f32[Hv]
     state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]  donated: updated in place
     query_start_loc: jax.Array,  # i32[S+1]
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
     *,
     block_v: int | None = None,
     precision=jax.lax.Precision.HIGHEST,
@@ -449,15 +437,14 @@ def gdn_prefill(
     ``[NC, Hv, Dk, Dv]``); by default it is used when that scratch fits
     ``max_scratch_bytes`` (long prefills; decode-heavy mixed batches have many small chunks).
     """
-    check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets,
-                     ckpt_slots, query_start_loc)  # fmt: skip
+    check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, hk, dk = q.shape
     _, hv, dv = v.shape
-    rows, max_ckpt = ckpt_offsets.shape
+    rows, max_ckpt = slots.ckpt_offsets.shape
     if not _is_pow2(dk):
         raise ValueError(f"{dk=} must be a power of two for the Triton kernels")
     bv = _block_v(dv, block_v)
-    plan = plan_chunks(query_start_loc, num_seqs, ckpt_offsets, num_tokens=n, chunk=CHUNK)
+    plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK)
     nc = max_chunks(n, rows, max_ckpt, CHUNK)
     # Chunks of a row are consecutive in the plan: its first chunk and how many.
     is_first = (plan.first == 1) & (plan.length > 0)
@@ -489,9 +476,7 @@ def gdn_prefill(
         name="gdn_prefill_intra_gpu",
     )(plan.start, plan.length, gates, k, v, a, b)
     slot_args = (
-        row_first, row_chunks, plan.start, plan.length, plan.end,
-        src_slot.astype(jnp.int32), dst_slot.astype(jnp.int32),
-        ckpt_offsets.astype(jnp.int32), ckpt_slots.astype(jnp.int32),
+        row_first, row_chunks, plan.start, plan.length, plan.end, *slots.arrays()[:4],
     )  # fmt: skip
     params = _compiler_params(num_warps, num_stages)
     scale = float(dk) ** -0.5

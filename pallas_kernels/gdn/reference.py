@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common.ragged import (
-    check_slot_args,
     read_slots,
     token_seq_ids,
     write_decode_states,
     write_index,
 )
+from pallas_kernels.common.slots import StateSlots
 
 # The oracle is IEEE float32 on every platform: at XLA's default precision an NVIDIA GPU may
 # run f32 contractions in TF32 (10-bit mantissa), and the recurrent state accumulates that.
@@ -42,10 +42,7 @@ def check_gdn_args(
     A_log,
     dt_bias,
     state,
-    src_slot,
-    dst_slot,
-    ckpt_offsets,
-    ckpt_slots,
+    slots: StateSlots,
     query_start_loc=None,
 ) -> None:
     """Raises ``ValueError`` naming the first inconsistent shape."""
@@ -65,7 +62,7 @@ def check_gdn_args(
         raise ValueError(f"state {state.shape} must be [num_slots, {hv}, {dk}, {dv}]")
     if state.dtype != jnp.float32:
         raise ValueError(f"state dtype {state.dtype} must be float32")
-    check_slot_args(src_slot, dst_slot, ckpt_offsets, ckpt_slots, query_start_loc)
+    slots.check(query_start_loc)
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -121,21 +118,16 @@ def gdn_prefill_reference(
     dt_bias: jax.Array,  # f32[Hv]
     state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]
     query_start_loc: jax.Array,  # i32[S+1]
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
 ) -> tuple[jax.Array, jax.Array]:
     """Ragged prefill (any mix of lengths). Returns ``(o [T, Hv, Dv] in v.dtype, state)``."""
     num_tokens = q.shape[0]
     num_slots = state.shape[0]
-    num_rows = src_slot.shape[0]
-    seq_id, local, live = token_seq_ids(query_start_loc, num_seqs, num_tokens)
+    seq_id, local, live = token_seq_ids(query_start_loc, slots.num_seqs, num_tokens)
     q32, k32, v32, g, beta = _prepare(q, k, v, a, b, A_log, dt_bias)
-    init = read_slots(state, src_slot)  # [S, Hv, Dk, Dv], read before any write
+    init = read_slots(state, slots.src_slot)  # [S, Hv, Dk, Dv], read before any write
     q_len = query_start_loc[1:] - query_start_loc[:-1]
-    row_live = jnp.arange(num_rows) < num_seqs
+    row_live = jnp.arange(slots.num_rows) < slots.num_seqs
 
     def body(carry, t):
         cur, pool = carry
@@ -144,13 +136,13 @@ def gdn_prefill_reference(
         cur, o = _step(cur, q32[t], k32[t], v32[t], g[t], beta[t])
         ok = live[t] & row_live[s]
         n = i + 1  # tokens of this sequence consumed so far
-        slots = jnp.concatenate(
+        idx = jnp.concatenate(
             [
-                write_index(ckpt_slots[s], ok & (ckpt_offsets[s] == n), num_slots),
-                write_index(dst_slot[s][None], ok & (n == q_len[s])[None], num_slots),
+                write_index(slots.ckpt_slots[s], ok & (slots.ckpt_offsets[s] == n), num_slots),
+                write_index(slots.dst_slot[s][None], ok & (n == q_len[s])[None], num_slots),
             ]
         )
-        pool = pool.at[slots].set(jnp.broadcast_to(cur, (slots.shape[0],) + cur.shape), mode="drop")
+        pool = pool.at[idx].set(jnp.broadcast_to(cur, (idx.shape[0],) + cur.shape), mode="drop")
         return (cur, pool), jnp.where(live[t], o, 0.0)
 
     cur0 = jnp.zeros(state.shape[1:], jnp.float32)
@@ -167,21 +159,16 @@ def gdn_decode_reference(
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
     state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]  only offset 1 (after the one token) is meaningful
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
 ) -> tuple[jax.Array, jax.Array]:
     """One token per sequence. Returns ``(o [S, Hv, Dv] in v.dtype, state)``.
 
     The new state goes to ``dst_slot`` and, where ``ckpt_offsets == 1``, to the checkpoint
     slot too (a decode step that reaches a checkpoint boundary).
     """
-    num_rows = q.shape[0]
     q32, k32, v32, g, beta = _prepare(q, k, v, a, b, A_log, dt_bias)
-    init = read_slots(state, src_slot)
+    init = read_slots(state, slots.src_slot)
     new, o = jax.vmap(_step)(init, q32, k32, v32, g, beta)
-    live = jnp.arange(num_rows) < num_seqs
-    state = write_decode_states(state, new, live, dst_slot, ckpt_offsets, ckpt_slots)
+    live = jnp.arange(q.shape[0]) < slots.num_seqs
+    state = write_decode_states(state, new, slots)
     return jnp.where(live[:, None, None], o, 0.0).astype(v.dtype), state

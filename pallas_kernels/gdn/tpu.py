@@ -75,6 +75,7 @@ from pallas_kernels.common.chunking import (
     plan_chunks,
     scatter_tokens,
 )
+from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.gdn.reference import check_gdn_args
 
 CHUNK = 64
@@ -280,11 +281,7 @@ def gdn_prefill(
     dt_bias: jax.Array,  # f32[Hv]
     state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]  donated: updated in place
     query_start_loc: jax.Array,  # i32[S+1]
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
     *,
     heads_per_block: int | None = None,
     interpret=False,
@@ -294,14 +291,13 @@ def gdn_prefill(
     Writes ``state[dst_slot[s]]`` (final state) and ``state[ckpt_slots[s, m]]`` (state after
     ``ckpt_offsets[s, m]`` tokens) for live rows; every other slot is left untouched.
     """
-    check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets,
-                     ckpt_slots, query_start_loc)  # fmt: skip
+    check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, hk, dk = q.shape
     _, hv, dv = v.shape
     ratio = hv // hk
     hb = _heads_per_block(hv, ratio, heads_per_block)
-    rows, max_ckpt = ckpt_offsets.shape
-    plan = plan_chunks(query_start_loc, num_seqs, ckpt_offsets, num_tokens=n, chunk=CHUNK)
+    rows, max_ckpt = slots.ckpt_offsets.shape
+    plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK)
     nc = max_chunks(n, rows, max_ckpt, CHUNK)
     idx = chunk_token_index(plan, CHUNK, n)  # [NC, C]
 
@@ -322,10 +318,10 @@ def gdn_prefill(
     def qk_map(h, c, cs, cl, ce, cf, cla, nch, *_):
         return (h, chunk_of(c, nch), 0, 0)
 
+    src, dst, ck_off, ck_slot, _ = slots.flat()
     prefetch = (
         plan.seq, plan.length, plan.end, plan.first, plan.last, plan.num_chunks,
-        src_slot.astype(jnp.int32), dst_slot.astype(jnp.int32),
-        ckpt_offsets.reshape(-1).astype(jnp.int32), ckpt_slots.reshape(-1).astype(jnp.int32),
+        src, dst, ck_off, ck_slot,
     )  # fmt: skip
     kernel = functools.partial(
         _prefill_kernel, ratio=ratio, max_ckpt=max_ckpt, scale=float(dk) ** -0.5
@@ -428,11 +424,7 @@ def gdn_decode(
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
     state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]  donated: updated in place
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]  only offset 1 is meaningful
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
     *,
     heads_per_block: int | None = None,
     interpret=False,
@@ -442,13 +434,12 @@ def gdn_decode(
     Writes ``state[dst_slot[s]]`` and ``state[ckpt_slots[s, m]]`` where
     ``ckpt_offsets[s, m] == 1`` for live rows.
     """
-    check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets,
-                     ckpt_slots)  # fmt: skip
+    check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots)
     rows, hk, dk = q.shape
     _, hv, dv = v.shape
-    max_ckpt = ckpt_offsets.shape[1]
-    if rows != src_slot.shape[0]:
-        raise ValueError(f"decode rows {rows} must equal {src_slot.shape[0]=} (one token each)")
+    max_ckpt = slots.ckpt_offsets.shape[1]
+    if rows != slots.num_rows:
+        raise ValueError(f"decode rows {rows} must equal {slots.num_rows=} (one token each)")
     hb = _heads_per_block(hv, 1, heads_per_block or _divisor_at_most(hv, 8))
     nhb = hv // hb
 
@@ -462,7 +453,6 @@ def gdn_decode(
     ab = a.reshape(rows, nhb, 1, hb)
     bb = b.reshape(rows, nhb, 1, hb)
     gates = jnp.concatenate([-jnp.exp(A_log.astype(jnp.float32)), dt_bias.astype(jnp.float32)])
-    n_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(1)
 
     def row_map(h, r, *_):
         return (r, h, 0, 0)
@@ -471,11 +461,7 @@ def gdn_decode(
         # Padding rows and src 0 fetch slot 0 (never used): consecutive repeats are not refetched.
         return (jnp.where(r < n[0], src[r], 0), h, 0, 0)
 
-    prefetch = (
-        src_slot.astype(jnp.int32), dst_slot.astype(jnp.int32),
-        ckpt_offsets.reshape(-1).astype(jnp.int32), ckpt_slots.reshape(-1).astype(jnp.int32),
-        n_seqs,
-    )  # fmt: skip
+    prefetch = slots.flat()
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
         grid=(nhb, rows),

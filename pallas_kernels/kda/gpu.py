@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common.chunking import max_chunks, plan_chunks
-from pallas_kernels.common.ragged import check_slot_args
+from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.kda.reference import check_kda_args
 
 CHUNK = 16
@@ -91,9 +91,8 @@ def _mm(x, y, contract, precision):
     )
 
 
-def _check(q, k, v, g, b, A_log, dt_bias, state, src, dst, ck_off, ck_slot, qsl=None):
-    check_kda_args(q, k, v, g, b, A_log, dt_bias, state)
-    check_slot_args(src, dst, ck_off, ck_slot, qsl)
+def _check(q, k, v, g, b, A_log, dt_bias, state, slots, qsl=None):
+    check_kda_args(q, k, v, g, b, A_log, dt_bias, state, slots, qsl)
     if not _is_pow2(q.shape[-1]):
         raise ValueError(f"Dk={q.shape[-1]} must be a power of two for the Triton kernels")
 
@@ -148,11 +147,7 @@ def kda_decode(
     A_log: jax.Array,  # f32[H]
     dt_bias: jax.Array,  # f32[H, Dk]
     state: jax.Array,  # f32[num_slots, H, Dk, Dv]  donated: updated in place
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]  only offset 1 is meaningful
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
     *,
     block_v: int | None = None,
     num_warps: int = 4,
@@ -160,16 +155,15 @@ def kda_decode(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """One token per row; see the module docstring. Returns ``(o [S, H, Dv], state)``."""
-    _check(q, k, v, g, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets, ckpt_slots)
+    _check(q, k, v, g, b, A_log, dt_bias, state, slots)
     rows, h, dk = q.shape
     dv = v.shape[2]
-    if rows != src_slot.shape[0]:
-        raise ValueError(f"decode rows {rows} must equal {src_slot.shape[0]=} (one token each)")
+    if rows != slots.num_rows:
+        raise ValueError(f"decode rows {rows} must equal {slots.num_rows=} (one token each)")
     bv = _block_v(dv, block_v)
     args = (
-        src_slot.astype(jnp.int32), dst_slot.astype(jnp.int32), ckpt_offsets.astype(jnp.int32),
-        ckpt_slots.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32).reshape(1),
-        -jnp.exp(A_log.astype(jnp.float32)), dt_bias.astype(jnp.float32), q, k, g, v, b, state,
+        *slots.arrays(), -jnp.exp(A_log.astype(jnp.float32)), dt_bias.astype(jnp.float32),
+        q, k, g, v, b, state,
     )  # fmt: skip
     return pl.pallas_call(
         functools.partial(_decode_kernel, bv=bv, scale=float(dk) ** -0.5),
@@ -292,11 +286,7 @@ def kda_prefill(
     dt_bias: jax.Array,  # f32[H, Dk]
     state: jax.Array,  # f32[num_slots, H, Dk, Dv]  donated: updated in place
     query_start_loc: jax.Array,  # i32[S+1]
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
     *,
     block_v: int | None = None,
     precision=jax.lax.Precision.HIGHEST,
@@ -308,13 +298,12 @@ def kda_prefill(
 
     ``precision`` is the matmul precision inside the chunk (``HIGHEST``: IEEE f32).
     """
-    _check(q, k, v, g, b, A_log, dt_bias, state, src_slot, dst_slot, ckpt_offsets, ckpt_slots,
-           query_start_loc)  # fmt: skip
+    _check(q, k, v, g, b, A_log, dt_bias, state, slots, query_start_loc)
     n, h, dk = q.shape
     dv = v.shape[2]
-    rows, max_ckpt = ckpt_offsets.shape
+    rows, max_ckpt = slots.ckpt_offsets.shape
     bv = _block_v(dv, block_v)
-    plan = plan_chunks(query_start_loc, num_seqs, ckpt_offsets, num_tokens=n, chunk=CHUNK)
+    plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK)
     nc = max_chunks(n, rows, max_ckpt, CHUNK)
     # Chunks of a row are consecutive in the plan: its first chunk and how many.
     is_first = (plan.first == 1) & (plan.length > 0)
@@ -330,9 +319,7 @@ def kda_prefill(
         return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
 
     args = (
-        row_first, row_chunks, plan.start, plan.length, plan.end,
-        src_slot.astype(jnp.int32), dst_slot.astype(jnp.int32),
-        ckpt_offsets.astype(jnp.int32), ckpt_slots.astype(jnp.int32),
+        row_first, row_chunks, plan.start, plan.length, plan.end, *slots.arrays()[:4],
         -jnp.exp(A_log.astype(jnp.float32)), dt_bias.astype(jnp.float32),
         *map(padded, (q, k, g, v, b)), state,
     )  # fmt: skip

@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common.ragged import (
-    check_slot_args,
     read_slots,
     token_seq_ids,
     write_decode_states,
     write_index,
 )
+from pallas_kernels.common.slots import StateSlots
 
 # IEEE float32 on every platform (no TF32 on NVIDIA): the recurrent state accumulates it.
 EXACT = jax.lax.Precision.HIGHEST
@@ -60,7 +60,9 @@ def kda_gates(
     return decay, jax.nn.sigmoid(b.astype(jnp.float32))
 
 
-def check_kda_args(q, k, v, g, b, A_log, dt_bias, state) -> None:
+def check_kda_args(
+    q, k, v, g, b, A_log, dt_bias, state, slots: StateSlots, query_start_loc=None
+) -> None:
     """Shape checks with messages that name the bad argument."""
     n, h, dk = q.shape
     if k.shape != (n, h, dk):
@@ -77,6 +79,7 @@ def check_kda_args(q, k, v, g, b, A_log, dt_bias, state) -> None:
         raise ValueError(
             f"state {state.shape} {state.dtype} must be f32[num_slots, {h}, {dk}, {v.shape[2]}]"
         )
+    slots.check(query_start_loc)
 
 
 def _prepare(q, k, v, g, b, A_log, dt_bias):
@@ -106,23 +109,17 @@ def kda_prefill_reference(
     dt_bias: jax.Array,  # f32[H, Dk]
     state: jax.Array,  # f32[num_slots, H, Dk, Dv]
     query_start_loc: jax.Array,  # i32[S+1]
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
 ) -> tuple[jax.Array, jax.Array]:
     """Ragged prefill (any mix of lengths). Returns ``(o [T, H, Dv] in v.dtype, state)``."""
-    check_kda_args(q, k, v, g, b, A_log, dt_bias, state)
-    check_slot_args(src_slot, dst_slot, ckpt_offsets, ckpt_slots, query_start_loc)
+    check_kda_args(q, k, v, g, b, A_log, dt_bias, state, slots, query_start_loc)
     num_tokens = q.shape[0]
     num_slots = state.shape[0]
-    num_rows = src_slot.shape[0]
-    seq_id, local, live = token_seq_ids(query_start_loc, num_seqs, num_tokens)
+    seq_id, local, live = token_seq_ids(query_start_loc, slots.num_seqs, num_tokens)
     q32, k32, v32, decay, beta = _prepare(q, k, v, g, b, A_log, dt_bias)
-    init = read_slots(state, src_slot)  # [S, H, Dk, Dv], read before any write
+    init = read_slots(state, slots.src_slot)  # [S, H, Dk, Dv], read before any write
     q_len = query_start_loc[1:] - query_start_loc[:-1]
-    row_live = jnp.arange(num_rows) < num_seqs
+    row_live = jnp.arange(slots.num_rows) < slots.num_seqs
 
     def body(carry, t):
         cur, pool = carry
@@ -131,13 +128,13 @@ def kda_prefill_reference(
         cur, o = _step(cur, q32[t], k32[t], v32[t], decay[t], beta[t])
         ok = live[t] & row_live[s]
         n = i + 1  # tokens of this sequence consumed so far
-        slots = jnp.concatenate(
+        idx = jnp.concatenate(
             [
-                write_index(ckpt_slots[s], ok & (ckpt_offsets[s] == n), num_slots),
-                write_index(dst_slot[s][None], ok & (n == q_len[s])[None], num_slots),
+                write_index(slots.ckpt_slots[s], ok & (slots.ckpt_offsets[s] == n), num_slots),
+                write_index(slots.dst_slot[s][None], ok & (n == q_len[s])[None], num_slots),
             ]
         )
-        pool = pool.at[slots].set(jnp.broadcast_to(cur, (slots.shape[0],) + cur.shape), mode="drop")
+        pool = pool.at[idx].set(jnp.broadcast_to(cur, (idx.shape[0],) + cur.shape), mode="drop")
         return (cur, pool), jnp.where(live[t], o, 0.0)
 
     cur0 = jnp.zeros(state.shape[1:], jnp.float32)
@@ -154,22 +151,16 @@ def kda_decode_reference(
     A_log: jax.Array,  # f32[H]
     dt_bias: jax.Array,  # f32[H, Dk]
     state: jax.Array,  # f32[num_slots, H, Dk, Dv]
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]  only offset 1 (after the one token) is meaningful
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
 ) -> tuple[jax.Array, jax.Array]:
     """One token per sequence. Returns ``(o [S, H, Dv] in v.dtype, state)``.
 
     The new state goes to ``dst_slot`` and, where ``ckpt_offsets == 1``, to that checkpoint.
     """
-    check_kda_args(q, k, v, g, b, A_log, dt_bias, state)
-    check_slot_args(src_slot, dst_slot, ckpt_offsets, ckpt_slots)
-    num_rows = q.shape[0]
+    check_kda_args(q, k, v, g, b, A_log, dt_bias, state, slots)
     q32, k32, v32, decay, beta = _prepare(q, k, v, g, b, A_log, dt_bias)
-    init = read_slots(state, src_slot)
+    init = read_slots(state, slots.src_slot)
     new, o = jax.vmap(_step)(init, q32, k32, v32, decay, beta)
-    live = jnp.arange(num_rows) < num_seqs
-    state = write_decode_states(state, new, live, dst_slot, ckpt_offsets, ckpt_slots)
+    live = jnp.arange(q.shape[0]) < slots.num_seqs
+    state = write_decode_states(state, new, slots)
     return jnp.where(live[:, None, None], o, 0.0).astype(v.dtype), state

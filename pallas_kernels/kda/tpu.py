@@ -55,7 +55,7 @@ from pallas_kernels.common.chunking import (
     plan_chunks,
     scatter_tokens,
 )
-from pallas_kernels.common.ragged import check_slot_args
+from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.kda.reference import check_kda_args
 
 CHUNK = 16
@@ -224,23 +224,18 @@ def kda_prefill(
     dt_bias: jax.Array,  # f32[H, Dk]
     state: jax.Array,  # f32[num_slots, H, Dk, Dv]  donated: updated in place
     query_start_loc: jax.Array,  # i32[S+1]
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
     *,
     heads_per_block: int | None = None,
     interpret=False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, H, Dv], state)``."""
-    check_kda_args(q, k, v, g, b, A_log, dt_bias, state)
-    check_slot_args(src_slot, dst_slot, ckpt_offsets, ckpt_slots, query_start_loc)
+    check_kda_args(q, k, v, g, b, A_log, dt_bias, state, slots, query_start_loc)
     n, h, dk = q.shape
     dv = v.shape[2]
     hb = _heads_per_block(h, heads_per_block)
-    rows, max_ckpt = ckpt_offsets.shape
-    plan = plan_chunks(query_start_loc, num_seqs, ckpt_offsets, num_tokens=n, chunk=CHUNK)
+    rows, max_ckpt = slots.ckpt_offsets.shape
+    plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK)
     nc = max_chunks(n, rows, max_ckpt, CHUNK)
     idx = chunk_token_index(plan, CHUNK, n)  # [NC, C]
 
@@ -254,10 +249,10 @@ def kda_prefill(
     def block_map(hh, c, cs, cl, ce, cf, cla, nch, *_):
         return (hh, jnp.minimum(c, jnp.maximum(nch[0] - 1, 0)), 0, 0)  # empty chunks: no DMA
 
+    src, dst, ck_off, ck_slot, _ = slots.flat()
     prefetch = (
         plan.seq, plan.length, plan.end, plan.first, plan.last, plan.num_chunks,
-        src_slot.astype(jnp.int32), dst_slot.astype(jnp.int32),
-        ckpt_offsets.reshape(-1).astype(jnp.int32), ckpt_slots.reshape(-1).astype(jnp.int32),
+        src, dst, ck_off, ck_slot,
     )  # fmt: skip
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
@@ -353,23 +348,18 @@ def kda_decode(
     A_log: jax.Array,  # f32[H]
     dt_bias: jax.Array,  # f32[H, Dk]
     state: jax.Array,  # f32[num_slots, H, Dk, Dv]  donated: updated in place
-    src_slot: jax.Array,  # i32[S]
-    dst_slot: jax.Array,  # i32[S]
-    ckpt_offsets: jax.Array,  # i32[S, M]  only offset 1 is meaningful
-    ckpt_slots: jax.Array,  # i32[S, M]
-    num_seqs: jax.Array,  # i32[]
+    slots: StateSlots,  # DESIGN.md §3
     *,
     heads_per_block: int | None = None,
     interpret=False,
 ) -> tuple[jax.Array, jax.Array]:
     """One token per row. Returns ``(o [S, H, Dv], state)``; see the module docstring."""
-    check_kda_args(q, k, v, g, b, A_log, dt_bias, state)
-    check_slot_args(src_slot, dst_slot, ckpt_offsets, ckpt_slots)
+    check_kda_args(q, k, v, g, b, A_log, dt_bias, state, slots)
     rows, h, dk = q.shape
     dv = v.shape[2]
-    max_ckpt = ckpt_offsets.shape[1]
-    if rows != src_slot.shape[0]:
-        raise ValueError(f"decode rows {rows} must equal {src_slot.shape[0]=} (one token each)")
+    max_ckpt = slots.ckpt_offsets.shape[1]
+    if rows != slots.num_rows:
+        raise ValueError(f"decode rows {rows} must equal {slots.num_rows=} (one token each)")
     hb = _heads_per_block(
         h, heads_per_block or max(d for d in range(1, min(h, 8) + 1) if h % d == 0)
     )
@@ -382,7 +372,6 @@ def kda_decode(
     qc, kc, gc = columns(q), columns(k), columns(g_shift)
     vb = v.reshape(rows, nhb, hb, dv)
     bb = b.reshape(rows, nhb, 1, hb)
-    n_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(1)
 
     def row_map(hh, r, *_):
         return (r, hh, 0, 0)
@@ -390,11 +379,7 @@ def kda_decode(
     def state_map(hh, r, src, dst, ck_off, ck_slot, n):
         return (jnp.where(r < n[0], src[r], 0), hh, 0, 0)  # src 0 / padding: never used
 
-    prefetch = (
-        src_slot.astype(jnp.int32), dst_slot.astype(jnp.int32),
-        ckpt_offsets.reshape(-1).astype(jnp.int32), ckpt_slots.reshape(-1).astype(jnp.int32),
-        n_seqs,
-    )  # fmt: skip
+    prefetch = slots.flat()
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
         grid=(nhb, rows),

@@ -22,6 +22,7 @@ from serving.engine import EngineArgs
 from serving.plan import StepPlan
 from serving.pool_sizing import size_pools
 from serving.runner import ModelRunner, _step
+from tests.pallas_kernels.ragged_cases import abstract_slots
 
 PALLAS = BACKENDS["pallas"]
 GDN_OPS = {"gdn_prefill", "gdn_decode", "conv_gdn_decode"}
@@ -95,19 +96,19 @@ def test_gdn_gpu_kernels_lower_to_triton_with_clamped_value_tiles():
     f32, i32 = jnp.float32, jnp.int32
     hk, hv, dk, dv, n, rows = 1, 2, 16, 24, 64, 2
     gates = [sd((hv,), f32)] * 2
-    slots = [sd((rows,), i32)] * 2 + [sd((rows, 1), i32)] * 2 + [sd((), i32)]
+    slots = abstract_slots(rows, 1)
     pool = sd((4, hv, dk, dv), f32)
     prefill = [sd((n, hk, dk), f32)] * 2 + [sd((n, hv, dv), f32)] + [sd((n, hv), f32)] * 2
     decode = [sd((rows, hk, dk), f32)] * 2 + [sd((rows, hv, dv), f32)] + [sd((rows, hv), f32)] * 2
     c = 2 * hk * dk + hv * dv
     calls = [
         (functools.partial(gdn_gpu.gdn_prefill, three_launches=three),
-         (*prefill, *gates, pool, sd((rows + 1,), i32), *slots)) for three in (False, True)
+         (*prefill, *gates, pool, sd((rows + 1,), i32), slots)) for three in (False, True)
     ] + [
-        (gdn_gpu.gdn_decode, (*decode, *gates, pool, *slots)),
+        (gdn_gpu.gdn_decode, (*decode, *gates, pool, slots)),
         (functools.partial(fused_decode.conv_gdn_decode, num_k_heads=hk, min_rows=0),
          (sd((rows, c), f32), sd((c, 4), f32), sd((4, 3, c), f32), sd((rows, hv), f32),
-          sd((rows, hv), f32), *gates, pool, *slots)),
+          sd((rows, hv), f32), *gates, pool, slots)),
     ]  # fmt: skip
     for fn, args in calls:
         assert "triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -135,7 +136,7 @@ def test_gpu_gdn_prefill_dots_follow_the_step_precision():
     args = (
         *[sd((n, hk, d), f32)] * 2, sd((n, hv, d), f32), *[sd((n, hv), f32)] * 2,
         *[sd((hv,), f32)] * 2, sd((2, hv, d, d), f32), sd((rows + 1,), i32),
-        *[sd((rows,), i32)] * 2, *[sd((rows, 1), i32)] * 2, sd((), i32),
+        abstract_slots(rows, 1),
     )  # fmt: skip
     with jax.default_matmul_precision(matmul_precision(jnp.float32)):
         ieee = _dot_precisions(jax.make_jaxpr(GPU_GDN_PREFILL)(*args).jaxpr)

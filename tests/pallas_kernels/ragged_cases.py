@@ -14,8 +14,21 @@ that no row writes must come back bit-identical.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.common.slots import StateSlots
+
+
+def state_slots(src, dst, ckpt_offsets, ckpt_slots, num_seqs) -> StateSlots:
+    """A :class:`StateSlots` from host arrays (int32 on device)."""
+    return StateSlots(
+        *(jnp.asarray(x, jnp.int32) for x in (src, dst, ckpt_offsets, ckpt_slots)),
+        jnp.int32(num_seqs),
+    )
 
 
 @dataclasses.dataclass
@@ -32,6 +45,9 @@ class RaggedCase:
     @property
     def num_seqs(self) -> int:
         return len(self.lens)
+
+    def slots(self) -> StateSlots:
+        return state_slots(self.src, self.dst, self.ckpt_offsets, self.ckpt_slots, self.num_seqs)
 
     def pool(self, rng: np.random.Generator, slot_shape: tuple[int, ...], dtype) -> np.ndarray:
         """A NaN-poisoned pool with random states in the slots that rows read."""
@@ -94,3 +110,22 @@ def assert_rel_close(got, want, *, tol: float, what: str):
     scale = max(float(np.abs(want[ok]).max(initial=0.0)), 1e-6)
     err = float(np.abs(got[ok] - want[ok]).max(initial=0.0)) / scale
     assert err < tol, f"{what}: relative error {err:.2e} >= {tol}"
+
+
+def zero_slots(rows: int, m: int, **replace) -> StateSlots:
+    """All-zero slots of ``rows`` rows and ``m`` checkpoint pairs, fields replaced by
+    ``replace`` (the shape-check tests break one at a time)."""
+    z = functools.partial(jnp.zeros, dtype=jnp.int32)
+    fields = dict(
+        src_slot=z(rows), dst_slot=z(rows), ckpt_offsets=z((rows, m)), ckpt_slots=z((rows, m)),
+        num_seqs=jnp.int32(1),
+    )  # fmt: skip
+    return StateSlots(**{**fields, **replace})
+
+
+def abstract_slots(rows: int, m: int) -> StateSlots:
+    """The slots as shapes only, for tracing a kernel without data (the lowering tests)."""
+    sd = jax.ShapeDtypeStruct
+    i32 = jnp.int32
+    return StateSlots(sd((rows,), i32), sd((rows,), i32), sd((rows, m), i32),
+                      sd((rows, m), i32), sd((), i32))  # fmt: skip

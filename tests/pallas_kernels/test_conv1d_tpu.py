@@ -11,7 +11,14 @@ from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
     causal_conv1d_update_reference,
 )
-from tests.pallas_kernels.ragged_cases import assert_close, assert_rel_close, ragged_case
+from tests.pallas_kernels.ragged_cases import (
+    abstract_slots,
+    assert_close,
+    assert_rel_close,
+    ragged_case,
+    state_slots,
+    zero_slots,
+)
 
 INTERPRET = pltpu.InterpretParams()
 
@@ -51,11 +58,7 @@ def test_prefill_matches_reference(lens, c, kw, dtype, chunk, cb):
     x = jnp.asarray(rng.normal(size=(case.num_tokens, c)), dtype)
     w = jnp.asarray(rng.normal(size=(c, kw)), dtype)
     pool = jnp.asarray(case.pool(rng, (kw - 1, c), np.float32), dtype)
-    slots = [
-        jnp.asarray(v)
-        for v in (case.query_start_loc, case.src, case.dst, case.ckpt_offsets, case.ckpt_slots)
-    ]
-    args = (x, w, pool, *slots, jnp.int32(case.num_seqs))
+    args = (x, w, pool, jnp.asarray(case.query_start_loc), case.slots())
     want_y, want_s = jax.jit(causal_conv1d_prefill_reference)(*args)
     run = jax.jit(
         lambda *a: tpu.causal_conv1d_prefill(
@@ -85,8 +88,7 @@ def test_update_matches_reference(dtype):
     x = jnp.asarray(rng.normal(size=(rows, c)), dtype)
     w = jnp.asarray(rng.normal(size=(c, kw)), dtype)
     args = (
-        x, w, jnp.asarray(pool, dtype), *(jnp.asarray(v) for v in (src, dst, ck_off, ck_slot)),
-        jnp.int32(num_seqs),
+        x, w, jnp.asarray(pool, dtype), state_slots(src, dst, ck_off, ck_slot, num_seqs),
     )  # fmt: skip
     want_y, want_s = causal_conv1d_update_reference(*args)
     got_y, got_s = jax.jit(
@@ -102,7 +104,10 @@ BAD = {
     "weight_channels": (dict(weight=jnp.zeros((7, 4))), "weight .* must be"),
     "kernel_width": (dict(weight=jnp.zeros((8, 12))), "kernel width K=12"),
     "state_shape": (dict(conv_state=jnp.zeros((4, 2, 8))), "conv_state .* must be"),
-    "ckpt_shape": (dict(ckpt_slots=jnp.zeros((3, 1), jnp.int32)), "ckpt_slots .* must match"),
+    "ckpt_shape": (
+        dict(slots=zero_slots(3, 2, ckpt_slots=jnp.zeros((3, 1), jnp.int32))),
+        "ckpt_slots .* must match",
+    ),
     "qsl_shape": (dict(query_start_loc=jnp.zeros(2, jnp.int32)), "query_start_loc .* must be"),
     "channels_per_block": (dict(channels_per_block=3), "channels_per_block=3 must divide"),
 }
@@ -113,9 +118,7 @@ def test_prefill_rejects_bad_shapes(bad, match):
     z = jnp.zeros
     kw = dict(
         x=z((10, 8)), weight=z((8, 4)), conv_state=z((4, 3, 8)),
-        query_start_loc=z(4, jnp.int32), src_slot=z(3, jnp.int32), dst_slot=z(3, jnp.int32),
-        ckpt_offsets=z((3, 2), jnp.int32), ckpt_slots=z((3, 2), jnp.int32),
-        num_seqs=jnp.int32(1),
+        query_start_loc=z(4, jnp.int32), slots=zero_slots(3, 2),
     )  # fmt: skip
     with pytest.raises(ValueError, match=match):
         tpu.causal_conv1d_prefill(**{**kw, **bad}, interpret=INTERPRET)
@@ -125,7 +128,7 @@ def test_kernels_lower_for_tpu_at_80b_shapes():
     c, kw, n, rows, m = 8192, 4, 256, 4, 2
     sd = jax.ShapeDtypeStruct
     bf, i32 = jnp.bfloat16, jnp.int32
-    slots = [sd((rows,), i32)] * 2 + [sd((rows, m), i32)] * 2 + [sd((), i32)]
+    slots = abstract_slots(rows, m)
     pool = sd((8, kw - 1, c), bf)
     mesh = jax.sharding.AbstractMesh(
         (), (), abstract_device=jax.sharding.AbstractDevice("TPU v6e", 1, "tpu")
@@ -134,8 +137,8 @@ def test_kernels_lower_for_tpu_at_80b_shapes():
     update = jax.jit(lambda *a: tpu.causal_conv1d_update(*a, channels_per_block=1024))
     with jax.sharding.use_abstract_mesh(mesh):
         for f, args in [
-            (prefill, [sd((n, c), bf), sd((c, kw), bf), pool, sd((rows + 1,), i32), *slots]),
-            (update, [sd((rows, c), bf), sd((c, kw), bf), pool, *slots]),
+            (prefill, [sd((n, c), bf), sd((c, kw), bf), pool, sd((rows + 1,), i32), slots]),
+            (update, [sd((rows, c), bf), sd((c, kw), bf), pool, slots]),
         ]:
             text = f.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
             assert "tpu_custom_call" in text

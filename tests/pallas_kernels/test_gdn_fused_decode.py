@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.gdn import fused_decode
-from tests.pallas_kernels.ragged_cases import assert_close
+from tests.pallas_kernels.ragged_cases import abstract_slots, assert_close, state_slots, zero_slots
 
 
 def _case(rng, *, hk, hv, dk, dv, kernel, dtype):
@@ -31,10 +31,9 @@ def _case(rng, *, hk, hv, dk, dv, kernel, dtype):
     for s in (1, 2, 3):
         conv[s] = rng.normal(size=(kernel - 1, c))
         ssm[s] = rng.normal(size=(hv, dk, dv))
-    slots = [jnp.asarray(x) for x in (src, dst, ck_off, ck_slot)]
     return (
         mixed, weight, jnp.asarray(conv, dtype), a, b, A_log, dt_bias, jnp.asarray(ssm),
-        *slots, jnp.int32(num_seqs),
+        state_slots(src, dst, ck_off, ck_slot, num_seqs),
     )  # fmt: skip
 
 
@@ -69,8 +68,7 @@ def test_fused_decode_rejects_bad_channel_count():
     with pytest.raises(ValueError, match=r"mixed \(2, 10\) must be \[S, 2\*Hk\*Dk \+ Hv\*Dv = 12"):
         fused_decode.conv_gdn_decode_reference(
             z((2, 10)), z((12, 4)), z((3, 3, 12)), z((2, 1)), z((2, 1)), z(1), z(1),
-            z((3, 1, 4, 4)), z(2, jnp.int32), z(2, jnp.int32), z((2, 1), jnp.int32),
-            z((2, 1), jnp.int32), jnp.int32(2), num_k_heads=1,
+            z((3, 1, 4, 4)), zero_slots(2, 1), num_k_heads=1,
         )  # fmt: skip
 
 
@@ -78,11 +76,11 @@ def test_fused_decode_lowers_to_triton_at_80b_shapes():
     hk, hv, d, rows, m = 16, 32, 128, 8, 2
     c = 2 * hk * d + hv * d
     sd = jax.ShapeDtypeStruct
-    bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    bf, f32 = jnp.bfloat16, jnp.float32
     args = (
         sd((rows, c), bf), sd((c, 4), bf), sd((6, 3, c), bf), sd((rows, hv), bf),
         sd((rows, hv), bf), sd((hv,), f32), sd((hv,), f32), sd((6, hv, d, d), f32),
-        sd((rows,), i32), sd((rows,), i32), sd((rows, m), i32), sd((rows, m), i32), sd((), i32),
+        abstract_slots(rows, m),
     )  # fmt: skip
     fn = jax.jit(lambda *x: fused_decode.conv_gdn_decode(*x, num_k_heads=hk))
     assert "triton" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

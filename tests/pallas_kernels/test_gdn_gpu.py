@@ -14,7 +14,14 @@ import pytest
 
 from pallas_kernels.gdn import gpu
 from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_reference
-from tests.pallas_kernels.ragged_cases import assert_close, assert_rel_close, ragged_case
+from tests.pallas_kernels.ragged_cases import (
+    abstract_slots,
+    assert_close,
+    assert_rel_close,
+    ragged_case,
+    state_slots,
+    zero_slots,
+)
 
 
 def _inputs(rng, n, hk, hv, dk, dv, dtype):
@@ -44,11 +51,7 @@ def test_prefill_matches_reference(lens, hk, hv, dk, dv, dtype, bv, three):
     case = ragged_case(lens)
     inputs = _inputs(rng, case.num_tokens, hk, hv, dk, dv, dtype)
     pool = jnp.asarray(case.pool(rng, (hv, dk, dv), np.float32))
-    slots = [
-        jnp.asarray(x)
-        for x in (case.query_start_loc, case.src, case.dst, case.ckpt_offsets, case.ckpt_slots)
-    ]
-    args = (*inputs, pool, *slots, jnp.int32(case.num_seqs))
+    args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
     want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
     kernel = functools.partial(gpu.gdn_prefill, block_v=bv, three_launches=three, interpret=True)
     got_o, got_s = jax.jit(kernel)(*args)
@@ -74,8 +77,7 @@ def test_decode_matches_reference():
     ck_off[0], ck_slot[0] = [1, 1], [12, 13]
     ck_off[3, 1], ck_slot[3, 1] = 0, 14
     args = (
-        *inputs, jnp.asarray(pool), *(jnp.asarray(x) for x in (src, dst, ck_off, ck_slot)),
-        jnp.int32(num_seqs),
+        *inputs, jnp.asarray(pool), state_slots(src, dst, ck_off, ck_slot, num_seqs),
     )  # fmt: skip
     want_o, want_s = gdn_decode_reference(*args)
     got_o, got_s = jax.jit(lambda *x: gpu.gdn_decode(*x, block_v=4, interpret=True))(*args)
@@ -88,8 +90,7 @@ def test_rejects_non_power_of_two_heads():
     with pytest.raises(ValueError, match="block_v=3 must be a power of two"):
         gpu.gdn_decode(
             z((2, 1, 16)), z((2, 1, 16)), z((2, 1, 12)), z((2, 1)), z((2, 1)), z(1), z(1),
-            z((3, 1, 16, 12)), z(2, jnp.int32), z(2, jnp.int32), z((2, 1), jnp.int32),
-            z((2, 1), jnp.int32), jnp.int32(2), block_v=3, interpret=True,
+            z((3, 1, 16, 12)), zero_slots(2, 1), block_v=3, interpret=True,
         )  # fmt: skip
 
 
@@ -98,9 +99,9 @@ def test_kernels_lower_to_triton_at_80b_shapes():
     sd = jax.ShapeDtypeStruct
     bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
     gates = [sd((hv,), f32)] * 2
-    slots = [sd((rows,), i32)] * 2 + [sd((rows, m), i32)] * 2 + [sd((), i32)]
+    slots = abstract_slots(rows, m)
     pool = sd((8, hv, d, d), f32)
     for t, f, extra in [(n, gpu.gdn_prefill, [sd((rows + 1,), i32)]), (rows, gpu.gdn_decode, [])]:
         acts = [sd((t, hk, d), bf)] * 2 + [sd((t, hv, d), bf)] + [sd((t, hv), bf)] * 2
-        lowered = jax.jit(f).trace(*acts, *gates, pool, *extra, *slots)
+        lowered = jax.jit(f).trace(*acts, *gates, pool, *extra, slots)
         assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()

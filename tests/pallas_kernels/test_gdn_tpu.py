@@ -14,7 +14,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.gdn import tpu
 from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_reference
-from tests.pallas_kernels.ragged_cases import assert_close, assert_rel_close, ragged_case
+from tests.pallas_kernels.ragged_cases import (
+    abstract_slots,
+    assert_close,
+    assert_rel_close,
+    ragged_case,
+    state_slots,
+    zero_slots,
+)
 
 INTERPRET = pltpu.InterpretParams()
 TOL = {jnp.float32: dict(rtol=1e-4, atol=1e-4), jnp.bfloat16: dict(tol=2e-2)}
@@ -61,11 +68,7 @@ def test_prefill_matches_reference(lens, hk, hv, dk, dv, dtype, hb):
     case = ragged_case(lens)
     inputs = _inputs(rng, case.num_tokens, hk, hv, dk, dv, dtype)
     pool = jnp.asarray(case.pool(rng, (hv, dk, dv), np.float32))
-    slots = [
-        jnp.asarray(x)
-        for x in (case.query_start_loc, case.src, case.dst, case.ckpt_offsets, case.ckpt_slots)
-    ]
-    args = (*inputs, pool, *slots, jnp.int32(case.num_seqs))
+    args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
     want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
     run = jax.jit(lambda *x: tpu.gdn_prefill(*x, heads_per_block=hb, interpret=INTERPRET))
     got_o, got_s = run(*args)
@@ -86,11 +89,7 @@ def test_prefill_unaligned_checkpoints_and_empty_rows():
     case.dst[1] = case.src[1]  # zero tokens: its slot is never written
     inputs = _inputs(rng, case.num_tokens, 2, 6, 16, 8, jnp.float32)
     pool = jnp.asarray(case.pool(rng, (6, 16, 8), np.float32))
-    slots = [
-        jnp.asarray(x)
-        for x in (case.query_start_loc, case.src, case.dst, case.ckpt_offsets, case.ckpt_slots)
-    ]
-    args = (*inputs, pool, *slots, jnp.int32(case.num_seqs))
+    args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
     want_o, want_s = gdn_prefill_reference(*args)
     got_o, got_s = tpu.gdn_prefill(*args, interpret=INTERPRET)
     assert_close(got_o, want_o, rtol=1e-4, atol=1e-4, what="outputs")
@@ -126,8 +125,7 @@ def test_decode_matches_reference(rows, num_seqs, dtype, hb):
     args = (
         *inputs,
         jnp.asarray(pool),
-        *(jnp.asarray(x) for x in (src, dst, ck_off, ck_slot)),
-        jnp.int32(num_seqs),
+        state_slots(src, dst, ck_off, ck_slot, num_seqs),
     )
     want_o, want_s = jax.jit(gdn_decode_reference)(*args)
     run = jax.jit(lambda *x: tpu.gdn_decode(*x, heads_per_block=hb, interpret=INTERPRET))
@@ -144,37 +142,32 @@ def test_decode_continues_prefill():
     hk, hv, dk, dv, n = 2, 6, 16, 8, 73
     q, k, v, a, b, A_log, dt = _inputs(rng, n, hk, hv, dk, dv, jnp.float32)
     pool = jnp.full((4, hv, dk, dv), jnp.nan, jnp.float32)
-    z = jnp.zeros((1, 1), jnp.int32)
-    one = jnp.ones(1, jnp.int32)
+    z = np.zeros((1, 1), np.int32)
     qsl = jnp.array([0, 70], jnp.int32)
+    fresh, running = state_slots([0], [1], z, z, 1), state_slots([1], [1], z, z, 1)
     o, pool = tpu.gdn_prefill(
-        q[:70], k[:70], v[:70], a[:70], b[:70], A_log, dt, pool, qsl, 0 * one, one, z, z,
-        jnp.int32(1), interpret=INTERPRET,
-    )  # fmt: skip
+        q[:70], k[:70], v[:70], a[:70], b[:70], A_log, dt, pool, qsl, fresh, interpret=INTERPRET
+    )
     outs = [o]
     for t in range(70, n):
         sl = slice(t, t + 1)
         o, pool = tpu.gdn_decode(
-            q[sl], k[sl], v[sl], a[sl], b[sl], A_log, dt, pool, one, one, z, z, jnp.int32(1),
-            interpret=INTERPRET,
+            q[sl], k[sl], v[sl], a[sl], b[sl], A_log, dt, pool, running, interpret=INTERPRET,
         )  # fmt: skip
         outs.append(o)
     full_o, full_s = gdn_prefill_reference(
-        q, k, v, a, b, A_log, dt, jnp.zeros((2, hv, dk, dv)), jnp.array([0, n], jnp.int32),
-        0 * one, one, z, z, jnp.int32(1),
-    )  # fmt: skip
+        q, k, v, a, b, A_log, dt, jnp.zeros((2, hv, dk, dv)), jnp.array([0, n], jnp.int32), fresh
+    )
     assert_close(jnp.concatenate(outs), full_o, rtol=1e-4, atol=1e-4, what="outputs")
     assert_close(pool[1], full_s[1], rtol=1e-4, atol=1e-4, what="final state")
 
 
-def _shape_args(hk=2, hv=6, dk=16, dv=8, n=10, rows=3, m=2, slots=4):
+def _shape_args(hk=2, hv=6, dk=16, dv=8, n=10, rows=3, m=2, num_slots=4):
     z = jnp.zeros
     return dict(
         q=z((n, hk, dk)), k=z((n, hk, dk)), v=z((n, hv, dv)), a=z((n, hv)), b=z((n, hv)),
-        A_log=z(hv), dt_bias=z(hv), state=z((slots, hv, dk, dv)),
-        query_start_loc=z(rows + 1, jnp.int32), src_slot=z(rows, jnp.int32),
-        dst_slot=z(rows, jnp.int32), ckpt_offsets=z((rows, m), jnp.int32),
-        ckpt_slots=z((rows, m), jnp.int32), num_seqs=jnp.int32(1),
+        A_log=z(hv), dt_bias=z(hv), state=z((num_slots, hv, dk, dv)),
+        query_start_loc=z(rows + 1, jnp.int32), slots=zero_slots(rows, m),
     )  # fmt: skip
 
 
@@ -185,7 +178,10 @@ BAD = {
     "A_log_shape": (dict(A_log=jnp.zeros(5)), "A_log .* must be"),
     "state_shape": (dict(state=jnp.zeros((4, 6, 8, 16))), "state .* must be"),
     "state_dtype": (dict(state=jnp.zeros((4, 6, 16, 8), jnp.bfloat16)), "must be float32"),
-    "ckpt_shape": (dict(ckpt_slots=jnp.zeros((3, 1), jnp.int32)), "ckpt_slots .* must match"),
+    "ckpt_shape": (
+        dict(slots=zero_slots(3, 2, ckpt_slots=jnp.zeros((3, 1), jnp.int32))),
+        "ckpt_slots .* must match",
+    ),
     "qsl_shape": (dict(query_start_loc=jnp.zeros(3, jnp.int32)), "query_start_loc .* must be"),
     "heads_per_block": (dict(heads_per_block=4), "heads_per_block=4 must divide hv=6"),
 }
@@ -211,7 +207,7 @@ def test_kernels_lower_for_tpu_at_80b_shapes():
     sd = jax.ShapeDtypeStruct
     bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
     gates = [sd((hv,), f32)] * 2
-    slots = [sd((rows,), i32)] * 2 + [sd((rows, m), i32)] * 2 + [sd((), i32)]
+    slots = abstract_slots(rows, m)
     pool = sd((8, hv, d, d), f32)
     mesh = jax.sharding.AbstractMesh(
         (), (), abstract_device=jax.sharding.AbstractDevice("TPU v6e", 1, "tpu")
@@ -220,6 +216,6 @@ def test_kernels_lower_for_tpu_at_80b_shapes():
         kernels = [(n, tpu.gdn_prefill, [sd((rows + 1,), i32)]), (rows, tpu.gdn_decode, [])]
         for t, f, extra in kernels:
             acts = [sd((t, hk, d), bf)] * 2 + [sd((t, hv, d), bf)] + [sd((t, hv), bf)] * 2
-            lowered = jax.jit(f).trace(*acts, *gates, pool, *extra, *slots)
+            lowered = jax.jit(f).trace(*acts, *gates, pool, *extra, slots)
             text = lowered.lower(lowering_platforms=("tpu",)).as_text()
             assert "tpu_custom_call" in text

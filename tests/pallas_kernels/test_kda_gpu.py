@@ -12,7 +12,14 @@ import pytest
 
 from pallas_kernels.kda import gpu
 from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
-from tests.pallas_kernels.ragged_cases import assert_close, assert_rel_close, ragged_case
+from tests.pallas_kernels.ragged_cases import (
+    abstract_slots,
+    assert_close,
+    assert_rel_close,
+    ragged_case,
+    state_slots,
+    zero_slots,
+)
 
 
 def _inputs(rng, n, h, dk, dv, dtype):
@@ -42,11 +49,7 @@ def test_prefill_matches_reference(lens, h, dk, dv, dtype, bv):
     case = ragged_case(lens)
     inputs = _inputs(rng, case.num_tokens, h, dk, dv, dtype)
     pool = jnp.asarray(case.pool(rng, (h, dk, dv), np.float32))
-    slots = [
-        jnp.asarray(x)
-        for x in (case.query_start_loc, case.src, case.dst, case.ckpt_offsets, case.ckpt_slots)
-    ]
-    args = (*inputs, pool, *slots, jnp.int32(case.num_seqs))
+    args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
     want_o, want_s = jax.jit(kda_prefill_reference)(*args)
     got_o, got_s = jax.jit(lambda *x: gpu.kda_prefill(*x, block_v=bv, interpret=True))(*args)
     assert not np.isnan(np.asarray(got_o, np.float32)).any(), "a poisoned slot was read"
@@ -71,8 +74,7 @@ def test_decode_matches_reference():
     ck_off[0], ck_slot[0] = [1, 1], [12, 13]
     ck_off[3, 1], ck_slot[3, 1] = 0, 14
     args = (
-        *inputs, jnp.asarray(pool), *(jnp.asarray(x) for x in (src, dst, ck_off, ck_slot)),
-        jnp.int32(num_seqs),
+        *inputs, jnp.asarray(pool), state_slots(src, dst, ck_off, ck_slot, num_seqs),
     )  # fmt: skip
     want_o, want_s = jax.jit(kda_decode_reference)(*args)
     got_o, got_s = jax.jit(lambda *x: gpu.kda_decode(*x, block_v=4, interpret=True))(*args)
@@ -85,8 +87,7 @@ def test_rejects_bad_blocks():
     with pytest.raises(ValueError, match="block_v=3 must be a power of two"):
         gpu.kda_decode(
             z((2, 1, 16)), z((2, 1, 16)), z((2, 1, 12)), z((2, 1, 16)), z((2, 1)), z(1),
-            z((1, 16)), z((3, 1, 16, 12)), z(2, jnp.int32), z(2, jnp.int32),
-            z((2, 1), jnp.int32), z((2, 1), jnp.int32), jnp.int32(2), block_v=3, interpret=True,
+            z((1, 16)), z((3, 1, 16, 12)), zero_slots(2, 1), block_v=3, interpret=True,
         )  # fmt: skip
 
 
@@ -95,9 +96,9 @@ def test_kernels_lower_to_triton_at_48b_shapes():
     sd = jax.ShapeDtypeStruct
     bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
     gates = [sd((h,), f32), sd((h, d), f32)]
-    slots = [sd((rows,), i32)] * 2 + [sd((rows, m), i32)] * 2 + [sd((), i32)]
+    slots = abstract_slots(rows, m)
     pool = sd((8, h, d, d), f32)
     for t, f, extra in [(n, gpu.kda_prefill, [sd((rows + 1,), i32)]), (rows, gpu.kda_decode, [])]:
         acts = [sd((t, h, d), bf)] * 4 + [sd((t, h), bf)]
-        lowered = jax.jit(f).trace(*acts, *gates, pool, *extra, *slots)
+        lowered = jax.jit(f).trace(*acts, *gates, pool, *extra, slots)
         assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
-from tests.pallas_kernels.ragged_cases import assert_close, ragged_case
+from tests.pallas_kernels.ragged_cases import assert_close, ragged_case, state_slots, zero_slots
 
 H, DK, DV = 3, 8, 6
 
@@ -64,8 +64,8 @@ def test_kda_prefill(lens):
     out, new = kda_prefill_reference(
         *(jnp.asarray(a, jnp.float32) for a in x),
         jnp.asarray(pool),
-        *(jnp.asarray(a) for a in (qsl, case.src, case.dst, case.ckpt_offsets, case.ckpt_slots)),
-        jnp.int32(case.num_seqs),
+        jnp.asarray(qsl),
+        case.slots(),
     )
     out, new = np.asarray(out), np.asarray(new)
     written = set()
@@ -100,8 +100,7 @@ def test_kda_decode_continues_prefill():
     out, new = kda_decode_reference(
         *(jnp.asarray(a, jnp.float32) for a in (q, k, v, g, b, A_log, dt_bias)),
         jnp.asarray(pool),
-        *(jnp.asarray(a) for a in (src, dst, ck_off, ck_slot)),
-        jnp.int32(3),
+        state_slots(src, dst, ck_off, ck_slot, 3),
     )
     out, new = np.asarray(out), np.asarray(new)
     for i in range(3):
@@ -120,10 +119,11 @@ def test_kda_decode_continues_prefill():
 def test_kda_bad_shapes_name_the_argument():
     z = jnp.zeros
     args = [z((4, H, DK)), z((4, H, DK)), z((4, H, DV)), z((4, H)), z((4, H)), z(H), z((H, DK))]
-    slots = [z((3, H, DK, DV))] + [z(2, jnp.int32)] * 2 + [z((2, 1), jnp.int32)] * 2
+    state, slots = z((3, H, DK, DV)), zero_slots(2, 1)
     with pytest.raises(ValueError, match=r"g \(4, 3\) must be \[N=4, H=3, Dk=8\]"):
-        kda_decode_reference(*args, *slots, jnp.int32(2))
+        kda_decode_reference(*args, state, slots)
     args[3] = z((4, H, DK))
-    slots[0] = z((3, H, DK, DV), jnp.bfloat16)
     with pytest.raises(ValueError, match="state .* must be f32"):
-        kda_decode_reference(*args, *slots, jnp.int32(2))
+        kda_decode_reference(*args, state.astype(jnp.bfloat16), slots)
+    with pytest.raises(ValueError, match="ckpt_slots .* must match"):
+        kda_decode_reference(*args, state, zero_slots(2, 1, ckpt_slots=z((2, 2), jnp.int32)))

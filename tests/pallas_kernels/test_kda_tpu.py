@@ -13,7 +13,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kda import tpu
 from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
-from tests.pallas_kernels.ragged_cases import assert_close, assert_rel_close, ragged_case
+from tests.pallas_kernels.ragged_cases import (
+    abstract_slots,
+    assert_close,
+    assert_rel_close,
+    ragged_case,
+    state_slots,
+    zero_slots,
+)
 
 INTERPRET = pltpu.InterpretParams()
 
@@ -56,11 +63,7 @@ def test_prefill_matches_reference(lens, h, dk, dv, dtype, hb, gs):
     case = ragged_case(lens)
     inputs = _inputs(rng, case.num_tokens, h, dk, dv, dtype, gs)
     pool = jnp.asarray(case.pool(rng, (h, dk, dv), np.float32))
-    slots = [
-        jnp.asarray(x)
-        for x in (case.query_start_loc, case.src, case.dst, case.ckpt_offsets, case.ckpt_slots)
-    ]
-    args = (*inputs, pool, *slots, jnp.int32(case.num_seqs))
+    args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
     want_o, want_s = jax.jit(kda_prefill_reference)(*args)
     kernel = lambda *x: tpu.kda_prefill(*x, heads_per_block=hb, interpret=INTERPRET)  # noqa: E731
     got_o, got_s = jax.jit(kernel)(*args)
@@ -86,8 +89,7 @@ def test_decode_matches_reference():
     ck_off[0], ck_slot[0] = [1, 1], [12, 13]
     ck_off[3, 1], ck_slot[3, 1] = 0, 14
     args = (
-        *inputs, jnp.asarray(pool), *(jnp.asarray(x) for x in (src, dst, ck_off, ck_slot)),
-        jnp.int32(num_seqs),
+        *inputs, jnp.asarray(pool), state_slots(src, dst, ck_off, ck_slot, num_seqs),
     )  # fmt: skip
     want_o, want_s = jax.jit(kda_decode_reference)(*args)
     kernel = lambda *x: tpu.kda_decode(*x, heads_per_block=2, interpret=INTERPRET)  # noqa: E731
@@ -101,8 +103,7 @@ def test_rejects_bad_heads_per_block():
     with pytest.raises(ValueError, match="heads_per_block=3 must divide h=4"):
         tpu.kda_decode(
             z((2, 4, 16)), z((2, 4, 16)), z((2, 4, 8)), z((2, 4, 16)), z((2, 4)), z(4),
-            z((4, 16)), z((3, 4, 16, 8)), z(2, jnp.int32), z(2, jnp.int32),
-            z((2, 1), jnp.int32), z((2, 1), jnp.int32), jnp.int32(2), heads_per_block=3,
+            z((4, 16)), z((3, 4, 16, 8)), zero_slots(2, 1), heads_per_block=3,
         )  # fmt: skip
 
 
@@ -112,7 +113,7 @@ def test_kernels_lower_for_tpu_at_48b_shapes():
     sd = jax.ShapeDtypeStruct
     bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
     gates = [sd((h,), f32), sd((h, d), f32)]
-    slots = [sd((rows,), i32)] * 2 + [sd((rows, m), i32)] * 2 + [sd((), i32)]
+    slots = abstract_slots(rows, m)
     pool = sd((8, h, d, d), f32)
     mesh = jax.sharding.AbstractMesh(
         (), (), abstract_device=jax.sharding.AbstractDevice("TPU v6e", 1, "tpu")
@@ -121,6 +122,6 @@ def test_kernels_lower_for_tpu_at_48b_shapes():
         kernels = [(n, tpu.kda_prefill, [sd((rows + 1,), i32)]), (rows, tpu.kda_decode, [])]
         for t, f, extra in kernels:
             acts = [sd((t, h, d), bf)] * 4 + [sd((t, h), bf)]
-            lowered = jax.jit(f).trace(*acts, *gates, pool, *extra, *slots)
+            lowered = jax.jit(f).trace(*acts, *gates, pool, *extra, slots)
             text = lowered.lower(lowering_platforms=("tpu",)).as_text()
             assert "tpu_custom_call" in text

@@ -19,7 +19,7 @@ from pallas_kernels.conv1d.reference import (
 )
 from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_reference
 from tests.pallas_kernels.oracles import attention_sequence, conv_sequence, gdn_sequence
-from tests.pallas_kernels.ragged_cases import assert_close
+from tests.pallas_kernels.ragged_cases import assert_close, state_slots
 
 HK, HV, DK, DV, NUM_SLOTS, M = 2, 6, 8, 4, 12, 3
 
@@ -65,8 +65,8 @@ def test_gdn_prefill(lens):
     pool = np.concatenate([pool, np.full((12, HV, DK, DV), np.nan)])  # checkpoint slots
     out, new = gdn_prefill_reference(
         *(jnp.asarray(x, jnp.float32) for x in (q, k, v, a, b, A_log, dt_bias, pool)),
-        *(jnp.asarray(x) for x in (qsl, src, dst, ck_off, ck_slot)),
-        jnp.int32(n),
+        jnp.asarray(qsl),
+        state_slots(src, dst, ck_off, ck_slot, n),
     )
     out, new = np.asarray(out), np.asarray(new)
     for i in range(n):
@@ -106,8 +106,8 @@ def test_gdn_decode_matches_prefill_of_one_token():
     ck_slot = np.zeros((s, M), np.int32)
     ck_off[0, 0], ck_slot[0, 0] = 1, 9  # a decode step reaching a checkpoint boundary
     ck_off[2, 1], ck_slot[2, 1] = 0, 10  # offset 0: ignored
-    args = [jnp.asarray(x) for x in (q, k, v, a, b, A_log, dt_bias, pool, src, dst)]
-    out, new = gdn_decode_reference(*args, jnp.asarray(ck_off), jnp.asarray(ck_slot), jnp.int32(4))
+    args = [jnp.asarray(x) for x in (q, k, v, a, b, A_log, dt_bias, pool)]
+    out, new = gdn_decode_reference(*args, state_slots(src, dst, ck_off, ck_slot, 4))
     out, new = np.asarray(out), np.asarray(new)
     for i in range(4):
         s0 = pool[src[i]] if src[i] else np.zeros((HV, DK, DV))
@@ -144,7 +144,7 @@ def test_conv1d_prefill_and_update(lens):
     for i, length in enumerate(lens):
         ck_off[i, 0], ck_slot[i, 0] = max(1, length // 2), 12 + i  # may be < K-1 tokens
     y, new = causal_conv1d_prefill_reference(
-        *(jnp.asarray(z) for z in (x, w, pool, qsl, src, dst, ck_off, ck_slot)), jnp.int32(n)
+        *(jnp.asarray(z) for z in (x, w, pool, qsl)), state_slots(src, dst, ck_off, ck_slot, n)
     )
     y, new = np.asarray(y), np.asarray(new)
     for i in range(n):
@@ -159,8 +159,8 @@ def test_conv1d_prefill_and_update(lens):
     xd = rng.normal(size=(s, c)).astype(np.float32)
     live = np.arange(s) < n
     yd, new2 = causal_conv1d_update_reference(
-        *(jnp.asarray(z) for z in (xd, w, new, dst * live, dst * live, ck_off * 0, ck_slot)),
-        jnp.int32(n),
+        *(jnp.asarray(z) for z in (xd, w, new)),
+        state_slots(dst * live, dst * live, ck_off * 0, ck_slot, n),
     )
     for i in range(n):
         yy, windows = conv_sequence(xd[i : i + 1].astype(np.float64), w, new[dst[i]])
@@ -245,10 +245,6 @@ def test_reference_ops_jit():
         z(HV),
         z((4, HV, DK, DV)),
         jnp.array([0, 3, 8], jnp.int32),
-        z(s, jnp.int32),
-        jnp.array([1, 2], jnp.int32),
-        z((s, M), jnp.int32),
-        z((s, M), jnp.int32),
-        jnp.int32(2),
+        state_slots(np.zeros(s), [1, 2], np.zeros((s, M)), np.zeros((s, M)), 2),
     )
     assert o.shape == (t, HV, DV) and st.shape == (4, HV, DK, DV)

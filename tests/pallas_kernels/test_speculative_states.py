@@ -19,7 +19,7 @@ from pallas_kernels.conv1d.reference import (
 )
 from pallas_kernels.gdn import gpu
 from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_reference
-from tests.pallas_kernels.ragged_cases import assert_close
+from tests.pallas_kernels.ragged_cases import assert_close, state_slots
 
 ROWS, K_DRAFT, HK, HV, D, C, TAPS = 3, 4, 2, 4, 16, 24, 4
 
@@ -46,24 +46,22 @@ def test_per_token_state_slots_equal_sequential_decode(prefill):
     ck_off, ck_slot, num_slots = _draft_slots()
     pool = np.full((num_slots, HV, D, D), np.nan, np.float32)
     pool[1 : ROWS + 1] = rng.normal(size=(ROWS, HV, D, D))
-    running = jnp.arange(1, ROWS + 1, dtype=jnp.int32)
+    running = np.arange(1, ROWS + 1, dtype=np.int32)
     qsl = jnp.arange(ROWS + 1, dtype=jnp.int32) * K_DRAFT
     # dst 0: the running slot is left as it was (the verifier picks a draft slot)
-    _, got = jax.jit(prefill)(
-        q, k, v, a, b, A_log, dt_bias, jnp.asarray(pool), qsl, running,
-        jnp.zeros(ROWS, jnp.int32), jnp.asarray(ck_off), jnp.asarray(ck_slot), jnp.int32(ROWS),
-    )  # fmt: skip
+    drafts = state_slots(running, np.zeros(ROWS), ck_off, ck_slot, ROWS)
+    _, got = jax.jit(prefill)(q, k, v, a, b, A_log, dt_bias, jnp.asarray(pool), qsl, drafts)
     got = np.asarray(got)
     np.testing.assert_array_equal(got[1 : ROWS + 1], pool[1 : ROWS + 1])  # running untouched
 
     state = jnp.asarray(pool)
-    none = jnp.zeros((ROWS, 1), jnp.int32)
+    none = np.zeros((ROWS, 1), np.int32)
+    in_place = state_slots(running, running, none, none, ROWS)
     for t in range(K_DRAFT):
         tok = np.arange(ROWS) * K_DRAFT + t  # draft token t of every row
         _, state = gdn_decode_reference(
-            q[tok], k[tok], v[tok], a[tok], b[tok], A_log, dt_bias, state, running, running,
-            none, none, jnp.int32(ROWS),
-        )  # fmt: skip
+            q[tok], k[tok], v[tok], a[tok], b[tok], A_log, dt_bias, state, in_place
+        )
         want = np.asarray(state)[1 : ROWS + 1]
         assert_close(got[ck_slot[:, t]], want, rtol=2e-4, atol=2e-4)
 
@@ -76,19 +74,16 @@ def test_per_token_conv_windows_equal_sequential_updates():
     ck_off, ck_slot, num_slots = _draft_slots()
     conv = np.full((num_slots, TAPS - 1, C), np.nan, np.float32)
     conv[1 : ROWS + 1] = rng.normal(size=(ROWS, TAPS - 1, C))
-    running = jnp.arange(1, ROWS + 1, dtype=jnp.int32)
+    running = np.arange(1, ROWS + 1, dtype=np.int32)
     qsl = jnp.arange(ROWS + 1, dtype=jnp.int32) * K_DRAFT
-    _, got = causal_conv1d_prefill_reference(
-        x, weight, jnp.asarray(conv), qsl, running, jnp.zeros(ROWS, jnp.int32),
-        jnp.asarray(ck_off), jnp.asarray(ck_slot), jnp.int32(ROWS),
-    )  # fmt: skip
+    drafts = state_slots(running, np.zeros(ROWS), ck_off, ck_slot, ROWS)
+    _, got = causal_conv1d_prefill_reference(x, weight, jnp.asarray(conv), qsl, drafts)
     state = jnp.asarray(conv)
-    none = jnp.zeros((ROWS, 1), jnp.int32)
+    none = np.zeros((ROWS, 1), np.int32)
+    in_place = state_slots(running, running, none, none, ROWS)
     for t in range(K_DRAFT):
         tok = np.arange(ROWS) * K_DRAFT + t
-        _, state = causal_conv1d_update_reference(
-            x[tok], weight, state, running, running, none, none, jnp.int32(ROWS)
-        )
+        _, state = causal_conv1d_update_reference(x[tok], weight, state, in_place)
         np.testing.assert_array_equal(
             np.asarray(got)[ck_slot[:, t]], np.asarray(state)[1 : ROWS + 1]
         )

@@ -20,6 +20,7 @@ from hyjax.ops import get_ops
 from hyjax.testing import SeqChunk, make_batch, tiny_qwen3_next_config
 from hyjax.training.chunked import chunk_gated_delta_rule
 from hyjax.training.dense import dense_forward, load_balancing_loss
+from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.gdn.reference import gdn_prefill_reference
 from tests.pallas_kernels.ragged_cases import assert_close
 
@@ -91,10 +92,10 @@ def test_chunked_rule_matches_token_scan():
     a_log, dt_bias = jnp.linspace(-1.0, 1.5, hv), jnp.linspace(-0.5, 0.5, hv)
     state = jnp.full((2, hv, dk, dv), jnp.nan)
     zeros = jnp.zeros((1, 1), jnp.int32)
+    fresh = StateSlots(jnp.array([0]), jnp.array([1]), zeros, zeros, jnp.int32(1))
     want_o, want_s = gdn_prefill_reference(
-        q, k, v, a, b, a_log, dt_bias, state, jnp.array([0, t], jnp.int32),
-        jnp.array([0]), jnp.array([1]), zeros, zeros, jnp.int32(1),
-    )  # fmt: skip
+        q, k, v, a, b, a_log, dt_bias, state, jnp.array([0, t], jnp.int32), fresh
+    )
     from pallas_kernels.gdn.reference import _prepare
 
     q32, k32, v32, g, beta = _prepare(q, k, v, a, b, a_log, dt_bias)
