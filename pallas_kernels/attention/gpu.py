@@ -31,6 +31,11 @@ merges the splits with their log-sum-exp weights. Splits are chosen so that a la
 programs whose share is empty exit at once. Everything around the kernels is loop-free (an
 XLA ``while`` on GPU costs a host round trip per trip; a test checks the lowered module).
 
+The split loop over the pages, the two launches and the merge are
+:mod:`pallas_kernels.attention.paging_gpu`'s, shared with MLA
+(:mod:`pallas_kernels.attention.mla_gpu`); this module holds how GQA reads K and V, its query
+layout and the decode-only path.
+
 Requirements: ``D`` a power of two (Triton ``arange``; :func:`unsupported_reason`); element
 offsets of one layer's cache below 2**31 (Triton's 32-bit pointer arithmetic). Tuning
 defaults: the H200 sweep in BENCHMARKS.md (D = 256).
@@ -45,6 +50,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.attention.paging_gpu import (
+    MASKED,
+    Launch,
+    attend_split,
+    mm,
+    split_launches,
+    store_partial,
+)
 from pallas_kernels.attention.reference import check_attention_args
 from pallas_kernels.attention.tiles import (
     cdiv,
@@ -52,12 +65,7 @@ from pallas_kernels.attention.tiles import (
     next_pow2,
     normalise_split,
     split_count,
-    token_rows,
-    work_list,
 )
-
-_MASKED = -1e30  # finite: a row whose keys are all masked gives p = 0, never NaN
-
 
 # The narrowest head dim the kernel takes (one Triton tile holds a head; narrower ones would
 # run as FMA loops never compiled on a GPU).
@@ -72,13 +80,6 @@ def unsupported_reason(head_dim: int) -> str | None:
     return None
 
 
-def _mm(x, y, contract):
-    """``x @ y`` over the given dims, accumulated in float32 (``pl.dot`` is gone in JAX 0.12).
-    The precision is ``jax_default_matmul_precision``'s: f32 products are TF32 unless the step
-    is traced at ``highest`` (float32 serving without ``--allow-tf32``: IEEE)."""
-    return jax.lax.dot_general(x, y, (contract, ((), ())), preferred_element_type=jnp.float32)
-
-
 # ----------------------------------------------------------------------------- kernel
 
 
@@ -88,43 +89,24 @@ def _attend_split(
     scale: float,
 ):  # fmt: skip
     """Online softmax of ``q`` [M, D] (positions ``q_pos`` [M]) over split ``j`` of the keys
-    ``[0, ctx)`` of sequence ``seq``, kv head ``h``, read through the block tables in
-    ``block_k``-token blocks (a gathered [BK, D] load; masked past the context, so unused pages
-    are never read). Returns the unnormalised float32 partial ``(o [M, D], m [M], l [M])``."""
-    rows, d = q.shape
+    ``[0, ctx)`` of sequence ``seq``, kv head ``h``
+    (:func:`pallas_kernels.attention.paging_gpu.attend_split`; K and V rows are gathered
+    [BK, D] loads, masked past the context). Returns the unnormalised float32 partial
+    ``(o [M, D], m [M], l [M])``."""
+    d = q.shape[1]
     cols = jnp.arange(d, dtype=jnp.int32)[None, :]
-    n_kv = cdiv(ctx, block_k)
-    per = cdiv(n_kv, splits)
-    start = j * per
-    end = jnp.minimum(n_kv, start + per)
 
-    def body(kb, carry):
-        o, m, l = carry
-        k_pos = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK]
-        k_ok = k_pos < ctx
-        page = pltr.load(
-            bt_ref.at[seq * max_blocks + k_pos // block_size], mask=k_ok, other=0
-        )  # [BK]
-        kv_row = (page * block_size + k_pos % block_size) * num_kv_heads + h
+    def read_block(slot, k_ok):
+        kv_row = slot * num_kv_heads + h  # [BK]  rows of the cache as [NB * bs * Hkv, D]
         k_mask = k_ok[:, None] & (cols >= 0)  # [BK, D]
         k = pltr.load(k_ref.at[kv_row[:, None], cols], mask=k_mask, other=0.0)  # [BK, D]
         v = pltr.load(v_ref.at[kv_row[:, None], cols], mask=k_mask, other=0.0)
-        s = _mm(q, k, ((1,), (1,))) * scale  # [M, BK]
-        ok = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        s = jnp.where(ok, s, _MASKED)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
-        l = l * alpha + jnp.sum(p, axis=1)
-        o = o * alpha[:, None] + _mm(p.astype(v.dtype), v, ((1,), (0,)))
-        return o, m_new, l
+        return mm(q, k, ((1,), (1,))) * scale, v  # [M, BK], [BK, D]
 
-    init = (
-        jnp.zeros((rows, d), jnp.float32),
-        jnp.full((rows,), _MASKED, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
-    return jax.lax.fori_loop(start, end, body, init)
+    return attend_split(
+        q_pos, ctx, j, seq, bt_ref, read_block, width=d, block_k=block_k, block_size=block_size,
+        max_blocks=max_blocks, splits=splits,
+    )  # fmt: skip
 
 
 def _kernel(
@@ -148,14 +130,11 @@ def _kernel(
     q = pltr.load(q_ref.at[h, pl.ds(q0 * gp, rows), :], mask=row_ok[:, None], other=0.0)
 
     ctx = pos0 + nq  # keys [0, ctx)
-    o, m, l = _attend_split(
+    partial = _attend_split(
         q, q_pos, ctx, j, seq, h, bt_ref, k_ref, v_ref, block_k=block_k, block_size=block_size,
         max_blocks=max_blocks, num_kv_heads=num_kv_heads, splits=splits, scale=scale,
     )  # fmt: skip
-    out = pl.ds(i * rows, rows)
-    pltr.store(o_ref.at[j, h, out, :], o, mask=row_ok[:, None])
-    pltr.store(m_ref.at[j, h, out], m, mask=row_ok)
-    pltr.store(l_ref.at[j, h, out], l, mask=row_ok)
+    store_partial(o_ref, m_ref, l_ref, j, h, i, partial, row_ok)
 
 
 # ----------------------------------------------------------------------------- decode-only
@@ -283,7 +262,7 @@ def _decode_merge_kernel(
     prow = ((s * num_kv_heads + h) * num_rows + i) * rows + tok * gp + g  # [splits]
     prow = jnp.where(ok, prow, 0)
     cc = c * cols + jnp.arange(cols, dtype=jnp.int32)
-    m = pltr.load(pm_ref.at[prow], mask=ok & (s >= 0), other=_MASKED)
+    m = pltr.load(pm_ref.at[prow], mask=ok & (s >= 0), other=MASKED)
     l = pltr.load(pl_ref.at[prow], mask=ok & (s >= 0), other=0.0)
     mask = ok & (s[:, None] >= 0) & (cc[None, :] >= 0)  # [splits, cols]
     o = pltr.load(po_ref.at[prow[:, None], cc[None, :]], mask=mask, other=0.0)
@@ -403,7 +382,7 @@ def ragged_paged_attention(
     check_attention_args(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     num_tokens, num_q_heads, d = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    num_rows, max_blocks = block_tables.shape
+    max_blocks = block_tables.shape[1]
     if d & (d - 1):
         raise ValueError(f"head_dim={d} must be a power of two for the Triton kernel")
     if k_cache.size >= 2**31:
@@ -421,7 +400,6 @@ def ragged_paged_attention(
     gp = next_pow2(group)
     bq_short = max(1, 16 // gp)
     bq_long = max(bq_short, rows_prefill // gp)
-    bk_long = block_k_prefill
     t_pad = num_tokens + bq_long  # a tile's row window never runs past the array
 
     # [T, Hq, D] -> [Hkv, Tp * Gp, D]: the rows of one kv head's group are contiguous.
@@ -430,51 +408,17 @@ def ragged_paged_attention(
     qg = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, t_pad * gp, d)
     kf = k_cache.reshape(num_blocks * block_size * num_kv_heads, d)
     vf = v_cache.reshape(num_blocks * block_size * num_kv_heads, d)
-    bt = block_tables.astype(jnp.int32).reshape(-1)
-    qsl = query_start_loc.astype(jnp.int32)
-    lens = seq_lens.astype(jnp.int32)
-    n = jnp.asarray(num_seqs, jnp.int32)
-    q_len = qsl[1:] - qsl[:-1]  # [S]
-    live_row = (jnp.arange(num_rows) < n) & (q_len > 0)
-    is_short = q_len <= bq_short  # [S]
-    seq_id, local, live = token_rows(qsl, n, num_tokens)  # [T] each
-    g = jnp.arange(group, dtype=jnp.int32)
-
-    cap_long = min(num_rows, num_tokens // (bq_short + 1)) + num_tokens // bq_long
-    launches = [(True, bq_short, block_k_decode, num_rows, num_warps, num_stages)]
-    if cap_long > 0 and not decode_only:
-        launches.append((False, bq_long, bk_long, cap_long, num_warps_prefill, num_stages_prefill))
-    max_ctx = max_blocks * block_size
-    o = jnp.zeros((num_kv_heads, num_tokens, group, d), jnp.float32)
-    for short, bq, bk, cap, warps, stages in launches:
-        rows = bq * gp
-        splits = split_count(cap * num_kv_heads, cdiv(max_ctx, bk), target_programs)
-        if not short:  # prefill tiles bring their own parallelism; partials cost cap * rows * D
-            splits = min(splits, max_splits_prefill)
-        kind = live_row & (is_short if short else ~is_short)
-        tiles, first_tile = work_list(q_len, lens, qsl, kind, bq=bq, capacity=cap)
-        kernel = functools.partial(
-            _kernel, bq=bq, gp=gp, group=group, block_k=bk, block_size=block_size,
-            max_blocks=max_blocks, num_kv_heads=num_kv_heads, splits=splits, scale=scale,
-        )  # fmt: skip
-        part = pl.pallas_call(
-            kernel,
-            grid=(cap, num_kv_heads, splits),
-            out_shape=[
-                jax.ShapeDtypeStruct((splits, num_kv_heads, cap * rows, d), jnp.float32),
-                jax.ShapeDtypeStruct((splits, num_kv_heads, cap * rows), jnp.float32),
-                jax.ShapeDtypeStruct((splits, num_kv_heads, cap * rows), jnp.float32),
-            ],
-            compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=stages),
-            interpret=interpret,
-            name="ragged_paged_attention_" + ("short" if short else "long"),
-        )(*tiles, bt, qg, kf, vf)
-        merged = merge_splits(*part) if splits > 1 else normalise_split(part[0][0], part[2][0])
-        # token t, head g of the group -> row (tile, token in tile, g) of this launch's output
-        tile = first_tile[seq_id] + local // bq  # [T]
-        row = (tile * rows + (local % bq) * gp)[:, None] + g[None, :]  # [T, G]
-        mine = (is_short[seq_id] if short else ~is_short[seq_id])[None, :, None, None]
-        o = jnp.where(mine, merged[:, jnp.clip(row, 0, cap * rows - 1)], o)
-
-    o = o.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, d)  # [T, Hq, D]
-    return jnp.where(live[:, None, None], o, 0.0).astype(q.dtype)
+    kernel = functools.partial(
+        _kernel, gp=gp, group=group, block_size=block_size, max_blocks=max_blocks,
+        num_kv_heads=num_kv_heads, scale=scale,
+    )  # fmt: skip
+    o = split_launches(
+        kernel, (qg, kf, vf), query_start_loc, seq_lens, block_tables, num_seqs,
+        short=Launch(bq_short, block_k_decode, num_warps, num_stages),
+        long=Launch(bq_long, block_k_prefill, num_warps_prefill, num_stages_prefill),
+        num_tokens=num_tokens, num_heads=num_q_heads, groups=num_kv_heads, group_rows=gp,
+        group_heads=group, width=d, groups_fastest=False, block_size=block_size,
+        target_programs=target_programs, max_splits_long=max_splits_prefill,
+        interpret=interpret, name="ragged_paged_attention",
+    )  # fmt: skip
+    return o.astype(q.dtype)

@@ -35,19 +35,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.attention.mla_absorb import _precision
-from pallas_kernels.attention.tiles import cdiv, count_le, work_list
-
-_MASKED = -1e30  # finite: a masked row gives p = 0, never NaN
+from pallas_kernels.attention.paging_gpu import mm, softmax_init, softmax_step
+from pallas_kernels.attention.tiles import cdiv, count_le, normalise_split, work_list
 
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and not n & (n - 1)
-
-
-def _mm(x, y, contract, precision):
-    return jax.lax.dot_general(
-        x, y, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32
-    )
 
 
 def _decompress_kernel(
@@ -80,8 +73,8 @@ def _decompress_kernel(
         )  # [BW, BL]  fmt: skip
         wk = pltr.load(wk_ref.at[h, pl.ds(c * block_l, block_l), :])  # [BL, Dn]
         wv = pltr.load(wv_ref.at[h, pl.ds(c * block_l, block_l), :])  # [BL, Dv]
-        ak = ak + _mm(x, wk, ((1,), (0,)), precision)
-        av = av + _mm(x, wv, ((1,), (0,)), precision)
+        ak = ak + mm(x, wk, ((1,), (0,)), precision)
+        av = av + mm(x, wv, ((1,), (0,)), precision)
         return ak, av
 
     init = (jnp.zeros((block_w, dn), jnp.float32), jnp.zeros((block_w, dv), jnp.float32))
@@ -113,7 +106,6 @@ def _flash_kernel(
     cols_r = lora + jnp.arange(rope, dtype=jnp.int32)[None, :]
 
     def body(kb, carry):
-        o, m, l = carry
         k_pos = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK]
         k_ok = k_pos < ctx
         k_rows = pl.ds(ws0 + kb * block_k, block_k)
@@ -125,25 +117,14 @@ def _flash_kernel(
             mask=jnp.broadcast_to(k_ok[:, None], (block_k, rope)),
             other=0.0,
         )  # [BK, R]  fmt: skip
-        s = _mm(qn, kn, ((1,), (1,)), precision) + _mm(qr, kr, ((1,), (1,)), precision)
+        s = mm(qn, kn, ((1,), (1,)), precision) + mm(qr, kr, ((1,), (1,)), precision)
         ok = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])  # [BQ, BK]
-        s = jnp.where(ok, s * scale, _MASKED)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
-        l = l * alpha + jnp.sum(p, axis=1)
-        o = o * alpha[:, None] + _mm(p.astype(v.dtype), v, ((1,), (0,)), precision)
-        return o, m_new, l
+        return softmax_step(carry, s * scale, ok, v, precision)
 
-    dv = v_ref.shape[-1]
-    init = (
-        jnp.zeros((bq, dv), jnp.float32),
-        jnp.full((bq,), _MASKED, jnp.float32),
-        jnp.zeros((bq,), jnp.float32),
-    )
+    init = softmax_init(bq, v_ref.shape[-1])
     # the tile's last query is at ctx - 1: no key block past it is needed
     o, _, l = jax.lax.fori_loop(0, cdiv(ctx, block_k), body, init)
-    o = o / jnp.where(l > 0, l, 1.0)[:, None]
+    o = normalise_split(o, l)
     pltr.store(o_ref.at[h, q_rows, :], o, mask=row_ok[:, None])
 
 

@@ -27,7 +27,9 @@ Head blocks of one tile run side by side (``g`` is the fastest grid axis), so a 
 read by one is in L2 for the others. Two launches, as for GQA: short rows (decode, a few
 speculative tokens: ``BQ * HB = 16`` rows, the smallest ``tl.dot``) and long rows (prefill
 chunks, ``rows_prefill`` rows). Decode at long contexts splits the keys (flash-decoding) so a
-launch has about ``target_programs`` programs; float32 partials merge by log-sum-exp.
+launch has about ``target_programs`` programs; float32 partials merge by log-sum-exp. The
+split loop, the launches and the merge are :mod:`pallas_kernels.attention.paging_gpu`'s,
+shared with GQA.
 
 Requirements: L, R and ``HB`` powers of two (Kimi-Linear: 512, 64; HB = 16); heads are padded
 to a multiple of ``HB``; the cache has < 2**31 elements (Triton's 32-bit offsets: about 3.7M
@@ -56,18 +58,14 @@ from pallas_kernels.attention.mla_decompress_gpu import (
     workspace_tokens,
 )
 from pallas_kernels.attention.mla_reference import _check
-from pallas_kernels.attention.tiles import (
-    cdiv,
-    merge_splits,
-    next_pow2,
-    normalise_split,
-    split_count,
-    token_rows,
-    work_list,
+from pallas_kernels.attention.paging_gpu import (
+    Launch,
+    attend_split,
+    mm,
+    split_launches,
+    store_partial,
 )
-
-_MASKED = -1e30  # finite: a row whose keys are all masked gives p = 0, never NaN
-
+from pallas_kernels.attention.tiles import cdiv, next_pow2, token_rows
 
 # The narrowest latent tile (the tiny test model's rope dims); narrower ones would run as FMA
 # loops never compiled on a GPU.
@@ -103,11 +101,6 @@ def _kernel(
     rows = bq * hb
     seq, q0, nq, pos0 = tseq_ref[i], tq0_ref[i], tnq_ref[i], tpos_ref[i]
 
-    def mm(x, y, contract):
-        return jax.lax.dot_general(
-            x, y, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32
-        )
-
     r = jnp.arange(rows, dtype=jnp.int32)
     tok = r // hb
     row_ok = tok < nq  # [M]
@@ -117,21 +110,11 @@ def _kernel(
     qr = pltr.load(qr_ref.at[g, q_rows, :], mask=row_ok[:, None], other=0.0)  # [M, R]
 
     ctx = pos0 + nq  # keys [0, ctx)
-    n_kv = cdiv(ctx, block_k)
-    per = cdiv(n_kv, splits)
-    start = j * per
-    end = jnp.minimum(n_kv, start + per)
     cols_l = jnp.arange(lora, dtype=jnp.int32)[None, :]
     cols_r = lora + jnp.arange(rope, dtype=jnp.int32)[None, :]
 
-    def body(kb, carry):
-        o, m, l = carry
-        k_pos = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [BK]
-        k_ok = k_pos < ctx
-        page = pltr.load(
-            bt_ref.at[seq * max_blocks + k_pos // block_size], mask=k_ok, other=0
-        )  # [BK]
-        slot = (page * block_size + k_pos % block_size)[:, None]  # [BK, 1]
+    def read_block(slot, k_ok):
+        slot = slot[:, None]  # [BK, 1]  rows of the cache as [NB * bs, L + R]
         c = pltr.load(
             lat_ref.at[slot, cols_l],
             mask=jnp.broadcast_to(k_ok[:, None], (block_k, lora)),
@@ -142,26 +125,14 @@ def _kernel(
             mask=jnp.broadcast_to(k_ok[:, None], (block_k, rope)),
             other=0.0,
         )  # [BK, R]  fmt: skip
-        s = (mm(qn, c, ((1,), (1,))) + mm(qr, kr, ((1,), (1,)))) * scale  # [M, BK]
-        ok = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        s = jnp.where(ok, s, _MASKED)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
-        l = l * alpha + jnp.sum(p, axis=1)
-        o = o * alpha[:, None] + mm(p.astype(c.dtype), c, ((1,), (0,)))  # [M, L]
-        return o, m_new, l
+        s = mm(qn, c, ((1,), (1,)), precision) + mm(qr, kr, ((1,), (1,)), precision)
+        return s * scale, c  # [M, BK]; the latent is the key and the value
 
-    init = (
-        jnp.zeros((rows, lora), jnp.float32),
-        jnp.full((rows,), _MASKED, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
-    o, m, l = jax.lax.fori_loop(start, end, body, init)
-    out = pl.ds(i * rows, rows)
-    pltr.store(o_ref.at[j, g, out, :], o, mask=row_ok[:, None])
-    pltr.store(m_ref.at[j, g, out], m, mask=row_ok)
-    pltr.store(l_ref.at[j, g, out], l, mask=row_ok)
+    partial = attend_split(
+        q_pos, ctx, j, seq, bt_ref, read_block, width=lora, block_k=block_k,
+        block_size=block_size, max_blocks=max_blocks, splits=splits, precision=precision,
+    )  # fmt: skip
+    store_partial(o_ref, m_ref, l_ref, j, g, i, partial, row_ok)
 
 
 def latent_attention(
@@ -198,7 +169,7 @@ def latent_attention(
     another kernel attends (the decompressed prefill); their tokens come back 0."""
     num_tokens, num_heads, width = q_abs.shape
     num_blocks, block_size, _ = latent_cache.shape
-    num_rows, max_blocks = block_tables.shape
+    max_blocks = block_tables.shape[1]
     rope = width - lora
     if not (_is_pow2(lora) and _is_pow2(rope)):
         raise ValueError(f"kv_lora_rank={lora} and rope dims={rope} must be powers of two")
@@ -220,66 +191,27 @@ def latent_attention(
     qg = qg.reshape(t_pad, nhb, hb, width).transpose(1, 0, 2, 3).reshape(nhb, t_pad * hb, width)
     qn, qr = qg[..., :lora], qg[..., lora:]
     lat = latent_cache.reshape(num_blocks * block_size, width)
-    bt = block_tables.astype(jnp.int32).reshape(-1)
-    qsl = query_start_loc.astype(jnp.int32)
-    lens = seq_lens.astype(jnp.int32)
-    n = jnp.asarray(num_seqs, jnp.int32)
-    q_len = qsl[1:] - qsl[:-1]  # [S]
-    live_row = (jnp.arange(num_rows) < n) & (q_len > 0)
-    if skip_rows is not None:
-        live_row = live_row & ~skip_rows
-    is_short = q_len <= bq_short  # [S]
-    seq_id, local, live = token_rows(qsl, n, num_tokens)  # [T] each
-    h_in = jnp.arange(hb, dtype=jnp.int32)
 
     wide = jnp.dtype(latent_cache.dtype).itemsize > 2
     if block_k_prefill is None:
         block_k_prefill = 32 if wide else 64
     if num_warps_prefill is None:
         num_warps_prefill = 4 if wide else 8
-    cap_long = min(num_rows, num_tokens // (bq_short + 1)) + num_tokens // bq_long
-    launches = [(True, bq_short, block_k_decode, num_rows, num_warps, num_stages)]
+    long = Launch(bq_long, block_k_prefill, num_warps_prefill, num_stages_prefill)
     if max_q_len is not None and max_q_len <= bq_short:
-        cap_long = 0  # every row fits a short tile
-    if cap_long > 0:
-        launches.append(
-            (False, bq_long, block_k_prefill, cap_long, num_warps_prefill, num_stages_prefill)
-        )
-    max_ctx = max_blocks * block_size
-    o = jnp.zeros((nhb, num_tokens, hb, lora), jnp.float32)
-    for short, bq, bk, cap, warps, stages in launches:
-        rows = bq * hb
-        splits = split_count(cap * nhb, cdiv(max_ctx, bk), target_programs)
-        if not short:  # prefill tiles bring their own parallelism; partials cost cap * rows * L
-            splits = min(splits, max_splits_prefill)
-        kind = live_row & (is_short if short else ~is_short)
-        tiles, first_tile = work_list(q_len, lens, qsl, kind, bq=bq, capacity=cap)
-        kernel = functools.partial(
-            _kernel, bq=bq, hb=hb, block_k=bk, block_size=block_size, max_blocks=max_blocks,
-            lora=lora, rope=rope, splits=splits, scale=scale,
-            precision=_precision(latent_cache.dtype),
-        )  # fmt: skip
-        part = pl.pallas_call(
-            kernel,
-            grid=(nhb, cap, splits),
-            out_shape=[
-                jax.ShapeDtypeStruct((splits, nhb, cap * rows, lora), jnp.float32),
-                jax.ShapeDtypeStruct((splits, nhb, cap * rows), jnp.float32),
-                jax.ShapeDtypeStruct((splits, nhb, cap * rows), jnp.float32),
-            ],
-            compiler_params=pltr.CompilerParams(num_warps=warps, num_stages=stages),
-            interpret=interpret,
-            name="mla_latent_attention_" + ("short" if short else "long"),
-        )(*tiles, bt, qn, qr, lat)
-        merged = merge_splits(*part) if splits > 1 else normalise_split(part[0][0], part[2][0])
-        # token t, head h of the block -> row (tile, token in tile, h) of this launch's output
-        tile = first_tile[seq_id] + local // bq  # [T]
-        row = (tile * rows + (local % bq) * hb)[:, None] + h_in[None, :]  # [T, HB]
-        mine = kind[seq_id][None, :, None, None]
-        o = jnp.where(mine, merged[:, jnp.clip(row, 0, cap * rows - 1)], o)
-
-    o = o.transpose(1, 0, 2, 3).reshape(num_tokens, nhb * hb, lora)[:, :num_heads]
-    return jnp.where(live[:, None, None], o, 0.0)
+        long = None  # every row fits a short tile
+    kernel = functools.partial(
+        _kernel, hb=hb, block_size=block_size, max_blocks=max_blocks, lora=lora, rope=rope,
+        scale=scale, precision=_precision(latent_cache.dtype),
+    )  # fmt: skip
+    return split_launches(
+        kernel, (qn, qr, lat), query_start_loc, seq_lens, block_tables, num_seqs,
+        short=Launch(bq_short, block_k_decode, num_warps, num_stages), long=long,
+        num_tokens=num_tokens, num_heads=num_heads, groups=nhb, group_rows=hb, group_heads=hb,
+        width=lora, groups_fastest=True, block_size=block_size, target_programs=target_programs,
+        max_splits_long=max_splits_prefill, skip_rows=skip_rows, interpret=interpret,
+        name="mla_latent_attention",
+    )  # fmt: skip
 
 
 _DECOMPRESS_KEYS = {

@@ -25,6 +25,9 @@ would make decode compute-bound), and the rest in tiles of ``block_q``.
 Pages past a sequence's context are not fetched; whatever the buffer holds there (NaN under
 the interpreter) is masked out of the scores and zeroed before ``p @ c``.
 
+The page DMAs (one stream: the latent pool), the double-buffered block loop and the
+online-softmax step are :mod:`pallas_kernels.attention.paging_tpu`'s, shared with GQA.
+
 Assumptions (what Mosaic accepts): block shapes equal the arrays' last two dims (``[H*BQ,
 L+R]`` for q, ``[H*BQ, L]`` for o); page DMAs move whole pages ``[bs, L+R]`` into row offsets
 that are multiples of ``bs``; the value is the lane slice ``[:, :L]`` (aligned when ``L % 128
@@ -43,9 +46,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.attention.mla_absorb import _precision, absorbed_decode, absorbed_prefill
-from pallas_kernels.attention.tiles import cdiv, token_rows, work_list
-
-_MASKED = -1e30  # finite: a row whose keys are all masked gets p = 0, never NaN
+from pallas_kernels.attention.paging_tpu import (
+    PagedBlocks,
+    attend_tile,
+    softmax_step,
+)
+from pallas_kernels.attention.tiles import token_rows, work_list
 
 
 def _kernel(
@@ -55,99 +61,27 @@ def _kernel(
     lat_hbm,  # HBM [NB, bs, L + R]
     o_ref,  # [H * BQ, L]
     buf,  # VMEM [2, BK, L + R]
-    sems,  # DMA semaphores [2]
+    sems,  # DMA semaphores [1, 2]  (the one stream, slot)
     m_ref, l_ref,  # VMEM f32[H * BQ, 128]  (lane-broadcast running max / denominator)
     acc_ref,  # VMEM f32[H * BQ, L]
     *, bq: int, lora: int, pages_per_block: int, max_blocks: int, scale: float, precision,
 ):  # fmt: skip
     i = pl.program_id(0)
     seq, nq, pos0 = tseq_ref[i], tnq_ref[i], tpos_ref[i]
-    rows = q_ref.shape[0]
-    bs = lat_hbm.shape[1]
-    bk = pages_per_block * bs
     ctx = pos0 + nq  # keys [0, ctx)
-    n_pages = cdiv(ctx, bs)
-    n_kv = cdiv(ctx, bk)
+    pages = PagedBlocks(
+        bt_ref, seq, ctx, ((lat_hbm, buf),), sems, pages_per_block=pages_per_block,
+        max_blocks=max_blocks,
+    )  # fmt: skip
 
-    def page_copies(kb, slot):
-        """The DMAs of block kb's live pages, each with its predicate."""
-        out = []
-        for p in range(pages_per_block):
-            idx = kb * pages_per_block + p
-            page = bt_ref[seq * max_blocks + jnp.minimum(idx, max_blocks - 1)]
-            copy = pltpu.make_async_copy(
-                lat_hbm.at[page], buf.at[slot, pl.ds(p * bs, bs)], sems.at[slot]
-            )
-            out.append((idx < n_pages, copy))
-        return out
+    def attend_block(slot, ok, key_live):
+        k = buf[slot]  # [BK, L + R]
+        c = jnp.where(key_live, buf[slot, :, pl.ds(0, lora)], 0)  # [BK, L]
+        softmax_step(q_ref[...], k, c, ok, m_ref, l_ref, acc_ref, at=..., scale=scale,
+                     precision=precision)  # fmt: skip
 
-    def start(kb, slot):
-        for live, copy in page_copies(kb, slot):
-            pl.when(live)(copy.start)
-
-    def wait(kb, slot):
-        for live, copy in page_copies(kb, slot):
-            pl.when(live)(copy.wait)
-
-    @pl.when(nq == 0)  # capacity padding: nothing to attend (the wrapper drops these rows)
-    def _():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
-
-    @pl.when(nq > 0)
-    def _():
-        m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-        @pl.when(n_kv > 0)
-        def _():
-            start(0, 0)
-
-        row = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
-        col = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
-        tok = jnp.bitwise_and(row, bq - 1)  # rows are h * BQ + t
-        q_pos = pos0 + tok
-
-        def body(kb, carry):
-            slot = jax.lax.rem(kb, 2)
-
-            @pl.when(kb + 1 < n_kv)
-            def _():
-                start(kb + 1, 1 - slot)
-
-            wait(kb, slot)
-            k_pos = kb * bk + col  # [M, BK]
-            ok = (k_pos <= q_pos) & (tok < nq)
-            key_live = (kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bk, lora), 0)) < ctx
-            k = buf[slot]  # [BK, L + R]
-            c = jnp.where(key_live, buf[slot, :, pl.ds(0, lora)], 0)  # [BK, L]
-            s = jax.lax.dot_general(
-                q_ref[...],
-                k,
-                (((1,), (1,)), ((), ())),
-                precision=precision,
-                preferred_element_type=jnp.float32,
-            )  # [M, BK]  fmt: skip
-            s = jnp.where(ok, s * scale, _MASKED)
-            m_prev = m_ref[...]  # [M, 128]
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_new)
-            p = jnp.where(ok, jnp.exp(s - m_new[:, :1]), 0.0)
-            l_ref[...] = l_ref[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
-            m_ref[...] = m_new
-            pc = jax.lax.dot_general(
-                p.astype(c.dtype),
-                c,
-                (((1,), (0,)), ((), ())),
-                precision=precision,
-                preferred_element_type=jnp.float32,
-            )  # [M, L]  fmt: skip
-            acc_ref[...] = acc_ref[...] * alpha[:, :1] + pc
-            return carry
-
-        jax.lax.fori_loop(0, n_kv, body, 0)
-        l = l_ref[...][:, :1]
-        o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+    attend_tile(pages, nq, pos0, o_ref, m_ref, l_ref, acc_ref, bq=bq, heads=(...,),
+                attend_block=attend_block)  # fmt: skip
 
 
 def latent_attention(
@@ -221,7 +155,7 @@ def latent_attention(
                 out_specs=pl.BlockSpec((None, rows, lora), lambda i, *_: (i, 0, 0)),
                 scratch_shapes=[
                     pltpu.VMEM((2, ppb * bs, width), latent_cache.dtype),
-                    pltpu.SemaphoreType.DMA((2,)),
+                    pltpu.SemaphoreType.DMA((1, 2)),
                     pltpu.VMEM((rows, 128), jnp.float32),
                     pltpu.VMEM((rows, 128), jnp.float32),
                     pltpu.VMEM((rows, lora), jnp.float32),

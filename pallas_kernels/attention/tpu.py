@@ -28,6 +28,10 @@ sequence, tokens in tile, position of its first token) and gathers the query til
 Pages past a sequence's context are not fetched; whatever the buffer holds there (NaN under
 the interpreter) is masked out of the scores and zeroed in ``v`` before ``p @ v``.
 
+The page DMAs, the double-buffered block loop and the online-softmax step are
+:mod:`pallas_kernels.attention.paging_tpu`'s, shared with the MLA kernel
+(:mod:`pallas_kernels.attention.mla_tpu`); this module holds the GQA layout around them.
+
 Assumptions (what Mosaic accepts)
 ---------------------------------
 - Every block's last two dims equal the array's (``[G*BQ, D]`` for q/o), page DMAs move whole
@@ -52,10 +56,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.attention.paging_tpu import (
+    PagedBlocks,
+    attend_tile,
+    softmax_step,
+)
 from pallas_kernels.attention.reference import check_attention_args
-from pallas_kernels.attention.tiles import cdiv, token_rows, work_list
-
-_MASKED = -1e30  # finite: a row whose keys are all masked gets p = 0, never NaN
+from pallas_kernels.attention.tiles import token_rows, work_list
 
 
 def _kernel(
@@ -72,101 +79,21 @@ def _kernel(
 ):  # fmt: skip
     i = pl.program_id(0)
     seq, nq, pos0 = tseq_ref[i], tnq_ref[i], tpos_ref[i]
-    num_kv_heads, rows, d = q_ref.shape
-    bs = k_hbm.shape[1]
-    bk = pages_per_block * bs
+    num_kv_heads, _, d = q_ref.shape
     ctx = pos0 + nq  # keys [0, ctx)
-    n_pages = cdiv(ctx, bs)
-    n_kv = cdiv(ctx, bk)
+    pages = PagedBlocks(
+        bt_ref, seq, ctx, ((k_hbm, kbuf), (v_hbm, vbuf)), sems,
+        pages_per_block=pages_per_block, max_blocks=max_blocks,
+    )  # fmt: skip
 
-    def page_copies(kb, slot):
-        """The DMAs of block kb's live pages, each guarded by the same predicate."""
-        out = []
-        for p in range(pages_per_block):
-            idx = kb * pages_per_block + p
-            page = bt_ref[seq * max_blocks + jnp.minimum(idx, max_blocks - 1)]
-            dst = pl.ds(p * bs, bs)
-            out.append(
-                (
-                    idx < n_pages,
-                    pltpu.make_async_copy(k_hbm.at[page], kbuf.at[slot, dst], sems.at[0, slot]),
-                    pltpu.make_async_copy(v_hbm.at[page], vbuf.at[slot, dst], sems.at[1, slot]),
-                )
-            )
-        return out
-
-    def start(kb, slot):
-        for live, kc, vc in page_copies(kb, slot):
-
-            @pl.when(live)
-            def _(kc=kc, vc=vc):
-                kc.start()
-                vc.start()
-
-    def wait(kb, slot):
-        for live, kc, vc in page_copies(kb, slot):
-
-            @pl.when(live)
-            def _(kc=kc, vc=vc):
-                kc.wait()
-                vc.wait()
-
-    @pl.when(nq == 0)  # capacity padding: nothing to attend (the wrapper drops these rows)
-    def _():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
-
-    @pl.when(nq > 0)
-    def _():
-        m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-        @pl.when(n_kv > 0)
-        def _():
-            start(0, 0)
-
-        row = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
-        col = jax.lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
-        tok = jnp.bitwise_and(row, bq - 1)  # rows are g * BQ + t
-        q_pos = pos0 + tok
-
-        def body(kb, carry):
-            slot = jax.lax.rem(kb, 2)
-
-            @pl.when(kb + 1 < n_kv)
-            def _():
-                start(kb + 1, 1 - slot)
-
-            wait(kb, slot)
-            k_pos = kb * bk + col  # [M, BK]
-            ok = (k_pos <= q_pos) & (tok < nq)
-            key_live = (kb * bk + jax.lax.broadcasted_iota(jnp.int32, (bk, d), 0)) < ctx  # [BK, D]
-            for h in range(num_kv_heads):
-                k = kbuf[slot, :, pl.ds(h * d, d)]  # [BK, D]
-                v = jnp.where(key_live, vbuf[slot, :, pl.ds(h * d, d)], 0)
-                s = jax.lax.dot_general(
-                    q_ref[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-                )  # [M, BK]
-                s = jnp.where(ok, s * scale, _MASKED)
-                m_prev = m_ref[h]  # [M, 128]
-                m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-                alpha = jnp.exp(m_prev - m_new)
-                p = jnp.where(ok, jnp.exp(s - m_new[:, :1]), 0.0)
-                l_ref[h] = l_ref[h] * alpha + jnp.sum(p, axis=1, keepdims=True)
-                m_ref[h] = m_new
-                pv = jax.lax.dot_general(
-                    p.astype(v.dtype),
-                    v,
-                    (((1,), (0,)), ((), ())),
-                    preferred_element_type=jnp.float32,
-                )  # [M, D]
-                acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv
-            return carry
-
-        jax.lax.fori_loop(0, n_kv, body, 0)
+    def attend_block(slot, ok, key_live):
         for h in range(num_kv_heads):
-            l = l_ref[h][:, :1]
-            o_ref[h] = (acc_ref[h] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+            k = kbuf[slot, :, pl.ds(h * d, d)]  # [BK, D]
+            v = jnp.where(key_live, vbuf[slot, :, pl.ds(h * d, d)], 0)
+            softmax_step(q_ref[h], k, v, ok, m_ref, l_ref, acc_ref, at=h, scale=scale)
+
+    attend_tile(pages, nq, pos0, o_ref, m_ref, l_ref, acc_ref, bq=bq,
+                heads=tuple(range(num_kv_heads)), attend_block=attend_block)  # fmt: skip
 
 
 def ragged_paged_attention(
