@@ -17,12 +17,13 @@ from jax._src.pallas.mosaic import tpu_info
 from pallas_kernels.attention import mla_tpu
 from pallas_kernels.conv1d import tpu as conv1d_tpu
 from pallas_kernels.gdn import tpu as gdn_tpu
+from tests.pallas_kernels.ragged_cases import abstract_slots
 
 HK, HV, D, CONV_C = 16, 32, 128, 2 * 16 * 128 + 32 * 128
 ROWS, M, TOKENS, SLOTS = 4, 2, 256, 8
 sd = jax.ShapeDtypeStruct
 BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
-SLOT_ARGS = [sd((ROWS,), I32)] * 2 + [sd((ROWS, M), I32)] * 2 + [sd((), I32)]
+SLOTS_ARG = abstract_slots(ROWS, M)
 
 
 @pytest.fixture(params=["v5e", "v6e"])
@@ -39,12 +40,12 @@ def as_tpu(request):
 def _gdn_args(t, prefill):
     acts = [sd((t, HK, D), BF)] * 2 + [sd((t, HV, D), BF)] + [sd((t, HV), BF)] * 2
     qsl = [sd((ROWS + 1,), I32)] if prefill else []
-    return [*acts, sd((HV,), F32), sd((HV,), F32), sd((SLOTS, HV, D, D), F32), *qsl, *SLOT_ARGS]
+    return [*acts, sd((HV,), F32), sd((HV,), F32), sd((SLOTS, HV, D, D), F32), *qsl, SLOTS_ARG]
 
 
 def _conv_args(t, prefill):
     qsl = [sd((ROWS + 1,), I32)] if prefill else []
-    return [sd((t, CONV_C), BF), sd((CONV_C, 4), BF), sd((SLOTS, 3, CONV_C), BF), *qsl, *SLOT_ARGS]
+    return [sd((t, CONV_C), BF), sd((CONV_C, 4), BF), sd((SLOTS, 3, CONV_C), BF), *qsl, SLOTS_ARG]
 
 
 @pytest.mark.parametrize(
