@@ -3,7 +3,8 @@
 Same signatures and semantics as :mod:`pallas_kernels.gdn.reference`; ``interpret`` is passed
 to ``pallas_call`` (``pltpu.InterpretParams()`` runs the kernels on CPU, which is how CI tests
 them). The grids, the slot loads and stores and the block layout are those of
-:mod:`pallas_kernels.common.delta_rule_tpu`. What is GDN's: one gate per value head, 64-token
+:mod:`pallas_kernels.common.delta_rule_tpu`; the chunk step is
+:mod:`pallas_kernels.common.delta_rule`'s. What is GDN's: one gate per value head, 64-token
 chunks, and GVA (``Hk`` key heads shared by ``Hv // Hk`` value heads).
 
 Prefill: the chunked (WY/UT) form, 64-token chunks
@@ -15,18 +16,16 @@ Each chunk is gathered into a right-aligned block of 64 rows, head-major::
 
     grid = (Hv // HB, NC); a head block of HB value heads reads HB // (Hv // Hk) key heads
 
-The chunk step per value head (key head ``h // (Hv // Hk)``), with the padded rows at the top
-of the block zeroed (``g = beta = 0``, ``q = k = v = 0``: they contribute nothing, and the
-chunk's total decay is the decay up to its last valid row)::
+The gate part of the chunk step per value head (key head ``h // (Hv // Hk)``), with the
+padded rows at the top of the block zeroed (``g = beta = 0``, ``q = k = v = 0``: the chunk's
+total decay is the decay up to its last valid row)::
 
     q, k   = l2norm(q) * Dk**-0.5, l2norm(k)        g = -exp(A_log) softplus(a + dt_bias)
-    gam    = cumsum(g)                               beta = sigmoid(b)
-    A      = strict_lower(beta_i (k_i . k_j) exp(gam_i - gam_j))
-    Tm     = (I + A)^-1                              recursive 2x2 block inversion, 12 matmuls
-    W, U   = Tm (beta exp(gam) k), Tm (beta v)
-    Vnew   = U - W S
-    o      = (q exp(gam)) S + incl_lower((q k^T) exp(gam_i - gam_j)) Vnew
-    S      = exp(gam_last) S + (k exp(gam_last - gam))^T Vnew
+    gam    = cumsum(g)  ([C, 1] and [1, C]: masked lane and sublane sums, no transpose)
+    decay  = exp(gam_i - gam_j) on and below the diagonal, 0 above      [C, C]
+    A      = strict_lower(beta_i (k_i . k_j) decay)    Aqk = (q k^T) decay     (two matmuls)
+
+then ``Tm = (I + A)^-1`` (12 matmuls at C = 64), W, U, Vnew, o and the state update.
 
 Decode: one token per row, one pass over the state
 --------------------------------------------------
@@ -51,7 +50,7 @@ from pallas_kernels.common.chunking import (
     plan_chunks,
     scatter_tokens,
 )
-from pallas_kernels.common.delta_rule import NT, TN, l2norm, mm, softplus, unit_lower_inverse
+from pallas_kernels.common.delta_rule import NT, GatedChunk, delta_rule_chunk, l2norm, mm, softplus
 from pallas_kernels.common.delta_rule_tpu import (
     DecodePrefetch,
     PrefillPrefetch,
@@ -79,11 +78,8 @@ def _heads_per_block(hv: int, ratio: int, requested: int | None) -> int:
     return hb
 
 
-def _chunk_step(q, k, v, g, beta, state):
-    """One chunk of one head. q, k [C, Dk]; v [C, Dv]; g, beta [1, C]; state [Dk, Dv].
-
-    Inputs are already normalised/scaled and masked; returns ``(o [C, Dv], state)``.
-    """
+def _gated_chunk(q, k, g, beta_col) -> GatedChunk:
+    """The scalar gate's operands: q, k [C, Dk]; g [1, C] (masked, <= 0); beta_col [C, 1]."""
     n = q.shape[0]
     i, j = iotas(n)
     g_all = jnp.broadcast_to(g, (n, n))  # [i, j] = g_j
@@ -93,20 +89,17 @@ def _chunk_step(q, k, v, g, beta, state):
         jnp.where(i <= j, jnp.broadcast_to(g_col, (n, n)), 0.0), axis=0, keepdims=True
     )
     gam_last = jnp.sum(g, axis=1, keepdims=True)  # [1, 1]: padded rows have g = 0
-    beta_col = row_to_col(beta)
     # exp(gam_i - gam_j) on and below the diagonal, 0 above (selected, never inf * 0).
     decay = jnp.exp(jnp.where(i >= j, gam_col - gam_row, -1e30))  # [C, C]
-    a_mat = jnp.where(i > j, beta_col * mm(k, k, NT) * decay, 0.0)
-    tm = unit_lower_inverse(a_mat)
     eg = jnp.exp(gam_col)  # [C, 1]
-    w = mm(tm, k * (beta_col * eg))  # [C, Dk]
-    u = mm(tm, v * beta_col)  # [C, Dv]
-    vnew = u - mm(w, state)
-    qk = mm(q, k, NT) * decay  # zero above the diagonal
-    o = mm(q * eg, state) + mm(qk, vnew)
-    k_dec = k * jnp.exp(gam_last - gam_col)  # [C, Dk]
-    state = state * jnp.exp(gam_last) + mm(k_dec, vnew, TN)
-    return o, state
+    return GatedChunk(
+        a_kk=jnp.where(i > j, beta_col * mm(k, k, NT) * decay, 0.0),
+        a_qk=mm(q, k, NT) * decay,  # zero above the diagonal
+        q_dec=q * eg,
+        kb_dec=k * (beta_col * eg),
+        k_dec=k * jnp.exp(gam_last - gam_col),
+        s_decay=jnp.exp(gam_last),
+    )
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -140,8 +133,8 @@ def _prefill_kernel(
             a = a_ref[jh, 0].astype(jnp.float32)
             b = b_ref[jh, 0].astype(jnp.float32)
             g = jnp.where(row_ok, gates_ref[h] * softplus(a + gates_ref[hv + h]), 0.0)
-            beta = jnp.where(row_ok, jax.nn.sigmoid(b), 0.0)
-            return _chunk_step(q, k, v, g, beta, state)
+            beta_col = row_to_col(jnp.where(row_ok, jax.nn.sigmoid(b), 0.0))  # [C, 1]
+            return delta_rule_chunk(_gated_chunk(q, k, g, beta_col), v * beta_col, state)
 
         for_each_head(s_scr, o_ref, head)
 

@@ -3,9 +3,10 @@
 Same signatures and semantics as :mod:`pallas_kernels.kda.reference`; ``interpret`` is
 passed to ``pallas_call`` (``pltpu.InterpretParams()`` runs them on CPU: how CI tests them).
 The grids, the slot loads and stores and the block layout are those of
-:mod:`pallas_kernels.common.delta_rule_tpu` (shared with :mod:`pallas_kernels.gdn.tpu`). What
-is KDA's: a gate per key channel (its per-channel decay sits inside the intra-chunk dot
-products), 16-token chunks, one key head per value head.
+:mod:`pallas_kernels.common.delta_rule_tpu` (shared with :mod:`pallas_kernels.gdn.tpu`); the
+chunk step is :mod:`pallas_kernels.common.delta_rule`'s. What is KDA's: a gate per key channel
+(its per-channel decay sits inside the intra-chunk dot products), 16-token chunks, one key head
+per value head.
 
 Prefill: 16-token chunks, right-aligned blocks, the state in VMEM
 -----------------------------------------------------------------
@@ -14,15 +15,15 @@ Prefill: 16-token chunks, right-aligned blocks, the state in VMEM
     q, k, g + dt_bias [T, H, Dk] --> [H, NC, 16, Dk]      b [T, H] --> [H, NC, 16, 1]
     v [T, H, Dv]                 --> [H, NC, 16, Dv]      o [H, NC, 16, Dv] --> [T, H, Dv]
 
-The chunk step keeps every ``exp`` argument <= 0: the pairwise decays
+The gate part of the chunk step keeps every ``exp`` argument <= 0: the pairwise decays
 ``exp(gam_i - gam_j)`` (i >= j) are built one column ``j`` at a time as ``[16, Dk]`` tiles
 (2-D, VPU), which is what makes the decay inside the dot products exact and stable::
 
     gam        = cumsum(g)                         lower-ones matmul, [C, Dk]
     col j:     e_j = exp(gam - gam_j) (rows >= j) Akk[:, j] = beta (k e_j) k_j
                                                    Aqk[:, j] = (q e_j) k_j
-    Tm = (I + Akk)^-1;  W = Tm (beta k exp(gam));  U = Tm (beta v);  Vnew = U - W S
-    o = (q exp(gam)) S + Aqk Vnew;   S = diag(exp(gam_last)) S + (k exp(gam_last - gam))^T Vnew
+
+then ``Tm = (I + Akk)^-1``, W, U, Vnew, o and ``S = diag(exp(gam_last)) S + ...``.
 
 Decode: one token per row
 -------------------------
@@ -42,7 +43,7 @@ from pallas_kernels.common.chunking import (
     plan_chunks,
     scatter_tokens,
 )
-from pallas_kernels.common.delta_rule import TN, l2norm, mm, softplus, unit_lower_inverse
+from pallas_kernels.common.delta_rule import GatedChunk, delta_rule_chunk, l2norm, mm, softplus
 from pallas_kernels.common.delta_rule_tpu import (
     DecodePrefetch,
     PrefillPrefetch,
@@ -68,8 +69,8 @@ def _heads_per_block(h: int, requested: int | None) -> int:
     return hb
 
 
-def _chunk_step(q, k, v, g, beta, state):
-    """One chunk of one head: q, k, g [C, Dk] (g masked, <= 0); v [C, Dv]; beta [C, 1]."""
+def _gated_chunk(q, k, g, beta) -> GatedChunk:
+    """The per-channel gate's operands: q, k, g [C, Dk] (g masked, <= 0); beta [C, 1]."""
     n = q.shape[0]
     ii, jj = iotas(n)
     gam = mm((ii >= jj).astype(jnp.float32), g)  # [C, Dk] inclusive cumsum
@@ -82,16 +83,15 @@ def _chunk_step(q, k, v, g, beta, state):
         kj = k[j : j + 1, :] * e_j
         a_kk = jnp.where(jj == j, jnp.sum(k * kj, axis=1, keepdims=True), a_kk)
         a_qk = jnp.where(jj == j, jnp.sum(q * kj, axis=1, keepdims=True), a_qk)
-    a_kk = jnp.where(ii > jj, beta * a_kk, 0.0)
-    tm = unit_lower_inverse(a_kk)
     eg = jnp.exp(gam)
-    w = mm(tm, k * eg * beta)  # [C, Dk]
-    u = mm(tm, v * beta)  # [C, Dv]
-    vnew = u - mm(w, state)
-    o = mm(q * eg, state) + mm(a_qk, vnew)
-    k_dec = k * jnp.exp(gam_last - gam)
-    state = state * row_to_col(jnp.exp(gam_last)) + mm(k_dec, vnew, TN)
-    return o, state
+    return GatedChunk(
+        a_kk=jnp.where(ii > jj, beta * a_kk, 0.0),
+        a_qk=a_qk,
+        q_dec=q * eg,
+        kb_dec=k * eg * beta,
+        k_dec=k * jnp.exp(gam_last - gam),
+        s_decay=row_to_col(jnp.exp(gam_last)),  # [Dk, 1]: the state's rows, per channel
+    )
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -122,7 +122,7 @@ def _prefill_kernel(
             g = neg_a_ref[h0 + jh] * softplus(g_ref[jh, 0].astype(jnp.float32))
             g = jnp.where(rows_ok, g, 0.0)
             beta = jnp.where(rows_ok, jax.nn.sigmoid(b_ref[jh, 0].astype(jnp.float32)), 0.0)
-            return _chunk_step(q, k, v, g, beta, state)
+            return delta_rule_chunk(_gated_chunk(q, k, g, beta), v * beta, state)
 
         for_each_head(s_scr, o_ref, head)
 
