@@ -25,8 +25,9 @@ decayed rows; how the pairwise decays are formed is what differs) and hands them
 
 Everything here is traced inside a kernel body and uses only what both Mosaic and Triton lower
 (2-D tiles, ``dot_general``, shifts instead of integer division), so TPU and GPU kernels can
-share it. The TPU skeleton (slot loads and stores, grids) is
-:mod:`pallas_kernels.common.delta_rule_tpu`.
+share it: :func:`unit_lower_inverse` serves all four kernels. The platform skeletons (slot
+loads and stores, grids) are :mod:`pallas_kernels.common.delta_rule_tpu` and
+:mod:`pallas_kernels.common.delta_rule_gpu`.
 """
 
 from __future__ import annotations
