@@ -20,14 +20,16 @@ channel, inside the dot products)::
 
 A kernel builds the gate-specific operands (:class:`GatedChunk`: ``A``, ``Aqk`` and the
 decayed rows; how the pairwise decays are formed is what differs) and hands them to
-:func:`delta_rule_chunk`, the rest of the step, written once. Padded rows have
-``g = beta = 0`` and ``q = k = v = 0``: they contribute nothing.
+:func:`delta_rule_chunk`, the rest of the step, written once: the GDN and KDA TPU kernels and
+the KDA GPU kernel run it whole; the GDN GPU prefill, whose parallel launch computes ``W`` and
+``U``, runs its serial part :func:`chunk_recurrence` (its three-launch path splits that part
+once more: ``Vnew`` and ``S`` serially, ``o`` in parallel). Padded rows have ``g = beta = 0``
+and ``q = k = v = 0``: they contribute nothing.
 
 Everything here is traced inside a kernel body and uses only what both Mosaic and Triton lower
 (2-D tiles, ``dot_general``, shifts instead of integer division), so TPU and GPU kernels can
-share it: :func:`unit_lower_inverse` serves all four kernels. The platform skeletons (slot
-loads and stores, grids) are :mod:`pallas_kernels.common.delta_rule_tpu` and
-:mod:`pallas_kernels.common.delta_rule_gpu`.
+share it. The platform skeletons (slot loads and stores, grids) are
+:mod:`pallas_kernels.common.delta_rule_tpu` and :mod:`pallas_kernels.common.delta_rule_gpu`.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class GatedChunk(NamedTuple):
     q_dec: jax.Array  # [C, Dk]  q exp(gam)
     kb_dec: jax.Array  # [C, Dk]  beta k exp(gam)
     k_dec: jax.Array  # [C, Dk]  k exp(gam_last - gam)
-    s_decay: jax.Array  # [1, 1] (GDN) or [Dk, 1] (KDA): exp(gam_last)
+    s_decay: jax.Array  # exp(gam_last): [1, 1] or a scalar (GDN), [Dk, 1] (KDA)
 
 
 def chunk_recurrence(state, w, u, q_dec, a_qk, k_dec, s_decay, precision=HIGHEST):

@@ -6,7 +6,7 @@ marks that lowering deprecated in favour of Mosaic GPU, but it is the one that c
 ragged, masked access patterns today. ``interpret=True`` runs them with Pallas' generic
 interpreter on CPU (how the indexing logic is tested here); nothing below is tuned yet. Tiles,
 slot loads and stores, the decode program, the prefill windows and the row scan are
-:mod:`pallas_kernels.common.delta_rule_gpu`'s (shared with the KDA kernels); the inverse is
+:mod:`pallas_kernels.common.delta_rule_gpu`'s (shared with the KDA kernels); the chunk math is
 :mod:`pallas_kernels.common.delta_rule`'s. What is GDN's: one gate per value head (a scalar
 decay), GVA (value head ``h`` reads key head ``h // (Hv // Hk)``), 64-token chunks, and a
 prefill split into a parallel and a serial launch.
@@ -50,6 +50,7 @@ from pallas_kernels.common.chunking import max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
     NT,
     TN,
+    chunk_recurrence,
     group_refs,
     l2norm,
     mm,
@@ -231,13 +232,12 @@ def _scan_kernel(
         # Invalid rows read gam = 0: mask them out of the decay (no exp overflow).
         both = valid[:, None] & valid[None, :] & (ii >= jj)
         decay = jnp.exp(jnp.where(both, gam[:, None] - gam[None, :], -1e30))
-        vnew = u - mm(w, s, precision=precision)  # [C, BV]
         qk = mm(q, k, NT, precision) * decay  # [C, C]
-        o = mm(q * jnp.exp(gam)[:, None], s, precision=precision)
-        o = o + mm(qk, vnew, precision=precision)
-        pltr.store(o_ref.at[win.rows, h, vs], o.astype(o_ref.dtype), mask=valid[:, None])
+        q_dec = q * jnp.exp(gam)[:, None]
         k_dec = k * jnp.exp(gam_last - gam)[:, None]
-        return s * jnp.exp(gam_last) + mm(k_dec, vnew, TN, precision)
+        o, s = chunk_recurrence(s, w, u, q_dec, qk, k_dec, jnp.exp(gam_last), precision)
+        pltr.store(o_ref.at[win.rows, h, vs], o.astype(o_ref.dtype), mask=valid[:, None])
+        return s
 
     scan_row_chunks(p, pool_in, pool_out, vs=vs, num_tokens=num_tokens, chunk=CHUNK, step=step)
 

@@ -3,7 +3,7 @@
 Same signatures and semantics as :mod:`pallas_kernels.kda.reference` (DESIGN.md §3), the
 same slot contract and layout as the GDN kernels: tiles, slot loads and stores, the decode
 program, the prefill windows and the row scan are :mod:`pallas_kernels.common.delta_rule_gpu`'s,
-the inverse :mod:`pallas_kernels.common.delta_rule`'s. The gate is computed in the kernel:
+the chunk step :mod:`pallas_kernels.common.delta_rule`'s. The gate is computed in the kernel:
 ``g = -exp(A_log[h]) * softplus(g_raw + dt_bias[h])``, one per key channel. ``interpret=True``
 runs them with Pallas' generic interpreter on CPU (how CI tests them).
 
@@ -17,17 +17,14 @@ Prefill (chunked form, 16-token chunks, one program per row, head and Dv block)
 The per-channel decay sits inside the intra-chunk dot products, so they are not plain
 matmuls. With 16-token chunks the pairwise decays fit in registers and are computed directly
 and stably (``exp`` only of ``gam_i - gam_j <= 0``, the upper triangle selected away before
-the ``exp``)::
+the ``exp``); that is the gate part of the chunk step::
 
     gam   = cumsum(g) over the chunk's rows           [C, Dk]   (a lower-ones matmul)
     E     = exp(gam_i - gam_j)  for i >= j, else 0     [C, C, Dk]
     Akk   = strict_lower(beta_i sum_d k_i k_j E)       Aqk = incl_lower(sum_d q_i k_j E)
-    Tm    = (I + Akk)^-1                               recursive 2x2 block inversion
-    W, U  = Tm (beta k exp(gam)), Tm (beta v)
-    Vnew  = U - W S;   o = (q exp(gam)) S + Aqk Vnew
-    S     = diag(exp(gam_last)) S + (k exp(gam_last - gam))^T Vnew
 
-The serial scan runs the whole chunk step in one program. Chunks are read as 16-row windows
+then ``Tm = (I + Akk)^-1``, W, U, Vnew, o and ``S = diag(exp(gam_last)) S + ...``, in the same
+program: the serial scan runs the whole chunk step. Chunks are read as 16-row windows
 (``T >= 16``: the wrapper pads shorter batches; the scheduler's checkpoint offsets are
 multiples of 64, hence of 16). :func:`unsupported_reason` says which head dims ``hyjax.ops``
 must leave to the reference. FLA's ``chunk_kda`` uses 64-token chunks with 16-row sub-blocks
@@ -43,12 +40,12 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common.chunking import max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
-    TN,
+    GatedChunk,
+    delta_rule_chunk,
     group_refs,
     l2norm,
     mm,
     softplus,
-    unit_lower_inverse,
 )
 from pallas_kernels.common.delta_rule_gpu import (
     DecodeSlots,
@@ -182,16 +179,18 @@ def _prefill_kernel(
         kj = k[None, :, :] * e
         a_kk = jnp.sum(k[:, None, :] * kj, axis=2)  # [C, C]
         a_qk = jnp.sum(q[:, None, :] * kj, axis=2)  # inclusive lower, 0 above
-        a_kk = jnp.where(ii > jj, beta[:, None] * a_kk, 0.0)
-        tm = unit_lower_inverse(a_kk, precision)
         eg = jnp.exp(gam)  # [C, Dk]
-        w = mm(tm, k * eg * beta[:, None], precision=precision)  # [C, Dk]
-        u = mm(tm, v * beta[:, None], precision=precision)  # [C, BV]
-        vnew = u - mm(w, s, precision=precision)
-        o = mm(q * eg, s, precision=precision) + mm(a_qk, vnew, precision=precision)
+        gc = GatedChunk(
+            a_kk=jnp.where(ii > jj, beta[:, None] * a_kk, 0.0),
+            a_qk=a_qk,
+            q_dec=q * eg,
+            kb_dec=k * eg * beta[:, None],
+            k_dec=k * jnp.exp(gam_last[None, :] - gam),  # [C, Dk]
+            s_decay=jnp.exp(gam_last)[:, None],
+        )
+        o, s = delta_rule_chunk(gc, v * beta[:, None], s, precision)
         pltr.store(o_ref.at[win.rows, h, vs], o.astype(o_ref.dtype), mask=rows_ok)
-        k_dec = k * jnp.exp(gam_last[None, :] - gam)  # [C, Dk]
-        return s * jnp.exp(gam_last)[:, None] + mm(k_dec, vnew, TN, precision)
+        return s
 
     scan_row_chunks(p, pool_in, pool_out, vs=vs, num_tokens=num_tokens, chunk=CHUNK, step=step)
 
