@@ -31,17 +31,18 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.common.delta_rule import l2norm
+from pallas_kernels.common.delta_rule_gpu import (
+    check_key_dim,
+    compiler_params,
+    decode_update,
+    load_state,
+    pick_block_v,
+    store_state,
+)
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import causal_conv1d_update_reference
-from pallas_kernels.gdn.gpu import (
-    _block_v,
-    _compiler_params,
-    _gate_params,
-    _gates,
-    _is_pow2,
-    _l2norm,
-    gdn_decode,
-)
+from pallas_kernels.gdn.gpu import _gate_params, _gates, gdn_decode
 from pallas_kernels.gdn.reference import check_gdn_args, gdn_decode_reference
 
 
@@ -153,8 +154,8 @@ def _kernel(
                 pltr.store(conv_out.at[slot, j, cs], row, mask=jnp.full((width,), enabled))
         return acc * jax.nn.sigmoid(acc)
 
-    q = _l2norm(conv(g * dk, dk)) * scale  # [Dk]
-    k = _l2norm(conv(hk * dk + g * dk, dk))
+    q = l2norm(conv(g * dk, dk)) * scale  # [Dk]
+    k = l2norm(conv(hk * dk + g * dk, dk))
     for h_in_group in range(ratio):
         h = g * ratio + h_in_group
         g_h, beta = _gates(gates_ref, h, a_ref[r, h], b_ref[r, h])
@@ -162,14 +163,11 @@ def _kernel(
         for vb in range(dv // bv):
             vs = pl.ds(vb * bv, bv)
             v = conv(2 * hk * dk + h * dv + vb * bv, bv)  # [BV]
-            read = jnp.full((dk, bv), live & (src > 0))
-            s = pltr.load(ssm_in.at[src, h, :, vs], mask=read, other=0.0) * decay  # [Dk, BV]
-            pred = jnp.sum(s * k[:, None], axis=0)  # [BV] = S^T k
-            s = s + k[:, None] * (beta * (v - pred))[None, :]
-            o = jnp.sum(s * q[:, None], axis=0)
+            s = load_state(ssm_in, src, h, vs, live & (src > 0)) * decay  # [Dk, BV]
+            o, s = decode_update(s, q, k, v, beta)
             o_ref[r, h, vs] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
             for slot, enabled in writes:
-                pltr.store(ssm_out.at[slot, h, :, vs], s, mask=jnp.full((dk, bv), enabled))
+                store_state(ssm_out, slot, h, vs, s, enabled)
 
 
 def conv_gdn_decode(
@@ -212,9 +210,8 @@ def conv_gdn_decode(
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, ssm_state, slots)
     if rows != slots.num_rows:
         raise ValueError(f"decode rows {rows} must equal {slots.num_rows=} (one token each)")
-    if not _is_pow2(dk):
-        raise ValueError(f"{dk=} must be a power of two for the Triton kernels")
-    bv = _block_v(dv, block_v)
+    check_key_dim(dk)
+    bv = pick_block_v(dv, block_v)
     args = (
         *slots.arrays(), _gate_params(A_log, dt_bias),
         mixed, conv_weight, a, b, conv_state, ssm_state,
@@ -229,7 +226,7 @@ def conv_gdn_decode(
             jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype),
         ],
         input_output_aliases={len(args) - 2: 1, len(args) - 1: 2},
-        compiler_params=_compiler_params(num_warps, num_stages),
+        compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="conv_gdn_decode_gpu",
     )(*args)

@@ -1,4 +1,4 @@
-"""The Mosaic TPU kernels lower for a TPU at Qwen3-Next-80B shapes, on this CPU machine.
+"""The Mosaic TPU kernels lower for a TPU at Qwen3-Next-80B and Kimi-Linear-48B shapes, on CPU.
 
 No TPU is reachable from CI, so the interpret-mode tests check the kernels' arithmetic and
 this test checks that Pallas' Mosaic lowering accepts them (block shapes, layouts, the ops
@@ -17,13 +17,14 @@ from jax._src.pallas.mosaic import tpu_info
 from pallas_kernels.attention import mla_tpu
 from pallas_kernels.conv1d import tpu as conv1d_tpu
 from pallas_kernels.gdn import tpu as gdn_tpu
+from pallas_kernels.kda import tpu as kda_tpu
 from tests.pallas_kernels.ragged_cases import abstract_slots
 
 HK, HV, D, CONV_C = 16, 32, 128, 2 * 16 * 128 + 32 * 128
 ROWS, M, TOKENS, SLOTS = 4, 2, 256, 8
 sd = jax.ShapeDtypeStruct
 BF, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
-SLOT_ARGS = abstract_slots(ROWS, M)
+SLOTS_ARG = abstract_slots(ROWS, M)
 
 
 @pytest.fixture(params=["v5e", "v6e"])
@@ -40,12 +41,23 @@ def as_tpu(request):
 def _gdn_args(t, prefill):
     acts = [sd((t, HK, D), BF)] * 2 + [sd((t, HV, D), BF)] + [sd((t, HV), BF)] * 2
     qsl = [sd((ROWS + 1,), I32)] if prefill else []
-    return [*acts, sd((HV,), F32), sd((HV,), F32), sd((SLOTS, HV, D, D), F32), *qsl, SLOT_ARGS]
+    return [*acts, sd((HV,), F32), sd((HV,), F32), sd((SLOTS, HV, D, D), F32), *qsl, SLOTS_ARG]
+
+
+# Kimi-Linear-48B's KDA: 32 heads of 128 channels, a gate per key channel.
+KDA_H = 32
+
+
+def _kda_args(t, prefill):
+    acts = [sd((t, KDA_H, D), BF)] * 4 + [sd((t, KDA_H), BF)]  # q, k, v, g; b
+    qsl = [sd((ROWS + 1,), I32)] if prefill else []
+    params = [sd((KDA_H,), F32), sd((KDA_H, D), F32), sd((SLOTS, KDA_H, D, D), F32)]
+    return [*acts, *params, *qsl, SLOTS_ARG]
 
 
 def _conv_args(t, prefill):
     qsl = [sd((ROWS + 1,), I32)] if prefill else []
-    return [sd((t, CONV_C), BF), sd((CONV_C, 4), BF), sd((SLOTS, 3, CONV_C), BF), *qsl, SLOT_ARGS]
+    return [sd((t, CONV_C), BF), sd((CONV_C, 4), BF), sd((SLOTS, 3, CONV_C), BF), *qsl, SLOTS_ARG]
 
 
 @pytest.mark.parametrize(
@@ -53,10 +65,19 @@ def _conv_args(t, prefill):
     [
         (gdn_tpu.gdn_prefill, _gdn_args(TOKENS, True)),
         (gdn_tpu.gdn_decode, _gdn_args(ROWS, False)),
+        (kda_tpu.kda_prefill, _kda_args(TOKENS, True)),
+        (kda_tpu.kda_decode, _kda_args(ROWS, False)),
         (conv1d_tpu.causal_conv1d_prefill, _conv_args(TOKENS, True)),
         (conv1d_tpu.causal_conv1d_update, _conv_args(ROWS, False)),
     ],
-    ids=["gdn_prefill", "gdn_decode", "conv1d_prefill", "conv1d_update"],
+    ids=[
+        "gdn_prefill",
+        "gdn_decode",
+        "kda_prefill",
+        "kda_decode",
+        "conv1d_prefill",
+        "conv1d_update",
+    ],
 )
 def test_kernel_lowers_to_mosaic(as_tpu, kernel, args):
     lowered = jax.jit(kernel).trace(*args).lower(lowering_platforms=("tpu",))

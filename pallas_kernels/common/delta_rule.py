@@ -1,0 +1,129 @@
+"""The delta rule's chunk step, shared by the GDN and KDA kernels.
+
+Both families run the gated delta rule over a value head's state ``S [Dk, Dv]``; per token::
+
+    S = diag(exp(g)) S;   S += k (beta (v - S^T k))^T;   o = S^T q
+
+They differ only in the gate ``g``: GDN has one per head (a scalar per token), KDA one per key
+channel (a ``[Dk]`` vector per token). Prefill runs the chunked (WY/UT) form. With ``gam_i``
+the cumulative log-decay of row ``i`` inside the chunk (``cumsum(g)``, per channel for KDA),
+``gam_last`` that of the chunk's last row and ``e_ij = exp(gam_i - gam_j)`` (for KDA per
+channel, inside the dot products)::
+
+    A     = strict_lower(beta_i k_i . k_j e_ij)          [C, C]
+    Aqk   = incl_lower(q_i . k_j e_ij)                   [C, C]
+    Tm    = (I + A)^-1                                   recursive 2x2 block inversion
+    W, U  = Tm (beta k exp(gam)),  Tm (beta v)           the UT transform
+    Vnew  = U - W S
+    o     = (q exp(gam)) S + Aqk Vnew
+    S     = diag(exp(gam_last)) S + (k exp(gam_last - gam))^T Vnew
+
+A kernel builds the gate-specific operands (:class:`GatedChunk`: ``A``, ``Aqk`` and the
+decayed rows; how the pairwise decays are formed is what differs) and hands them to
+:func:`delta_rule_chunk`, the rest of the step, written once: the GDN and KDA TPU kernels and
+the KDA GPU kernel run it whole; the GDN GPU prefill, whose parallel launch computes ``W`` and
+``U``, runs its serial part :func:`chunk_recurrence` (its three-launch path splits that part
+once more: ``Vnew`` and ``S`` serially, ``o`` in parallel). Padded rows have ``g = beta = 0``
+and ``q = k = v = 0``: they contribute nothing.
+
+Everything here is traced inside a kernel body and uses only what both Mosaic and Triton lower
+(2-D tiles, ``dot_general``, shifts instead of integer division), so TPU and GPU kernels can
+share it. The platform skeletons (slot loads and stores, grids) are
+:mod:`pallas_kernels.common.delta_rule_tpu` and :mod:`pallas_kernels.common.delta_rule_gpu`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+NN = ((1,), (0,))  # x @ y
+NT = ((1,), (1,))  # x @ y^T
+TN = ((0,), (0,))  # x^T @ y
+
+
+def mm(x, y, contract=NN, precision=HIGHEST):
+    """``dot_general`` accumulating in f32 (``precision``: the GPU prefill's is a parameter)."""
+    return jax.lax.dot_general(
+        x, y, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+def softplus(x):
+    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
+def l2norm(x, axis=-1):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + 1e-6)
+
+
+def unit_lower_inverse(a, precision=HIGHEST):
+    """``(I + a)^-1`` for strictly lower-triangular ``a [n, n]`` (n a power of two).
+
+    Recursive 2x2 block inversion, all levels at once: with ``x`` the block-diagonal inverse
+    for blocks of size ``s``, the inverse for blocks of ``2s`` is ``x - x c x`` where ``c``
+    keeps the entries of ``a`` below the diagonal blocks inside each ``2s`` block::
+
+        [D1  0 ]^-1   [ D1^-1              0    ]
+        [C   D2]    = [ -D2^-1 C D1^-1     D2^-1]
+
+    Products of true sub-inverses only (unlike a Neumann series, nothing grows beyond the
+    inverse itself); ``2 log2(n)`` matmuls. The block masks use shifts: Mosaic has no vector
+    integer division.
+    """
+    n = a.shape[0]
+    i = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    x = (i == j).astype(jnp.float32)
+    s, shift = 1, 0
+    while s < n:
+        same_pair = jnp.right_shift(i, shift + 1) == jnp.right_shift(j, shift + 1)
+        other_half = jnp.right_shift(i, shift) != jnp.right_shift(j, shift)
+        c = jnp.where(same_pair & other_half, a, 0.0)
+        x = x - mm(x, mm(c, x, precision=precision), precision=precision)
+        s, shift = 2 * s, shift + 1
+    return x
+
+
+class GatedChunk(NamedTuple):
+    """A chunk's operands with the gate's decays applied: what the chunk step needs besides
+    ``beta v`` and the state. ``e_ij = exp(gam_i - gam_j)``, per key channel ``d`` for KDA."""
+
+    a_kk: jax.Array  # [C, C]  A = strict_lower(beta_i sum_d k_id k_jd e_ij)
+    a_qk: jax.Array  # [C, C]  incl_lower(sum_d q_id k_jd e_ij)
+    q_dec: jax.Array  # [C, Dk]  q exp(gam)
+    kb_dec: jax.Array  # [C, Dk]  beta k exp(gam)
+    k_dec: jax.Array  # [C, Dk]  k exp(gam_last - gam)
+    s_decay: jax.Array  # exp(gam_last): [1, 1] or a scalar (GDN), [Dk, 1] (KDA)
+
+
+def chunk_recurrence(state, w, u, q_dec, a_qk, k_dec, s_decay, precision=HIGHEST):
+    """The chunk's output and the state after it, from the UT transform's ``W [C, Dk]`` and
+    ``U [C, Dv]``: the serial part of the chunk step. Returns ``(o [C, Dv], state [Dk, Dv])``."""
+    vnew = u - mm(w, state, precision=precision)  # [C, Dv]
+    o = mm(q_dec, state, precision=precision) + mm(a_qk, vnew, precision=precision)
+    state = state * s_decay + mm(k_dec, vnew, TN, precision=precision)
+    return o, state
+
+
+def delta_rule_chunk(gc: GatedChunk, v_beta, state, precision=HIGHEST):
+    """One chunk of one head: ``v_beta [C, Dv]`` is ``beta v``, ``state [Dk, Dv]`` the state
+    before the chunk. Returns ``(o [C, Dv], state)``."""
+    tm = unit_lower_inverse(gc.a_kk, precision)
+    w = mm(tm, gc.kb_dec, precision=precision)  # [C, Dk]
+    u = mm(tm, v_beta, precision=precision)  # [C, Dv]
+    return chunk_recurrence(state, w, u, gc.q_dec, gc.a_qk, gc.k_dec, gc.s_decay, precision)
+
+
+def group_refs(kernel, group, **params):
+    """Pallas passes a kernel's refs one by one: ``kernel`` gets the first
+    ``len(group._fields)`` of them as one ``group`` (a NamedTuple of refs), then the rest."""
+    n = len(group._fields)
+
+    def flat(*refs):
+        return kernel(group(*refs[:n]), *refs[n:], **params)
+
+    return flat

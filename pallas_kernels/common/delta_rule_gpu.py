@@ -1,0 +1,265 @@
+"""What the GDN and KDA Triton GPU kernels share: tiles, slot loads and stores, the row scan.
+
+The chunk step's math is :mod:`pallas_kernels.common.delta_rule`; the families
+(:mod:`pallas_kernels.gdn.gpu`, :mod:`pallas_kernels.kda.gpu`, and the fused conv + GDN decode
+:mod:`pallas_kernels.gdn.fused_decode`) own their grids and gates and call the helpers below.
+The kernels use ``jax.experimental.pallas.triton`` (masked loads/stores, ``tl.dot``);
+``interpret=True`` runs them with Pallas' generic interpreter on CPU.
+
+Tiles: Triton tiles are powers of two. A program holds all of ``Dk`` (a power of two) and
+``BV`` columns of ``Dv`` (:func:`pick_block_v`: a power of two dividing ``Dv``), so a state block is
+``state[slot, h, :, v0:v0+BV]`` (``[Dk, BV]`` f32); :func:`unsupported_reason` says which head
+dims ``hyjax.ops`` must leave to the reference.
+
+Decode (memory bound: one read of the source state, one write per destination)::
+
+    S  = src > 0 ? pool[src, h, :, vblk] : 0      (masked load: nothing read)
+    S  = decay S;  S += k (beta (v - S^T k))^T;  o = S^T q          (decode_update)
+    pool[dst, h, :, vblk] = S   (masked store: dst 0 writes nothing)
+    pool[ckpt_slots[m], ...] = S where ckpt_offsets[m] == 1
+
+Prefill windows: the chunk plan of :mod:`pallas_kernels.common.chunking` cuts the ragged batch
+into chunks of at most ``C`` tokens that never straddle sequences or checkpoint offsets. A
+chunk is read as a ``C``-row window whose start is clamped into ``[0, T - C]`` (the wrappers pad
+``T`` up to ``C``); rows outside the chunk are masked to zero, which is exact (``g = beta = 0``
+rows contribute nothing)::
+
+    tokens:   ... | x x x [c c c c c] x x ... |        window = C rows starting at s0
+    rows:          0 ...  ^start-s0  ^end-s0    C-1     mask = start <= s0 + i < start + len
+
+The serial launches walk a row's chunks in order (:func:`scan_row_chunks`, grid
+``(S, H, Dv // BV)``): the state ``[Dk, BV]`` stays in registers, is stored to every
+checkpoint slot whose offset is the chunk's end and, after the row's last chunk, to ``dst``.
+The chunks of a row are consecutive in the plan (:func:`row_plan`: first chunk and count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from pallas_kernels.common.chunking import ChunkPlan
+from pallas_kernels.common.delta_rule import group_refs
+from pallas_kernels.common.slots import StateSlots
+
+# The narrowest tile a kernel here takes on a head dim (the tiny test models' Dv = 8). Narrower
+# ones would run as Triton FMA loops nobody has compiled on a GPU: those models take the
+# reference ops instead (``unsupported_reason``).
+MIN_TILE = 8
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def pick_block_v(dv: int, requested: int | None, default: int = 32) -> int:
+    """The Dv columns a program owns: ``requested``, else the largest power of two dividing Dv
+    up to ``default`` (Dv = 48: 16), so a Dv that is not a power of two still tiles exactly."""
+    bv = min(dv & -dv, default) if requested is None else requested
+    if not (is_pow2(bv) and dv % bv == 0):
+        raise ValueError(f"block_v={bv} must be a power of two dividing {dv=}")
+    return bv
+
+
+def unsupported_reason(dk: int, dv: int) -> str | None:
+    """Why the delta-rule GPU kernels cannot take these head dims, or None. Triton tiles are
+    powers of two: a program holds all of Dk, and Dv in tiles of the largest power of two
+    dividing it."""
+    if not (is_pow2(dk) and dk >= MIN_TILE):
+        return f"key head dim {dk} is not a power of two >= {MIN_TILE} (one Triton tile holds Dk)"
+    if dv & -dv < MIN_TILE:
+        return f"value head dim {dv} has no power-of-two tile of >= {MIN_TILE} columns"
+    return None
+
+
+def check_key_dim(dk: int) -> None:
+    if not is_pow2(dk):
+        raise ValueError(f"{dk=} must be a power of two for the Triton kernels")
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    return pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# ----------------------------------------------------------------------------- state blocks
+
+
+def load_state(pool_in, slot, h, vs, enabled):
+    """``pool_in[slot, h, :, vs]`` (``[Dk, BV]`` f32), zeros where not ``enabled`` (no read)."""
+    mask = jnp.full((pool_in.shape[2], vs.size), enabled)
+    return pltr.load(pool_in.at[slot, h, :, vs], mask=mask, other=0.0)
+
+
+def store_state(pool_out, slot, h, vs, s, enabled):
+    """``pool_out[slot, h, :, vs] = s`` where ``enabled`` (a masked store: nothing otherwise)."""
+    pltr.store(pool_out.at[slot, h, :, vs], s, mask=jnp.full(s.shape, enabled))
+
+
+def decode_update(s, q, k, v, beta):
+    """One token on a decayed state ``s [Dk, BV]``: ``q, k [Dk]``, ``v [BV]``, ``beta`` a
+    scalar. Returns ``(o [BV], s)``."""
+    pred = jnp.sum(s * k[:, None], axis=0)  # [BV] = S^T k
+    s = s + k[:, None] * (beta * (v - pred))[None, :]
+    return jnp.sum(s * q[:, None], axis=0), s
+
+
+class DecodeSlots(NamedTuple):
+    """A decode kernel's slot refs, ``StateSlots.arrays()``."""
+
+    src: jax.Array  # i32[S]
+    dst: jax.Array  # i32[S]
+    ck_off: jax.Array  # i32[S, M]
+    ck_slot: jax.Array  # i32[S, M]
+    num_seqs: jax.Array  # i32[1]
+
+
+def decode_program(
+    p: DecodeSlots,
+    pool_in,  # f32[num_slots, H, Dk, Dv]
+    o_ref,  # [S, H, Dv]
+    pool_out,  # aliased to pool_in
+    *,
+    bv: int,
+    inputs: Callable,  # inputs(r, h, vs) -> (q, k [Dk], v [BV], beta, decay: exp(g))
+):
+    """Program ``(r, h, vb)`` of a decode kernel: row ``r``'s state block of head ``h``,
+    decayed by the family's ``decay`` (a scalar, or ``[Dk, 1]`` per key channel), updated,
+    stored to ``dst`` and to the checkpoints at offset 1. Padding rows write zeros to ``o``."""
+    r, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(vb * bv, bv)
+    live = r < p.num_seqs[0]
+    src, dst = p.src[r], p.dst[r]
+    q, k, v, beta, decay = inputs(r, h, vs)
+    s = load_state(pool_in, src, h, vs, live & (src > 0)) * decay  # [Dk, BV]
+    o, s = decode_update(s, q, k, v, beta)
+    o_ref[r, h, vs] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
+    store_state(pool_out, dst, h, vs, s, live & (dst > 0))
+    for m in range(p.ck_off.shape[1]):
+        slot = p.ck_slot[r, m]
+        store_state(pool_out, slot, h, vs, s, live & (slot > 0) & (p.ck_off[r, m] == 1))
+
+
+def launch_decode(
+    kernel: Callable,  # kernel(DecodeSlots, *inputs, pool_in, o, pool_out, *, bv, **params)
+    *,
+    name: str,
+    slots: StateSlots,
+    inputs: Sequence[jax.Array],  # the gate parameters, then the row-major activations
+    state: jax.Array,  # f32[num_slots, H, Dk, Dv]  donated: updated in place
+    out_dtype,
+    bv: int,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+    **params,
+) -> tuple[jax.Array, jax.Array]:
+    """One ``pallas_call`` over grid ``(S, H, Dv // BV)``; returns ``(o [S, H, Dv], state)``."""
+    rows = slots.num_rows
+    _, h, _, dv = state.shape
+    args = (*slots.arrays(), *inputs, state)
+    return pl.pallas_call(
+        group_refs(kernel, DecodeSlots, bv=bv, **params),
+        grid=(rows, h, dv // bv),
+        out_shape=[
+            jax.ShapeDtypeStruct((rows, h, dv), out_dtype),
+            jax.ShapeDtypeStruct(state.shape, state.dtype),
+        ],
+        input_output_aliases={len(args) - 1: 1},
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name=name,
+    )(*args)
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+def pad_tokens(xs: Sequence[jax.Array], chunk: int) -> tuple[list[jax.Array], int]:
+    """The token-major inputs padded to at least ``chunk`` tokens (a window needs ``T >= C``),
+    and the padded count."""
+    n = xs[0].shape[0]
+    pad = max(0, chunk - n)
+
+    def padded(x):
+        return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
+
+    return list(map(padded, xs)), n + pad
+
+
+class Window(NamedTuple):
+    rows: pl.Slice  # the C token rows read, [w0, w0 + C)
+    tok: jax.Array  # i32[C]  their token indices
+    valid: jax.Array  # bool[C]  inside the chunk
+    start: jax.Array  # i32[]  the chunk's first token
+    length: jax.Array  # i32[]
+
+
+def window(start, length, num_tokens: int, chunk: int) -> Window:
+    """The ``chunk``-row window of a chunk (start clamped in bounds) and its valid-row mask."""
+    w0 = jnp.minimum(start, num_tokens - chunk)
+    tok = w0 + jnp.arange(chunk, dtype=jnp.int32)
+    return Window(pl.ds(w0, chunk), tok, (tok >= start) & (tok < start + length), start, length)
+
+
+class RowPlan(NamedTuple):
+    """A serial launch's plan refs (:func:`row_plan`)."""
+
+    row_first: jax.Array  # i32[S]  first chunk of each row in the plan
+    row_chunks: jax.Array  # i32[S]  its chunk count
+    c_start: jax.Array  # i32[NC]
+    c_len: jax.Array  # i32[NC]
+    c_end: jax.Array  # i32[NC]
+    src: jax.Array  # i32[S]
+    dst: jax.Array  # i32[S]
+    ck_off: jax.Array  # i32[S, M]
+    ck_slot: jax.Array  # i32[S, M]
+
+
+def row_plan(plan: ChunkPlan, slots: StateSlots, num_chunks: int) -> RowPlan:
+    """The chunk plan by row, with the slots: what :func:`scan_row_chunks` walks."""
+    rows = slots.num_rows
+    # Chunks of a row are consecutive in the plan: its first chunk and how many.
+    is_first = (plan.first == 1) & (plan.length > 0)
+    row_first = (
+        jnp.zeros(rows, jnp.int32)
+        .at[jnp.where(is_first, plan.seq, rows)]
+        .set(jnp.arange(num_chunks, dtype=jnp.int32), mode="drop")
+    )
+    row_chunks = jnp.zeros(rows, jnp.int32).at[plan.seq].add((plan.length > 0).astype(jnp.int32))
+    return RowPlan(row_first, row_chunks, plan.start, plan.length, plan.end, *slots.arrays()[:4])
+
+
+def scan_row_chunks(
+    p: RowPlan,
+    pool_in,  # f32[num_slots, H, Dk, Dv]
+    pool_out,  # aliased to pool_in
+    *,
+    vs: pl.Slice,  # this program's Dv columns
+    num_tokens: int,
+    chunk: int,
+    step: Callable,  # step(ci, w: Window, s [Dk, BV]) -> s after chunk ci
+):
+    """Program ``(r, h, vb)`` of a serial launch: ``S <- pool[src[r], h, :, vs]`` (zeros when
+    src == 0), then row ``r``'s chunks in order, storing the state where a checkpoint's offset
+    is the chunk's end and, after the last chunk, to ``dst``."""
+    r, h = pl.program_id(0), pl.program_id(1)
+    n_chunks = p.row_chunks[r]
+    src, dst = p.src[r], p.dst[r]
+    s0 = load_state(pool_in, src, h, vs, (n_chunks > 0) & (src > 0))  # [Dk, BV]
+
+    def body(i, s):
+        ci = p.row_first[r] + i
+        start, length, end = p.c_start[ci], p.c_len[ci], p.c_end[ci]
+        s = step(ci, window(start, length, num_tokens, chunk), s)
+        for m in range(p.ck_off.shape[1]):
+            slot = p.ck_slot[r, m]
+            store_state(pool_out, slot, h, vs, s, (slot > 0) & (p.ck_off[r, m] == end))
+        store_state(pool_out, dst, h, vs, s, (i == n_chunks - 1) & (dst > 0))
+        return s
+
+    jax.lax.fori_loop(0, n_chunks, body, s0)
