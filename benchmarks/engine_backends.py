@@ -28,8 +28,8 @@ import numpy as np
 from benchmarks.common import device_name
 from hyjax.assets import model_dir
 from hyjax.tokenizer import Tokenizer
+from serving.core.request import SamplingParams
 from serving.engine import EngineArgs, LLMEngine
-from serving.request import SamplingParams
 
 
 def prompts(tokenizer, n: int, seed: int) -> list[list[int]]:

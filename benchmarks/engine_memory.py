@@ -38,8 +38,8 @@ def measure(model: str | None, row_buckets: bool) -> dict:
     out: dict = {"mixed_row_buckets": row_buckets, "rss_mb": {"start": _rss_mb()}}
     import jax
 
+    from serving.core.request import SamplingParams
     from serving.engine import EngineArgs, LLMEngine
-    from serving.request import SamplingParams
 
     out["rss_mb"]["jax"] = _rss_mb()
     from serving.engine_args import resolve_model

@@ -81,7 +81,7 @@ def _engine(model_dir, backend: str, **kw):
 
 def _generate(engine, prompts, max_tokens: int):
     """Greedy outputs of ``prompts`` (one wave): token ids and each token's logprob."""
-    from serving.request import SamplingParams
+    from serving.core.request import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1)
     ids = [engine.add_request(p, params) for p in prompts]
@@ -146,7 +146,7 @@ def _caching_waves(seed: int = 0):
 
 def caching_identity(model_dir, *, backend: str, max_tokens: int = 24) -> dict:
     """Caching on vs off: every request's greedy tokens identical, and the hits happen."""
-    from serving.request import SamplingParams
+    from serving.core.request import SamplingParams
 
     wave1, wave2, turn1, follow = _caching_waves()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -16,8 +16,8 @@ import statistics
 import numpy as np
 
 from benchmarks.common import bench_config, device_name, random_model
+from serving.core.request import SamplingParams
 from serving.engine import EngineArgs, LLMEngine
-from serving.request import SamplingParams
 
 
 def main() -> None:

@@ -50,7 +50,7 @@ def _timed(fn) -> float:
 
 
 def time_steps(runner, shapes, repeats: int) -> dict:
-    from serving.plan import StepPlan
+    from serving.core.plan import StepPlan
     from serving.runner import _step
 
     out = {}
@@ -73,9 +73,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     ns = p.parse_args()
 
+    from serving.core.plan import StepShape
     from serving.engine import EngineArgs, LLMEngine
     from serving.engine_args import resolve_model
-    from serving.plan import StepShape
 
     engine = LLMEngine(EngineArgs(model=resolve_model(None), dtype="float32", warmup=False,
                                   progress=False, compilation_cache_dir=None))  # fmt: skip

@@ -20,8 +20,8 @@ import time
 import numpy as np
 
 from benchmarks.common import bench_config, device_name, random_model
+from serving.core.request import SamplingParams
 from serving.engine import EngineArgs, LLMEngine
-from serving.request import SamplingParams
 
 
 def workload(args) -> list[list[int]]:

@@ -24,8 +24,8 @@ import jax
 import numpy as np
 
 from benchmarks.common import add_engine_workload_args, device_name, workload_engine
+from serving.core.request import SamplingParams
 from serving.engine import LLMEngine
-from serving.request import SamplingParams
 
 
 def _prefill(engine: LLMEngine, n: int, prompt_len: int, seed: int) -> float:

@@ -13,7 +13,7 @@ def __getattr__(name):
 
         return LLM
     if name == "SamplingParams":
-        from serving.request import SamplingParams
+        from serving.core.request import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'hyjax' has no attribute {name!r}")

@@ -1,5 +1,5 @@
 """Serving: request, scheduler and cache manager (plain Python), runner, engine, server.
 
-Nothing in this package's ``__init__`` imports jax, so the scheduler side can be used and tested
-without it. Import the parts from their modules (``serving.scheduler``, ``serving.config``, ...).
+``serving.core`` holds the plain-Python part (no jax); nothing in this package's ``__init__``
+imports jax either. Import the parts from their packages or modules (``serving.core``, ...).
 """

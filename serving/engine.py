@@ -25,13 +25,13 @@ from hyjax.detokenizer import DetokenizerStream, check_stop_strings
 from hyjax.loader import load_model
 from hyjax.sharding import ShardingPlan, make_mesh
 from hyjax.tokenizer import Tokenizer, TokenizerFilesError
-from serving.config import CacheConfig, SchedulerConfig
+from serving.core.config import CacheConfig, SchedulerConfig
+from serving.core.request import Request, SamplingParams
+from serving.core.scheduler import Scheduler
 from serving.engine_args import EngineArgs
 from serving.messages import EngineStats
 from serving.pool_sizing import size_pools
-from serving.request import Request, SamplingParams
 from serving.runner import ModelRunner
-from serving.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

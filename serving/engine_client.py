@@ -21,6 +21,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
+from serving.core.request import SamplingParams
 from serving.messages import (
     AbortRequest,
     Accepted,
@@ -35,7 +36,6 @@ from serving.messages import (
     Shutdown,
     StatsReply,
 )
-from serving.request import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from serving.core.request import SamplingParams
 from serving.engine import EngineArgs, LLMEngine
-from serving.request import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from serving.request import SamplingParams
+from serving.core.request import SamplingParams
 
 # ----------------------------------------------------------------------------- to the engine
 

@@ -3,7 +3,7 @@
 Every process holds a shard of the model, so every process must enter every jitted step (and
 the collectives inside it) in the same order with the same plan. Requests reach one process
 only, so only the leader (process 0) runs the HTTP server, the scheduler and the engine loop;
-each step's :class:`~serving.plan.StepPlan` goes to the followers over a TCP side channel the
+each step's :class:`~serving.core.plan.StepPlan` goes to the followers over a TCP side channel the
 leader's engine process opens (by default on the coordinator's port + 1)::
 
     process 0 (leader)                               process I > 0 (follower)
@@ -45,7 +45,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from serving.plan import StepPlan, StepShape
+from serving.core.plan import StepPlan, StepShape
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from hyjax.tokenizer import ChatTemplateError, Tokenizer
+from serving.core.request import SamplingParams
 from serving.engine_client import EngineClient, EngineDeadError, RequestRejected
 from serving.http_metrics import ServerMetrics
 from serving.messages import Delta
@@ -39,7 +40,6 @@ from serving.protocol import (
     _SamplingFields,
     error_body,
 )
-from serving.request import SamplingParams
 
 MAX_CHOICES = 256  # engine requests per HTTP request (prompts x n)
 SEED_STRIDE = 0x9E3779B9  # sample j of n gets seed + j * stride (mod 2**32)

@@ -1,6 +1,6 @@
 """How large the pools are: the bytes one KV block and one state slot take for a model, the
 budget (free device memory, or on CPU what the flags need), and the split between the two
-pools (:func:`serving.memory_planner.plan_memory`). The engine calls :func:`size_pools` before
+pools (:func:`serving.core.memory_planner.plan_memory`). The engine calls :func:`size_pools` before
 it builds the runner, which then allocates what the plan says.
 
 Needs a model's config and dtype, never its weights.
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from hyjax.cache import kv_block_bytes, pool_limits, state_slot_bytes
 from hyjax.config import ModelConfig
 from hyjax.sharding import ShardingPlan
-from serving.config import SchedulerConfig
-from serving.memory_planner import MemoryPlan, plan_memory
+from serving.core.config import SchedulerConfig
+from serving.core.memory_planner import MemoryPlan, plan_memory
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from serving.request import SamplingParams
+from serving.core.request import SamplingParams
 
 MAX_N = 16  # choices per prompt
 MAX_STOP = 16  # stop strings per request

@@ -1,7 +1,7 @@
 """The model runner: the only owner of ``jax.jit`` and device arrays (DESIGN.md §5).
 
 ``step(params, caches, plan) -> (caches, sampled)`` is one jitted function per bucket
-(:class:`serving.plan.StepShape`); caches are donated, and a step costs one host-to-device
+(:class:`serving.core.plan.StepShape`); caches are donated, and a step costs one host-to-device
 transfer of the plan's arrays. Every bucket is compiled at start-up (``warmup``), or, for a
 server that should answer at once, in a background thread while it serves
 (``start_background_warmup``): a step whose bucket is not compiled yet compiles it then.
@@ -29,9 +29,9 @@ from hyjax.cache import Caches, init_caches
 from hyjax.config import ModelConfig
 from hyjax.ops import Ops, ops_for_model
 from hyjax.sharding import ShardingPlan, replicate_tree
-from serving.config import SchedulerConfig
-from serving.memory_planner import MemoryPlan
-from serving.plan import PlanLayout, StepPlan, StepShape
+from serving.core.config import SchedulerConfig
+from serving.core.memory_planner import MemoryPlan
+from serving.core.plan import PlanLayout, StepPlan, StepShape
 from serving.sampler import MAX_LOGPROBS, sample, token_logprobs
 
 log = logging.getLogger(__name__)

@@ -17,9 +17,9 @@ from hyjax.ops import BACKENDS, GPU_GDN_PREFILL, REFERENCE, matmul_precision, op
 from pallas_kernels.gdn import fused_decode
 from pallas_kernels.gdn import gpu as gdn_gpu
 from serving.cli import build_parser, engine_kwargs
-from serving.config import SchedulerConfig
+from serving.core.config import SchedulerConfig
+from serving.core.plan import StepPlan
 from serving.engine import EngineArgs
-from serving.plan import StepPlan
 from serving.pool_sizing import size_pools
 from serving.runner import ModelRunner, _step
 

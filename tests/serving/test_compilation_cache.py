@@ -21,7 +21,7 @@ from jax import monitoring
 events = []
 monitoring.register_event_listener(lambda name, **kw: events.append(name))
 from serving.engine import EngineArgs, LLMEngine
-from serving.request import SamplingParams
+from serving.core.request import SamplingParams
 
 engine = LLMEngine(EngineArgs(
     model=sys.argv[1], compilation_cache_dir=sys.argv[2], max_num_seqs=2,

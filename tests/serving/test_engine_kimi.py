@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from hyjax.testing import make_tiny_kimi_linear_model
+from serving.core.request import SamplingParams
 from serving.engine import EngineArgs, LLMEngine
-from serving.request import SamplingParams
 from tests.serving.engine_helpers import (
     assert_resumed_state_matters,
     run_waves,

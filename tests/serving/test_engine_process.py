@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from serving.core.request import SamplingParams
 from serving.engine_process import EngineLoop
 from serving.messages import (
     AbortRequest,
@@ -18,7 +19,6 @@ from serving.messages import (
     Shutdown,
     StatsReply,
 )
-from serving.request import SamplingParams
 
 
 @dataclasses.dataclass

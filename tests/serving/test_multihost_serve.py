@@ -24,6 +24,7 @@ import numpy as np
 import openai
 import pytest
 
+from serving.core.plan import StepPlan, StepShape
 from serving.distributed import smallest_cache_bytes
 from serving.multihost import (
     FatalStepErrors,
@@ -35,7 +36,6 @@ from serving.multihost import (
     exit_on_lost,
     signature_mismatch,
 )
-from serving.plan import StepPlan, StepShape
 from tests.serving.server_helpers import free_port, request
 
 # Byte-level tokens: the first two share 70 tokens, past the 64-token checkpoint granularity.
@@ -76,8 +76,8 @@ def _write_model(out: str) -> str:
 
 def _reference(model_dir: str) -> list[str]:
     """The same prompts on one process, one device (the test's own JAX)."""
+    from serving.core.request import SamplingParams
     from serving.engine import EngineArgs, LLMEngine
-    from serving.request import SamplingParams
 
     engine = LLMEngine(
         EngineArgs(model=model_dir, max_num_seqs=1, max_num_batched_tokens=64,

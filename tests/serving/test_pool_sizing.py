@@ -5,7 +5,7 @@ import pytest
 
 from hyjax.cache import kv_block_bytes, state_slot_bytes
 from hyjax.tiny import tiny_config
-from serving.config import SchedulerConfig
+from serving.core.config import SchedulerConfig
 from serving.pool_sizing import size_pools
 
 CFG = tiny_config(vocab_size=300)

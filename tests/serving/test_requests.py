@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from sched_helpers import FakeRunner, make_request, make_scheduler, prompt, run_all, step
 
-from serving.request import RequestStatus, SamplingParams
+from serving.core.request import RequestStatus, SamplingParams
 
 
 @pytest.mark.parametrize(

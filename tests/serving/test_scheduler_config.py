@@ -2,9 +2,9 @@
 
 import pytest
 
-from serving.config import CacheConfig, SchedulerConfig
-from serving.memory_planner import plan_memory
-from serving.plan import StepShape
+from serving.core.config import CacheConfig, SchedulerConfig
+from serving.core.memory_planner import plan_memory
+from serving.core.plan import StepShape
 
 
 @pytest.mark.parametrize(

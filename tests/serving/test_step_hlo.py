@@ -15,8 +15,8 @@ import pytest
 
 from hyjax.testing import make_tiny_kimi_linear_model
 from hyjax.tiny import make_tiny_model
+from serving.core.plan import StepPlan, StepShape
 from serving.engine import EngineArgs, LLMEngine
-from serving.plan import StepPlan, StepShape
 from serving.runner import _step
 
 SMALL = dict(

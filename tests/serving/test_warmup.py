@@ -6,8 +6,8 @@ import jax
 import pytest
 
 from hyjax.tiny import make_tiny_model
+from serving.core.request import SamplingParams
 from serving.engine import EngineArgs, LLMEngine
-from serving.request import SamplingParams
 
 # Four buckets: decode with 1 or 2 rows, a 64-token prefill with 1 or 2 rows.
 SMALL = dict(

@@ -143,7 +143,7 @@ def _batches(cfg, block_size: int = 16):
 
 def forward_logits(model, cfg, tp: int, *, expert_parallel: bool = False, backend="reference"):
     """Prefill logits, decode logits, the checkpoint state (slot 3) and the caches."""
-    from serving.config import SchedulerConfig
+    from serving.core.config import SchedulerConfig
     from serving.pool_sizing import size_pools
     from serving.runner import ModelRunner
 
@@ -284,7 +284,7 @@ def _workload() -> list:
                  c (top-p), d, short       sampled / unfiltered / cold
         wave 3   m_turn2 = m + answer + 5  hits the decode ckpt at 128
     """
-    from serving.request import SamplingParams
+    from serving.core.request import SamplingParams
 
     rng = np.random.default_rng(3)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -317,7 +317,7 @@ def _workload() -> list:
 def hits_resume_from_zero():
     """The control: every prefix hit reads the zero state (slot 0) instead of its checkpoint,
     the KV prefix still reused. What a lost or misaddressed checkpoint would do."""
-    from serving.scheduler import Scheduler
+    from serving.core.scheduler import Scheduler
 
     add_row = Scheduler._add_row
 
@@ -396,7 +396,7 @@ def compiled_step_findings(runner) -> dict[str, list[str]]:
     """
     import re
 
-    from serving.plan import StepPlan
+    from serving.core.plan import StepPlan
     from serving.runner import _step
 
     # The KV pools (the state pools' gather + in-place update still gets copied by XLA's CPU

@@ -10,9 +10,9 @@ import dataclasses
 
 import numpy as np
 
-from serving.config import SchedulerConfig
-from serving.plan import StepPlan
-from serving.request import FinishReason, Request
+from serving.core.config import SchedulerConfig
+from serving.core.plan import StepPlan
+from serving.core.request import FinishReason, Request
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -53,11 +53,11 @@ import random
 
 import numpy as np
 
-from serving.block_pool import NULL_ID
-from serving.cache_manager import CacheManager, CacheMetrics
-from serving.config import CacheConfig, SchedulerConfig
-from serving.request import FinishReason, Request, RequestStatus
-from serving.scheduler_output import RequestUpdate, RowSampling, SchedulerOutput, build_plan
+from serving.core.block_pool import NULL_ID
+from serving.core.cache_manager import CacheManager, CacheMetrics
+from serving.core.config import CacheConfig, SchedulerConfig
+from serving.core.request import FinishReason, Request, RequestStatus
+from serving.core.scheduler_output import RequestUpdate, RowSampling, SchedulerOutput, build_plan
 
 JUNCTION_LOOKAHEAD = 32  # waiting requests compared with each admitted one
 
