@@ -51,7 +51,7 @@ def _timed(fn) -> float:
 
 def time_steps(runner, shapes, repeats: int) -> dict:
     from serving.core.plan import StepPlan
-    from serving.runner import _step
+    from serving.worker.runner import _step
 
     out = {}
     for name, shape in shapes.items():

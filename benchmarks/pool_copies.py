@@ -24,7 +24,7 @@ import jax
 
 def pool_copies(runner, shape) -> tuple[list[str], int]:
     from serving.core.plan import StepPlan
-    from serving.runner import _step
+    from serving.worker.runner import _step
 
     compiled = _step.lower(*runner.step_args(StepPlan.empty(shape))).compile()
     sizes = {math.prod(x.shape) for x in jax.tree.leaves(runner.caches)}

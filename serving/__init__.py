@@ -1,5 +1,5 @@
 """Serving: request, scheduler and cache manager (plain Python), runner, engine, server.
 
-``serving.core`` holds the plain-Python part (no jax); nothing in this package's ``__init__``
-imports jax either. Import the parts from their packages or modules (``serving.core``, ...).
+``serving.core`` holds the plain-Python part (no jax), ``serving.worker`` the device side.
+Nothing in this package's ``__init__`` imports jax.
 """

@@ -30,8 +30,8 @@ from serving.core.request import Request, SamplingParams
 from serving.core.scheduler import Scheduler
 from serving.engine_args import EngineArgs
 from serving.messages import EngineStats
-from serving.pool_sizing import size_pools
-from serving.runner import ModelRunner
+from serving.worker.pool_sizing import size_pools
+from serving.worker.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from serving.cli import build_parser, engine_kwargs
 from serving.core.config import SchedulerConfig
 from serving.core.plan import StepPlan
 from serving.engine import EngineArgs
-from serving.pool_sizing import size_pools
-from serving.runner import ModelRunner, _step
+from serving.worker.pool_sizing import size_pools
+from serving.worker.runner import ModelRunner, _step
 
 PALLAS = BACKENDS["pallas"]
 GDN_OPS = {"gdn_prefill", "gdn_decode", "conv_gdn_decode"}

@@ -25,7 +25,6 @@ import openai
 import pytest
 
 from serving.core.plan import StepPlan, StepShape
-from serving.distributed import smallest_cache_bytes
 from serving.multihost import (
     FatalStepErrors,
     MultihostConfig,
@@ -36,6 +35,7 @@ from serving.multihost import (
     exit_on_lost,
     signature_mismatch,
 )
+from serving.worker.distributed import smallest_cache_bytes
 from tests.serving.server_helpers import free_port, request
 
 # Byte-level tokens: the first two share 70 tokens, past the 64-token checkpoint granularity.

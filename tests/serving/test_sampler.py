@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.sampler import MAX_LOGPROBS, sample, token_logprobs
+from serving.worker.sampler import MAX_LOGPROBS, sample, token_logprobs
 
 V = 32
 

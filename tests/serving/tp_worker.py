@@ -144,8 +144,8 @@ def _batches(cfg, block_size: int = 16):
 def forward_logits(model, cfg, tp: int, *, expert_parallel: bool = False, backend="reference"):
     """Prefill logits, decode logits, the checkpoint state (slot 3) and the caches."""
     from serving.core.config import SchedulerConfig
-    from serving.pool_sizing import size_pools
-    from serving.runner import ModelRunner
+    from serving.worker.pool_sizing import size_pools
+    from serving.worker.runner import ModelRunner
 
     sched = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
     plan = ShardingPlan(make_mesh(tp), cfg, expert_parallel) if tp > 1 else None
@@ -354,7 +354,7 @@ def check_engine(model_dir: str) -> dict:
         "tp1_zero_resume": tp1,
     }
     out = {}
-    logs, logger = _LogLines(), logging.getLogger("serving.runner")
+    logs, logger = _LogLines(), logging.getLogger("serving.worker.runner")
     level = logger.level
     logger.addHandler(logs)
     logger.setLevel(logging.INFO)
@@ -397,7 +397,7 @@ def compiled_step_findings(runner) -> dict[str, list[str]]:
     import re
 
     from serving.core.plan import StepPlan
-    from serving.runner import _step
+    from serving.worker.runner import _step
 
     # The KV pools (the state pools' gather + in-place update still gets copied by XLA's CPU
     # backend, TP or not: a separate, open problem noted in BENCHMARKS.md).

@@ -66,7 +66,7 @@ def size_pools(
         if jax.devices()[0].platform == "cpu" and num_checkpoint_slots is None:
             num_checkpoint_slots = 4 * sched_cfg.max_num_seqs
     if jax.process_count() > 1:
-        from serving.distributed import smallest_cache_bytes
+        from serving.worker.distributed import smallest_cache_bytes
 
         cache_bytes = smallest_cache_bytes(cache_bytes)
     plan = functools.partial(
@@ -84,7 +84,7 @@ def size_pools(
     if jax.process_count() > 1:
         # The same budget, but defaults may still differ by process (flags given to one): all
         # take the fewest checkpoint slots, which fits every plan's state cap.
-        from serving.distributed import fewest_checkpoint_slots
+        from serving.worker.distributed import fewest_checkpoint_slots
 
         fewest = fewest_checkpoint_slots(memory.num_checkpoint_slots)
         if fewest != memory.num_checkpoint_slots:

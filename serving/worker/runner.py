@@ -32,7 +32,7 @@ from hyjax.sharding import ShardingPlan, replicate_tree
 from serving.core.config import SchedulerConfig
 from serving.core.memory_planner import MemoryPlan
 from serving.core.plan import PlanLayout, StepPlan, StepShape
-from serving.sampler import MAX_LOGPROBS, sample, token_logprobs
+from serving.worker.sampler import MAX_LOGPROBS, sample, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class ModelRunner:
       model: the loaded NNX model.
       cfg: its config.
       sched_cfg: the scheduler's config (buckets, block size).
-      memory: the pool sizes (``serving.pool_sizing.size_pools``), allocated here.
+      memory: the pool sizes (``serving.worker.pool_sizing.size_pools``), allocated here.
       kernel_backend: ``auto``, ``reference``, ``pallas`` or ``interpret``; a kernel that cannot
         take the model's shapes is replaced by its reference op (``hyjax.ops.ops_for_model``,
         one warning each).
