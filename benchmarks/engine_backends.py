@@ -29,7 +29,7 @@ from benchmarks.common import device_name
 from hyjax.assets import model_dir
 from hyjax.tokenizer import Tokenizer
 from serving.core.request import SamplingParams
-from serving.engine import EngineArgs, LLMEngine
+from serving.engine.llm_engine import EngineArgs, LLMEngine
 
 
 def prompts(tokenizer, n: int, seed: int) -> list[list[int]]:

@@ -39,10 +39,10 @@ def measure(model: str | None, row_buckets: bool) -> dict:
     import jax
 
     from serving.core.request import SamplingParams
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
 
     out["rss_mb"]["jax"] = _rss_mb()
-    from serving.engine_args import resolve_model
+    from serving.engine.engine_args import resolve_model
 
     args = EngineArgs(
         model=resolve_model(model),

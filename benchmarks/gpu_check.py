@@ -64,7 +64,7 @@ class _Warnings(logging.Handler):
 
 
 def _engine(model_dir, backend: str, **kw):
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
 
     handler = _Warnings()
     logger = logging.getLogger("hyjax.ops")

@@ -74,8 +74,8 @@ def main() -> None:
     ns = p.parse_args()
 
     from serving.core.plan import StepShape
-    from serving.engine import EngineArgs, LLMEngine
-    from serving.engine_args import resolve_model
+    from serving.engine.engine_args import resolve_model
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
 
     engine = LLMEngine(EngineArgs(model=resolve_model(None), dtype="float32", warmup=False,
                                   progress=False, compilation_cache_dir=None))  # fmt: skip

@@ -43,7 +43,7 @@ def main() -> None:
     from hyjax.testing import make_tiny_kimi_linear_model
     from hyjax.tiny import make_tiny_model
     from serving.core.plan import StepShape
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
 
     report: dict = {"device": str(jax.devices()[0]), "backend": ns.kernel_backend, "steps": []}
     bad = 0

@@ -21,7 +21,7 @@ import numpy as np
 
 from benchmarks.common import bench_config, device_name, random_model
 from serving.core.request import SamplingParams
-from serving.engine import EngineArgs, LLMEngine
+from serving.engine.llm_engine import EngineArgs, LLMEngine
 
 
 def workload(args) -> list[list[int]]:

@@ -25,7 +25,7 @@ import numpy as np
 
 from benchmarks.common import add_engine_workload_args, device_name, workload_engine
 from serving.core.request import SamplingParams
-from serving.engine import LLMEngine
+from serving.engine.llm_engine import LLMEngine
 
 
 def _prefill(engine: LLMEngine, n: int, prompt_len: int, seed: int) -> float:

@@ -13,8 +13,8 @@ import time
 
 from tqdm import tqdm
 
-from serving.engine_args import EngineArgs, add_engine_args, engine_kwargs
-from serving.logs import setup_logging
+from serving.engine.engine_args import EngineArgs, add_engine_args, engine_kwargs
+from serving.engine.logs import setup_logging
 
 
 def engine_args(ns: argparse.Namespace, **extra) -> EngineArgs:
@@ -66,7 +66,7 @@ def row_request(row: dict, ns: argparse.Namespace):
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from serving.engine import LLMEngine
+    from serving.engine.llm_engine import LLMEngine
 
     if (ns.input is None) == (not ns.prompt):
         raise SystemExit("hyjax generate: give either --input FILE or --prompt TEXT (not both)")
@@ -187,7 +187,7 @@ def multihost_config(ns: argparse.Namespace):
     """``serve`` across processes: a ``MultihostConfig``, or None on one process."""
     if not (ns.coordinator_address or ns.num_processes or ns.process_id):
         return None
-    from serving.multihost import MultihostConfig
+    from serving.engine.multihost import MultihostConfig
 
     given = dict(coordinator_address=ns.coordinator_address, num_processes=ns.num_processes,
                  process_id=ns.process_id)  # fmt: skip
@@ -209,7 +209,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if multihost is not None and multihost.process_id > 0:
         import signal
 
-        from serving.multihost import run_follower
+        from serving.engine.multihost import run_follower
 
         # A Ctrl-C sent to the whole group must not kill a follower under the leader's drain;
         # the leader's shutdown message ends it (SIGTERM still does, failing the leader).
@@ -217,7 +217,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         try:
             code = run_follower(kwargs, multihost)
         except BaseException:  # noqa: BLE001  (a failed step: the job cannot go on)
-            logging.getLogger("serving.multihost").exception("follower failed")
+            logging.getLogger("serving.engine.multihost").exception("follower failed")
             code = 1
         if code:  # the job is broken: skip jax.distributed's exit barrier, which would wait
             logging.shutdown()
@@ -227,7 +227,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         import dataclasses
 
         kwargs["multihost"] = dataclasses.asdict(multihost)
-    from serving.engine_client import EngineStartError
+    from serving.engine.engine_client import EngineStartError
     from serving.server import serve
 
     try:

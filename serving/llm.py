@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from serving.core.request import SamplingParams
-from serving.engine import EngineArgs, LLMEngine
+from serving.engine.llm_engine import EngineArgs, LLMEngine
 
 
 @dataclasses.dataclass(frozen=True)

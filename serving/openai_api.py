@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from hyjax.tokenizer import ChatTemplateError, Tokenizer
 from serving.core.request import SamplingParams
-from serving.engine_client import EngineClient, EngineDeadError, RequestRejected
+from serving.engine.engine_client import EngineClient, EngineDeadError, RequestRejected
+from serving.engine.messages import Delta
 from serving.http_metrics import ServerMetrics
-from serving.messages import Delta
 from serving.protocol import (
     ChatChoice,
     ChatChunkChoice,

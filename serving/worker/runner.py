@@ -155,7 +155,7 @@ class ModelRunner:
         self.sched_cfg = sched_cfg
         self.sharding = sharding
         # Multi-host serve: the leader ships each plan to the followers before running it, so
-        # every process enters the step's collectives (serving/multihost.py).
+        # every process enters the step's collectives (serving/engine/multihost.py).
         self.on_execute: Callable[[StepPlan], None] | None = None
         # Background warm-up: bucket -> its compile (None -> the closing log line).
         self._warming: dict[StepShape | None, Future] = {}

@@ -19,7 +19,7 @@ from pallas_kernels.gdn import gpu as gdn_gpu
 from serving.cli import build_parser, engine_kwargs
 from serving.core.config import SchedulerConfig
 from serving.core.plan import StepPlan
-from serving.engine import EngineArgs
+from serving.engine.llm_engine import EngineArgs
 from serving.worker.pool_sizing import size_pools
 from serving.worker.runner import ModelRunner, _step
 

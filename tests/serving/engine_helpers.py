@@ -14,7 +14,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from serving.engine import LLMEngine
+from serving.engine.llm_engine import LLMEngine
 
 
 def run_waves(

@@ -141,7 +141,7 @@ def test_every_flag_says_what_it_does():
 def test_every_engine_flag_reaches_engine_args(command):
     """Each ``EngineArgs`` flag field is a flag of both commands, and its value arrives."""
     from serving.cli import build_parser, engine_kwargs
-    from serving.engine_args import flag_fields
+    from serving.engine.engine_args import flag_fields
 
     argv, want = [command] + (["--prompt", "x"] if command == "generate" else []), {}
     for f in flag_fields():

@@ -20,7 +20,7 @@ from jax import monitoring
 
 events = []
 monitoring.register_event_listener(lambda name, **kw: events.append(name))
-from serving.engine import EngineArgs, LLMEngine
+from serving.engine.llm_engine import EngineArgs, LLMEngine
 from serving.core.request import SamplingParams
 
 engine = LLMEngine(EngineArgs(

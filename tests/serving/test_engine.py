@@ -13,7 +13,7 @@ import pytest
 
 from hyjax.tiny import make_tiny_model
 from serving.core.request import SamplingParams
-from serving.engine import EngineArgs, LLMEngine
+from serving.engine.llm_engine import EngineArgs, LLMEngine
 from tests.serving.engine_helpers import (
     assert_resumed_state_matters,
     run_waves,

@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from serving.core.request import SamplingParams
-from serving.engine_process import EngineLoop
-from serving.messages import (
+from serving.engine.engine_process import EngineLoop
+from serving.engine.messages import (
     AbortRequest,
     Accepted,
     AddRequest,

@@ -1,8 +1,8 @@
 """``hyjax serve`` across two processes (``jax.distributed``), as users start it.
 
 Two CPU processes with 2 simulated devices each run ``--tensor-parallel-size 4`` over both:
-process 0 serves HTTP and plans, process 1 mirrors its steps (serving/multihost.py). Process 1
-is given less cache memory: both must size their pools from its budget. The
+process 0 serves HTTP and plans, process 1 mirrors its steps (serving/engine/multihost.py).
+Process 1 is given less cache memory: both must size their pools from its budget. The
 official ``openai`` client's greedy completions must match a one-process, one-device engine
 token for token; SIGTERM on the leader must end both processes with exit code 0. The plan
 channel's failure paths are tested on real sockets without JAX.
@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from serving.core.plan import StepPlan, StepShape
-from serving.multihost import (
+from serving.engine.multihost import (
     FatalStepErrors,
     MultihostConfig,
     PlanBroadcaster,
@@ -77,7 +77,7 @@ def _write_model(out: str) -> str:
 def _reference(model_dir: str) -> list[str]:
     """The same prompts on one process, one device (the test's own JAX)."""
     from serving.core.request import SamplingParams
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
 
     engine = LLMEngine(
         EngineArgs(model=model_dir, max_num_seqs=1, max_num_batched_tokens=64,
@@ -294,7 +294,7 @@ def test_shutdown_reaches_every_follower_and_a_missing_one_is_named():
 
 
 def _lose_follower(outbox) -> None:
-    from serving.messages import Failed
+    from serving.engine.messages import Failed
 
     exit_on_lost(outbox, Failed)("follower process 1 of 2 left")
 

@@ -16,7 +16,7 @@ import pytest
 from hyjax.testing import make_tiny_kimi_linear_model
 from hyjax.tiny import make_tiny_model
 from serving.core.plan import StepPlan, StepShape
-from serving.engine import EngineArgs, LLMEngine
+from serving.engine.llm_engine import EngineArgs, LLMEngine
 from serving.worker.runner import _step
 
 SMALL = dict(

@@ -7,7 +7,7 @@ import pytest
 
 from hyjax.tiny import make_tiny_model
 from serving.core.request import SamplingParams
-from serving.engine import EngineArgs, LLMEngine
+from serving.engine.llm_engine import EngineArgs, LLMEngine
 
 # Four buckets: decode with 1 or 2 rows, a 64-token prefill with 1 or 2 rows.
 SMALL = dict(

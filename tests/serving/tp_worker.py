@@ -336,7 +336,7 @@ def hits_resume_from_zero():
 def check_engine(model_dir: str) -> dict:
     """Greedy tokens and hits of the engine under TP = 2 with caching on, against TP = 1 and
     caching off; and a TP = 1 control whose hits resume from the zero state."""
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
 
     base = dict(
         model=model_dir, max_num_seqs=2, max_num_batched_tokens=64, min_token_bucket=64,

@@ -1,6 +1,6 @@
 """The HTTP side of the engine process: spawn it, send it messages, route its replies.
 
-No jax here: the engine runs in a child process (``serving.engine_process.engine_main``,
+No jax here: the engine runs in a child process (``serving.engine.engine_process.engine_main``,
 started with the ``spawn`` method, so the child imports jax and the parent never does). A
 reader thread blocks on the outbox and hands each message list to the event loop, which
 routes deltas to per-request ``asyncio.Queue`` s and resolves the futures of pending adds and
@@ -22,7 +22,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from serving.core.request import SamplingParams
-from serving.messages import (
+from serving.engine.messages import (
     AbortRequest,
     Accepted,
     AddRequest,
@@ -63,7 +63,7 @@ class _Pending:
 
 
 class EngineClient:
-    """Owns the engine process and speaks :mod:`serving.messages` with it.
+    """Owns the engine process and speaks :mod:`serving.engine.messages` with it.
 
     Use: ``client.start()`` (blocks until the engine is ready), then inside the event loop
     ``client.attach()``; ``async for delta in client.generate(...)``; ``client.close()``.
@@ -305,8 +305,8 @@ class EngineClient:
 
 
 def _engine_main(engine_kwargs: dict, inbox, outbox, log_level: int) -> None:
-    # Imported in the child only: serving.engine_process pulls in nothing heavy itself, but
-    # keeping the import here makes the parent's module graph obviously jax-free.
-    from serving.engine_process import engine_main
+    # Imported in the child only: serving.engine.engine_process pulls in nothing heavy itself,
+    # but keeping the import here makes the parent's module graph obviously jax-free.
+    from serving.engine.engine_process import engine_main
 
     engine_main(engine_kwargs, inbox, outbox, log_level)

@@ -28,8 +28,8 @@ from hyjax.tokenizer import Tokenizer, TokenizerFilesError
 from serving.core.config import CacheConfig, SchedulerConfig
 from serving.core.request import Request, SamplingParams
 from serving.core.scheduler import Scheduler
-from serving.engine_args import EngineArgs
-from serving.messages import EngineStats
+from serving.engine.engine_args import EngineArgs
+from serving.engine.messages import EngineStats
 from serving.worker.pool_sizing import size_pools
 from serving.worker.runner import ModelRunner
 

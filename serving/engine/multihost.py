@@ -308,7 +308,7 @@ def start_leader(engine_kwargs: dict, config: MultihostConfig, on_lost: Callable
     broadcaster = PlanBroadcaster(config, on_lost)
     try:
         config.initialize()
-        from serving.engine import EngineArgs, LLMEngine
+        from serving.engine.llm_engine import EngineArgs, LLMEngine
 
         args = EngineArgs(**dict(engine_kwargs, warmup=False))
         engine = LLMEngine(args)
@@ -387,7 +387,7 @@ def run_follower(
     """Process I > 0: joins the job, builds the same engine, then runs the leader's plans until
     it says shutdown (returns 0) or disappears (returns 1)."""
     config.initialize()
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
 
     engine = LLMEngine(EngineArgs(**dict(engine_kwargs, warmup=False)))
     sock = _connect(config, connect_timeout)
