@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     if name == "LLM":
-        from serving.llm import LLM
+        from serving.entrypoints.llm import LLM
 
         return LLM
     if name == "SamplingParams":

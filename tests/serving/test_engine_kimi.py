@@ -131,7 +131,7 @@ def test_kimi_generate_cli(model_dir, tmp_path):
 
     out = tmp_path / "out.jsonl"
     cmd = [
-        sys.executable, "-m", "serving.cli", "generate", "--model", model_dir,
+        sys.executable, "-m", "serving.entrypoints.cli", "generate", "--model", model_dir,
         "--prompt", "Hello Kimi", "--prompt", "def f(x):", "--max-tokens", "6",
         "--output", str(out), "--max-num-seqs", "2", "--max-num-batched-tokens", "64",
         "--max-model-len", "128", "--quiet",

@@ -101,7 +101,7 @@ def job(tmp_path_factory):
         XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false",
     )
     # Not --quiet: the checks read the INFO lines (pool agreement, the follower's shutdown).
-    base = [sys.executable, "-m", "serving.cli", "serve", "--model", model_dir]
+    base = [sys.executable, "-m", "serving.entrypoints.cli", "serve", "--model", model_dir]
     base += [
         *FLAGS,
         "--tensor-parallel-size",
@@ -361,7 +361,7 @@ def test_bad_layouts_are_named():
 
 
 def test_serve_flags_for_several_processes_are_checked():
-    from serving.cli import main
+    from serving.entrypoints.cli import main
 
     with pytest.raises(SystemExit, match="needs --coordinator-address, --process-id too"):
         main(["serve", "--num-processes", "2"])

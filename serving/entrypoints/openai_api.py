@@ -24,8 +24,8 @@ from hyjax.tokenizer import ChatTemplateError, Tokenizer
 from serving.core.request import SamplingParams
 from serving.engine.engine_client import EngineClient, EngineDeadError, RequestRejected
 from serving.engine.messages import Delta
-from serving.http_metrics import ServerMetrics
-from serving.protocol import (
+from serving.entrypoints.http_metrics import ServerMetrics
+from serving.entrypoints.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,

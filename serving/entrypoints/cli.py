@@ -45,10 +45,10 @@ def read_rows(path: str) -> list[dict]:
 
 def row_request(row: dict, ns: argparse.Namespace):
     """A row's prompt and ``SamplingParams``, validated as the server validates a completion
-    request (:class:`serving.protocol.GenerateRow`); ValueError names the bad field."""
+    request (:class:`serving.entrypoints.protocol.GenerateRow`); ValueError names the bad field."""
     from pydantic import ValidationError
 
-    from serving.protocol import GenerateRow
+    from serving.entrypoints.protocol import GenerateRow
 
     try:
         req = GenerateRow.model_validate(row)
@@ -228,7 +228,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         kwargs["multihost"] = dataclasses.asdict(multihost)
     from serving.engine.engine_client import EngineStartError
-    from serving.server import serve
+    from serving.entrypoints.server import serve
 
     try:
         return serve(
