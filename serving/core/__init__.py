@@ -6,12 +6,19 @@ runs and is tested without a device; it imports nothing from the other boxes of 
 
 from serving.core.config import CacheConfig, SchedulerConfig
 from serving.core.plan import StepPlan, StepShape
-from serving.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from serving.core.request import (
+    EngineRequest,
+    FinishReason,
+    Request,
+    RequestStatus,
+    SamplingParams,
+)
 from serving.core.scheduler import Scheduler, SchedulerStats
 from serving.core.scheduler_output import RequestUpdate, SchedulerOutput
 
 __all__ = [
     "CacheConfig",
+    "EngineRequest",
     "FinishReason",
     "Request",
     "RequestStatus",

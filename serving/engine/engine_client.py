@@ -21,11 +21,10 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from serving.core.request import SamplingParams
+from serving.core.request import EngineRequest
 from serving.engine.messages import (
     AbortRequest,
     Accepted,
-    AddRequest,
     Delta,
     EngineInfo,
     EngineStats,
@@ -145,13 +144,7 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-    ) -> AsyncIterator[Delta]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         """Adds a request and yields its deltas until the finished one.
 
         Raises ``RequestRejected`` (before the first delta) when the engine refuses it, and
@@ -159,7 +152,7 @@ class EngineClient:
         that disconnected, a cancelled task) aborts the request, which frees its blocks and
         slot.
         """
-        deltas = await self.add(request_id, prompt_token_ids, params, cache_salt=cache_salt)
+        deltas = await self.add(request)
         finished = False
         try:
             while not finished:
@@ -170,18 +163,12 @@ class EngineClient:
                 yield delta
         finally:
             if not finished:
-                self.abort(request_id)
+                self.abort(request.request_id)
 
     async def add(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        deltas: asyncio.Queue | None = None,
-        *,
-        cache_salt: str | None = None,
+        self, request: EngineRequest, deltas: asyncio.Queue | None = None
     ) -> asyncio.Queue:
-        """Sends ``AddRequest`` and waits for ``Accepted`` (raises ``RequestRejected``).
+        """Sends ``request`` and waits for ``Accepted`` (raises ``RequestRejected``).
 
         Returns the queue the request's ``Delta`` s arrive on (``deltas``, which several
         requests may share, or a new one); an ``EngineDeadError`` instance arrives there if
@@ -191,14 +178,15 @@ class EngineClient:
         self._check_alive()
         assert self._loop is not None, "attach() first"
         p = _Pending(self._loop.create_future(), deltas if deltas is not None else asyncio.Queue())
-        self._pending[request_id] = p
-        self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params, cache_salt))
+        rid = request.request_id
+        self._pending[rid] = p
+        self._inbox.put(request)
         try:
             await p.accepted
         except BaseException:
             if p.accepted.cancelled():
-                self.abort(request_id)  # cancelled while waiting: the engine may take it still
-            self._pending.pop(request_id, None)
+                self.abort(rid)  # cancelled while waiting: the engine may take it still
+            self._pending.pop(rid, None)
             raise
         return p.deltas
 

@@ -26,10 +26,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from serving.core.request import EngineRequest
 from serving.engine.messages import (
     AbortRequest,
     Accepted,
-    AddRequest,
     Delta,
     EngineInfo,
     Failed,
@@ -57,7 +57,8 @@ class EngineLoop:
     Args:
         engine: An ``LLMEngine`` (or anything with ``add_request``, ``abort_request``,
             ``step``, ``has_unfinished_requests`` and ``metrics``).
-        inbox: Where ``AddRequest``, ``AbortRequest``, ``GetStats`` and ``Shutdown`` arrive.
+        inbox: Where ``EngineRequest``, ``AbortRequest``, ``GetStats`` and ``Shutdown``
+            arrive.
         outbox: Where the loop puts one list of replies and deltas per iteration.
         parent_alive: Polled about once a second; the loop exits when it returns False (the
             HTTP process died without saying goodbye).
@@ -106,12 +107,10 @@ class EngineLoop:
         return msgs
 
     def _handle(self, msg: Any, out: list) -> None:
-        if isinstance(msg, AddRequest):
+        if isinstance(msg, EngineRequest):
             rid = msg.request_id
             try:
-                self.engine.add_request(
-                    msg.prompt_token_ids, msg.params, request_id=rid, cache_salt=msg.cache_salt
-                )
+                self.engine.add_request(msg)
             except ValueError as e:
                 out.append(Rejected(rid, str(e), client_error=True))
             except Exception as e:  # an engine bug must not take the server down

@@ -13,6 +13,7 @@ import time
 
 from tqdm import tqdm
 
+from serving.core.request import EngineRequest
 from serving.engine.engine_args import EngineArgs, add_engine_args, engine_kwargs
 from serving.engine.logs import setup_logging
 
@@ -43,9 +44,9 @@ def read_rows(path: str) -> list[dict]:
     return rows
 
 
-def row_request(row: dict, ns: argparse.Namespace):
-    """A row's prompt and ``SamplingParams``, validated as the server validates a completion
-    request (:class:`serving.entrypoints.protocol.GenerateRow`); ValueError names the bad field."""
+def row_request(row: dict, ns: argparse.Namespace, request_id: str) -> EngineRequest:
+    """A row's engine request, validated as the server validates a completion request
+    (:class:`serving.entrypoints.protocol.GenerateRow`); ValueError names the bad field."""
     from pydantic import ValidationError
 
     from serving.entrypoints.protocol import GenerateRow
@@ -62,7 +63,7 @@ def row_request(row: dict, ns: argparse.Namespace):
     max_tokens = ns.max_tokens if req.max_tokens is None else req.max_tokens
     params = req.to_sampling_params(max_tokens, default_temperature=ns.temperature)
     prompt = req.prompt if req.prompt is not None else req.prompt_token_ids
-    return prompt, params, req.cache_salt
+    return req.to_engine_request(prompt, params, request_id)
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -73,11 +74,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if ns.input is not None and ns.output is None:
         raise SystemExit("hyjax generate: --input needs --output")
     rows = read_rows(ns.input) if ns.input is not None else [{"prompt": p} for p in ns.prompt]
-    requests: dict[int, tuple] = {}
+    requests: dict[int, EngineRequest] = {}
     errors: dict[int, str] = {}
     for i, row in enumerate(rows):  # checked before the model loads: a typo fails fast
         try:
-            requests[i] = row_request(row, ns)
+            requests[i] = row_request(row, ns, request_id=str(i))
         except ValueError as e:
             errors[i] = str(e)
     if ns.distributed or ns.coordinator_address or ns.num_processes:
@@ -91,9 +92,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         raise SystemExit(f"hyjax generate: cannot start the engine: {e}") from None
     ids: list[str | None] = [None] * len(rows)
     results: dict[str, object] = {}
-    for i, (prompt, params, salt) in requests.items():
+    for i, request in requests.items():
         try:
-            ids[i] = engine.add_request(prompt, params, request_id=str(i), cache_salt=salt)
+            ids[i] = engine.add_request(request)
         except ValueError as e:  # what the engine rejects: too long, ids outside the vocab
             errors[i] = str(e)
     compiling = _compile_seconds()

@@ -76,7 +76,7 @@ def _write_model(out: str) -> str:
 
 def _reference(model_dir: str) -> list[str]:
     """The same prompts on one process, one device (the test's own JAX)."""
-    from serving.core.request import SamplingParams
+    from serving.core.request import EngineRequest, SamplingParams
     from serving.engine.llm_engine import EngineArgs, LLMEngine
 
     engine = LLMEngine(
@@ -84,7 +84,7 @@ def _reference(model_dir: str) -> list[str]:
                    min_token_bucket=64, max_model_len=128, progress=False, warmup=False)
     )  # fmt: skip
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in PROMPTS]
+    ids = [engine.add_request(EngineRequest(p, params)) for p in PROMPTS]
     out = engine.run_to_completion()
     return [out[i].text for i in ids]
 

@@ -261,11 +261,13 @@ def check_kimi() -> dict:
 def _run_waves(engine, waves) -> dict:
     """Runs each wave to completion before adding the next (so its checkpoints are cached);
     a wave may be a function of the outputs so far (a follow-up turn)."""
+    from serving.core.request import EngineRequest
+
     outputs = {}
     for wave in waves:
         if callable(wave):
             wave = wave(outputs)
-        names = {engine.add_request(prompt, params): name for name, prompt, params in wave}
+        names = {engine.add_request(EngineRequest(p, params)): name for name, p, params in wave}
         for rid, out in engine.run_to_completion().items():
             outputs[names[rid]] = out
     return outputs
