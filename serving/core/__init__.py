@@ -5,7 +5,7 @@ runs and is tested without a device; it imports nothing from the other boxes of 
 """
 
 from serving.core.config import CacheConfig, SchedulerConfig
-from serving.core.plan import StepPlan, StepShape
+from serving.core.plan import SamplingArrays, StepPlan, StepShape
 from serving.core.request import (
     EngineRequest,
     FinishReason,
@@ -23,6 +23,7 @@ __all__ = [
     "Request",
     "RequestStatus",
     "RequestUpdate",
+    "SamplingArrays",
     "SamplingParams",
     "Scheduler",
     "SchedulerConfig",

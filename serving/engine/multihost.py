@@ -156,7 +156,7 @@ def encode_plan(plan: StepPlan) -> bytes:
 
 
 def decode_plan(header: dict, arrays: dict[str, np.ndarray]) -> StepPlan:
-    return StepPlan(shape=StepShape(**header["shape"]), **arrays)
+    return StepPlan.from_arrays(StepShape(**header["shape"]), arrays)
 
 
 def engine_signature(engine) -> dict:

@@ -240,7 +240,7 @@ def test_plans_travel_intact_and_a_lost_follower_is_reported():
     stranger.close()
     plan = StepPlan.empty(StepShape(8, 2, 4, 1, False))
     plan.input_ids[:] = np.arange(8)
-    plan.seeds[:] = [2**32 - 1, 5]
+    plan.sampling.seeds[:] = [2**32 - 1, 5]
     plan.num_seqs[...] = 2
     b.send(plan)
     got = decode_plan(*_recv_frame(f))
