@@ -25,7 +25,7 @@ from tests.serving.server_helpers import free_port, request
 
 def one_start(model: str | None, *, sync_warmup: bool, timeout: float) -> dict:
     port = free_port()
-    cmd = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "serving.entrypoints.cli", "serve", "--port", str(port),
            "--compilation-cache-dir", ""]  # fmt: skip
     if model:
         cmd += ["--model", model]

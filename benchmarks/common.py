@@ -100,7 +100,7 @@ def add_engine_workload_args(p, *, layers: int, prefill_requests: int, output_le
 def workload_engine(args, backend: str, tp: int = 1, expert_parallel: bool = False):
     """A random bench model and an engine sized for ``add_engine_workload_args``'s workloads
     (prefix caching off: every prompt is computed; buckets compiled as they are met)."""
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
 
     cfg = bench_config(args.layers, args.experts)
     model = random_model(cfg)

@@ -28,8 +28,8 @@ import numpy as np
 from benchmarks.common import device_name
 from hyjax.assets import model_dir
 from hyjax.tokenizer import Tokenizer
-from serving.engine import EngineArgs, LLMEngine
-from serving.request import SamplingParams
+from serving.core.request import EngineRequest, SamplingParams
+from serving.engine.llm_engine import EngineArgs, LLMEngine
 
 
 def prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -75,7 +75,7 @@ def run(backend: str, caching: bool, requests: list[list[int]], args) -> dict:
                             logprobs=0)  # fmt: skip
     passes = []
     for _ in range(2):  # the first pass compiles the buckets it meets
-        ids = [engine.add_request(r, params) for r in requests]
+        ids = [engine.add_request(EngineRequest(r, params)) for r in requests]
         logprobs: dict[str, list[float]] = {i: [] for i in ids}
         tokens: dict[str, list[int]] = {}
         start = time.perf_counter()

@@ -38,11 +38,11 @@ def measure(model: str | None, row_buckets: bool) -> dict:
     out: dict = {"mixed_row_buckets": row_buckets, "rss_mb": {"start": _rss_mb()}}
     import jax
 
-    from serving.engine import EngineArgs, LLMEngine
-    from serving.request import SamplingParams
+    from serving.core.request import EngineRequest, SamplingParams
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
 
     out["rss_mb"]["jax"] = _rss_mb()
-    from serving.engine_args import resolve_model
+    from serving.engine.engine_args import resolve_model
 
     args = EngineArgs(
         model=resolve_model(model),
@@ -66,7 +66,9 @@ def measure(model: str | None, row_buckets: bool) -> dict:
     out["buckets"] = len(engine.sched_config.step_shapes())
     out["rss_mb"]["compiled"] = _rss_mb()
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    engine.add_request("Write a function that checks whether a number is prime.", greedy)
+    engine.add_request(
+        EngineRequest("Write a function that checks whether a number is prime.", greedy)
+    )
     engine.run_to_completion()
     out["rss_mb"]["served"] = _rss_mb()
     per = (out["rss_mb"]["compiled"] - out["rss_mb"]["engine"]) / out["buckets"]

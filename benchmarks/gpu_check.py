@@ -64,7 +64,7 @@ class _Warnings(logging.Handler):
 
 
 def _engine(model_dir, backend: str, **kw):
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
 
     handler = _Warnings()
     logger = logging.getLogger("hyjax.ops")
@@ -81,10 +81,10 @@ def _engine(model_dir, backend: str, **kw):
 
 def _generate(engine, prompts, max_tokens: int):
     """Greedy outputs of ``prompts`` (one wave): token ids and each token's logprob."""
-    from serving.request import SamplingParams
+    from serving.core.request import EngineRequest, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1)
-    ids = [engine.add_request(p, params) for p in prompts]
+    ids = [engine.add_request(EngineRequest(p, params)) for p in prompts]
     logprobs = {rid: [] for rid in ids}
     tokens = {}
     while engine.has_unfinished_requests():
@@ -146,7 +146,7 @@ def _caching_waves(seed: int = 0):
 
 def caching_identity(model_dir, *, backend: str, max_tokens: int = 24) -> dict:
     """Caching on vs off: every request's greedy tokens identical, and the hits happen."""
-    from serving.request import SamplingParams
+    from serving.core.request import EngineRequest, SamplingParams
 
     wave1, wave2, turn1, follow = _caching_waves()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -157,7 +157,7 @@ def caching_identity(model_dir, *, backend: str, max_tokens: int = 24) -> dict:
         for wave in (wave1, wave2):
             if wave is wave2:  # multi-turn: the first turn's answer and a new message
                 wave = wave + [turn1 + outs[3].output_token_ids + follow]
-            ids = [engine.add_request(p, params) for p in wave]
+            ids = [engine.add_request(EngineRequest(p, params)) for p in wave]
             done = engine.run_to_completion()
             outs += [done[r] for r in ids]
         results[caching] = [o.output_token_ids for o in outs]

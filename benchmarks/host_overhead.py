@@ -16,8 +16,8 @@ import statistics
 import numpy as np
 
 from benchmarks.common import bench_config, device_name, random_model
-from serving.engine import EngineArgs, LLMEngine
-from serving.request import SamplingParams
+from serving.core.request import EngineRequest, SamplingParams
+from serving.engine.llm_engine import EngineArgs, LLMEngine
 
 
 def main() -> None:
@@ -49,7 +49,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.8, top_p=0.95, seed=1)
     for _ in range(n):
-        engine.add_request(rng.integers(0, 150000, args.prompt_len).tolist(), params)
+        engine.add_request(EngineRequest(rng.integers(0, 150000, args.prompt_len).tolist(), params))
     host, device = [], []
     seen_full = 0
     while engine.has_unfinished_requests():

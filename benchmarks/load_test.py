@@ -202,8 +202,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "serving.cli", "serve", "--model", args.model, "--quiet"]
-    cmd += ["--port", str(port), *args.server_args.split()]
+    cmd = [sys.executable, "-m", "serving.entrypoints.cli", "serve", "--model", args.model]
+    cmd += ["--quiet", "--port", str(port), *args.server_args.split()]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)

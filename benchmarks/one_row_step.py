@@ -50,8 +50,8 @@ def _timed(fn) -> float:
 
 
 def time_steps(runner, shapes, repeats: int) -> dict:
-    from serving.plan import StepPlan
-    from serving.runner import _step
+    from serving.core.plan import StepPlan
+    from serving.worker.runner import _step
 
     out = {}
     for name, shape in shapes.items():
@@ -73,9 +73,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     ns = p.parse_args()
 
-    from serving.engine import EngineArgs, LLMEngine
-    from serving.engine_args import resolve_model
-    from serving.plan import StepShape
+    from serving.core.plan import StepShape
+    from serving.engine.engine_args import resolve_model
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
 
     engine = LLMEngine(EngineArgs(model=resolve_model(None), dtype="float32", warmup=False,
                                   progress=False, compilation_cache_dir=None))  # fmt: skip

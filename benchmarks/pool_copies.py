@@ -23,8 +23,8 @@ import jax
 
 
 def pool_copies(runner, shape) -> tuple[list[str], int]:
-    from serving.plan import StepPlan
-    from serving.runner import _step
+    from serving.core.plan import StepPlan
+    from serving.worker.runner import _step
 
     compiled = _step.lower(*runner.step_args(StepPlan.empty(shape))).compile()
     sizes = {math.prod(x.shape) for x in jax.tree.leaves(runner.caches)}
@@ -42,8 +42,8 @@ def main() -> None:
 
     from hyjax.testing import make_tiny_kimi_linear_model
     from hyjax.tiny import make_tiny_model
-    from serving.engine import EngineArgs, LLMEngine
-    from serving.plan import StepShape
+    from serving.core.plan import StepShape
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
 
     report: dict = {"device": str(jax.devices()[0]), "backend": ns.kernel_backend, "steps": []}
     bad = 0

@@ -20,8 +20,8 @@ import time
 import numpy as np
 
 from benchmarks.common import bench_config, device_name, random_model
-from serving.engine import EngineArgs, LLMEngine
-from serving.request import SamplingParams
+from serving.core.request import EngineRequest, SamplingParams
+from serving.engine.llm_engine import EngineArgs, LLMEngine
 
 
 def workload(args) -> list[list[int]]:
@@ -45,7 +45,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], args) -> dict:
     start = time.perf_counter()
     while pending or engine.has_unfinished_requests():
         while pending and _in_flight(submitted) < args.concurrency:
-            rid = engine.add_request(pending.pop(0), params)
+            rid = engine.add_request(EngineRequest(pending.pop(0), params))
             submitted[rid] = time.perf_counter()
         for o in engine.step():
             now = time.perf_counter()

@@ -22,8 +22,8 @@ import jax
 import numpy as np
 
 from benchmarks.common import add_engine_workload_args, device_name, workload_engine
-from serving.engine import LLMEngine
-from serving.request import SamplingParams
+from serving.core.request import EngineRequest, SamplingParams
+from serving.engine.llm_engine import LLMEngine
 
 
 def device_events(trace_dir: str) -> list[dict]:
@@ -78,7 +78,7 @@ def _workload(engine: LLMEngine, phase: str, args, seed: int) -> tuple[int, floa
         n, prompt, out = args.decode_requests, 32, args.output_len
     params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
     for _ in range(n):
-        engine.add_request(rng.integers(0, 150000, prompt).tolist(), params)
+        engine.add_request(EngineRequest(rng.integers(0, 150000, prompt).tolist(), params))
     steps, start = 0, time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()

@@ -24,15 +24,15 @@ import jax
 import numpy as np
 
 from benchmarks.common import add_engine_workload_args, device_name, workload_engine
-from serving.engine import LLMEngine
-from serving.request import SamplingParams
+from serving.core.request import EngineRequest, SamplingParams
+from serving.engine.llm_engine import LLMEngine
 
 
 def _prefill(engine: LLMEngine, n: int, prompt_len: int, seed: int) -> float:
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for _ in range(n):
-        engine.add_request(rng.integers(0, 150000, prompt_len).tolist(), params)
+        engine.add_request(EngineRequest(rng.integers(0, 150000, prompt_len).tolist(), params))
     start = time.perf_counter()
     engine.run_to_completion()
     return n * prompt_len / (time.perf_counter() - start)
@@ -43,7 +43,7 @@ def _decode(engine: LLMEngine, n: int, output_len: int, seed: int) -> tuple[floa
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for _ in range(n):
-        engine.add_request(rng.integers(0, 150000, 32).tolist(), params)
+        engine.add_request(EngineRequest(rng.integers(0, 150000, 32).tolist(), params))
     tokens, seconds, device = 0, 0.0, 0.0
     while engine.has_unfinished_requests():
         engine.step()

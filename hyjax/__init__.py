@@ -9,11 +9,11 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     if name == "LLM":
-        from serving.llm import LLM
+        from serving.entrypoints.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from serving.request import SamplingParams
+        from serving.core.request import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'hyjax' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """What one forward pass of a model reads: a flat ragged batch on the paged and slotted caches.
 
-Field names match :class:`serving.plan.StepPlan` (DESIGN.md §5), so the runner builds a
+Field names match :class:`serving.core.plan.StepPlan` (DESIGN.md §5), so the runner builds a
 ``Batch`` straight from the plan's arrays. ``decode_only`` is static (part of the bucket).
 """
 

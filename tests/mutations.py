@@ -47,7 +47,7 @@ MUTATIONS = (
         "every prefix hit resumes from the zero state (src slot 0) instead of its checkpoint",
         (
             (
-                "serving/scheduler.py",
+                "serving/core/scheduler.py",
                 "self._add_row(b, req, hit.num_tokens, n, src=hit.ckpt_slot)",
                 "self._add_row(b, req, hit.num_tokens, n, src=NULL_ID)",
             ),
@@ -72,7 +72,7 @@ MUTATIONS = (
         "state of p - G (64 tokens behind), the KV blocks up to p",
         (
             (
-                "serving/cache_manager.py",
+                "serving/core/cache_manager.py",
                 "slot = self.state.lookup(hashes[p // bs - 1])",
                 "slot = self.state.lookup(hashes[p // bs - 1 - g // bs]) if p > g else None",
             ),
@@ -84,7 +84,7 @@ MUTATIONS = (
         "1: the state after p - 1 tokens is kept as the state after p)",
         (
             (
-                "serving/scheduler.py",
+                "serving/core/scheduler.py",
                 "b.ckpts.append((row, p - start, slot))",
                 "b.ckpts.append((row, p - start - (n > 1), slot))",
             ),
@@ -108,7 +108,7 @@ MUTATIONS = (
         "the step plan swaps every row's source and destination state slots",
         (
             (
-                "serving/scheduler_output.py",
+                "serving/core/scheduler_output.py",
                 "plan.src_slot[:n_seqs] = src\n    plan.dst_slot[:n_seqs] = dst",
                 "plan.src_slot[:n_seqs] = dst\n    plan.dst_slot[:n_seqs] = src",
             ),
@@ -120,7 +120,7 @@ MUTATIONS = (
         "will write (it reads the slot before the kernel writes it)",
         (
             (
-                "serving/cache_manager.py",
+                "serving/core/cache_manager.py",
                 "            if pending:\n                return None\n",
                 "",
             ),

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from serving.cli import build_parser
-from serving.engine_args import resolve_model
+from serving.engine.engine_args import resolve_model
+from serving.entrypoints.cli import build_parser
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 PLACEHOLDERS = {"I": "0"}  # integer placeholders of the README's commands (--process-id I)

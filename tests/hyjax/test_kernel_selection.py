@@ -16,12 +16,12 @@ from hyjax.models.qwen3_next import Qwen3NextForCausalLM
 from hyjax.ops import BACKENDS, GPU_GDN_PREFILL, REFERENCE, matmul_precision, ops_for_model
 from pallas_kernels.gdn import fused_decode
 from pallas_kernels.gdn import gpu as gdn_gpu
-from serving.cli import build_parser, engine_kwargs
-from serving.config import SchedulerConfig
-from serving.engine import EngineArgs
-from serving.plan import StepPlan
-from serving.pool_sizing import size_pools
-from serving.runner import ModelRunner, _step
+from serving.core.config import SchedulerConfig
+from serving.core.plan import StepPlan
+from serving.engine.llm_engine import EngineArgs
+from serving.entrypoints.cli import build_parser, engine_kwargs
+from serving.worker.pool_sizing import size_pools
+from serving.worker.runner import ModelRunner, _step
 from tests.pallas_kernels.ragged_cases import abstract_slots
 
 PALLAS = BACKENDS["pallas"]

@@ -14,7 +14,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from serving.engine import LLMEngine
+from serving.core.request import EngineRequest
+from serving.engine.llm_engine import LLMEngine
 
 
 def run_waves(
@@ -30,7 +31,7 @@ def run_waves(
         for name, prompt, params in wave:
             if callable(prompt):
                 prompt = prompt(outputs)
-            names[engine.add_request(prompt, params)] = name
+            names[engine.add_request(EngineRequest(prompt, params))] = name
         for rid, out in engine.run_to_completion().items():
             outputs[names[rid]] = out
         if between is not None and i + 1 < len(waves):

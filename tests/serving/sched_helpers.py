@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from serving.config import CacheConfig, SchedulerConfig
-from serving.request import Request, SamplingParams
-from serving.scheduler import Scheduler
-from serving.scheduler_output import RequestUpdate, SchedulerOutput
+from serving.core.config import CacheConfig, SchedulerConfig
+from serving.core.request import Request, SamplingParams
+from serving.core.scheduler import Scheduler
+from serving.core.scheduler_output import RequestUpdate, SchedulerOutput
 
 
 def make_scheduler(

@@ -28,7 +28,7 @@ class ServerProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "serving.cli", "serve", "--model", model_dir]
+        cmd = [sys.executable, "-m", "serving.entrypoints.cli", "serve", "--model", model_dir]
         cmd += ["--port", str(self.port), "--quiet", *SMALL, *extra]
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from serving.block_pool import BlockPool, FreeQueue
-from serving.state_pool import StatePool
+from serving.core.block_pool import BlockPool, FreeQueue
+from serving.core.state_pool import StatePool
 
 
 def h(name: str) -> bytes:

@@ -38,7 +38,7 @@ def test_generate_cli(model_dir, tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "serving.cli",
+        "serving.entrypoints.cli",
         "generate",
         "--model",
         model_dir,
@@ -84,7 +84,7 @@ def test_generate_cli_bad_input_file(model_dir, tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "serving.cli",
+        "serving.entrypoints.cli",
         "generate",
         "--model",
         model_dir,
@@ -127,7 +127,7 @@ def test_llm_api(model_dir):
 
 def test_every_flag_says_what_it_does():
     """``--help`` of each command documents every option (and argparse adds its default)."""
-    from serving.cli import build_parser
+    from serving.entrypoints.cli import build_parser
 
     sub = build_parser()._subparsers._group_actions[0]
     for name, parser in sub.choices.items():
@@ -140,8 +140,8 @@ def test_every_flag_says_what_it_does():
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_every_engine_flag_reaches_engine_args(command):
     """Each ``EngineArgs`` flag field is a flag of both commands, and its value arrives."""
-    from serving.cli import build_parser, engine_kwargs
-    from serving.engine_args import flag_fields
+    from serving.engine.engine_args import flag_fields
+    from serving.entrypoints.cli import build_parser, engine_kwargs
 
     argv, want = [command] + (["--prompt", "x"] if command == "generate" else []), {}
     for f in flag_fields():

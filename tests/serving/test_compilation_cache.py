@@ -20,15 +20,16 @@ from jax import monitoring
 
 events = []
 monitoring.register_event_listener(lambda name, **kw: events.append(name))
-from serving.engine import EngineArgs, LLMEngine
-from serving.request import SamplingParams
+from serving.engine.llm_engine import EngineArgs, LLMEngine
+from serving.core.request import EngineRequest, SamplingParams
 
 engine = LLMEngine(EngineArgs(
     model=sys.argv[1], compilation_cache_dir=sys.argv[2], max_num_seqs=2,
     max_num_batched_tokens=64, max_model_len=128, num_checkpoint_slots=4, progress=False,
     warmup=False,  # only the buckets this request meets: the same ones in both processes
 ))
-rid = engine.add_request(list(range(1, 40)), SamplingParams(max_tokens=6, ignore_eos=True))
+params = SamplingParams(max_tokens=6, ignore_eos=True)
+rid = engine.add_request(EngineRequest(list(range(1, 40)), params))
 out = engine.run_to_completion()[rid]
 print(json.dumps({
     "hits": events.count("/jax/compilation_cache/cache_hits"),

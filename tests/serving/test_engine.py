@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from hyjax.tiny import make_tiny_model
-from serving.engine import EngineArgs, LLMEngine
-from serving.request import SamplingParams
+from serving.core.request import EngineRequest, SamplingParams
+from serving.engine.llm_engine import EngineArgs, LLMEngine
 from tests.serving.engine_helpers import (
     assert_resumed_state_matters,
     run_waves,
@@ -183,15 +183,15 @@ def test_token_budgets_agree(engines, model_dir):
 
 def test_bad_requests_fail_alone(engines):
     on, _ = engines
-    ok = on.add_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=0))
+    ok = on.add_request(EngineRequest([1, 2, 3], SamplingParams(max_tokens=4, temperature=0)))
     with pytest.raises(ValueError, match="maximum context length is 512"):
-        on.add_request(list(range(200)) * 3, SamplingParams(max_tokens=4))
+        on.add_request(EngineRequest(list(range(200)) * 3, SamplingParams(max_tokens=4)))
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        on.add_request([1, 100000], SamplingParams(max_tokens=4))
+        on.add_request(EngineRequest([1, 100000], SamplingParams(max_tokens=4)))
     with pytest.raises(ValueError, match="empty"):
-        on.add_request([], SamplingParams(max_tokens=4))
+        on.add_request(EngineRequest([], SamplingParams(max_tokens=4)))
     with pytest.raises(ValueError, match="temperature"):
-        on.add_request([1], SamplingParams(temperature=-1))
+        on.add_request(EngineRequest([1], SamplingParams(temperature=-1)))
     final = on.run_to_completion()
     assert len(final[ok].output_token_ids) == 4
 
@@ -203,11 +203,11 @@ def test_cache_salt_isolates_prefixes(engines):
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
     def run(salt):
-        rid = on.add_request(prompt, greedy, cache_salt=salt)
+        rid = on.add_request(EngineRequest(prompt, greedy, cache_salt=salt))
         out = on.run_to_completion()[rid]
         return out.output_token_ids, out.num_cached_tokens
 
-    ref_id = off.add_request(prompt, greedy)
+    ref_id = off.add_request(EngineRequest(prompt, greedy))
     ref = off.run_to_completion()[ref_id].output_token_ids
     first = run("tenant-a")
     cached = {salt: run(salt) for salt in ("tenant-a", "tenant-b", None)}
@@ -216,21 +216,23 @@ def test_cache_salt_isolates_prefixes(engines):
     assert cached["tenant-b"] == (ref, 0) and cached[None] == (ref, 0)
     assert run(None) == (ref, 128)  # unsalted requests share among themselves
     with pytest.raises(ValueError, match="cache_salt"):
-        on.add_request([1, 2], greedy, cache_salt="")
+        on.add_request(EngineRequest([1, 2], greedy, cache_salt=""))
 
 
 def test_stop_strings_and_abort(engines):
     on, off = engines
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    rid = off.add_request("Hello world", params)
+    rid = off.add_request(EngineRequest("Hello world", params))
     full = off.run_to_completion()[rid]
     assert len(full.text) > 4
     stop = full.text[3:5]
-    rid = on.add_request("Hello world", SamplingParams(**{**params.__dict__, "stop": (stop,)}))
+    rid = on.add_request(
+        EngineRequest("Hello world", SamplingParams(**{**params.__dict__, "stop": (stop,)}))
+    )
     out = on.run_to_completion()[rid]
     assert out.finish_reason == "stop"
     assert out.text == full.text[: full.text.index(stop)]
-    rid = on.add_request("abort me", params)
+    rid = on.add_request(EngineRequest("abort me", params))
     on.step()
     on.abort_request(rid)
     assert not on.has_unfinished_requests()

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from hyjax.testing import make_tiny_kimi_linear_model
-from serving.engine import EngineArgs, LLMEngine
-from serving.request import SamplingParams
+from serving.core.request import EngineRequest, SamplingParams
+from serving.engine.llm_engine import EngineArgs, LLMEngine
 from tests.serving.engine_helpers import (
     assert_resumed_state_matters,
     run_waves,
@@ -113,7 +113,7 @@ def test_kimi_caching_on_off_identical_and_hits(engines, want):
     assert on.runner.compile_count() == compiles, "a step compiled after warm-up"
     m = on.metrics()
     assert m.num_running == 0 and m.kv_usage == 0
-    text = on.add_request("Hello", SamplingParams(max_tokens=3))
+    text = on.add_request(EngineRequest("Hello", SamplingParams(max_tokens=3)))
     assert len(on.run_to_completion()[text].output_token_ids) == 3
 
 
@@ -131,7 +131,7 @@ def test_kimi_generate_cli(model_dir, tmp_path):
 
     out = tmp_path / "out.jsonl"
     cmd = [
-        sys.executable, "-m", "serving.cli", "generate", "--model", model_dir,
+        sys.executable, "-m", "serving.entrypoints.cli", "generate", "--model", model_dir,
         "--prompt", "Hello Kimi", "--prompt", "def f(x):", "--max-tokens", "6",
         "--output", str(out), "--max-num-seqs", "2", "--max-num-batched-tokens", "64",
         "--max-model-len", "128", "--quiet",

@@ -6,11 +6,11 @@ import threading
 
 import pytest
 
-from serving.engine_process import EngineLoop
-from serving.messages import (
+from serving.core.request import EngineRequest, SamplingParams
+from serving.engine.engine_process import EngineLoop
+from serving.engine.messages import (
     AbortRequest,
     Accepted,
-    AddRequest,
     Delta,
     EngineStats,
     GetStats,
@@ -18,7 +18,6 @@ from serving.messages import (
     Shutdown,
     StatsReply,
 )
-from serving.request import SamplingParams
 
 
 @dataclasses.dataclass
@@ -43,15 +42,16 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.crash_step = False
 
-    def add_request(self, prompt, params, request_id, cache_salt=None):
+    def add_request(self, request: EngineRequest) -> str:
+        prompt = request.prompt
         if not prompt:
             raise ValueError("the prompt is empty")
         if prompt == [666]:
             raise RuntimeError("boom")
         if prompt == [13]:
             self.crash_step = True
-        self.reqs[request_id] = [list(prompt), params.max_tokens, 0]
-        return request_id
+        self.reqs[request.request_id] = [list(prompt), request.sampling_params.max_tokens, 0]
+        return request.request_id
 
     def abort_request(self, rid):
         self.aborted.append(rid)
@@ -102,7 +102,7 @@ def _finished(rid):
 
 def test_add_stream_finish(loop):
     engine, inbox, outbox = loop
-    inbox.put(AddRequest("a", [1, 2, 3], SamplingParams(max_tokens=3)))
+    inbox.put(EngineRequest([1, 2, 3], SamplingParams(max_tokens=3), "a"))
     got = _collect(outbox, _finished("a"))
     assert isinstance(got[0], Accepted)
     deltas = [m for m in got if isinstance(m, Delta)]
@@ -112,9 +112,9 @@ def test_add_stream_finish(loop):
 
 def test_rejections_and_internal_errors(loop):
     engine, inbox, outbox = loop
-    inbox.put(AddRequest("bad", [], SamplingParams()))
-    inbox.put(AddRequest("crash", [666], SamplingParams()))
-    inbox.put(AddRequest("ok", [1], SamplingParams(max_tokens=2)))
+    inbox.put(EngineRequest([], SamplingParams(), "bad"))
+    inbox.put(EngineRequest([666], SamplingParams(), "crash"))
+    inbox.put(EngineRequest([1], SamplingParams(max_tokens=2), "ok"))
     got = _collect(outbox, _finished("ok"))
     rej = {m.request_id: m for m in got if isinstance(m, Rejected)}
     assert rej["bad"].client_error and "empty" in rej["bad"].message
@@ -123,20 +123,20 @@ def test_rejections_and_internal_errors(loop):
 
 def test_step_error_fails_live_requests_and_loop_goes_on(loop):
     engine, inbox, outbox = loop
-    inbox.put(AddRequest("a", [1], SamplingParams(max_tokens=100)))
-    inbox.put(AddRequest("b", [13], SamplingParams(max_tokens=100)))
+    inbox.put(EngineRequest([1], SamplingParams(max_tokens=100), "a"))
+    inbox.put(EngineRequest([13], SamplingParams(max_tokens=100), "b"))
     got = _collect(outbox, lambda g: _finished("a")(g) and _finished("b")(g))
     ends = [m for m in got if isinstance(m, Delta) and m.finished]
     assert {m.finish_reason for m in ends} == {"error"}
     assert all("device fell over" in m.error and not m.client_error for m in ends)
     assert sorted(engine.aborted) == ["a", "b"]
-    inbox.put(AddRequest("c", [1], SamplingParams(max_tokens=1)))  # still serving
+    inbox.put(EngineRequest([1], SamplingParams(max_tokens=1), "c"))  # still serving
     assert _collect(outbox, _finished("c"))
 
 
 def test_abort_and_stats(loop):
     engine, inbox, outbox = loop
-    inbox.put(AddRequest("a", [1], SamplingParams(max_tokens=10_000)))
+    inbox.put(EngineRequest([1], SamplingParams(max_tokens=10_000), "a"))
     _collect(outbox, lambda g: any(isinstance(m, Accepted) for m in g))
     inbox.put(AbortRequest("a"))
     inbox.put(AbortRequest("unknown"))  # ignored

@@ -1,6 +1,6 @@
 """Chained block hashes."""
 
-from serving.kv_hash import ROOT_HASH, extend_block_hashes, hash_block
+from serving.core.kv_hash import ROOT_HASH, extend_block_hashes, hash_block
 
 
 def hashes(tokens, block_size=4, salt=None):

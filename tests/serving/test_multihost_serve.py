@@ -1,8 +1,8 @@
 """``hyjax serve`` across two processes (``jax.distributed``), as users start it.
 
 Two CPU processes with 2 simulated devices each run ``--tensor-parallel-size 4`` over both:
-process 0 serves HTTP and plans, process 1 mirrors its steps (serving/multihost.py). Process 1
-is given less cache memory: both must size their pools from its budget. The
+process 0 serves HTTP and plans, process 1 mirrors its steps (serving/engine/multihost.py).
+Process 1 is given less cache memory: both must size their pools from its budget. The
 official ``openai`` client's greedy completions must match a one-process, one-device engine
 token for token; SIGTERM on the leader must end both processes with exit code 0. The plan
 channel's failure paths are tested on real sockets without JAX.
@@ -24,8 +24,8 @@ import numpy as np
 import openai
 import pytest
 
-from serving.distributed import smallest_cache_bytes
-from serving.multihost import (
+from serving.core.plan import StepPlan, StepShape
+from serving.engine.multihost import (
     FatalStepErrors,
     MultihostConfig,
     PlanBroadcaster,
@@ -35,7 +35,7 @@ from serving.multihost import (
     exit_on_lost,
     signature_mismatch,
 )
-from serving.plan import StepPlan, StepShape
+from serving.worker.distributed import smallest_cache_bytes
 from tests.serving.server_helpers import free_port, request
 
 # Byte-level tokens: the first two share 70 tokens, past the 64-token checkpoint granularity.
@@ -76,15 +76,15 @@ def _write_model(out: str) -> str:
 
 def _reference(model_dir: str) -> list[str]:
     """The same prompts on one process, one device (the test's own JAX)."""
-    from serving.engine import EngineArgs, LLMEngine
-    from serving.request import SamplingParams
+    from serving.core.request import EngineRequest, SamplingParams
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
 
     engine = LLMEngine(
         EngineArgs(model=model_dir, max_num_seqs=1, max_num_batched_tokens=64,
                    min_token_bucket=64, max_model_len=128, progress=False, warmup=False)
     )  # fmt: skip
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in PROMPTS]
+    ids = [engine.add_request(EngineRequest(p, params)) for p in PROMPTS]
     out = engine.run_to_completion()
     return [out[i].text for i in ids]
 
@@ -101,7 +101,7 @@ def job(tmp_path_factory):
         XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false",
     )
     # Not --quiet: the checks read the INFO lines (pool agreement, the follower's shutdown).
-    base = [sys.executable, "-m", "serving.cli", "serve", "--model", model_dir]
+    base = [sys.executable, "-m", "serving.entrypoints.cli", "serve", "--model", model_dir]
     base += [
         *FLAGS,
         "--tensor-parallel-size",
@@ -240,7 +240,7 @@ def test_plans_travel_intact_and_a_lost_follower_is_reported():
     stranger.close()
     plan = StepPlan.empty(StepShape(8, 2, 4, 1, False))
     plan.input_ids[:] = np.arange(8)
-    plan.seeds[:] = [2**32 - 1, 5]
+    plan.sampling.seeds[:] = [2**32 - 1, 5]
     plan.num_seqs[...] = 2
     b.send(plan)
     got = decode_plan(*_recv_frame(f))
@@ -294,7 +294,7 @@ def test_shutdown_reaches_every_follower_and_a_missing_one_is_named():
 
 
 def _lose_follower(outbox) -> None:
-    from serving.messages import Failed
+    from serving.engine.messages import Failed
 
     exit_on_lost(outbox, Failed)("follower process 1 of 2 left")
 
@@ -361,7 +361,7 @@ def test_bad_layouts_are_named():
 
 
 def test_serve_flags_for_several_processes_are_checked():
-    from serving.cli import main
+    from serving.entrypoints.cli import main
 
     with pytest.raises(SystemExit, match="needs --coordinator-address, --process-id too"):
         main(["serve", "--num-processes", "2"])

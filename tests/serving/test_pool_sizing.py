@@ -5,8 +5,8 @@ import pytest
 
 from hyjax.cache import kv_block_bytes, state_slot_bytes
 from hyjax.tiny import tiny_config
-from serving.config import SchedulerConfig
-from serving.pool_sizing import size_pools
+from serving.core.config import SchedulerConfig
+from serving.worker.pool_sizing import size_pools
 
 CFG = tiny_config(vocab_size=300)
 SCHED = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from sched_helpers import FakeRunner, make_request, make_scheduler, prompt, run_all, step
 
-from serving.request import RequestStatus, SamplingParams
+from serving.core.request import RequestStatus, SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -66,8 +66,8 @@ def test_seeds_are_the_requests_or_random_uint32():
     s.add_request(a)
     s.add_request(b)
     out = s.schedule()
-    assert out.plan.seeds.dtype == np.uint32
-    assert out.plan.seeds[0] == 7 and out.plan.seeds[1] == b.seed
+    assert out.plan.sampling.seeds.dtype == np.uint32
+    assert out.plan.sampling.seeds[0] == 7 and out.plan.sampling.seeds[1] == b.seed
 
 
 def run_one(eos=None, **params):

@@ -4,26 +4,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.sampler import MAX_LOGPROBS, sample, token_logprobs
+from serving.core.plan import SamplingArrays
+from serving.worker.sampler import MAX_LOGPROBS, sample, token_logprobs
 
 V = 32
+
+
+def _rows(n: int, **values) -> SamplingArrays:
+    """``n`` rows: padding (sampling off) but for the given fields, a value or one per row."""
+    rows = SamplingArrays.empty(n)
+    for name, v in values.items():
+        getattr(rows, name)[:] = v
+    return rows
 
 
 def _draws(logits, n=400, **kw):
     """n draws of one row (distinct positions give independent keys)."""
     s = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, V))
-    args = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=3)
-    args.update(kw)
-    out = jax.jit(sample)(
-        s,
-        jnp.full(n, args["temperature"], jnp.float32),
-        jnp.full(n, args["top_p"], jnp.float32),
-        jnp.full(n, args["top_k"], jnp.int32),
-        jnp.full(n, args["min_p"], jnp.float32),
-        jnp.full(n, args["seed"], jnp.uint32),
-        jnp.arange(n, dtype=jnp.int32),
-    )
-    return np.asarray(out)
+    rows = _rows(n, **{"temperature": 1.0, "seeds": 3, **kw})
+    return np.asarray(jax.jit(sample)(s, rows, jnp.arange(n, dtype=jnp.int32)))
 
 
 LOGITS = np.linspace(2.0, -2.0, V)  # token 0 most likely, then 1, 2, ...
@@ -57,8 +56,8 @@ def test_temperature_sharpens_and_seeds_reproduce():
     hot = _draws(LOGITS, temperature=5.0)
     cold = _draws(LOGITS, temperature=0.2)
     assert len(set(hot)) > len(set(cold))
-    np.testing.assert_array_equal(_draws(LOGITS, seed=9), _draws(LOGITS, seed=9))
-    assert (_draws(LOGITS, seed=9) != _draws(LOGITS, seed=10)).any()
+    np.testing.assert_array_equal(_draws(LOGITS, seeds=9), _draws(LOGITS, seeds=9))
+    assert (_draws(LOGITS, seeds=9) != _draws(LOGITS, seeds=10)).any()
 
 
 def test_a_row_draws_the_same_whatever_its_neighbours_ask():
@@ -71,11 +70,7 @@ def test_a_row_draws_the_same_whatever_its_neighbours_ask():
         return np.asarray(
             jax.jit(sample)(
                 rows,
-                jnp.asarray(temperature, jnp.float32),
-                jnp.ones(n, jnp.float32),
-                jnp.asarray(top_k, jnp.int32),
-                jnp.zeros(n, jnp.float32),
-                jnp.full(n, 5, jnp.uint32),
+                _rows(n, temperature=temperature, top_k=top_k, seeds=5),
                 jnp.arange(n, dtype=jnp.int32),
             )
         )

@@ -169,14 +169,14 @@ def test_decode_only_steps_use_T_equal_to_S():
     shape = out.plan.shape
     assert shape.decode_only and shape.num_tokens == shape.num_seqs == 4
     assert list(out.plan.query_start_loc) == [0, 1, 2, 3, 3]
-    assert out.plan.top_p[3] == 1.0 and out.plan.seq_lens[3] == 0  # padding row
+    assert out.plan.sampling.top_p[3] == 1.0 and out.plan.seq_lens[3] == 0  # padding row
 
 
 def test_sampling_parameters_reach_the_plan_rows():
     s = make_scheduler()
     s.add_request(make_request("a", prompt(5), temperature=0.7, top_p=0.9, top_k=5, min_p=0.1))
     s.add_request(make_request("b", prompt(5), top_k=-1))
-    p = s.schedule().plan
+    p = s.schedule().plan.sampling
     np.testing.assert_allclose(p.temperature[:2], [0.7, 0.0])
     np.testing.assert_allclose(p.top_p[:2], [0.9, 1.0])
     assert list(p.top_k[:2]) == [5, 0]

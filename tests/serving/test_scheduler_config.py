@@ -1,10 +1,14 @@
-"""SchedulerConfig / CacheConfig validation and derived values; the memory planner."""
+"""SchedulerConfig / CacheConfig validation and derived values; the memory planner; the
+plan's arrays."""
 
+import dataclasses
+
+import numpy as np
 import pytest
 
-from serving.config import CacheConfig, SchedulerConfig
-from serving.memory_planner import plan_memory
-from serving.plan import StepShape
+from serving.core.config import CacheConfig, SchedulerConfig
+from serving.core.memory_planner import plan_memory
+from serving.core.plan import SamplingArrays, StepPlan, StepShape
 
 
 @pytest.mark.parametrize(
@@ -81,6 +85,19 @@ def test_without_mixed_row_buckets_a_token_count_is_one_bucket():
     assert rows.step_shape(3, 3, True) == StepShape(4, 4, 256, 4, True)  # decode: as before
     # 6 decode + 7 mixed buckets, against 6 + 39 with row buckets.
     assert (len(rows.step_shapes()), len(SchedulerConfig(**kw).step_shapes())) == (13, 45)
+
+
+def test_plan_arrays_are_one_flat_namespace_and_round_trip():
+    """The sampling arrays travel beside the plan's own under their own names (the packed
+    buffer, the multi-host frames): no name may be both."""
+    plan = StepPlan.empty(StepShape(8, 2, 4, 1, False))
+    plan.sampling.seeds[:] = [2**32 - 1, 5]
+    arrays = plan.arrays()
+    n_plan = len(dataclasses.fields(StepPlan)) - 2  # shape, sampling
+    assert len(arrays) == n_plan + len(dataclasses.fields(SamplingArrays))
+    back = StepPlan.from_arrays(plan.shape, arrays)
+    assert back.sampling.seeds.tolist() == [2**32 - 1, 5]
+    assert all(np.array_equal(back.arrays()[k], v) for k, v in arrays.items())
 
 
 def test_cache_config_needs_a_real_block_and_slot():

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from sched_helpers import FakeRunner, expected_output, make_request, make_scheduler, prompt
 
-from serving.request import RequestStatus
+from serving.core.request import RequestStatus
 
 BASES = [prompt(300, 1000), prompt(300, 2000), prompt(40, 3000) + prompt(260, 4000)]
 

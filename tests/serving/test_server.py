@@ -77,8 +77,9 @@ def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
 
 def test_http_layer_does_not_import_jax():
     code = (
-        "import sys, serving.server, serving.cli, serving.openai_api, serving.engine_client;"
-        "serving.cli.build_parser().parse_args(['serve', '--model', 'x']);"
+        "import sys, serving.entrypoints.server, serving.entrypoints.cli;"
+        "import serving.entrypoints.openai_api, serving.engine.engine_client;"
+        "serving.entrypoints.cli.build_parser().parse_args(['serve', '--model', 'x']);"
         "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib', 'flax'))];"
         "assert not bad, bad"
     )
@@ -96,8 +97,8 @@ def test_metrics_during_a_long_step_show_the_newest_stats(monkeypatch):
 
     from fastapi.testclient import TestClient
 
-    from serving import server as srv
-    from serving.messages import EngineStats
+    from serving.engine.messages import EngineStats
+    from serving.entrypoints import server as srv
 
     class BusyClient:
         alive, info = True, None

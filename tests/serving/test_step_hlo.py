@@ -15,9 +15,9 @@ import pytest
 
 from hyjax.testing import make_tiny_kimi_linear_model
 from hyjax.tiny import make_tiny_model
-from serving.engine import EngineArgs, LLMEngine
-from serving.plan import StepPlan, StepShape
-from serving.runner import _step
+from serving.core.plan import StepPlan, StepShape
+from serving.engine.llm_engine import EngineArgs, LLMEngine
+from serving.worker.runner import _step
 
 SMALL = dict(
     max_num_seqs=2, max_num_batched_tokens=64, min_token_bucket=64, max_model_len=128,

@@ -6,8 +6,8 @@ import jax
 import pytest
 
 from hyjax.tiny import make_tiny_model
-from serving.engine import EngineArgs, LLMEngine
-from serving.request import SamplingParams
+from serving.core.request import EngineRequest, SamplingParams
+from serving.engine.llm_engine import EngineArgs, LLMEngine
 
 # Four buckets: decode with 1 or 2 rows, a 64-token prefill with 1 or 2 rows.
 SMALL = dict(
@@ -35,7 +35,7 @@ def _backend_compiles() -> list[str]:
 
 def _requests(engine, prompts):
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(p, greedy) for p in prompts]
+    ids = [engine.add_request(EngineRequest(p, greedy)) for p in prompts]
     out = engine.run_to_completion()
     return [out[i].output_token_ids for i in ids]
 

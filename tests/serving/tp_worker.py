@@ -143,9 +143,9 @@ def _batches(cfg, block_size: int = 16):
 
 def forward_logits(model, cfg, tp: int, *, expert_parallel: bool = False, backend="reference"):
     """Prefill logits, decode logits, the checkpoint state (slot 3) and the caches."""
-    from serving.config import SchedulerConfig
-    from serving.pool_sizing import size_pools
-    from serving.runner import ModelRunner
+    from serving.core.config import SchedulerConfig
+    from serving.worker.pool_sizing import size_pools
+    from serving.worker.runner import ModelRunner
 
     sched = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
     plan = ShardingPlan(make_mesh(tp), cfg, expert_parallel) if tp > 1 else None
@@ -261,11 +261,13 @@ def check_kimi() -> dict:
 def _run_waves(engine, waves) -> dict:
     """Runs each wave to completion before adding the next (so its checkpoints are cached);
     a wave may be a function of the outputs so far (a follow-up turn)."""
+    from serving.core.request import EngineRequest
+
     outputs = {}
     for wave in waves:
         if callable(wave):
             wave = wave(outputs)
-        names = {engine.add_request(prompt, params): name for name, prompt, params in wave}
+        names = {engine.add_request(EngineRequest(p, params)): name for name, p, params in wave}
         for rid, out in engine.run_to_completion().items():
             outputs[names[rid]] = out
     return outputs
@@ -284,7 +286,7 @@ def _workload() -> list:
                  c (top-p), d, short       sampled / unfiltered / cold
         wave 3   m_turn2 = m + answer + 5  hits the decode ckpt at 128
     """
-    from serving.request import SamplingParams
+    from serving.core.request import SamplingParams
 
     rng = np.random.default_rng(3)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -317,7 +319,7 @@ def _workload() -> list:
 def hits_resume_from_zero():
     """The control: every prefix hit reads the zero state (slot 0) instead of its checkpoint,
     the KV prefix still reused. What a lost or misaddressed checkpoint would do."""
-    from serving.scheduler import Scheduler
+    from serving.core.scheduler import Scheduler
 
     add_row = Scheduler._add_row
 
@@ -336,7 +338,7 @@ def hits_resume_from_zero():
 def check_engine(model_dir: str) -> dict:
     """Greedy tokens and hits of the engine under TP = 2 with caching on, against TP = 1 and
     caching off; and a TP = 1 control whose hits resume from the zero state."""
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
 
     base = dict(
         model=model_dir, max_num_seqs=2, max_num_batched_tokens=64, min_token_bucket=64,
@@ -354,7 +356,7 @@ def check_engine(model_dir: str) -> dict:
         "tp1_zero_resume": tp1,
     }
     out = {}
-    logs, logger = _LogLines(), logging.getLogger("serving.runner")
+    logs, logger = _LogLines(), logging.getLogger("serving.worker.runner")
     level = logger.level
     logger.addHandler(logs)
     logger.setLevel(logging.INFO)
@@ -396,8 +398,8 @@ def compiled_step_findings(runner) -> dict[str, list[str]]:
     """
     import re
 
-    from serving.plan import StepPlan
-    from serving.runner import _step
+    from serving.core.plan import StepPlan
+    from serving.worker.runner import _step
 
     # The KV pools (the state pools' gather + in-place update still gets copied by XLA's CPU
     # backend, TP or not: a separate, open problem noted in BENCHMARKS.md).

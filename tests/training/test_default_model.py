@@ -54,8 +54,8 @@ def test_loads_through_the_loader_and_predicts_python():
 
 
 def test_generate_without_model_uses_the_embedded_one():
-    cmd = [sys.executable, "-m", "serving.cli", "generate", "--quiet", "--max-tokens", "12",
-           "--prompt", "def read_text(path):"]  # fmt: skip
+    cmd = [sys.executable, "-m", "serving.entrypoints.cli", "generate", "--quiet",
+           "--max-tokens", "12", "--prompt", "def read_text(path):"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("def read_text(path):")

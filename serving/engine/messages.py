@@ -5,7 +5,7 @@ queue and reads lists of :data:`FromEngine` messages from another (one list per 
 iteration, so a step that advances 32 requests costs one pickle and one queue hop)::
 
     HTTP process                                   engine process
-    AddRequest(id, ids, params)  ------------->    engine.add_request
+    EngineRequest(ids, params, id) ----------->    engine.add_request(request)
                                  <-------------    Accepted(id) | Rejected(id, message)
                                  <-------------    Delta(id, ...) per step, until finished
     AbortRequest(id)             ------------->    engine.abort_request (blocks, slot freed)
@@ -19,17 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from serving.request import SamplingParams
+from serving.core.request import EngineRequest
 
 # ----------------------------------------------------------------------------- to the engine
-
-
-@dataclasses.dataclass(frozen=True)
-class AddRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +39,7 @@ class Shutdown:
     pass
 
 
-ToEngine = AddRequest | AbortRequest | GetStats | Shutdown
+ToEngine = EngineRequest | AbortRequest | GetStats | Shutdown
 
 # --------------------------------------------------------------------------- from the engine
 

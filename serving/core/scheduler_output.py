@@ -10,9 +10,9 @@ import dataclasses
 
 import numpy as np
 
-from serving.config import SchedulerConfig
-from serving.plan import StepPlan
-from serving.request import FinishReason, Request
+from serving.core.config import SchedulerConfig
+from serving.core.plan import SamplingArrays, StepPlan
+from serving.core.request import FinishReason, Request
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,42 +66,10 @@ class SchedulerOutput:
         return sum(self.num_new_tokens)
 
 
-@dataclasses.dataclass
-class RowSampling:
-    """Per-row sampling parameters, persistent by block-table row (set at admission)."""
-
-    temperature: np.ndarray  # f32[max_num_seqs]
-    top_p: np.ndarray  # f32[max_num_seqs]
-    top_k: np.ndarray  # i32[max_num_seqs]
-    min_p: np.ndarray  # f32[max_num_seqs]
-    seeds: np.ndarray  # u32[max_num_seqs]
-    logprobs: np.ndarray  # i32[max_num_seqs]  -1 = none
-
-    @classmethod
-    def zeros(cls, n: int) -> RowSampling:
-        return cls(
-            np.zeros(n, np.float32),
-            np.ones(n, np.float32),
-            np.zeros(n, np.int32),
-            np.zeros(n, np.float32),
-            np.zeros(n, np.uint32),
-            np.full(n, -1, np.int32),
-        )
-
-    def set(self, row: int, req: Request) -> None:
-        sp = req.sampling_params
-        self.temperature[row] = sp.temperature
-        self.top_p[row] = sp.top_p
-        self.top_k[row] = sp.top_k
-        self.min_p[row] = sp.min_p
-        self.seeds[row] = req.seed
-        self.logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
-
-
 def build_plan(
     cfg: SchedulerConfig,
     block_table: np.ndarray,  # i32[max_num_seqs, max_blocks] persistent, by table row
-    sampling: RowSampling,
+    sampling: SamplingArrays,  # [max_num_seqs] each, persistent, by table row
     table_rows: list[int],  # table row of each plan row
     starts: list[int],  # first new token position of each plan row
     q_lens: list[int],  # new tokens of each plan row
@@ -155,11 +123,5 @@ def build_plan(
         plan.ckpt_slots[s, col[s]] = slot
         col[s] += 1
     plan.logits_indices[:n_seqs] = qsl[1 : n_seqs + 1] - 1
-
-    plan.temperature[:n_seqs] = sampling.temperature[rows]
-    plan.top_p[:n_seqs] = sampling.top_p[rows]
-    plan.top_k[:n_seqs] = sampling.top_k[rows]
-    plan.min_p[:n_seqs] = sampling.min_p[rows]
-    plan.seeds[:n_seqs] = sampling.seeds[rows]
-    plan.logprobs[:n_seqs] = sampling.logprobs[rows]
+    sampling.take(rows, plan.sampling)
     return plan

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from serving.engine import EngineArgs, LLMEngine
-from serving.request import SamplingParams
+from serving.core.request import EngineRequest, SamplingParams
+from serving.engine.llm_engine import EngineArgs, LLMEngine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,9 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)=} does not match {len(prompts)=}")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        ids = [
+            self.engine.add_request(EngineRequest(p, sp)) for p, sp in zip(prompts, sampling_params)
+        ]
         final = self.engine.run_to_completion()
         return [
             GenerationOutput(

@@ -1,14 +1,15 @@
 """The step plan: what the scheduler hands the runner, as fixed-capacity numpy arrays.
 
 This module is the contract between the plain-Python scheduler and the jitted step
-(DESIGN.md §5). It imports numpy only. Every array has a static capacity chosen from a
-small bucket set; rows past ``num_seqs`` and tokens past ``query_start_loc[num_seqs]``
-are padding and must be harmless:
+(DESIGN.md §5). It imports numpy and the request type only. Every array has a static
+capacity chosen from a small bucket set; rows past ``num_seqs`` and tokens past
+``query_start_loc[num_seqs]`` are padding and must be harmless:
 
 - padding tokens write their K/V into the null block 0 (``slot_mapping`` 0..block_size-1
   are the null block's slots, never read unmasked);
 - padding sequences have ``src_slot = dst_slot = 0`` and no checkpoint writes, so the
-  recurrent kernels neither read nor write any state for them.
+  recurrent kernels neither read nor write any state for them; they sample greedily and
+  report no log-probabilities (``SamplingArrays``' padding values).
 
 Token layout of one step (S = 3 live sequences, T = 8 token capacity)::
 
@@ -24,8 +25,12 @@ plus the new ones), so the new tokens of ``s`` sit at positions
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
+
+from serving.core.request import Request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +42,58 @@ class StepShape:
     max_blocks: int  # block table columns per sequence
     max_ckpt: int  # checkpoint writes per sequence in one step
     decode_only: bool  # every live sequence has exactly one new token (T == S)
+
+
+def _per_row(dtype: type, pad: float) -> Any:
+    """A field of ``SamplingArrays``: its dtype, and its value in a padding row (sampling off)."""
+    return dataclasses.field(metadata={"dtype": np.dtype(dtype), "pad": pad})
+
+
+@dataclasses.dataclass
+class SamplingArrays:
+    """Per-row sampling parameters as fixed-capacity arrays, one entry a row.
+
+    One type wherever rows sample: the scheduler's table (a row per block-table row, set as a
+    request is admitted), each plan's (a row per plan row, gathered from that table), and the
+    sampler's on device, which reads the same fields. A new sampling parameter is a field of
+    ``SamplingParams``, a field here with its line in ``set_row``, and its use in the sampler.
+    """
+
+    temperature: np.ndarray = _per_row(np.float32, 0.0)  # f32[R]   0 = greedy
+    top_p: np.ndarray = _per_row(np.float32, 1.0)  # f32[R]   1 = off
+    top_k: np.ndarray = _per_row(np.int32, 0)  # i32[R]   0 = off
+    min_p: np.ndarray = _per_row(np.float32, 0.0)  # f32[R]   0 = off
+    seeds: np.ndarray = _per_row(np.uint32, 0)  # u32[R]   mixed with the position by the sampler
+    logprobs: np.ndarray = _per_row(np.int32, -1)  # i32[R]   top logprobs reported; -1 = none
+
+    @classmethod
+    def empty(cls, n: int) -> SamplingArrays:
+        """``n`` padding rows."""
+        fields = dataclasses.fields(cls)
+        return cls(**{f.name: np.full(n, f.metadata["pad"], f.metadata["dtype"]) for f in fields})
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, Any]) -> SamplingArrays:
+        """Picks this type's fields out of a larger dict (a plan's arrays, on host or device)."""
+        return cls(**{f.name: arrays[f.name] for f in dataclasses.fields(cls)})
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def set_row(self, row: int, req: Request) -> None:
+        """Row ``row`` samples as ``req`` asks (with the seed the scheduler resolved)."""
+        sp = req.sampling_params
+        self.temperature[row] = sp.temperature
+        self.top_p[row] = sp.top_p
+        self.top_k[row] = sp.top_k
+        self.min_p[row] = sp.min_p
+        self.seeds[row] = req.seed
+        self.logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+
+    def take(self, rows: np.ndarray, out: SamplingArrays) -> None:
+        """Copies rows ``rows`` of this table into the first ``len(rows)`` rows of ``out``."""
+        for name, a in self.arrays().items():
+            getattr(out, name)[: len(rows)] = a[rows]
 
 
 @dataclasses.dataclass
@@ -61,12 +118,7 @@ class StepPlan:
     ckpt_offsets: np.ndarray  # i32[S, max_ckpt]
     ckpt_slots: np.ndarray  # i32[S, max_ckpt]   0 = no write
     logits_indices: np.ndarray  # i32[S]   token index whose logits are sampled
-    temperature: np.ndarray  # f32[S]   0 = greedy
-    top_p: np.ndarray  # f32[S]   1 = off
-    top_k: np.ndarray  # i32[S]   0 = off
-    min_p: np.ndarray  # f32[S]   0 = off
-    seeds: np.ndarray  # u32[S]   per-request seed, mixed with the position by the sampler
-    logprobs: np.ndarray  # i32[S]   top logprobs the row reports; -1 = none (not computed)
+    sampling: SamplingArrays  # [S] each
 
     @classmethod
     def empty(cls, shape: StepShape) -> StepPlan:
@@ -86,19 +138,22 @@ class StepPlan:
             ckpt_offsets=np.zeros((s, shape.max_ckpt), np.int32),
             ckpt_slots=np.zeros((s, shape.max_ckpt), np.int32),
             logits_indices=np.zeros(s, np.int32),
-            temperature=np.zeros(s, np.float32),
-            top_p=np.ones(s, np.float32),
-            top_k=np.zeros(s, np.int32),
-            min_p=np.zeros(s, np.float32),
-            seeds=np.zeros(s, np.uint32),
-            logprobs=np.full(s, -1, np.int32),
+            sampling=SamplingArrays.empty(s),
         )
 
+    @classmethod
+    def from_arrays(cls, shape: StepShape, arrays: Mapping[str, np.ndarray]) -> StepPlan:
+        """The plan of shape ``shape`` whose ``arrays()`` these are."""
+        sampling = SamplingArrays.from_arrays(arrays)
+        rest = {k: v for k, v in arrays.items() if k not in sampling.arrays()}
+        return cls(shape=shape, sampling=sampling, **rest)
+
     def arrays(self) -> dict[str, np.ndarray]:
-        """The device-bound arrays (everything but the static shape)."""
-        return {
-            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "shape"
-        }
+        """The device-bound arrays (everything but the static shape), the sampling ones under
+        their own names: one flat namespace, which ``from_arrays`` splits again."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del out["shape"], out["sampling"]
+        return out | self.sampling.arrays()
 
     def packed(self) -> tuple[np.ndarray, PlanLayout]:
         """Every device-bound array in one int32 buffer, and where each lies in it.

@@ -13,11 +13,9 @@ the scheduler, which frees its blocks and slot) and reports :class:`RequestOutpu
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import os
 import time
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -25,13 +23,13 @@ from hyjax.detokenizer import DetokenizerStream, check_stop_strings
 from hyjax.loader import load_model
 from hyjax.sharding import ShardingPlan, make_mesh
 from hyjax.tokenizer import Tokenizer, TokenizerFilesError
-from serving.config import CacheConfig, SchedulerConfig
-from serving.engine_args import EngineArgs
-from serving.messages import EngineStats
-from serving.pool_sizing import size_pools
-from serving.request import Request, SamplingParams
-from serving.runner import ModelRunner
-from serving.scheduler import Scheduler
+from serving.core.config import CacheConfig, SchedulerConfig
+from serving.core.request import EngineRequest, Request
+from serving.core.scheduler import Scheduler
+from serving.engine.engine_args import EngineArgs
+from serving.engine.messages import EngineStats
+from serving.worker.pool_sizing import size_pools
+from serving.worker.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +178,6 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self._tracked: dict[str, _Tracked] = {}
         self.timing = StepTiming()
-        self._ids = itertools.count()
         self.prompt_tokens = 0
         self.generation_tokens = 0
         if args.warmup and args.background_warmup:
@@ -190,46 +187,30 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-    ) -> str:
-        """Validates and queues a request. Raises ValueError with a message for the client.
-
-        ``cache_salt``: the request reuses cached prefixes (KV blocks and states) only of
-        requests with the same salt; ``None`` is a salt of its own (the unsalted requests').
-        """
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt={cache_salt!r} must be a non-empty string")
-        params = dataclasses.replace(params) if params is not None else SamplingParams()
-        if isinstance(prompt, str):
+    def add_request(self, request: EngineRequest) -> str:
+        """Validates and queues ``request``; returns its id. Raises ValueError with a message
+        for the client."""
+        request.validate()
+        params = dataclasses.replace(request.sampling_params)  # the caller's stays as it was
+        if isinstance(request.prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: send prompt token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(request.prompt)
         else:
-            ids = [int(t) for t in prompt]
+            ids = [int(t) for t in request.prompt]
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if not params.ignore_eos and self.eos_token_ids:
             extra = [e for e in self.eos_token_ids[1:] if e not in params.stop_token_ids]
             params.stop_token_ids = tuple(params.stop_token_ids) + tuple(extra)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(
-            request_id=request_id,
-            prompt_token_ids=ids,
-            sampling_params=params,
-            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-            cache_salt=cache_salt,
-        )
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        req = Request.from_engine_request(request, ids, params, eos)
         self.scheduler.add_request(req)  # raises ValueError for what the scheduler rejects
         detok = self.tokenizer.detokenizer(context_ids=ids) if self.tokenizer else None
-        self._tracked[request_id] = _Tracked(req, detok)
+        self._tracked[req.request_id] = _Tracked(req, detok)
         self.prompt_tokens += len(ids)
-        return request_id
+        return req.request_id
 
     def abort_request(self, request_id: str) -> None:
         """Stops a request wherever it is; its blocks and slot are freed."""

@@ -1,9 +1,9 @@
 """The engine's own process: a loop that drains messages, steps the engine, reports deltas.
 
-``engine_main`` is the target of the process ``serving.engine_client`` spawns; it builds the
-:class:`~serving.engine.LLMEngine` (this is where jax is imported: only inside that process)
-and runs :class:`EngineLoop`, which only needs an object with the engine's methods, so tests
-drive it in a thread with a fake engine::
+``engine_main`` is the target of the process ``serving.engine.engine_client`` spawns; it
+builds the :class:`~serving.engine.llm_engine.LLMEngine` (this is where jax is imported: only
+inside that process) and runs :class:`EngineLoop`, which only needs an object with the engine's
+methods, so tests drive it in a thread with a fake engine::
 
     while not shut down:
         messages = inbox.get(...)          # block only while idle
@@ -26,10 +26,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from serving.messages import (
+from serving.core.request import EngineRequest
+from serving.engine.messages import (
     AbortRequest,
     Accepted,
-    AddRequest,
     Delta,
     EngineInfo,
     Failed,
@@ -57,7 +57,8 @@ class EngineLoop:
     Args:
         engine: An ``LLMEngine`` (or anything with ``add_request``, ``abort_request``,
             ``step``, ``has_unfinished_requests`` and ``metrics``).
-        inbox: Where ``AddRequest``, ``AbortRequest``, ``GetStats`` and ``Shutdown`` arrive.
+        inbox: Where ``EngineRequest``, ``AbortRequest``, ``GetStats`` and ``Shutdown``
+            arrive.
         outbox: Where the loop puts one list of replies and deltas per iteration.
         parent_alive: Polled about once a second; the loop exits when it returns False (the
             HTTP process died without saying goodbye).
@@ -106,12 +107,10 @@ class EngineLoop:
         return msgs
 
     def _handle(self, msg: Any, out: list) -> None:
-        if isinstance(msg, AddRequest):
+        if isinstance(msg, EngineRequest):
             rid = msg.request_id
             try:
-                self.engine.add_request(
-                    msg.prompt_token_ids, msg.params, request_id=rid, cache_salt=msg.cache_salt
-                )
+                self.engine.add_request(msg)
             except ValueError as e:
                 out.append(Rejected(rid, str(e), client_error=True))
             except Exception as e:  # an engine bug must not take the server down
@@ -201,7 +200,7 @@ def engine_main(
     # whole process group must not kill the engine under requests that are finishing.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from serving.logs import setup_logging
+    from serving.engine.logs import setup_logging
 
     setup_logging(quiet=log_level > logging.INFO)
     engine_kwargs = dict(engine_kwargs)
@@ -209,14 +208,14 @@ def engine_main(
     broadcaster = None
     try:
         if multihost is not None:
-            from serving import multihost as mh
+            from serving.engine import multihost as mh
 
             lost = mh.exit_on_lost(outbox, Failed)
             engine, broadcaster = mh.start_leader(
                 engine_kwargs, mh.MultihostConfig(**multihost), lost
             )
         else:
-            from serving.engine import EngineArgs, LLMEngine
+            from serving.engine.llm_engine import EngineArgs, LLMEngine
 
             engine = LLMEngine(EngineArgs(**engine_kwargs))
     except BaseException as e:  # noqa: BLE001  (report any start-up failure, then exit)

@@ -3,7 +3,7 @@
 Every process runs each step on pools of one size, since the leader's scheduler hands out the
 block and slot ids for all of them; these helpers make the processes agree on the budget and
 the checkpoint slots that size them. Each is a collective: every process must call it. The
-plan channel between the processes is :mod:`serving.multihost`'s.
+plan channel between the processes is :mod:`serving.engine.multihost`'s.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 
-from serving.kv_hash import BlockHash
+from serving.core.kv_hash import BlockHash
 
 NULL_ID = 0
 

@@ -1,6 +1,6 @@
 """How large the pools are: the bytes one KV block and one state slot take for a model, the
 budget (free device memory, or on CPU what the flags need), and the split between the two
-pools (:func:`serving.memory_planner.plan_memory`). The engine calls :func:`size_pools` before
+pools (:func:`serving.core.memory_planner.plan_memory`). The engine calls :func:`size_pools` before
 it builds the runner, which then allocates what the plan says.
 
 Needs a model's config and dtype, never its weights.
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from hyjax.cache import kv_block_bytes, pool_limits, state_slot_bytes
 from hyjax.config import ModelConfig
 from hyjax.sharding import ShardingPlan
-from serving.config import SchedulerConfig
-from serving.memory_planner import MemoryPlan, plan_memory
+from serving.core.config import SchedulerConfig
+from serving.core.memory_planner import MemoryPlan, plan_memory
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def size_pools(
         if jax.devices()[0].platform == "cpu" and num_checkpoint_slots is None:
             num_checkpoint_slots = 4 * sched_cfg.max_num_seqs
     if jax.process_count() > 1:
-        from serving.distributed import smallest_cache_bytes
+        from serving.worker.distributed import smallest_cache_bytes
 
         cache_bytes = smallest_cache_bytes(cache_bytes)
     plan = functools.partial(
@@ -84,7 +84,7 @@ def size_pools(
     if jax.process_count() > 1:
         # The same budget, but defaults may still differ by process (flags given to one): all
         # take the fewest checkpoint slots, which fits every plan's state cap.
-        from serving.distributed import fewest_checkpoint_slots
+        from serving.worker.distributed import fewest_checkpoint_slots
 
         fewest = fewest_checkpoint_slots(memory.num_checkpoint_slots)
         if fewest != memory.num_checkpoint_slots:

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import math
 
-from serving.plan import StepShape
+from serving.core.plan import StepShape
 
 KERNEL_CHUNK = 64  # token chunk of the chunked GDN/KDA kernels: checkpoints must land on it
 
@@ -166,7 +166,7 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """Pool sizes learned at start-up (see ``serving.memory_planner``).
+    """Pool sizes learned at start-up (see ``serving.core.memory_planner``).
 
     Attributes:
       num_kv_blocks: KV blocks including the null block 0.

@@ -3,8 +3,8 @@
 ::
 
     client --HTTP--> _Gate (503 while draining, 401 API key, 413 body size)
-                     -> FastAPI routes (serving/openai_api.py: validate, tokenize, stream)
-                     -> EngineClient --messages--> engine process (serving/engine_process.py)
+                     -> FastAPI routes (entrypoints/openai_api.py: validate, tokenize, stream)
+                     -> EngineClient --messages--> engine process (engine/engine_process.py)
 
 The port is bound first (a taken one is reported before anything loads), then the engine
 process starts; the server answers once its model is loaded, while the engine compiles its
@@ -38,11 +38,16 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyjax.tokenizer import Tokenizer, TokenizerFilesError
-from serving.engine_client import EngineClient, EngineDeadError
-from serving.http_metrics import CONTENT_TYPE, ServerMetrics
-from serving.openai_api import ApiError, OpenAIServing
-from serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from serving.protocol import error_body as _body
+from serving.engine.engine_client import EngineClient, EngineDeadError
+from serving.entrypoints.http_metrics import CONTENT_TYPE, ServerMetrics
+from serving.entrypoints.openai_api import ApiError, OpenAIServing
+from serving.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from serving.entrypoints.protocol import error_body as _body
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,12 @@
-"""Requests and their sampling parameters, as the scheduler sees them (plain Python)."""
+"""Requests and their sampling parameters (plain Python): ``EngineRequest`` as a request enters
+the engine, ``Request`` as the scheduler tracks it."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
+from collections.abc import Sequence
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -58,6 +61,35 @@ class SamplingParams:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+_request_ids = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRequest:
+    """One generation request as it enters: built once where it arrives (an HTTP handler, a
+    row of ``hyjax generate``, ``LLM.generate``), then passed unchanged through the engine
+    client, the queue to the engine process and ``LLMEngine.add_request``, which makes the
+    scheduler's :class:`Request` of it (``Request.from_engine_request``).
+
+    A new per-request field is a field here and in ``Request``, and a line in
+    ``from_engine_request`` (the OpenAI fields reach it in ``protocol.to_engine_request``).
+    """
+
+    prompt: str | Sequence[int]  # text (the engine tokenizes it) or token ids
+    sampling_params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    request_id: str = dataclasses.field(default_factory=lambda: f"req-{next(_request_ids)}")
+    # The request reuses cached prefixes (KV blocks and states) only of requests with the same
+    # salt; None is a salt of its own (the unsalted requests').
+    cache_salt: str | None = None
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad field (the sampling parameters are checked
+        by the scheduler, which also fills in their defaults)."""
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt={salt!r} must be a non-empty string")
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One generation request. The scheduler mutates everything below the first four fields.
@@ -91,6 +123,24 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+
+    @classmethod
+    def from_engine_request(
+        cls,
+        request: EngineRequest,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+    ) -> Request:
+        """The scheduler's request for ``request``, with what the engine resolved: the prompt
+        as token ids, the sampling parameters with the model's other EOS ids as stop ids."""
+        return cls(
+            request.request_id,
+            prompt_token_ids,
+            sampling_params,
+            eos_token_id,
+            cache_salt=request.cache_salt,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

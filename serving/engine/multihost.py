@@ -3,7 +3,7 @@
 Every process holds a shard of the model, so every process must enter every jitted step (and
 the collectives inside it) in the same order with the same plan. Requests reach one process
 only, so only the leader (process 0) runs the HTTP server, the scheduler and the engine loop;
-each step's :class:`~serving.plan.StepPlan` goes to the followers over a TCP side channel the
+each step's :class:`~serving.core.plan.StepPlan` goes to the followers over a TCP side channel the
 leader's engine process opens (by default on the coordinator's port + 1)::
 
     process 0 (leader)                               process I > 0 (follower)
@@ -45,7 +45,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from serving.plan import StepPlan, StepShape
+from serving.core.plan import StepPlan, StepShape
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def encode_plan(plan: StepPlan) -> bytes:
 
 
 def decode_plan(header: dict, arrays: dict[str, np.ndarray]) -> StepPlan:
-    return StepPlan(shape=StepShape(**header["shape"]), **arrays)
+    return StepPlan.from_arrays(StepShape(**header["shape"]), arrays)
 
 
 def engine_signature(engine) -> dict:
@@ -308,7 +308,7 @@ def start_leader(engine_kwargs: dict, config: MultihostConfig, on_lost: Callable
     broadcaster = PlanBroadcaster(config, on_lost)
     try:
         config.initialize()
-        from serving.engine import EngineArgs, LLMEngine
+        from serving.engine.llm_engine import EngineArgs, LLMEngine
 
         args = EngineArgs(**dict(engine_kwargs, warmup=False))
         engine = LLMEngine(args)
@@ -387,7 +387,7 @@ def run_follower(
     """Process I > 0: joins the job, builds the same engine, then runs the leader's plans until
     it says shutdown (returns 0) or disappears (returns 1)."""
     config.initialize()
-    from serving.engine import EngineArgs, LLMEngine
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
 
     engine = LLMEngine(EngineArgs(**dict(engine_kwargs, warmup=False)))
     sock = _connect(config, connect_timeout)

@@ -31,11 +31,11 @@ import dataclasses
 
 import numpy as np
 
-from serving.block_pool import NULL_ID, BlockPool
-from serving.config import CacheConfig, SchedulerConfig
-from serving.kv_hash import extend_block_hashes
-from serving.request import Request
-from serving.state_pool import StatePool
+from serving.core.block_pool import NULL_ID, BlockPool
+from serving.core.config import CacheConfig, SchedulerConfig
+from serving.core.kv_hash import extend_block_hashes
+from serving.core.request import Request
+from serving.core.state_pool import StatePool
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """The model runner: the only owner of ``jax.jit`` and device arrays (DESIGN.md §5).
 
 ``step(params, caches, plan) -> (caches, sampled)`` is one jitted function per bucket
-(:class:`serving.plan.StepShape`); caches are donated, and a step costs one host-to-device
+(:class:`serving.core.plan.StepShape`); caches are donated, and a step costs one host-to-device
 transfer of the plan's arrays. Every bucket is compiled at start-up (``warmup``), or, for a
 server that should answer at once, in a background thread while it serves
 (``start_background_warmup``): a step whose bucket is not compiled yet compiles it then.
@@ -29,10 +29,10 @@ from hyjax.cache import Caches, init_caches
 from hyjax.config import ModelConfig
 from hyjax.ops import Ops, ops_for_model
 from hyjax.sharding import ShardingPlan, replicate_tree
-from serving.config import SchedulerConfig
-from serving.memory_planner import MemoryPlan
-from serving.plan import PlanLayout, StepPlan, StepShape
-from serving.sampler import MAX_LOGPROBS, sample, token_logprobs
+from serving.core.config import SchedulerConfig
+from serving.core.memory_planner import MemoryPlan
+from serving.core.plan import PlanLayout, SamplingArrays, StepPlan, StepShape
+from serving.worker.sampler import MAX_LOGPROBS, sample, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -88,23 +88,16 @@ def _step(static: _Static, ops: Ops, decode_only: bool, state_leaves: list, cach
         caches, logits = model(batch, caches, ops, decode_only=decode_only)
     # Under TP the logits stay split by vocab where XLA partitions the work well (argmax, max,
     # the Gumbel draw); the sampler's sort and the log-probs gather them whole first.
-    tokens = sample(
-        logits,
-        arrays["temperature"],
-        arrays["top_p"],
-        arrays["top_k"],
-        arrays["min_p"],
-        arrays["seeds"],
-        arrays["seq_lens"],  # the sampled token's position
-        gather=ops.gather_logits,
-    )
+    sampling = SamplingArrays.from_arrays(arrays)
+    positions = arrays["seq_lens"]  # of the tokens sampled
+    tokens = sample(logits, sampling, positions, gather=ops.gather_logits)
     # Log-probabilities (a log-softmax and a top-k over the vocabulary) only in steps where
     # some row reports them; elsewhere zeros the host never reads.
     k = min(MAX_LOGPROBS, logits.shape[-1])
     s = tokens.shape[0]
     none = (jnp.zeros(s, jnp.float32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32))
     logprobs = jax.lax.cond(
-        jnp.any(arrays["logprobs"] >= 0),
+        jnp.any(sampling.logprobs >= 0),
         lambda: token_logprobs(ops.gather_logits(logits), tokens),
         lambda: none,
     )
@@ -129,7 +122,7 @@ class ModelRunner:
       model: the loaded NNX model.
       cfg: its config.
       sched_cfg: the scheduler's config (buckets, block size).
-      memory: the pool sizes (``serving.pool_sizing.size_pools``), allocated here.
+      memory: the pool sizes (``serving.worker.pool_sizing.size_pools``), allocated here.
       kernel_backend: ``auto``, ``reference``, ``pallas`` or ``interpret``; a kernel that cannot
         take the model's shapes is replaced by its reference op (``hyjax.ops.ops_for_model``,
         one warning each).
@@ -155,7 +148,7 @@ class ModelRunner:
         self.sched_cfg = sched_cfg
         self.sharding = sharding
         # Multi-host serve: the leader ships each plan to the followers before running it, so
-        # every process enters the step's collectives (serving/multihost.py).
+        # every process enters the step's collectives (serving/engine/multihost.py).
         self.on_execute: Callable[[StepPlan], None] | None = None
         # Background warm-up: bucket -> its compile (None -> the closing log line).
         self._warming: dict[StepShape | None, Future] = {}
@@ -257,7 +250,7 @@ class ModelRunner:
             if fut is not None and not fut.cancel():  # under way (or done): its result
                 fut.result()
         self.caches, out = _step(*self.step_args(plan))
-        if not (plan.logprobs >= 0).any():
+        if not (plan.sampling.logprobs >= 0).any():
             out = out[:1]  # one device-to-host copy: the tokens
         return StepResult(*_fetch(out))
 

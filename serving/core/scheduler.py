@@ -53,11 +53,12 @@ import random
 
 import numpy as np
 
-from serving.block_pool import NULL_ID
-from serving.cache_manager import CacheManager, CacheMetrics
-from serving.config import CacheConfig, SchedulerConfig
-from serving.request import FinishReason, Request, RequestStatus
-from serving.scheduler_output import RequestUpdate, RowSampling, SchedulerOutput, build_plan
+from serving.core.block_pool import NULL_ID
+from serving.core.cache_manager import CacheManager, CacheMetrics
+from serving.core.config import CacheConfig, SchedulerConfig
+from serving.core.plan import SamplingArrays
+from serving.core.request import FinishReason, Request, RequestStatus
+from serving.core.scheduler_output import RequestUpdate, SchedulerOutput, build_plan
 
 JUNCTION_LOOKAHEAD = 32  # waiting requests compared with each admitted one
 
@@ -104,7 +105,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._rejected: list[RequestUpdate] = []  # finished before running, not yet reported
-        self._sampling = RowSampling.zeros(sched_cfg.max_num_seqs)
+        self._sampling = SamplingArrays.empty(sched_cfg.max_num_seqs)  # by table row
         self._rng = random.Random(rng_seed)
         self._arrivals = 0
         self._step_id = 0
@@ -265,7 +266,7 @@ class Scheduler:
             req.junctions = self._junctions(req, hit.num_tokens, hit.kv_hit_tokens)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
-            self._sampling.set(alloc.row, req)
+            self._sampling.set_row(alloc.row, req)
             self.running.append(req)
             self._add_row(b, req, hit.num_tokens, n, src=hit.ckpt_slot)
             budget -= n

@@ -13,8 +13,9 @@ import time
 
 from tqdm import tqdm
 
-from serving.engine_args import EngineArgs, add_engine_args, engine_kwargs
-from serving.logs import setup_logging
+from serving.core.request import EngineRequest
+from serving.engine.engine_args import EngineArgs, add_engine_args, engine_kwargs
+from serving.engine.logs import setup_logging
 
 
 def engine_args(ns: argparse.Namespace, **extra) -> EngineArgs:
@@ -43,12 +44,12 @@ def read_rows(path: str) -> list[dict]:
     return rows
 
 
-def row_request(row: dict, ns: argparse.Namespace):
-    """A row's prompt and ``SamplingParams``, validated as the server validates a completion
-    request (:class:`serving.protocol.GenerateRow`); ValueError names the bad field."""
+def row_request(row: dict, ns: argparse.Namespace, request_id: str) -> EngineRequest:
+    """A row's engine request, validated as the server validates a completion request
+    (:class:`serving.entrypoints.protocol.GenerateRow`); ValueError names the bad field."""
     from pydantic import ValidationError
 
-    from serving.protocol import GenerateRow
+    from serving.entrypoints.protocol import GenerateRow
 
     try:
         req = GenerateRow.model_validate(row)
@@ -62,22 +63,22 @@ def row_request(row: dict, ns: argparse.Namespace):
     max_tokens = ns.max_tokens if req.max_tokens is None else req.max_tokens
     params = req.to_sampling_params(max_tokens, default_temperature=ns.temperature)
     prompt = req.prompt if req.prompt is not None else req.prompt_token_ids
-    return prompt, params, req.cache_salt
+    return req.to_engine_request(prompt, params, request_id)
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from serving.engine import LLMEngine
+    from serving.engine.llm_engine import LLMEngine
 
     if (ns.input is None) == (not ns.prompt):
         raise SystemExit("hyjax generate: give either --input FILE or --prompt TEXT (not both)")
     if ns.input is not None and ns.output is None:
         raise SystemExit("hyjax generate: --input needs --output")
     rows = read_rows(ns.input) if ns.input is not None else [{"prompt": p} for p in ns.prompt]
-    requests: dict[int, tuple] = {}
+    requests: dict[int, EngineRequest] = {}
     errors: dict[int, str] = {}
     for i, row in enumerate(rows):  # checked before the model loads: a typo fails fast
         try:
-            requests[i] = row_request(row, ns)
+            requests[i] = row_request(row, ns, request_id=str(i))
         except ValueError as e:
             errors[i] = str(e)
     if ns.distributed or ns.coordinator_address or ns.num_processes:
@@ -91,9 +92,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         raise SystemExit(f"hyjax generate: cannot start the engine: {e}") from None
     ids: list[str | None] = [None] * len(rows)
     results: dict[str, object] = {}
-    for i, (prompt, params, salt) in requests.items():
+    for i, request in requests.items():
         try:
-            ids[i] = engine.add_request(prompt, params, request_id=str(i), cache_salt=salt)
+            ids[i] = engine.add_request(request)
         except ValueError as e:  # what the engine rejects: too long, ids outside the vocab
             errors[i] = str(e)
     compiling = _compile_seconds()
@@ -187,7 +188,7 @@ def multihost_config(ns: argparse.Namespace):
     """``serve`` across processes: a ``MultihostConfig``, or None on one process."""
     if not (ns.coordinator_address or ns.num_processes or ns.process_id):
         return None
-    from serving.multihost import MultihostConfig
+    from serving.engine.multihost import MultihostConfig
 
     given = dict(coordinator_address=ns.coordinator_address, num_processes=ns.num_processes,
                  process_id=ns.process_id)  # fmt: skip
@@ -209,7 +210,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if multihost is not None and multihost.process_id > 0:
         import signal
 
-        from serving.multihost import run_follower
+        from serving.engine.multihost import run_follower
 
         # A Ctrl-C sent to the whole group must not kill a follower under the leader's drain;
         # the leader's shutdown message ends it (SIGTERM still does, failing the leader).
@@ -217,7 +218,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         try:
             code = run_follower(kwargs, multihost)
         except BaseException:  # noqa: BLE001  (a failed step: the job cannot go on)
-            logging.getLogger("serving.multihost").exception("follower failed")
+            logging.getLogger("serving.engine.multihost").exception("follower failed")
             code = 1
         if code:  # the job is broken: skip jax.distributed's exit barrier, which would wait
             logging.shutdown()
@@ -227,8 +228,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         import dataclasses
 
         kwargs["multihost"] = dataclasses.asdict(multihost)
-    from serving.engine_client import EngineStartError
-    from serving.server import serve
+    from serving.engine.engine_client import EngineStartError
+    from serving.entrypoints.server import serve
 
     try:
         return serve(

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from serving.messages import EngineStats
+from serving.engine.messages import EngineStats
 
 PREFIX = "hyjax:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

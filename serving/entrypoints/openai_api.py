@@ -21,10 +21,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from hyjax.tokenizer import ChatTemplateError, Tokenizer
-from serving.engine_client import EngineClient, EngineDeadError, RequestRejected
-from serving.http_metrics import ServerMetrics
-from serving.messages import Delta
-from serving.protocol import (
+from serving.core.request import SamplingParams
+from serving.engine.engine_client import EngineClient, EngineDeadError, RequestRejected
+from serving.engine.messages import Delta
+from serving.entrypoints.http_metrics import ServerMetrics
+from serving.entrypoints.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -39,7 +40,6 @@ from serving.protocol import (
     _SamplingFields,
     error_body,
 )
-from serving.request import SamplingParams
 
 MAX_CHOICES = 256  # engine requests per HTTP request (prompts x n)
 SEED_STRIDE = 0x9E3779B9  # sample j of n gets seed + j * stride (mod 2**32)
@@ -106,7 +106,7 @@ class _Group:
         self.unfinished: set[str] = set()
 
     async def add_all(
-        self, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None = None
+        self, body: _SamplingFields, prompts: list[list[int]], params: SamplingParams
     ) -> None:
         """Adds ``len(prompts) * n`` requests; on any rejection aborts the rest and raises."""
         for i, _ in enumerate(prompts):
@@ -120,8 +120,8 @@ class _Group:
             j = c.index % self.n
             if j and params.seed is not None:
                 p.seed = (params.seed + j * SEED_STRIDE) % 2**32
-            ids = prompts[c.index // self.n]
-            adds.append(self.client.add(c.request_id, ids, p, self.queue, cache_salt=cache_salt))
+            request = body.to_engine_request(prompts[c.index // self.n], p, c.request_id)
+            adds.append(self.client.add(request, self.queue))
         results = await asyncio.gather(*adds, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         self.unfinished = {
@@ -313,20 +313,16 @@ class OpenAIServing:
         return await self._encode(text, add_special_tokens=False)
 
     async def _start(
-        self,
-        prefix: str,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        n: int,
-        cache_salt: str | None = None,
+        self, prefix: str, body: _SamplingFields, prompts: list[list[int]], params: SamplingParams
     ) -> _Group:
+        n = body.n
         if len(prompts) * n > MAX_CHOICES:
             raise ApiError(
                 400, f"{len(prompts)} prompts x n={n} exceeds {MAX_CHOICES} choices", param="n"
             )
         group = _Group(self.client, self.metrics, prefix, n)
         try:
-            await group.add_all(prompts, params, cache_salt)
+            await group.add_all(body, prompts, params)
         except EngineDeadError as e:
             raise engine_unavailable(e) from None
         return group
@@ -337,7 +333,7 @@ class OpenAIServing:
         self.check_model(req)
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         prompts = await self.completion_prompts(req)
-        group = await self._start("cmpl", prompts, params, req.n, req.cache_salt)
+        group = await self._start("cmpl", req, prompts, params)
         wants = params.logprobs is not None
 
         def chunk(c: _Choice | None, d: Delta | None) -> dict:
@@ -379,7 +375,7 @@ class OpenAIServing:
             raise ApiError(400, str(e), param="top_logprobs") from None
         params = self.sampling_params(req, max_tokens, n_logprobs)
         prompt = await self.chat_prompt(req)
-        group = await self._start("chatcmpl", [prompt], params, req.n, req.cache_salt)
+        group = await self._start("chatcmpl", req, [prompt], params)
         wants = params.logprobs is not None
 
         def chunk(c: _Choice | None, d: Delta | None, role: bool = False) -> dict:

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from serving.request import SamplingParams
+from serving.core.request import EngineRequest, SamplingParams
 
 MAX_N = 16  # choices per prompt
 MAX_STOP = 16  # stop strings per request
@@ -122,6 +122,13 @@ class _SamplingFields(BaseModel):
         if any(s == "" for s in params.stop):
             raise ValueError(f"stop={list(params.stop)!r} must not hold an empty string")
         return params
+
+    def to_engine_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> EngineRequest:
+        """The engine's request for one prompt of this body (``params`` from
+        ``to_sampling_params``): where a per-request field of the API reaches the engine."""
+        return EngineRequest(prompt, params, request_id, cache_salt=self.cache_salt)
 
     def unsupported_fields(self) -> list[str]:
         """The fields set to a value that would change the output in a way not implemented."""

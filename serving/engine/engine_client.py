@@ -1,6 +1,6 @@
 """The HTTP side of the engine process: spawn it, send it messages, route its replies.
 
-No jax here: the engine runs in a child process (``serving.engine_process.engine_main``,
+No jax here: the engine runs in a child process (``serving.engine.engine_process.engine_main``,
 started with the ``spawn`` method, so the child imports jax and the parent never does). A
 reader thread blocks on the outbox and hands each message list to the event loop, which
 routes deltas to per-request ``asyncio.Queue`` s and resolves the futures of pending adds and
@@ -21,10 +21,10 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from serving.messages import (
+from serving.core.request import EngineRequest
+from serving.engine.messages import (
     AbortRequest,
     Accepted,
-    AddRequest,
     Delta,
     EngineInfo,
     EngineStats,
@@ -35,7 +35,6 @@ from serving.messages import (
     Shutdown,
     StatsReply,
 )
-from serving.request import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ class _Pending:
 
 
 class EngineClient:
-    """Owns the engine process and speaks :mod:`serving.messages` with it.
+    """Owns the engine process and speaks :mod:`serving.engine.messages` with it.
 
     Use: ``client.start()`` (blocks until the engine is ready), then inside the event loop
     ``client.attach()``; ``async for delta in client.generate(...)``; ``client.close()``.
@@ -145,13 +144,7 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-    ) -> AsyncIterator[Delta]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         """Adds a request and yields its deltas until the finished one.
 
         Raises ``RequestRejected`` (before the first delta) when the engine refuses it, and
@@ -159,7 +152,7 @@ class EngineClient:
         that disconnected, a cancelled task) aborts the request, which frees its blocks and
         slot.
         """
-        deltas = await self.add(request_id, prompt_token_ids, params, cache_salt=cache_salt)
+        deltas = await self.add(request)
         finished = False
         try:
             while not finished:
@@ -170,18 +163,12 @@ class EngineClient:
                 yield delta
         finally:
             if not finished:
-                self.abort(request_id)
+                self.abort(request.request_id)
 
     async def add(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        deltas: asyncio.Queue | None = None,
-        *,
-        cache_salt: str | None = None,
+        self, request: EngineRequest, deltas: asyncio.Queue | None = None
     ) -> asyncio.Queue:
-        """Sends ``AddRequest`` and waits for ``Accepted`` (raises ``RequestRejected``).
+        """Sends ``request`` and waits for ``Accepted`` (raises ``RequestRejected``).
 
         Returns the queue the request's ``Delta`` s arrive on (``deltas``, which several
         requests may share, or a new one); an ``EngineDeadError`` instance arrives there if
@@ -191,14 +178,15 @@ class EngineClient:
         self._check_alive()
         assert self._loop is not None, "attach() first"
         p = _Pending(self._loop.create_future(), deltas if deltas is not None else asyncio.Queue())
-        self._pending[request_id] = p
-        self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params, cache_salt))
+        rid = request.request_id
+        self._pending[rid] = p
+        self._inbox.put(request)
         try:
             await p.accepted
         except BaseException:
             if p.accepted.cancelled():
-                self.abort(request_id)  # cancelled while waiting: the engine may take it still
-            self._pending.pop(request_id, None)
+                self.abort(rid)  # cancelled while waiting: the engine may take it still
+            self._pending.pop(rid, None)
             raise
         return p.deltas
 
@@ -305,8 +293,8 @@ class EngineClient:
 
 
 def _engine_main(engine_kwargs: dict, inbox, outbox, log_level: int) -> None:
-    # Imported in the child only: serving.engine_process pulls in nothing heavy itself, but
-    # keeping the import here makes the parent's module graph obviously jax-free.
-    from serving.engine_process import engine_main
+    # Imported in the child only: serving.engine.engine_process pulls in nothing heavy itself,
+    # but keeping the import here makes the parent's module graph obviously jax-free.
+    from serving.engine.engine_process import engine_main
 
     engine_main(engine_kwargs, inbox, outbox, log_level)

@@ -15,8 +15,8 @@ holds a reference on it meanwhile, so it cannot be evicted before it is written.
 
 from __future__ import annotations
 
-from serving.block_pool import NULL_ID, BlockPool
-from serving.kv_hash import BlockHash
+from serving.core.block_pool import NULL_ID, BlockPool
+from serving.core.kv_hash import BlockHash
 
 
 class StatePool(BlockPool):

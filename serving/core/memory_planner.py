@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from serving.config import CacheConfig
+from serving.core.config import CacheConfig
 
 
 @dataclasses.dataclass(frozen=True)
