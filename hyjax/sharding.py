@@ -182,8 +182,8 @@ def _qwen3_next_rules(cfg, tp: int, expert_parallel: bool) -> Rules:
 
 
 def _qwen3_next_configure(model: nnx.Module, plan: ShardingPlan) -> None:
-    from hyjax.layers.attention import GatedAttention
-    from hyjax.layers.gdn import GatedDeltaNet, conv_channel_order
+    from hyjax.layers.conv_channels import conv_channel_order
+    from hyjax.models.qwen3_next.model import GatedAttention, GatedDeltaNet
 
     tp, cfg = plan.tp, plan.cfg
     for _, m in model.iter_modules():
@@ -268,7 +268,7 @@ def _kimi_linear_rules(cfg, tp: int, expert_parallel: bool) -> Rules:
 
 
 def _kimi_linear_configure(model: nnx.Module, plan: ShardingPlan) -> None:
-    from hyjax.layers.kda import KimiDeltaAttention
+    from hyjax.models.kimi_linear.model import KimiDeltaAttention
 
     for _, m in model.iter_modules():
         if isinstance(m, KimiDeltaAttention):
@@ -486,7 +486,8 @@ def _shard_op(fn: Callable, mesh: Mesh, in_specs: tuple, out_specs, tp: int) -> 
 def checkpoint_layout_state(model: nnx.Module) -> nnx.State:
     """``model``'s state with the GDN conv rows back in checkpoint order (for saving);
     ``model`` itself is left as it is."""
-    from hyjax.layers.gdn import GatedDeltaNet, conv_channel_order
+    from hyjax.layers.conv_channels import conv_channel_order
+    from hyjax.models.qwen3_next.model import GatedDeltaNet
 
     graphdef, state = nnx.split(model)
     clone = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # new Variables
