@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from hyjax.models import family_of
 from pallas_kernels.attention import gpu as attention_gpu
 from pallas_kernels.attention import mla_gpu, mla_tpu
 from pallas_kernels.attention import tpu as attention_tpu
@@ -256,28 +257,16 @@ def unsupported_kernels(
     ``rocm``: the Triton ones). ``tp``: devices the MoE intermediate dim is split over.
 
     The TPU kernels take each head dim whole as a block, so every shape fits them (the
-    interpreter runs head dims 24 and 40); the Triton kernels need power-of-two tiles.
+    interpreter runs head dims 24 and 40); the Triton kernels need power-of-two tiles: the
+    family's ``gpu_kernel_rules`` say which of its kernels cannot, and the MoE experts' rule
+    (every family's MoE layers call the same op) follows here.
     """
     if kernel_platform not in ("cuda", "rocm"):
         return {}
-    rules: list[tuple[tuple[str, ...], str | None]] = []
-    if cfg.model_type == "qwen3_next":
-        gdn = gdn_gpu.unsupported_reason(cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-        rules += [
-            (("gdn_prefill", "gdn_decode", "conv_gdn_decode"), gdn),
-            (("paged_attention", "paged_attention_decode"),
-             attention_gpu.unsupported_reason(cfg.head_dim)),
-        ]  # fmt: skip
-    elif cfg.model_type == "kimi_linear":
-        rules += [
-            (("kda_prefill", "kda_decode"),
-             kda_gpu.unsupported_reason(cfg.linear_head_dim, cfg.linear_head_dim)),
-            (("mla_prefill", "mla_decode"),
-             mla_gpu.unsupported_reason(cfg.kv_lora_rank, cfg.qk_rope_head_dim)),
-        ]  # fmt: skip
+    rules = family_of(cfg).gpu_kernel_rules(cfg)  # the family's layers' kernels
     if cfg.num_experts:
         f = cfg.moe_intermediate_size // (1 if expert_parallel else tp)
-        rules.append((("moe_experts",), moe_gpu.unsupported_reason(cfg.hidden_size, f)))
+        rules = [*rules, (("moe_experts",), moe_gpu.unsupported_reason(cfg.hidden_size, f))]
     return {field: why for fields, why in rules if why for field in fields}
 
 

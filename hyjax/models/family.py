@@ -1,8 +1,9 @@
 """What a model family gives the generic code: one :class:`ModelFamily` per folder of
 ``hyjax/models/``, listed once in :mod:`hyjax.models`.
 
-The loader and the saver ask a family object for what differs between architectures (its
-checkpoint names) instead of tables keyed by ``model_type``; the cache asks the config.
+The loader, the saver, the sharding plan and the op selection ask a family object for what
+differs between architectures; none of them tests ``model_type``. (The cache asks the config:
+``cfg.cache_spec`` is a value derived from it.)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from flax import nnx
 
 if TYPE_CHECKING:
     from hyjax.config import ModelConfig
+    from hyjax.partition import FamilySharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,21 +31,28 @@ class Target:
     stored_shape: tuple[int, ...] | None = None
 
 
+# A GPU kernel rule: the op fields it covers, and why the Triton kernel cannot take this
+# model's shapes (None: it can).
+KernelRule = tuple[tuple[str, ...], str | None]
+
+
 def _same_name(name: str) -> str:
     return name
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # one object per family: compared by identity
 class ModelFamily:
-    """One architecture: its config, model, checkpoint names and presets.
-
-    The cache spec is the config's (``cfg.cache_spec``): a value derived from the config.
-    """
+    """One architecture: its config, model, checkpoint names, partition rules, kernel rules
+    and presets."""
 
     config_class: type[ModelConfig]  # a frozen dataclass with ``from_hf`` / ``to_hf``
     model_class: type[nnx.Module]  # ``(cfg, *, dtype, rngs)``; parameter paths are the contract
     # Checkpoint name -> parameter, for every tensor a checkpoint of this config must hold.
     targets: Callable[[ModelConfig], dict[str, Target]]
+    sharding: FamilySharding
+    # The GPU (Triton) kernels of this family's layers: which cannot take the config's shapes
+    # (the MoE experts' rule is shared, in hyjax.ops). The TPU kernels take every shape.
+    gpu_kernel_rules: Callable[[ModelConfig], list[KernelRule]]
     presets: Mapping[str, Callable[..., Any]]  # name -> named constructor of a config
     # Parameters kept in float32 whatever the model's dtype (the checkpoint keeps them so).
     float32_params: tuple[str, ...] = ()
