@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hyjax.config import Qwen3NextConfig
-from hyjax.models.qwen3_next import Qwen3NextForCausalLM
+from hyjax.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 
 
 def bench_config(num_layers: int = 8, num_experts: int = 64) -> Qwen3NextConfig:

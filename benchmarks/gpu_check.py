@@ -181,19 +181,23 @@ KERNEL_GROUPS = {
 
 
 def _only_kernels(fields, fn):
-    """``fn()`` with the ``pallas`` backend's kernels limited to ``fields`` (the other ops are
-    the reference ones)."""
+    """``fn()`` with the backends' kernels limited to ``fields`` (the other ops are the
+    reference ones)."""
     import hyjax.ops
 
-    pallas = hyjax.ops.BACKENDS["pallas"]
+    full = hyjax.ops.backend_ops
     others = {f for g in KERNEL_GROUPS.values() for f in g} - set(fields)
-    hyjax.ops.BACKENDS["pallas"] = dataclasses.replace(
-        pallas, **{f: getattr(hyjax.ops.REFERENCE, f) for f in others}
-    )
+
+    @functools.cache
+    def limited(backend, platform):
+        ops = full(backend, platform)
+        return dataclasses.replace(ops, **{f: getattr(hyjax.ops.REFERENCE, f) for f in others})
+
+    hyjax.ops.backend_ops = limited
     try:
         return fn()
     finally:
-        hyjax.ops.BACKENDS["pallas"] = pallas
+        hyjax.ops.backend_ops = full
 
 
 def _prompts(vocab: int) -> list[list[int]]:

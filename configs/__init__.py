@@ -1,14 +1,11 @@
-"""Model presets (real sizes and tiny test sizes), as named constructors of frozen configs."""
+"""Model presets (real sizes and tiny test sizes): every family's named constructors of frozen
+configs, in one table built from the family registry (a family lists its own presets)."""
 
-from configs.kimi_linear import kimi_linear_48b_a3b, kimi_linear_tiny
-from configs.qwen3_next import qwen3_next_80b_a3b, qwen3_next_tiny
+from hyjax.models import FAMILIES
+from hyjax.models.kimi_linear.config import kimi_linear_48b_a3b, kimi_linear_tiny
+from hyjax.models.qwen3_next.config import qwen3_next_80b_a3b, qwen3_next_tiny
 
-PRESETS = {
-    "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
-    "qwen3-next-tiny": qwen3_next_tiny,
-    "kimi-linear-48b-a3b": kimi_linear_48b_a3b,
-    "kimi-linear-tiny": kimi_linear_tiny,
-}
+PRESETS = {name: make for family in FAMILIES.values() for name, make in family.presets.items()}
 
 __all__ = [
     "PRESETS",

@@ -7,7 +7,6 @@ inputs, model dtype) and the recurrent state (float32). Slot 0 is NULL; block 0 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,10 @@ class Caches:
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-    """What one model keeps per token (KV pool) and per slot (state pool), layer by layer."""
+    """What one model keeps per token (KV pool) and per slot (state pool), layer by layer.
+
+    Each family's config derives its own (``cfg.cache_spec``); what follows is generic.
+    """
 
     kv_token_shapes: tuple[tuple[int, ...], ...]  # one attention layer's paged arrays, per token
     num_attention_layers: int
@@ -37,42 +39,9 @@ class CacheSpec:
     num_linear_layers: int
 
 
-def _qwen3_next_spec(cfg) -> CacheSpec:
-    kv = (cfg.num_key_value_heads, cfg.head_dim)
-    return CacheSpec(
-        kv_token_shapes=(kv, kv),
-        num_attention_layers=len(cfg.attention_layers),
-        conv_shape=(cfg.linear_conv_kernel_dim - 1, cfg.conv_dim),
-        ssm_shape=(
-            cfg.linear_num_value_heads,
-            cfg.linear_key_head_dim,
-            cfg.linear_value_head_dim,
-        ),
-        num_linear_layers=len(cfg.linear_layers),
-    )
-
-
-def _kimi_linear_spec(cfg) -> CacheSpec:
-    # MLA caches the compressed latent, not K/V; KDA keeps the q|k|v conv windows side by side.
-    d = cfg.linear_head_dim
-    return CacheSpec(
-        kv_token_shapes=((cfg.latent_dim,),),
-        num_attention_layers=len(cfg.attention_layers),
-        conv_shape=(cfg.linear_conv_kernel_dim - 1, cfg.conv_dim),
-        ssm_shape=(cfg.linear_num_heads, d, d),
-        num_linear_layers=len(cfg.linear_layers),
-    )
-
-
-# model_type -> cache spec. New families register here.
-CACHE_SPECS: dict[str, Callable[[ModelConfig], CacheSpec]] = {
-    "qwen3_next": _qwen3_next_spec,
-    "kimi_linear": _kimi_linear_spec,
-}
-
-
 def cache_spec(cfg: ModelConfig) -> CacheSpec:
-    return CACHE_SPECS[cfg.model_type](cfg)
+    """The model's pools, as its family's config derives them (``cfg.cache_spec``)."""
+    return cfg.cache_spec
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:

@@ -1,284 +1,40 @@
-"""Model configs: frozen dataclasses parsed from a Hugging Face ``config.json``.
+"""What every model family's config shares: the base class, the layer kinds, and helpers for
+parsing a Hugging Face ``config.json``.
 
-A config names its architecture by ``model_type``; :func:`config_from_hf` dispatches through
-``MODEL_CONFIGS`` and fails with the list of supported types for anything else.
+Each family's frozen config dataclass lives in its folder (``hyjax/models/<family>/config.py``)
+and subclasses :class:`ModelConfig`; :func:`hyjax.models.config_from_hf` picks the family by
+``model_type``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hyjax.cache import CacheSpec
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 
 
-@dataclasses.dataclass(frozen=True)
-class Qwen3NextConfig:
-    """Qwen3-Next: Gated DeltaNet + gated full attention + sparse MoE."""
+class ModelConfig:
+    """The base of every family's config, a frozen dataclass that declares at least these
+    fields (the generic loader, cache, sharding, runner and scheduler read them)::
 
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    layer_types: tuple[str, ...]
-    # Full attention.
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    partial_rotary_factor: float
-    rope_theta: float
-    # Gated DeltaNet.
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-    # MoE.
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int
-    norm_topk_prob: bool
-    decoder_sparse_step: int
-    mlp_only_layers: tuple[int, ...]
-    intermediate_size: int
-    # Misc.
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    bos_token_id: int | None
-    eos_token_id: int | tuple[int, ...] | None
-    dtype: str  # the checkpoint's own dtype: "bfloat16" | "float32" | "float16"
-    model_type: str = "qwen3_next"
+        model_type: str                 vocab_size: int          hidden_size: int
+        num_hidden_layers: int          layer_types: tuple[str, ...]  (FULL_ / LINEAR_ATTENTION)
+        num_experts: int                moe_intermediate_size: int    (0 experts: no MoE)
+        rms_norm_eps: float             max_position_embeddings: int  tie_word_embeddings: bool
+        bos_token_id: int | None        eos_token_id: int | tuple[int, ...] | None
+        dtype: str                      ("bfloat16" | "float32" | "float16": the checkpoint's)
 
-    def __post_init__(self):
-        _check_layer_types(self.layer_types, self.num_hidden_layers)
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError(
-                f"{self.linear_num_value_heads=} must be divisible by {self.linear_num_key_heads=}"
-            )
-        if self.num_experts and self.num_experts_per_tok > self.num_experts:
-            raise ValueError(f"{self.num_experts_per_tok=} must be at most {self.num_experts=}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"{self.num_attention_heads=} must be divisible by {self.num_key_value_heads=}"
-            )
-
-    # Derived values.
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def linear_key_dim(self) -> int:
-        return self.linear_num_key_heads * self.linear_key_head_dim
-
-    @property
-    def linear_value_dim(self) -> int:
-        return self.linear_num_value_heads * self.linear_value_head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the short convolution: q | k | v."""
-        return 2 * self.linear_key_dim + self.linear_value_dim
-
-    @property
-    def attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
-
-    @property
-    def linear_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
-
-    def is_moe_layer(self, i: int) -> bool:
-        return (
-            i not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (i + 1) % self.decoder_sparse_step == 0
-        )
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        if self.eos_token_id is None:
-            return ()
-        if isinstance(self.eos_token_id, int):
-            return (self.eos_token_id,)
-        return tuple(self.eos_token_id)
-
-    @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> Qwen3NextConfig:
-        n = d.get("num_hidden_layers", 48)
-        layer_types = d.get("layer_types")
-        if layer_types is None:
-            interval = d.get("full_attention_interval", 4)
-            layer_types = [
-                FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(n)
-            ]
-        eos = d.get("eos_token_id")
-        rope_theta = d.get("rope_theta")
-        if rope_theta is None:  # transformers >= 5 nests it in rope_parameters.
-            rope_theta = (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        prf = d.get("partial_rotary_factor")
-        if prf is None:
-            prf = (d.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25)
-        hidden = d.get("hidden_size", 2048)
-        heads = d.get("num_attention_heads", 16)
-        return cls(
-            vocab_size=d.get("vocab_size", 151936),
-            hidden_size=hidden,
-            num_hidden_layers=n,
-            layer_types=tuple(layer_types),
-            num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads", 2),
-            head_dim=d.get("head_dim") or hidden // heads,
-            partial_rotary_factor=float(prf),
-            rope_theta=float(rope_theta),
-            linear_num_key_heads=d.get("linear_num_key_heads", 16),
-            linear_num_value_heads=d.get("linear_num_value_heads", 32),
-            linear_key_head_dim=d.get("linear_key_head_dim", 128),
-            linear_value_head_dim=d.get("linear_value_head_dim", 128),
-            linear_conv_kernel_dim=d.get("linear_conv_kernel_dim", 4),
-            num_experts=d.get("num_experts", 512),
-            num_experts_per_tok=d.get("num_experts_per_tok", 10),
-            moe_intermediate_size=d.get("moe_intermediate_size", 512),
-            shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 512),
-            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-            decoder_sparse_step=d.get("decoder_sparse_step", 1),
-            mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-            intermediate_size=d.get("intermediate_size", 5632),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=d.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-            dtype=_hf_dtype(d),
-        )
-
-    def to_hf(self) -> dict[str, Any]:
-        """The ``config.json`` dict transformers reads (used by presets and tests)."""
-        return {
-            "architectures": ["Qwen3NextForCausalLM"],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "layer_types": list(self.layer_types),
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "partial_rotary_factor": self.partial_rotary_factor,
-            "rope_theta": self.rope_theta,
-            "linear_num_key_heads": self.linear_num_key_heads,
-            "linear_num_value_heads": self.linear_num_value_heads,
-            "linear_key_head_dim": self.linear_key_head_dim,
-            "linear_value_head_dim": self.linear_value_head_dim,
-            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
-            "num_experts": self.num_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
-            "norm_topk_prob": self.norm_topk_prob,
-            "decoder_sparse_step": self.decoder_sparse_step,
-            "mlp_only_layers": list(self.mlp_only_layers),
-            "intermediate_size": self.intermediate_size,
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_id)
-            if isinstance(self.eos_token_id, tuple)
-            else self.eos_token_id,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "torch_dtype": self.dtype,
-        }
-
-
-DENSE = "dense"
-SPARSE = "sparse"
-
-
-@dataclasses.dataclass(frozen=True)
-class KimiLinearConfig:
-    """Kimi-Linear: KDA (per-channel gated delta rule) + NoPE MLA + sigmoid-routed MoE.
-
-    Layer lists of the checkpoint's ``linear_attn_config`` are 1-indexed; here ``layer_types``
-    and ``mlp_layer_types`` are 0-indexed tuples like transformers keeps them.
+    and these methods: ``is_moe_layer(i)``, ``cache_spec`` (what the pools keep per token and
+    per slot), ``from_hf(dict)`` and ``to_hf()``.
     """
 
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
+    model_type: str
     layer_types: tuple[str, ...]
-    mlp_layer_types: tuple[str, ...]  # "dense" | "sparse" per layer
-    # MLA (full attention, NoPE).
-    num_attention_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    # KDA.
-    linear_num_heads: int
-    linear_head_dim: int
-    linear_conv_kernel_dim: int
-    # MoE.
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    num_shared_experts: int
-    routed_scaling_factor: float
-    moe_renormalize: bool
-    num_expert_group: int
-    topk_group: int
-    intermediate_size: int
-    # Misc.
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    bos_token_id: int | None
     eos_token_id: int | tuple[int, ...] | None
-    dtype: str
-    pad_token_id: int | None = None
-    # ``kv_a_layernorm`` keeps the module default eps (1e-6) in the official code and HF.
-    kv_a_layernorm_eps: float = 1e-6
-    model_type: str = "kimi_linear"
-
-    def __post_init__(self):
-        _check_layer_types(self.layer_types, self.num_hidden_layers)
-        if len(self.mlp_layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"{len(self.mlp_layer_types)=} does not match {self.num_hidden_layers=}"
-            )
-        bad = sorted(set(self.mlp_layer_types) - {DENSE, SPARSE})
-        if bad:
-            raise ValueError(f"unknown mlp layer types {bad}; expected 'dense' or 'sparse'")
-        if SPARSE in self.mlp_layer_types and self.num_experts_per_tok > self.num_experts:
-            raise ValueError(f"{self.num_experts_per_tok=} must be at most {self.num_experts=}")
-        if self.num_experts % self.num_expert_group:
-            raise ValueError(f"{self.num_experts=} must be divisible by {self.num_expert_group=}")
-        if not 1 <= self.topk_group <= self.num_expert_group:
-            raise ValueError(f"{self.topk_group=} must be in [1, {self.num_expert_group=}]")
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def latent_dim(self) -> int:
-        """Cached per token and MLA layer: normalised ``c_kv`` then the shared ``k_rope``."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def linear_dim(self) -> int:
-        return self.linear_num_heads * self.linear_head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the three short convolutions, cached side by side: q | k | v."""
-        return 3 * self.linear_dim
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -288,9 +44,6 @@ class KimiLinearConfig:
     def linear_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
 
-    def is_moe_layer(self, i: int) -> bool:
-        return self.mlp_layer_types[i] == SPARSE
-
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         if self.eos_token_id is None:
@@ -299,162 +52,19 @@ class KimiLinearConfig:
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
 
-    @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> KimiLinearConfig:
-        """Reads the original checkpoint's keys and transformers' (>= 5.17) names alike."""
-        n = d.get("num_hidden_layers", 27)
-        lin = d.get("linear_attn_config") or {}
-        if d.get("mla_use_nope") is False or d.get("rope_scaling"):
-            raise ValueError("only NoPE MLA (mla_use_nope: true) is supported for kimi_linear")
-        if lin.get("gate_lower_bound") is not None or lin.get("use_full_rank_gate"):
-            raise ValueError("KDA gate_lower_bound / use_full_rank_gate are not supported")
-        layer_types = d.get("layer_types")
-        if layer_types is None:
-            if "full_attn_layers" in lin and "kda_layers" in lin:
-                layer_types = [None] * n
-                for i in lin["full_attn_layers"]:  # 1-indexed
-                    layer_types[i - 1] = FULL_ATTENTION
-                for i in lin["kda_layers"]:
-                    layer_types[i - 1] = LINEAR_ATTENTION
-                if None in layer_types:
-                    missing = [i + 1 for i, t in enumerate(layer_types) if t is None]
-                    raise ValueError(f"linear_attn_config names no kind for layers {missing}")
-            else:
-                layer_types = [
-                    FULL_ATTENTION if i and i % 4 == 0 else LINEAR_ATTENTION for i in range(n)
-                ]
-        num_experts = d.get("num_experts", d.get("num_local_experts", 256))
-        mlp_types = d.get("mlp_layer_types")
-        if mlp_types is None:
-            first_dense = d.get("first_k_dense_replace", 1)
-            freq = d.get("moe_layer_freq", 1)
-            mlp_types = [
-                SPARSE if num_experts and i >= first_dense and i % freq == 0 else DENSE
-                for i in range(n)
-            ]
-        eos = d.get("eos_token_id")
-        heads = d.get("num_attention_heads", 32)
-        return cls(
-            vocab_size=d.get("vocab_size", 163840),
-            hidden_size=d.get("hidden_size", 2304),
-            num_hidden_layers=n,
-            layer_types=tuple(layer_types),
-            mlp_layer_types=tuple(mlp_types),
-            num_attention_heads=heads,
-            q_lora_rank=d.get("q_lora_rank"),
-            kv_lora_rank=d.get("kv_lora_rank", 512),
-            qk_nope_head_dim=d.get("qk_nope_head_dim", 128),
-            qk_rope_head_dim=d.get("qk_rope_head_dim", 64),
-            v_head_dim=d.get("v_head_dim") or 128,
-            linear_num_heads=lin.get("num_heads", d.get("linear_num_heads", 32)),
-            linear_head_dim=lin.get("head_dim", d.get("linear_head_dim", 128)),
-            linear_conv_kernel_dim=lin.get(
-                "short_conv_kernel_size", d.get("linear_conv_kernel_dim", 4)
-            ),
-            num_experts=num_experts,
-            num_experts_per_tok=d.get("num_experts_per_token", d.get("num_experts_per_tok", 8)),
-            moe_intermediate_size=d.get("moe_intermediate_size", 1024),
-            num_shared_experts=d.get("num_shared_experts", d.get("n_shared_experts", 1)) or 0,
-            routed_scaling_factor=float(d.get("routed_scaling_factor", 2.446)),
-            moe_renormalize=bool(d.get("moe_renormalize", d.get("norm_topk_prob", True))),
-            num_expert_group=d.get("num_expert_group", d.get("n_group", 1)) or 1,
-            topk_group=d.get("topk_group") or 1,
-            intermediate_size=d.get("intermediate_size", 9216),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            max_position_embeddings=d.get(
-                "model_max_length", d.get("max_position_embeddings", 1048576)
-            ),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-            pad_token_id=d.get("pad_token_id"),
-            dtype=_hf_dtype(d),
-        )
+    def is_moe_layer(self, i: int) -> bool:
+        raise NotImplementedError
+
+    @property
+    def cache_spec(self) -> CacheSpec:
+        raise NotImplementedError
 
     def to_hf(self) -> dict[str, Any]:
-        """The ``config.json`` of the original checkpoint (transformers >= 5.17 reads it)."""
-        full = [i + 1 for i in self.attention_layers]
-        kda = [i + 1 for i in self.linear_layers]
-        first_dense = next(
-            (i for i, t in enumerate(self.mlp_layer_types) if t == SPARSE), self.num_hidden_layers
-        )
-        return {
-            "architectures": ["KimiLinearForCausalLM"],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "layer_types": list(self.layer_types),
-            "mlp_layer_types": list(self.mlp_layer_types),
-            "first_k_dense_replace": first_dense,
-            "linear_attn_config": {
-                "full_attn_layers": full,
-                "kda_layers": kda,
-                "num_heads": self.linear_num_heads,
-                "head_dim": self.linear_head_dim,
-                "short_conv_kernel_size": self.linear_conv_kernel_dim,
-            },
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_attention_heads,
-            "q_lora_rank": self.q_lora_rank,
-            "kv_lora_rank": self.kv_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim,
-            "mla_use_nope": True,
-            "num_experts": self.num_experts,
-            "num_experts_per_token": self.num_experts_per_tok,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "num_shared_experts": self.num_shared_experts,
-            "routed_scaling_factor": self.routed_scaling_factor,
-            "moe_renormalize": self.moe_renormalize,
-            "moe_router_activation_func": "sigmoid",
-            "use_grouped_topk": True,
-            "num_expert_group": self.num_expert_group,
-            "topk_group": self.topk_group,
-            "intermediate_size": self.intermediate_size,
-            "rms_norm_eps": self.rms_norm_eps,
-            "model_max_length": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_id)
-            if isinstance(self.eos_token_id, tuple)
-            else self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "torch_dtype": self.dtype,
-        }
+        raise NotImplementedError
 
 
-ModelConfig = Qwen3NextConfig | KimiLinearConfig
-
-# model_type -> config class. New families register here.
-MODEL_CONFIGS: dict[str, type] = {
-    "qwen3_next": Qwen3NextConfig,
-    "kimi_linear": KimiLinearConfig,
-}
-
-
-def config_from_hf(d: dict[str, Any]) -> ModelConfig:
-    """Parses a Hugging Face config dict into the frozen config of its architecture."""
-    model_type = d.get("model_type")
-    if model_type not in MODEL_CONFIGS:
-        supported = ", ".join(sorted(MODEL_CONFIGS))
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {supported}")
-    return MODEL_CONFIGS[model_type].from_hf(d)
-
-
-def load_config(model_dir: str | os.PathLike) -> ModelConfig:
-    """Reads ``<model_dir>/config.json``."""
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no config.json in {os.fspath(model_dir)!r}")
-    with open(path) as f:
-        return config_from_hf(json.load(f))
-
-
-def _hf_dtype(d: dict[str, Any]) -> str:
+def hf_dtype(d: dict[str, Any]) -> str:
+    """The checkpoint's dtype from a ``config.json`` dict (``dtype`` or ``torch_dtype``)."""
     dtype = d.get("dtype") or d.get("torch_dtype") or "bfloat16"
     dtype = str(dtype).removeprefix("torch.")
     if dtype not in ("bfloat16", "float32", "float16"):
@@ -462,7 +72,7 @@ def _hf_dtype(d: dict[str, Any]) -> str:
     return dtype
 
 
-def _check_layer_types(layer_types: tuple[str, ...], n: int) -> None:
+def check_layer_types(layer_types: tuple[str, ...], n: int) -> None:
     if len(layer_types) != n:
         raise ValueError(f"{len(layer_types)=} does not match num_hidden_layers={n}")
     bad = sorted(set(layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION})

@@ -8,13 +8,11 @@ code is never executed: only ``config.json`` and the tensors are read.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
 import os
 import re
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,32 +20,21 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from hyjax.config import ModelConfig, load_config
-from hyjax.models import model_class
+from hyjax.config import ModelConfig
+from hyjax.models import family_of, load_config
+from hyjax.models.family import Target
 from hyjax.safetensors_io import SafetensorsFile
 from hyjax.sharding import ShardingPlan
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# Parameters that stay float32 whatever the model dtype.
-FLOAT32_PARAMS = ("A_log", "dt_bias", "router", "e_score_correction_bias")
 # Checkpoint tensors that are known and deliberately not loaded (multi-token prediction).
 IGNORED = re.compile(r"^mtp\.")
 
 
 class CheckpointError(ValueError):
     """A checkpoint does not match the model: the message names the tensor and the file."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """Where a checkpoint tensor goes: a parameter path, its layout change, an expert index."""
-
-    path: tuple
-    transform: str  # "copy" | "t" (transpose) | "conv" ([C,1,K] -> [C,K]) | "flat"
-    expert: int | None = None  # per-expert tensors stack into [E, ...]
-    part: slice | None = None  # fused expert tensors: rows taken from the checkpoint
 
 
 def resolve_dtype(name: str, cfg: ModelConfig) -> jnp.dtype:
@@ -58,63 +45,11 @@ def resolve_dtype(name: str, cfg: ModelConfig) -> jnp.dtype:
     return DTYPES[name]
 
 
-def qwen3_next_targets(cfg: ModelConfig) -> dict[str, Target]:
-    """Checkpoint name -> parameter, for every tensor a Qwen3-Next checkpoint must hold.
+def fused_expert_targets(name: str, cfg: ModelConfig) -> list[Target] | None:
+    """transformers >= 5 may save experts fused: gate_up_proj [E, 2F, D], down_proj [E, D, F].
 
-    Experts appear per expert (``experts.{e}.gate_proj.weight``); the fused transformers-5 form
-    (``experts.gate_up_proj``) is accepted too, see :func:`_fused_expert_targets`.
+    The names are those of the MoE layer's parameters (``mlp.experts_*``), whatever the family.
     """
-    t: dict[str, Target] = {
-        "model.embed_tokens.weight": Target(("embed_tokens",), "copy"),
-        "model.norm.weight": Target(("norm", "weight"), "copy"),
-    }
-    if not cfg.tie_word_embeddings:
-        t["lm_head.weight"] = Target(("lm_head", "weight"), "t")
-    for i, kind in enumerate(cfg.layer_types):
-        p, L = f"model.layers.{i}.", ("layers", i)
-        t[p + "input_layernorm.weight"] = Target(L + ("input_layernorm", "weight"), "copy")
-        t[p + "post_attention_layernorm.weight"] = Target(
-            L + ("post_attention_layernorm", "weight"), "copy"
-        )
-        if kind == "full_attention":
-            a = L + ("self_attn",)
-            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                t[p + f"self_attn.{n}.weight"] = Target(a + (n, "weight"), "t")
-            for n in ("q_norm", "k_norm"):
-                t[p + f"self_attn.{n}.weight"] = Target(a + (n, "weight"), "copy")
-        else:
-            g = L + ("linear_attn",)
-            for n in ("in_proj_qkvz", "in_proj_ba", "out_proj"):
-                t[p + f"linear_attn.{n}.weight"] = Target(g + (n, "weight"), "t")
-            t[p + "linear_attn.conv1d.weight"] = Target(g + ("conv1d",), "conv")
-            t[p + "linear_attn.A_log"] = Target(g + ("A_log",), "copy")
-            t[p + "linear_attn.dt_bias"] = Target(g + ("dt_bias",), "copy")
-            t[p + "linear_attn.norm.weight"] = Target(g + ("norm", "weight"), "copy")
-        m = L + ("mlp",)
-        if cfg.is_moe_layer(i):
-            t[p + "mlp.gate.weight"] = Target(m + ("gate", "weight"), "t")
-            t[p + "mlp.shared_expert_gate.weight"] = Target(
-                m + ("shared_expert_gate", "weight"), "t"
-            )
-            for n in ("gate_proj", "up_proj", "down_proj"):
-                t[p + f"mlp.shared_expert.{n}.weight"] = Target(
-                    m + ("shared_expert", n, "weight"), "t"
-                )
-            for e in range(cfg.num_experts):
-                for n, dst in (
-                    ("gate_proj", "experts_gate"),
-                    ("up_proj", "experts_up"),
-                    ("down_proj", "experts_down"),
-                ):
-                    t[p + f"mlp.experts.{e}.{n}.weight"] = Target(m + (dst,), "t", expert=e)
-        else:
-            for n in ("gate_proj", "up_proj", "down_proj"):
-                t[p + f"mlp.{n}.weight"] = Target(m + (n, "weight"), "t")
-    return t
-
-
-def _fused_expert_targets(name: str, cfg: ModelConfig) -> list[Target] | None:
-    """transformers >= 5 may save experts fused: gate_up_proj [E, 2F, D], down_proj [E, D, F]."""
     mt = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
     if not mt:
         return None
@@ -126,84 +61,6 @@ def _fused_expert_targets(name: str, cfg: ModelConfig) -> list[Target] | None:
         Target(m + ("experts_gate",), "t", part=slice(0, f)),
         Target(m + ("experts_up",), "t", part=slice(f, 2 * f)),
     ]
-
-
-# Kimi's expert names: w1 = gate, w3 = up, w2 = down.
-_KIMI_EXPERTS = (("w1", "experts_gate"), ("w3", "experts_up"), ("w2", "experts_down"))
-
-
-def kimi_linear_targets(cfg: ModelConfig) -> dict[str, Target]:
-    """Checkpoint name -> parameter for Kimi-Linear, in the original checkpoint's names.
-
-    transformers (>= 5.17) saves these names too, except that it may write the dense first
-    layer as ``block_sparse_moe.{gate,up,down}_proj``: :func:`kimi_linear_name` maps that back.
-    """
-    t: dict[str, Target] = {
-        "model.embed_tokens.weight": Target(("embed_tokens",), "copy"),
-        "model.norm.weight": Target(("norm", "weight"), "copy"),
-    }
-    if not cfg.tie_word_embeddings:
-        t["lm_head.weight"] = Target(("lm_head", "weight"), "t")
-    for i, kind in enumerate(cfg.layer_types):
-        p, L = f"model.layers.{i}.", ("layers", i)
-        a = L + ("self_attn",)
-        for n in ("input_layernorm", "post_attention_layernorm"):
-            t[p + f"{n}.weight"] = Target(L + (n, "weight"), "copy")
-        if kind == "full_attention":
-            linears = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
-            norms = ["kv_a_layernorm"]
-            if cfg.q_lora_rank is None:
-                linears.append("q_proj")
-            else:
-                linears += ["q_a_proj", "q_b_proj"]
-                norms.append("q_a_layernorm")
-            for n in linears:
-                t[p + f"self_attn.{n}.weight"] = Target(a + (n, "weight"), "t")
-            for n in norms:
-                t[p + f"self_attn.{n}.weight"] = Target(a + (n, "weight"), "copy")
-        else:
-            for n in ("q", "k", "v", "f_a", "f_b", "b", "g_a", "g_b", "o"):
-                t[p + f"self_attn.{n}_proj.weight"] = Target(a + (f"{n}_proj", "weight"), "t")
-            for n in ("q", "k", "v"):
-                t[p + f"self_attn.{n}_conv1d.weight"] = Target(a + (f"{n}_conv1d",), "conv")
-            t[p + "self_attn.A_log"] = Target(a + ("A_log",), "flat")  # [1, 1, H, 1] -> [H]
-            t[p + "self_attn.dt_bias"] = Target(a + ("dt_bias",), "copy")
-            t[p + "self_attn.o_norm.weight"] = Target(a + ("o_norm", "weight"), "copy")
-        m = L + ("mlp",)
-        if cfg.is_moe_layer(i):
-            q = p + "block_sparse_moe."
-            t[q + "gate.weight"] = Target(m + ("router",), "t")
-            t[q + "gate.e_score_correction_bias"] = Target(m + ("e_score_correction_bias",), "copy")
-            if cfg.num_shared_experts:
-                for n in ("gate_proj", "up_proj", "down_proj"):
-                    t[q + f"shared_experts.{n}.weight"] = Target(
-                        m + ("shared_experts", n, "weight"), "t"
-                    )
-            for e in range(cfg.num_experts):
-                for n, dst in _KIMI_EXPERTS:
-                    t[q + f"experts.{e}.{n}.weight"] = Target(m + (dst,), "t", expert=e)
-        else:
-            for n in ("gate_proj", "up_proj", "down_proj"):
-                t[p + f"mlp.{n}.weight"] = Target(m + (n, "weight"), "t")
-    return t
-
-
-_KIMI_DENSE_ALIAS = re.compile(
-    r"^(model\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.)"
-)
-
-
-def kimi_linear_name(name: str) -> str:
-    """A dense layer saved under ``block_sparse_moe.*`` (transformers) is ``mlp.*``."""
-    return _KIMI_DENSE_ALIAS.sub(r"\1.mlp.\2", name)
-
-
-TARGETS: dict[str, Callable[[ModelConfig], dict[str, Target]]] = {
-    "qwen3_next": qwen3_next_targets,
-    "kimi_linear": kimi_linear_targets,
-}
-# model_type -> a map from other spellings of a checkpoint name to the one TARGETS uses.
-NAME_ALIASES: dict[str, Callable[[str], str]] = {"kimi_linear": kimi_linear_name}
 
 
 def checkpoint_files(model_dir: str) -> dict[str, str]:
@@ -250,18 +107,19 @@ def load_model(
     model_dir = os.fspath(model_dir)
     cfg = load_config(model_dir)
     jdtype = resolve_dtype(dtype, cfg)
-    cls = model_class(cfg)
+    family = family_of(cfg)
+    cls = family.model_class
     abstract = nnx.eval_shape(lambda: cls(cfg, dtype=jdtype, rngs=nnx.Rngs(0)))
     plan = ShardingPlan(mesh, cfg, expert_parallel) if mesh is not None else None
     if os.path.isdir(os.path.join(model_dir, ORBAX_DIR)):
         return _restore_converted(model_dir, abstract, cfg, plan), cfg
     graphdef, state = nnx.split(abstract)
     params = dict(nnx.to_flat_state(state))
-    targets = TARGETS[cfg.model_type](cfg)
+    targets = family.targets(cfg)
     files = checkpoint_files(model_dir)
-    alias = NAME_ALIASES.get(cfg.model_type)
-    stored = {alias(k): k for k in files} if alias else {}  # our name -> the file's name
-    files = {alias(k): v for k, v in files.items()} if alias else files
+    alias = family.checkpoint_name
+    stored = {alias(k): k for k in files}  # our name -> the file's name
+    files = {alias(k): v for k, v in files.items()}
 
     # Group checkpoint tensors by the parameter they fill.
     by_param: dict[tuple, list[tuple[str, Target]]] = {}
@@ -269,7 +127,7 @@ def load_model(
     for name in files:
         if IGNORED.match(name):
             continue
-        tl = [targets[name]] if name in targets else _fused_expert_targets(name, cfg)
+        tl = [targets[name]] if name in targets else fused_expert_targets(name, cfg)
         if tl is None:
             unexpected.append(name)
             continue
@@ -302,7 +160,7 @@ def load_model(
     for path, sources in by_param.items():
         var = params[path]
         want_shape = tuple(var.get_value().shape)
-        want_dtype = jnp.float32 if path[-1] in FLOAT32_PARAMS else var.get_value().dtype
+        want_dtype = jnp.float32 if path[-1] in family.float32_params else var.get_value().dtype
         views: dict[int | None, np.ndarray] = {}  # expert (None: whole tensor) -> host view
         for name, tg in sources:
             arr = _convert(read(name), tg)  # a view of the map: nothing is read yet

@@ -1,23 +1,33 @@
-"""Op dispatch: each op of the model by backend (DESIGN.md §6).
+"""Op dispatch: each op of the model by backend (DESIGN.md §6), read from one grid.
 
-- ``reference``: pure JAX (the CPU path and the oracle).
-- ``interpret``: the Mosaic TPU kernels run by the TPU interpreter on CPU (how CI tests them).
-- ``pallas``: Mosaic TPU kernels on TPU, Pallas GPU kernels on NVIDIA, chosen at trace time
-  from ``jax.default_backend()``.
+:data:`GRID` has a row per op and a column per implementation: ``reference`` (pure JAX: the
+CPU path and the oracle), ``tpu`` (the Mosaic kernels) and ``gpu`` (the Triton-lowered Pallas
+kernels); an empty kernel cell runs the reference op on that platform. A backend is a column
+and a way to run its kernels (:data:`BACKENDS`)::
 
-``auto`` picks ``pallas`` on NVIDIA GPUs and TPUs and ``reference`` elsewhere (CPU, ROCm).
+    backend         column                                 kernels run
+    reference       reference                              -
+    interpret       tpu                                    by the TPU interpreter, on CPU (CI)
+    interpret-gpu   gpu                                    by Pallas' interpreter, on CPU (CI)
+    pallas          tpu on TPU, gpu on NVIDIA and ROCm,    compiled
+                    reference elsewhere
+    auto            pallas on NVIDIA GPUs and TPUs, reference elsewhere (CPU, ROCm)
+
+:func:`get_ops` and :func:`ops_for_model` resolve the platform once, when the ops are built
+(at start-up): nothing is decided inside a traced op.
+
 On an H200 (BENCHMARKS.md) every GPU kernel matches the IEEE-f32 reference at Qwen3-Next-80B
 shapes (GDN prefill in TF32: output error ratio 1.4e-3; decode 1e-5; fused decode 1e-6) and
 beats it (prefill 70x, decode 5x at B >= 16). The TPU kernels pass their interpret-mode tests
 and lower through Mosaic for v5e and v6e in CI, but have not run on a TPU: if one misbehaves
-there, ``--kernel-backend reference`` is the way out. Where a kernel does not exist yet, a
-backend falls back to the reference op; each such entry below says so.
+there, ``--kernel-backend reference`` is the way out.
 
-The runner takes its ops from :func:`ops_for_model`, once at start-up: a kernel that cannot take
-the model's shapes (the Triton kernels' power-of-two tiles; each GPU kernel module's
-``unsupported_reason``) is swapped for its reference op with one warning, and
-``Ops.matmul_precision`` makes float32 models compute IEEE float32 products on every platform
-(XLA's dots and the Pallas GPU kernels' alike) unless TF32 is allowed (``--allow-tf32``).
+The runner takes its ops from :func:`ops_for_model`: a kernel that cannot take the model's
+shapes (the Triton kernels' power-of-two tiles; each GPU kernel module's
+``unsupported_reason``, gathered by the model's family) is swapped for its reference op with
+one warning, and ``Ops.matmul_precision`` makes float32 models compute IEEE float32 products on
+every platform (XLA's dots and the Pallas GPU kernels' alike) unless TF32 is allowed
+(``--allow-tf32``).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from hyjax.models import family_of
 from pallas_kernels.attention import gpu as attention_gpu
 from pallas_kernels.attention import mla_gpu, mla_tpu
 from pallas_kernels.attention import tpu as attention_tpu
@@ -61,37 +72,30 @@ from pallas_kernels.moe.reference import moe_experts_reference
 log = logging.getLogger(__name__)
 
 
-def _whole(x: jax.Array) -> jax.Array:
-    return x
-
-
 @dataclasses.dataclass(frozen=True)
 class Ops:
+    """Every op a layer calls, each with its reference's signature (built from :data:`GRID`)."""
+
     conv1d_prefill: Callable
     conv1d_update: Callable
     gdn_prefill: Callable
     gdn_decode: Callable
+    conv_gdn_decode: Callable  # decode: conv1d update + gated delta rule in one pass
     write_kv: Callable
     paged_attention: Callable
-    # Decode-only steps: the same attention without the (empty) prefill launch where a kernel
-    # has one (GPU: ~8 us per layer call at 4k context on an H100).
-    paged_attention_decode: Callable = ragged_paged_attention_reference
-    # Decode: conv1d update + gated delta rule in one pass (one kernel where one exists).
-    conv_gdn_decode: Callable = fused_decode.conv_gdn_decode_reference
-    # Kimi-Linear (defaults: the reference ops, so backends opt in one kernel at a time).
-    kda_prefill: Callable = kda_prefill_reference
-    kda_decode: Callable = kda_decode_reference
-    write_latent: Callable = write_latent_reference
-    mla_prefill: Callable = mla_prefill_reference
-    mla_decode: Callable = mla_decode_reference
+    paged_attention_decode: Callable  # decode-only steps: every row is one token
+    kda_prefill: Callable
+    kda_decode: Callable
+    write_latent: Callable
+    mla_prefill: Callable
+    mla_decode: Callable
+    # The routed experts of a MoE layer (called inside the TP/EP shard_map of the experts, on
+    # each device's share).
+    moe_experts: Callable
     # The logits whole on every device before sampling (identity on one device). Under TP the
     # lm_head leaves them split by vocab, and XLA then partitions the sampler's sort and cumsum:
     # on two H100s that cumsum became a 75 968-trip while loop, ~1.5 s a step.
-    gather_logits: Callable = _whole
-    # The routed experts of a MoE layer (called inside the TP/EP shard_map of the experts, on
-    # each device's share). The reference is ragged_dot, which XLA expands to dense matmuls
-    # over every expert on NVIDIA GPUs; the GPU kernel is a grouped matmul.
-    moe_experts: Callable = moe_experts_reference
+    gather_logits: Callable
     # The precision of every matmul of the step that does not pin its own, XLA's and the
     # Pallas GPU kernels' alike (``jax_default_matmul_precision`` while the step is traced):
     # None is the platform's default (f32 products in TF32 on NVIDIA, in bf16 passes on TPU),
@@ -99,32 +103,42 @@ class Ops:
     matmul_precision: str | None = None
 
 
-REFERENCE = Ops(
-    conv1d_prefill=causal_conv1d_prefill_reference,
-    conv1d_update=causal_conv1d_update_reference,
-    gdn_prefill=gdn_prefill_reference,
-    gdn_decode=gdn_decode_reference,
-    write_kv=write_kv_reference,
-    paged_attention=ragged_paged_attention_reference,
-)
+@dataclasses.dataclass(frozen=True)
+class Composed:
+    """A kernel cell made of other kernels: ``build(*kernels)``, each kernel run the way its
+    column's kernels run (compiled, or interpreted)."""
+
+    build: Callable[..., Callable]
+    kernels: tuple[Callable, ...]
 
 
-def _interpret(kernel: Callable) -> Callable:
-    return functools.partial(kernel, interpret=pltpu.InterpretParams())
+Kernel = Callable | Composed
 
 
-def _by_platform(*, tpu: Callable, gpu: Callable, other: Callable) -> Callable:
-    """One op whose implementation is picked from ``jax.default_backend()`` when traced."""
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One op: its reference and, per platform, the kernel that replaces it (None: none)."""
 
-    def op(*args, **kwargs):
-        platform = jax.default_backend()
-        fn = tpu if platform == "tpu" else gpu if platform in ("gpu", "cuda", "rocm") else other
-        return fn(*args, **kwargs)
+    reference: Callable
+    tpu: Kernel | None = None
+    gpu: Kernel | None = None
 
-    return op
+    def cell(self, column: str | None, run: Callable[[Callable], Callable]) -> Callable:
+        """The op of ``column`` (None: the reference), each kernel wrapped by ``run``."""
+        kernel = getattr(self, column) if column else None
+        if kernel is None:
+            return self.reference
+        if isinstance(kernel, Composed):
+            return kernel.build(*map(run, kernel.kernels))
+        return run(kernel)
 
 
-# Decode-only steps on NVIDIA: the attention kernel without its (empty) prefill launch.
+def _whole(x: jax.Array) -> jax.Array:
+    return x
+
+
+# Decode-only steps on NVIDIA: the attention kernel without its (empty) prefill launch (~8 us
+# per layer call at 4k context on an H100).
 GPU_DECODE_ATTENTION = functools.partial(attention_gpu.ragged_paged_attention, decode_only=True)
 
 # The GDN prefill on NVIDIA follows ``Ops.matmul_precision`` (precision None): TF32 tensor
@@ -133,84 +147,133 @@ GPU_DECODE_ATTENTION = functools.partial(attention_gpu.ragged_paged_attention, d
 # the chunk) for float32 models.
 GPU_GDN_PREFILL = functools.partial(gdn_gpu.gdn_prefill, precision=None)
 
-BACKENDS: dict[str, Ops] = {
-    "reference": REFERENCE,
-    "interpret": dataclasses.replace(
-        REFERENCE,
-        conv1d_prefill=_interpret(conv1d_tpu.causal_conv1d_prefill),
-        conv1d_update=_interpret(conv1d_tpu.causal_conv1d_update),
-        gdn_prefill=_interpret(gdn_tpu.gdn_prefill),
-        gdn_decode=_interpret(gdn_tpu.gdn_decode),
-        conv_gdn_decode=fused_decode.composed_conv_gdn_decode(
-            _interpret(conv1d_tpu.causal_conv1d_update), _interpret(gdn_tpu.gdn_decode)
-        ),
-        paged_attention=_interpret(attention_tpu.ragged_paged_attention),
-        paged_attention_decode=_interpret(attention_tpu.ragged_paged_attention),
-        kda_prefill=_interpret(kda_tpu.kda_prefill),
-        kda_decode=_interpret(kda_tpu.kda_decode),
-        mla_prefill=_interpret(mla_tpu.mla_prefill),
-        mla_decode=_interpret(mla_tpu.mla_decode),
-        # write_kv, write_latent: the XLA scatter on every backend (in place on the donated
-        # cache).
+# The grid: one row per op (the fields of ``Ops``), columns reference | tpu | gpu.
+GRID: dict[str, Row] = {
+    "conv1d_prefill": Row(
+        reference=causal_conv1d_prefill_reference,
+        tpu=conv1d_tpu.causal_conv1d_prefill,
+        gpu=None,  # XLA: elementwise taps in one fused loop
     ),
-    "pallas": dataclasses.replace(
-        REFERENCE,
-        # conv1d prefill on GPU: XLA (elementwise taps, one fused loop); decode uses the fused
-        # conv + delta-rule kernel below.
-        conv1d_prefill=_by_platform(
-            tpu=conv1d_tpu.causal_conv1d_prefill,
-            gpu=causal_conv1d_prefill_reference,
-            other=causal_conv1d_prefill_reference,
+    "conv1d_update": Row(
+        reference=causal_conv1d_update_reference,
+        tpu=conv1d_tpu.causal_conv1d_update,
+        gpu=None,  # decode steps run the fused conv_gdn_decode kernel instead
+    ),
+    "gdn_prefill": Row(
+        reference=gdn_prefill_reference,
+        tpu=gdn_tpu.gdn_prefill,
+        gpu=GPU_GDN_PREFILL,
+    ),
+    "gdn_decode": Row(
+        reference=gdn_decode_reference,
+        tpu=gdn_tpu.gdn_decode,
+        gpu=gdn_gpu.gdn_decode,
+    ),
+    "conv_gdn_decode": Row(
+        reference=fused_decode.conv_gdn_decode_reference,
+        # the two Mosaic kernels in turn (a fused TPU kernel is still to come)
+        tpu=Composed(
+            fused_decode.composed_conv_gdn_decode,
+            (conv1d_tpu.causal_conv1d_update, gdn_tpu.gdn_decode),
         ),
-        conv1d_update=_by_platform(
-            tpu=conv1d_tpu.causal_conv1d_update,
-            gpu=causal_conv1d_update_reference,
-            other=causal_conv1d_update_reference,
-        ),
-        gdn_prefill=_by_platform(
-            tpu=gdn_tpu.gdn_prefill, gpu=GPU_GDN_PREFILL, other=gdn_prefill_reference
-        ),
-        gdn_decode=_by_platform(
-            tpu=gdn_tpu.gdn_decode, gpu=gdn_gpu.gdn_decode, other=gdn_decode_reference
-        ),
-        paged_attention=_by_platform(
-            tpu=attention_tpu.ragged_paged_attention,
-            gpu=attention_gpu.ragged_paged_attention,
-            other=ragged_paged_attention_reference,
-        ),
-        paged_attention_decode=_by_platform(
-            tpu=attention_tpu.ragged_paged_attention,
-            gpu=GPU_DECODE_ATTENTION,
-            other=ragged_paged_attention_reference,
-        ),
-        # TPU: the two Mosaic kernels in turn (a fused TPU kernel is still to come).
-        conv_gdn_decode=_by_platform(
-            tpu=fused_decode.composed_conv_gdn_decode(
-                conv1d_tpu.causal_conv1d_update, gdn_tpu.gdn_decode
-            ),
-            gpu=fused_decode.conv_gdn_decode,
-            other=fused_decode.conv_gdn_decode_reference,
-        ),
-        kda_prefill=_by_platform(
-            tpu=kda_tpu.kda_prefill, gpu=kda_gpu.kda_prefill, other=kda_prefill_reference
-        ),
-        kda_decode=_by_platform(
-            tpu=kda_tpu.kda_decode, gpu=kda_gpu.kda_decode, other=kda_decode_reference
-        ),
-        # MLA: latent attention with absorbed weights, decode rows and prefill chunks in one
-        # call (H100: matches the IEEE-f32 reference at Kimi-Linear-48B shapes, BENCHMARKS.md).
-        mla_prefill=_by_platform(
-            tpu=mla_tpu.mla_prefill, gpu=mla_gpu.mla_prefill, other=mla_prefill_reference
-        ),
-        mla_decode=_by_platform(
-            tpu=mla_tpu.mla_decode, gpu=mla_gpu.mla_decode, other=mla_decode_reference
-        ),
-        # MoE experts: the Triton grouped matmul on NVIDIA; ragged_dot on TPU and CPU.
-        moe_experts=_by_platform(
-            tpu=moe_experts_reference, gpu=moe_gpu.moe_experts, other=moe_experts_reference
-        ),
+        gpu=fused_decode.conv_gdn_decode,
+    ),
+    "write_kv": Row(
+        reference=write_kv_reference,  # everywhere: XLA's scatter, in place on the donated pool
+    ),
+    "paged_attention": Row(
+        reference=ragged_paged_attention_reference,
+        tpu=attention_tpu.ragged_paged_attention,
+        gpu=attention_gpu.ragged_paged_attention,
+    ),
+    "paged_attention_decode": Row(
+        reference=ragged_paged_attention_reference,
+        tpu=attention_tpu.ragged_paged_attention,
+        gpu=GPU_DECODE_ATTENTION,
+    ),
+    "kda_prefill": Row(
+        reference=kda_prefill_reference,
+        tpu=kda_tpu.kda_prefill,
+        gpu=kda_gpu.kda_prefill,
+    ),
+    "kda_decode": Row(
+        reference=kda_decode_reference,
+        tpu=kda_tpu.kda_decode,
+        gpu=kda_gpu.kda_decode,
+    ),
+    "write_latent": Row(
+        reference=write_latent_reference,  # everywhere, as write_kv
+    ),
+    # MLA: latent attention with absorbed weights, decode rows and prefill chunks in one call
+    # (H100: matches the IEEE-f32 reference at Kimi-Linear-48B shapes, BENCHMARKS.md).
+    "mla_prefill": Row(
+        reference=mla_prefill_reference,
+        tpu=mla_tpu.mla_prefill,
+        gpu=mla_gpu.mla_prefill,
+    ),
+    "mla_decode": Row(
+        reference=mla_decode_reference,
+        tpu=mla_tpu.mla_decode,
+        gpu=mla_gpu.mla_decode,
+    ),
+    "moe_experts": Row(
+        # ragged_dot: grouped on TPU and CPU, expanded to dense matmuls over every expert on
+        # NVIDIA GPUs, where the grouped-matmul kernel runs instead
+        reference=moe_experts_reference,
+        tpu=None,
+        gpu=moe_gpu.moe_experts,
+    ),
+    "gather_logits": Row(
+        reference=_whole,  # hyjax.sharding swaps in the gather under tensor parallelism
     ),
 }
+
+
+def _compiled(kernel: Callable) -> Callable:
+    return kernel
+
+
+def _tpu_interpreted(kernel: Callable) -> Callable:
+    return functools.partial(kernel, interpret=pltpu.InterpretParams())
+
+
+def _gpu_interpreted(kernel: Callable) -> Callable:
+    return functools.partial(kernel, interpret=True)
+
+
+# The platforms whose kernels ``pallas`` compiles: their grid column.
+PLATFORM_COLUMNS = {"tpu": "tpu", "cuda": "gpu", "rocm": "gpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A ``--kernel-backend``: the grid column it runs on a platform, and how its kernels run."""
+
+    column: Callable[[str], str | None]  # platform -> "tpu" | "gpu" | None (the reference)
+    run: Callable[[Callable], Callable]
+
+
+BACKENDS: dict[str, Backend] = {
+    "reference": Backend(column=lambda platform: None, run=_compiled),
+    "interpret": Backend(column=lambda platform: "tpu", run=_tpu_interpreted),
+    "interpret-gpu": Backend(column=lambda platform: "gpu", run=_gpu_interpreted),
+    "pallas": Backend(column=PLATFORM_COLUMNS.get, run=_compiled),
+}
+
+
+@functools.cache
+def _column_ops(column: str | None, run: Callable[[Callable], Callable]) -> Ops:
+    """One ``Ops`` per (column, way to run): jitted steps see the same static argument."""
+    return Ops(**{op: row.cell(column, run) for op, row in GRID.items()})
+
+
+REFERENCE = _column_ops(None, _compiled)
+
+
+def backend_ops(backend: str, platform: str) -> Ops:
+    """The ops ``backend`` (not ``auto``) runs on ``platform`` (:func:`accelerator_platform`)."""
+    spec = BACKENDS[backend]
+    return _column_ops(spec.column(platform), spec.run)
 
 
 # Platforms where ``auto`` means ``pallas``: NVIDIA GPUs (checked on an H200 by
@@ -239,7 +302,8 @@ def resolve_backend(name: str) -> str:
 
 
 def get_ops(name: str) -> Ops:
-    return BACKENDS[resolve_backend(name)]
+    """The ops of backend ``name`` on this platform (resolved now, once)."""
+    return backend_ops(resolve_backend(name), accelerator_platform())
 
 
 def matmul_precision(dtype, *, allow_tf32: bool = False) -> str | None:
@@ -249,35 +313,22 @@ def matmul_precision(dtype, *, allow_tf32: bool = False) -> str | None:
 
 
 def unsupported_kernels(
-    cfg, kernel_platform: str, *, tp: int = 1, expert_parallel: bool = False
+    cfg, column: str | None, *, tp: int = 1, expert_parallel: bool = False
 ) -> dict[str, str]:
-    """``{op field: why}`` for each kernel op that cannot take ``cfg``'s shapes on
-    ``kernel_platform`` (``tpu``: the Mosaic kernels, also what ``interpret`` runs; ``cuda`` /
-    ``rocm``: the Triton ones). ``tp``: devices the MoE intermediate dim is split over.
+    """``{op field: why}`` for each kernel op of grid ``column`` that cannot take ``cfg``'s
+    shapes. ``tp``: devices the MoE intermediate dim is split over.
 
     The TPU kernels take each head dim whole as a block, so every shape fits them (the
-    interpreter runs head dims 24 and 40); the Triton kernels need power-of-two tiles.
+    interpreter runs head dims 24 and 40); the Triton kernels need power-of-two tiles: the
+    family's ``gpu_kernel_rules`` say which of its kernels cannot, and the MoE experts' rule
+    (every family's MoE layers call the same op) follows here.
     """
-    if kernel_platform not in ("cuda", "rocm"):
+    if column != "gpu":
         return {}
-    rules: list[tuple[tuple[str, ...], str | None]] = []
-    if cfg.model_type == "qwen3_next":
-        gdn = gdn_gpu.unsupported_reason(cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-        rules += [
-            (("gdn_prefill", "gdn_decode", "conv_gdn_decode"), gdn),
-            (("paged_attention", "paged_attention_decode"),
-             attention_gpu.unsupported_reason(cfg.head_dim)),
-        ]  # fmt: skip
-    elif cfg.model_type == "kimi_linear":
-        rules += [
-            (("kda_prefill", "kda_decode"),
-             kda_gpu.unsupported_reason(cfg.linear_head_dim, cfg.linear_head_dim)),
-            (("mla_prefill", "mla_decode"),
-             mla_gpu.unsupported_reason(cfg.kv_lora_rank, cfg.qk_rope_head_dim)),
-        ]  # fmt: skip
+    rules = family_of(cfg).gpu_kernel_rules(cfg)  # the family's layers' kernels
     if cfg.num_experts:
         f = cfg.moe_intermediate_size // (1 if expert_parallel else tp)
-        rules.append((("moe_experts",), moe_gpu.unsupported_reason(cfg.hidden_size, f)))
+        rules = [*rules, (("moe_experts",), moe_gpu.unsupported_reason(cfg.hidden_size, f))]
     return {field: why for fields, why in rules if why for field in fields}
 
 
@@ -298,14 +349,12 @@ def ops_for_model(
     (:func:`matmul_precision`).
     """
     backend = resolve_backend(name)
-    ops = BACKENDS[backend]
+    platform = accelerator_platform()
+    ops = backend_ops(backend, platform)
     changes: dict = {"matmul_precision": matmul_precision(dtype, allow_tf32=allow_tf32)}
-    if backend != "reference":
-        kernel_platform = "tpu" if backend == "interpret" else accelerator_platform()
-        unsupported = unsupported_kernels(
-            cfg, kernel_platform, tp=tp, expert_parallel=expert_parallel
-        )
-        for field, why in unsupported.items():
-            log.warning("%s: reference op instead of the %s kernel: %s", field, backend, why)
-            changes[field] = getattr(REFERENCE, field)
+    column = BACKENDS[backend].column(platform)
+    unsupported = unsupported_kernels(cfg, column, tp=tp, expert_parallel=expert_parallel)
+    for field, why in unsupported.items():
+        log.warning("%s: reference op instead of the %s kernel: %s", field, backend, why)
+        changes[field] = getattr(REFERENCE, field)
     return dataclasses.replace(ops, **changes)

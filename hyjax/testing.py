@@ -224,8 +224,7 @@ def make_tiny_kimi_linear_model(
     import base64
     import json
 
-    from hyjax.config import KimiLinearConfig
-    from hyjax.models.kimi_linear import KimiLinearForCausalLM
+    from hyjax.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
     from hyjax.saver import save_hf_checkpoint
     from hyjax.tokenizer import TIKTOKEN_NUM_RESERVED_SPECIAL_TOKENS
 

@@ -12,8 +12,7 @@ import os
 import jax.numpy as jnp
 from flax import nnx
 
-from hyjax.config import Qwen3NextConfig
-from hyjax.models.qwen3_next import Qwen3NextForCausalLM
+from hyjax.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 from hyjax.saver import save_hf_checkpoint
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

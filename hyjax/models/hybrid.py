@@ -18,7 +18,7 @@ loader, the saver and the sharding rules match on: the attribute names here are 
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,9 @@ from hyjax.cache import Caches
 from hyjax.config import FULL_ATTENTION, ModelConfig
 from hyjax.layers.linear import Linear
 from hyjax.layers.norms import RMSNorm
-from hyjax.ops import Ops
+
+if TYPE_CHECKING:
+    from hyjax.ops import Ops
 
 # flax >= 0.12 wants lists of modules wrapped; older versions take plain lists.
 _ModuleList = getattr(nnx, "List", list)

@@ -16,11 +16,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hyjax.layers.attention import GatedAttention
-from hyjax.layers.gdn import GatedDeltaNet
 from hyjax.layers.moe import SparseMoe
 from hyjax.layers.rope import apply_partial_rope
-from hyjax.models.qwen3_next import Qwen3NextForCausalLM
+from hyjax.models.qwen3_next.model import GatedAttention, GatedDeltaNet, Qwen3NextForCausalLM
 from hyjax.training.chunked import chunk_gated_delta_rule
 from pallas_kernels.gdn.reference import gdn_gates, l2norm
 

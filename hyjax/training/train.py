@@ -31,8 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from hyjax.config import Qwen3NextConfig
-from hyjax.models.qwen3_next import Qwen3NextForCausalLM
+from hyjax.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 from hyjax.tiny import CHATML, SPECIAL_TOKENS
 from hyjax.training import data
 from hyjax.training.dense import dense_forward, load_balancing_loss

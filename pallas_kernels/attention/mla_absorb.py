@@ -23,7 +23,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.mla_reference import _check
+from pallas_kernels.attention.mla_reference import check_mla_args
 
 
 def _precision(dtype) -> jax.lax.Precision:
@@ -67,17 +67,6 @@ def absorb_output(
     return out.astype(dtype)
 
 
-def check_latent_batch(query_start_loc, seq_lens, block_tables) -> None:
-    """Shape checks of the ragged batch; messages name the bad argument."""
-    rows = block_tables.shape[0]
-    if block_tables.ndim != 2:
-        raise ValueError(f"block_tables {block_tables.shape} must be [S, max_blocks]")
-    if seq_lens.shape != (rows,):
-        raise ValueError(f"seq_lens {seq_lens.shape} must be [S={rows}] like block_tables")
-    if query_start_loc.shape != (rows + 1,):
-        raise ValueError(f"query_start_loc {query_start_loc.shape} must be [S+1 = {rows + 1}]")
-
-
 # The signature every latent-attention kernel has:
 #   core(q_abs [T, H, L+R], latent_cache [NB, bs, L+R], query_start_loc i32[S+1],
 #        seq_lens i32[S], block_tables i32[S, max_blocks], num_seqs i32[], *, lora, scale)
@@ -101,8 +90,9 @@ def absorbed_prefill(core: LatentKernel, **tuning) -> Callable:
         scale: float,
     ) -> jax.Array:
         """Causal MLA of a ragged batch (decode rows and prefill chunks). Returns [T, H, Dv]."""
-        _, lora, _, _ = _check(q, latent_cache, w_kv_b, nope_dim)
-        check_latent_batch(query_start_loc, seq_lens, block_tables)
+        _, lora, _, _ = check_mla_args(
+            q, latent_cache, w_kv_b, nope_dim, query_start_loc, seq_lens, block_tables
+        )
         q_abs = absorb_query(q, w_kv_b, nope_dim=nope_dim, dtype=latent_cache.dtype)
         o_lat = core(
             q_abs, latent_cache, query_start_loc, seq_lens, block_tables, num_seqs,

@@ -50,14 +50,13 @@ from pallas_kernels.attention.mla_absorb import (
     absorb_output,
     absorb_query,
     absorbed_decode,
-    check_latent_batch,
 )
 from pallas_kernels.attention.mla_decompress_gpu import (
     choose_rows,
     decompressed_attention,
     workspace_tokens,
 )
-from pallas_kernels.attention.mla_reference import _check
+from pallas_kernels.attention.mla_reference import check_mla_args
 from pallas_kernels.attention.paging_gpu import (
     Launch,
     attend_split,
@@ -253,8 +252,9 @@ def mla_prefill(
     costs grow with the context, so the crossover is about a number of new tokens).
     Tuning keywords: :data:`_DECOMPRESS_KEYS` go to the decompressed path, the rest
     (``head_block``, ``block_k_prefill`` ...) to :func:`latent_attention`."""
-    _, lora, rope, dv = _check(q, latent_cache, w_kv_b, nope_dim)
-    check_latent_batch(query_start_loc, seq_lens, block_tables)
+    _, lora, rope, dv = check_mla_args(
+        q, latent_cache, w_kv_b, nope_dim, query_start_loc, seq_lens, block_tables
+    )
     dec_tuning = {_DECOMPRESS_KEYS[k]: tuning.pop(k) for k in list(tuning) if k in _DECOMPRESS_KEYS}
     num_tokens = q.shape[0]
     num_rows, max_blocks = block_tables.shape

@@ -56,8 +56,11 @@ def write_latent_reference(
     return flat.reshape(nb, bs, width)
 
 
-def _check(q, latent_cache, w_kv_b, nope_dim) -> tuple[int, int, int, int]:
-    """Returns ``(H, L, R, Dv)``; raises with the bad argument's name."""
+def check_mla_args(
+    q, latent_cache, w_kv_b, nope_dim, query_start_loc=None, seq_lens=None, block_tables=None
+) -> tuple[int, int, int, int]:
+    """Returns ``(H, L, R, Dv)``; raises with the bad argument's name. The batch's arrays
+    (``query_start_loc``, ``seq_lens``, ``block_tables``) are checked where given."""
     _, h, qk = q.shape
     width = latent_cache.shape[-1]
     if w_kv_b.ndim != 3 or w_kv_b.shape[1] != h or w_kv_b.shape[2] <= nope_dim:
@@ -69,6 +72,14 @@ def _check(q, latent_cache, w_kv_b, nope_dim) -> tuple[int, int, int, int]:
             f"latent_cache width {width} must be kv_lora_rank {lora} + rope dims {rope} "
             f"(q head dim {qk} - {nope_dim=})"
         )
+    if block_tables is not None:
+        rows = block_tables.shape[0]
+        if block_tables.ndim != 2:
+            raise ValueError(f"block_tables {block_tables.shape} must be [S, max_blocks]")
+        if seq_lens.shape != (rows,):
+            raise ValueError(f"seq_lens {seq_lens.shape} must be [S={rows}] like block_tables")
+        if query_start_loc.shape != (rows + 1,):
+            raise ValueError(f"query_start_loc {query_start_loc.shape} must be [S+1 = {rows + 1}]")
     return h, lora, rope, w_kv_b.shape[2] - nope_dim
 
 
@@ -96,7 +107,7 @@ def mla_prefill_reference(
     """Causal MLA of every query token over its sequence, decompressed. Returns [T, H, Dv]."""
     num_tokens = q.shape[0]
     num_rows = block_tables.shape[0]
-    _, lora, _, _ = _check(q, latent_cache, w_kv_b, nope_dim)
+    _, lora, _, _ = check_mla_args(q, latent_cache, w_kv_b, nope_dim)
     w = w_kv_b.astype(jnp.float32)
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     lat, _ = _context(latent_cache, block_tables, rows, seq_lens)  # [S, ctx, L+R]
@@ -138,7 +149,7 @@ def mla_decode_reference(
     num_rows = q.shape[0]
     if block_tables.shape[0] != num_rows:
         raise ValueError(f"block_tables {block_tables.shape} must have one row per query {q.shape}")
-    _, lora, _, _ = _check(q, latent_cache, w_kv_b, nope_dim)
+    _, lora, _, _ = check_mla_args(q, latent_cache, w_kv_b, nope_dim)
     w = w_kv_b.astype(jnp.float32)
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     lat, valid = _context(latent_cache, block_tables, rows, seq_lens)  # [S, ctx, L+R]

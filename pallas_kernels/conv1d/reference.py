@@ -30,7 +30,7 @@ from pallas_kernels.common.ragged import (
 from pallas_kernels.common.slots import StateSlots
 
 
-def check_conv_args(x, weight, conv_state, slots: StateSlots, query_start_loc=None) -> None:
+def check_conv1d_args(x, weight, conv_state, slots: StateSlots, query_start_loc=None) -> None:
     """Raises ``ValueError`` naming the first inconsistent shape."""
     if x.ndim != 2:
         raise ValueError(f"x {x.shape} must be [T, C]")

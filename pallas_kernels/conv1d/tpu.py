@@ -46,7 +46,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.common.chunking import gather_chunks, max_chunks, plan_chunks, scatter_tokens
 from pallas_kernels.common.ragged import read_slots
 from pallas_kernels.common.slots import StateSlots
-from pallas_kernels.conv1d.reference import check_conv_args
+from pallas_kernels.conv1d.reference import check_conv1d_args
 
 CHUNK = 128
 
@@ -126,7 +126,7 @@ def causal_conv1d_prefill(
     Writes the window after the last token to ``dst_slot`` and after ``ckpt_offsets`` tokens
     to ``ckpt_slots`` for live rows; padding tokens give 0.
     """
-    check_conv_args(x, weight, conv_state, slots, query_start_loc)
+    check_conv1d_args(x, weight, conv_state, slots, query_start_loc)
     n, c = x.shape
     kw = weight.shape[1]
     km1 = kw - 1
@@ -237,7 +237,7 @@ def causal_conv1d_update(
     interpret=False,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode: one token per row. Returns ``(y [S, C], conv_state)``."""
-    check_conv_args(x, weight, conv_state, slots)
+    check_conv1d_args(x, weight, conv_state, slots)
     rows, c = x.shape
     if rows != slots.num_rows:
         raise ValueError(f"update rows {rows} must equal {slots.num_rows=} (one token each)")

@@ -54,8 +54,8 @@ def unpack_conv_channels(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The conv output's channels as ``(q, k [n, Hk, Dk], v [n, Hv, Dv])``.
 
-    Laid out per shard (``hyjax.layers.gdn.pack_conv_channels``: each device's q, k, v heads
-    side by side); ``shards=1`` is the checkpoint's plain ``q | k | v`` order.
+    Laid out per shard (``hyjax.layers.conv_channels.pack_conv_channels``: each device's q, k,
+    v heads side by side); ``shards=1`` is the checkpoint's plain ``q | k | v`` order.
     """
     (hk, dk), (hv, dv) = qk_heads, v_heads
     n, qk = mixed.shape[0], hk * dk // shards
@@ -66,7 +66,7 @@ def unpack_conv_channels(
     return q, k, v
 
 
-def check_fused_shapes(mixed, conv_weight, conv_state, ssm_state, num_k_heads: int) -> None:
+def check_conv_gdn_decode_args(mixed, conv_weight, conv_state, ssm_state, num_k_heads: int) -> None:
     """Raises ``ValueError`` naming the first inconsistent shape."""
     if ssm_state.ndim != 4:
         raise ValueError(f"ssm_state {ssm_state.shape} must be [num_slots, Hv, Dk, Dv]")
@@ -97,7 +97,7 @@ def composed_conv_gdn_decode(conv1d_update: Callable, gdn_decode: Callable) -> C
         *,
         num_k_heads: int,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        check_fused_shapes(mixed, conv_weight, conv_state, ssm_state, num_k_heads)
+        check_conv_gdn_decode_args(mixed, conv_weight, conv_state, ssm_state, num_k_heads)
         y, conv_state = conv1d_update(mixed, conv_weight, conv_state, slots)
         _, hv, dk, dv = ssm_state.shape
         q, k, v = unpack_conv_channels(y, (num_k_heads, dk), (hv, dv), 1)
@@ -194,7 +194,7 @@ def conv_gdn_decode(
     in turn instead: with one program per key head, one row keeps only Hk SMs busy (H200,
     B=1: 28 us fused vs 15 us unfused; from B=16 on the fused kernel is ahead).
     """
-    check_fused_shapes(mixed, conv_weight, conv_state, ssm_state, num_k_heads)
+    check_conv_gdn_decode_args(mixed, conv_weight, conv_state, ssm_state, num_k_heads)
     rows = mixed.shape[0]
     if rows < min_rows:
         unfused = composed_conv_gdn_decode(

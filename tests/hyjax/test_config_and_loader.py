@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from configs import qwen3_next_80b_a3b, qwen3_next_tiny
-from hyjax.config import config_from_hf, load_config
 from hyjax.loader import CheckpointError, load_model
+from hyjax.models import config_from_hf, load_config
 from hyjax.safetensors_io import SafetensorsFile, save_file
 from hyjax.testing import save_tiny_qwen3_next
 

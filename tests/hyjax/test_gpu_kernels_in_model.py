@@ -1,6 +1,7 @@
-"""The tiny Qwen3-Next with the NVIDIA kernels (Pallas' generic interpreter on CPU) gives the
-reference logits and states: the GPU prefill (both launch plans) and the fused conv + delta-rule
-decode, wired through the model exactly as ``--kernel-backend pallas`` runs them on a GPU."""
+"""The tiny Qwen3-Next with the NVIDIA kernels (Pallas' generic interpreter on CPU: the
+``interpret-gpu`` backend, the op table's GPU column) gives the reference logits and states:
+the GDN prefill, the fused conv + delta-rule decode and paged attention, wired through the
+model exactly as ``--kernel-backend pallas`` runs them on a GPU."""
 
 import dataclasses
 import functools
@@ -13,22 +14,22 @@ from flax import nnx
 from configs import qwen3_next_tiny
 from hyjax.cache import init_caches
 from hyjax.models.qwen3_next import Qwen3NextForCausalLM
-from hyjax.ops import REFERENCE
+from hyjax.ops import REFERENCE, ops_for_model
 from hyjax.testing import SeqChunk, make_batch
-from pallas_kernels.gdn import fused_decode
-from pallas_kernels.gdn import gpu as gdn_gpu
+from pallas_kernels.attention import gpu as attention_gpu
 from tests.pallas_kernels.ragged_cases import assert_close
 
 BS = 16
 
 
-def _gpu_ops(three_launches):
+def _gpu_ops(cfg, three_launches):
+    """The ``interpret-gpu`` ops for ``cfg`` (a kernel that cannot take its shapes is the
+    reference op, as on a GPU), with the fused decode below its row threshold too."""
+    ops = ops_for_model("interpret-gpu", cfg, jnp.float32)
     return dataclasses.replace(
-        REFERENCE,
-        gdn_prefill=functools.partial(
-            gdn_gpu.gdn_prefill, three_launches=three_launches, interpret=True
-        ),
-        conv_gdn_decode=functools.partial(fused_decode.conv_gdn_decode, min_rows=0, interpret=True),
+        ops,
+        gdn_prefill=functools.partial(ops.gdn_prefill, three_launches=three_launches),
+        conv_gdn_decode=functools.partial(ops.conv_gdn_decode, min_rows=0),
     )
 
 
@@ -67,7 +68,9 @@ def test_gpu_kernels_match_reference_in_the_model():
     cfg = qwen3_next_tiny()
     graphdef, state = nnx.split(Qwen3NextForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     want, want_caches = _run(state, graphdef, cfg, REFERENCE)
-    got, got_caches = _run(state, graphdef, cfg, _gpu_ops(three_launches=True))
+    ops = _gpu_ops(cfg, three_launches=True)
+    assert ops.paged_attention.func is attention_gpu.ragged_paged_attention  # the kernel runs
+    got, got_caches = _run(state, graphdef, cfg, ops)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert not np.isnan(g).any(), f"output {i} has NaN"
         err = np.abs(g - w).max() / np.abs(w).max()

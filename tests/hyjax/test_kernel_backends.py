@@ -9,11 +9,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental.pallas import tpu as pltpu
 
 from configs import qwen3_next_tiny
 from hyjax.cache import init_caches
 from hyjax.models.qwen3_next import Qwen3NextForCausalLM
-from hyjax.ops import BACKENDS, GPU_DECODE_ATTENTION, get_ops, resolve_backend
+from hyjax.ops import (
+    BACKENDS,
+    GPU_DECODE_ATTENTION,
+    GRID,
+    REFERENCE,
+    Ops,
+    backend_ops,
+    get_ops,
+    resolve_backend,
+)
 from hyjax.testing import SeqChunk, make_batch
 from pallas_kernels.attention import gpu as attention_gpu
 from pallas_kernels.attention import tpu as attention_tpu
@@ -97,15 +107,30 @@ def test_interpret_backend_matches_reference(model):
             assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
-def test_backend_registry():
-    assert {"reference", "interpret", "pallas"} <= set(BACKENDS)
+def test_backend_grid():
+    """Each backend runs one column of the grid, its kernels compiled or interpreted; the
+    platform picks ``pallas``'s column once, when the ops are built."""
+    assert set(BACKENDS) == {"reference", "interpret", "interpret-gpu", "pallas"}
+    assert set(GRID) == set(Ops.__dataclass_fields__) - {"matmul_precision"}
     # the parity test above runs the attention kernel, not the reference op twice
-    interpret_attention = BACKENDS["interpret"].paged_attention
-    assert interpret_attention.func is attention_tpu.ragged_paged_attention
-    assert BACKENDS["interpret"].paged_attention_decode.func is attention_tpu.ragged_paged_attention
+    interpret = backend_ops("interpret", "cpu")
+    assert interpret.paged_attention.func is attention_tpu.ragged_paged_attention
+    assert interpret.paged_attention_decode.func is attention_tpu.ragged_paged_attention
+    assert isinstance(interpret.paged_attention.keywords["interpret"], pltpu.InterpretParams)
+    # the GPU column interpreted on CPU, as tests/hyjax/test_gpu_kernels_in_model.py runs it
+    gpu_interpret = backend_ops("interpret-gpu", "cpu")
+    assert gpu_interpret.paged_attention.func is attention_gpu.ragged_paged_attention
+    assert gpu_interpret.paged_attention.keywords == {"interpret": True}
+    assert gpu_interpret.conv1d_prefill is REFERENCE.conv1d_prefill  # no GPU kernel: XLA's
     # decode-only buckets on NVIDIA: the kernel's one-launch variant (its own test lowers it)
     assert GPU_DECODE_ATTENTION.func is attention_gpu.ragged_paged_attention
     assert GPU_DECODE_ATTENTION.keywords == {"decode_only": True}
+    for platform in ("cuda", "rocm"):
+        assert backend_ops("pallas", platform).paged_attention_decode is GPU_DECODE_ATTENTION
+    assert backend_ops("pallas", "tpu").paged_attention is attention_tpu.ragged_paged_attention
+    assert backend_ops("pallas", "tpu").moe_experts is REFERENCE.moe_experts  # no TPU kernel
+    assert backend_ops("pallas", "cpu") == REFERENCE  # no kernels for the host
+    assert backend_ops("pallas", "tpu") is backend_ops("pallas", "tpu")  # built once
     if jax.default_backend() == "cpu":
         assert resolve_backend("auto") == "reference"
     with pytest.raises(ValueError, match="unknown kernel backend"):

@@ -13,7 +13,13 @@ import pytest
 import hyjax.ops
 from configs import kimi_linear_tiny, qwen3_next_tiny
 from hyjax.models.qwen3_next import Qwen3NextForCausalLM
-from hyjax.ops import BACKENDS, GPU_GDN_PREFILL, REFERENCE, matmul_precision, ops_for_model
+from hyjax.ops import (
+    GPU_GDN_PREFILL,
+    REFERENCE,
+    backend_ops,
+    matmul_precision,
+    ops_for_model,
+)
 from pallas_kernels.gdn import fused_decode
 from pallas_kernels.gdn import gpu as gdn_gpu
 from serving.core.config import SchedulerConfig
@@ -24,7 +30,6 @@ from serving.worker.pool_sizing import size_pools
 from serving.worker.runner import ModelRunner, _step
 from tests.pallas_kernels.ragged_cases import abstract_slots
 
-PALLAS = BACKENDS["pallas"]
 GDN_OPS = {"gdn_prefill", "gdn_decode", "conv_gdn_decode"}
 ATTENTION_OPS = {"paged_attention", "paged_attention_decode"}
 
@@ -40,8 +45,8 @@ def _select(monkeypatch, caplog, cfg, platform="cuda", backend="pallas", **kw):
     return ops, set(logged)
 
 
-def _replaced(ops, backend="pallas") -> set[str]:
-    base = BACKENDS[backend]
+def _replaced(ops, backend="pallas", platform="cuda") -> set[str]:
+    base = backend_ops(backend, platform)
     fields = set(hyjax.ops.Ops.__dataclass_fields__) - {"matmul_precision"}
     return {f for f in fields if getattr(ops, f) is not getattr(base, f)}
 
@@ -57,9 +62,12 @@ def test_qwen3_next_odd_head_dims_take_the_reference_ops_on_gpu(monkeypatch, cap
     assert ops.moe_experts is REFERENCE.moe_experts  # F = 12: tiles of 4 are below MIN_TILE
     # The TPU kernels (and the interpreter running them) take every head dim as a whole block.
     ops, logged = _select(monkeypatch, caplog, cfg, platform="tpu")
-    assert not logged and not _replaced(ops)
+    assert not logged and not _replaced(ops, platform="tpu")
     ops, logged = _select(monkeypatch, caplog, cfg, platform="cpu", backend="interpret")
     assert not logged and not _replaced(ops, "interpret")
+    # The GPU kernels interpreted on CPU follow the GPU rules: their tiles are the same.
+    ops, logged = _select(monkeypatch, caplog, cfg, platform="cpu", backend="interpret-gpu")
+    assert _replaced(ops, "interpret-gpu") == logged == GDN_OPS | ATTENTION_OPS | {"moe_experts"}
 
 
 def test_value_dim_tiles_clamp_and_small_tiles_fall_back(monkeypatch, caplog):
@@ -176,3 +184,11 @@ def test_allow_tf32_flag_reaches_engine_args():
     assert EngineArgs(**engine_kwargs(ns)).allow_tf32 is True
     ns = p.parse_args(["serve"])
     assert EngineArgs(**engine_kwargs(ns)).allow_tf32 is False
+
+
+def test_cli_kernel_backends_are_table_backends():
+    """Every ``--kernel-backend`` choice is ``auto`` or a backend of the op table."""
+    choices = EngineArgs.__dataclass_fields__["kernel_backend"].metadata["argparse"]["choices"]
+    assert set(choices) - {"auto"} <= set(hyjax.ops.BACKENDS)
+    for name in choices:
+        hyjax.ops.resolve_backend(name)

@@ -11,8 +11,9 @@ from flax import nnx
 
 from configs import PRESETS, kimi_linear_48b_a3b, kimi_linear_tiny
 from hyjax.cache import cache_spec, init_caches, kv_block_bytes, state_slot_bytes
-from hyjax.config import KimiLinearConfig, config_from_hf, load_config
 from hyjax.loader import CheckpointError, load_model
+from hyjax.models import config_from_hf, load_config
+from hyjax.models.kimi_linear import KimiLinearConfig
 from hyjax.safetensors_io import SafetensorsFile, save_file
 from hyjax.saver import save_hf_checkpoint
 from hyjax.testing import hf_logits, save_tiny_kimi_linear

@@ -228,10 +228,10 @@ def test_tiny_kimi_linear_with_the_mla_kernel_matches_reference(tmp_path):
 
     from hyjax.cache import init_caches
     from hyjax.loader import load_model
-    from hyjax.ops import BACKENDS, REFERENCE
+    from hyjax.ops import REFERENCE, get_ops
     from hyjax.testing import SeqChunk, make_batch, make_tiny_kimi_linear_model
 
-    interp = BACKENDS["interpret"]
+    interp = get_ops("interpret")
     assert interp.mla_prefill.func is mla_tpu.mla_prefill  # the kernel, not the reference
     kernel_ops = dataclasses.replace(
         REFERENCE, mla_prefill=interp.mla_prefill, mla_decode=interp.mla_decode

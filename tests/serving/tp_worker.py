@@ -35,8 +35,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from hyjax.batch import Batch  # noqa: E402
-from hyjax.config import Qwen3NextConfig  # noqa: E402
-from hyjax.models.qwen3_next import Qwen3NextForCausalLM  # noqa: E402
+from hyjax.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
 from hyjax.sharding import ShardingPlan, make_mesh, replicate_tree  # noqa: E402
 from hyjax.testing import _numpy_init  # noqa: E402
 
@@ -210,7 +209,7 @@ def check_logits() -> dict:
 
 def kimi_tp_config():
     """Tiny Kimi-Linear (KDA + dense MLP, MLA + MoE) with 8 KDA and 8 MLA heads, q_lora."""
-    from hyjax.config import KimiLinearConfig
+    from hyjax.models.kimi_linear import KimiLinearConfig
     from hyjax.testing import tiny_kimi_linear_config
 
     attn = {"full_attn_layers": [2], "kda_layers": [1], "num_heads": 8, "head_dim": 8,

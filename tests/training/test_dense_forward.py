@@ -14,8 +14,7 @@ import pytest
 from flax import nnx
 
 from hyjax.cache import init_caches
-from hyjax.config import Qwen3NextConfig
-from hyjax.models.qwen3_next import Qwen3NextForCausalLM
+from hyjax.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 from hyjax.ops import get_ops
 from hyjax.testing import SeqChunk, make_batch, tiny_qwen3_next_config
 from hyjax.training.chunked import chunk_gated_delta_rule
