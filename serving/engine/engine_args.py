@@ -83,8 +83,9 @@ class EngineArgs:
     )
     kernel_backend: str = _flag(
         "auto",
-        "auto: Pallas kernels on GPU / TPU, the pure-JAX reference ops on CPU",
-        choices=["auto", "reference", "pallas", "interpret"],
+        "auto: Pallas kernels on GPU / TPU, the pure-JAX reference ops on CPU; interpret / "
+        "interpret-gpu: the TPU / GPU kernels in Pallas' interpreter on CPU (tests)",
+        choices=["auto", "reference", "pallas", "interpret", "interpret-gpu"],
     )
     allow_tf32: bool = _flag(
         False,
