@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -79,6 +80,35 @@ def time_chained(fn, args, iters: int, repeats: int = 3) -> float:
     for _ in range(repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(loop(x, rest))
+        times.append((time.perf_counter() - t0) / iters)
+    return float(np.median(times))
+
+
+def time_stateful(step, state, operands, *, iters: int, repeats: int = 3) -> float:
+    """Median seconds of one ``state, out = step(state, *operands)`` on a donated state.
+
+    One jitted program of ``iters`` calls, unrolled (an XLA while loop syncs with the host on
+    every trip on a GPU), the state passed from call to call, and every call's outputs
+    consumed: one element of each is summed into a returned scalar, so XLA cannot delete a
+    kernel whose output is otherwise unused (a custom call is never partly computed).
+    """
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def chain(state, operands):
+        acc = jnp.zeros((), jnp.float32)
+        for _ in range(iters):
+            state, out = step(state, *operands)
+            for leaf in jax.tree_util.tree_leaves(out):
+                acc = acc + leaf.reshape(-1)[0].astype(jnp.float32)
+        return state, acc
+
+    state, acc = chain(state, operands)  # compile + warm up
+    jax.block_until_ready((state, acc))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state, acc = chain(state, operands)
+        jax.block_until_ready((state, acc))
         times.append((time.perf_counter() - t0) / iters)
     return float(np.median(times))
 

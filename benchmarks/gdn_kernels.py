@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import device_name
+from benchmarks.common import device_name, time_stateful
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
@@ -98,9 +98,16 @@ def _err_ratio(got, want):
 # ----------------------------------------------------------------------------- timing
 
 
+def _time_stateful(step, state, operands, *, iters: int) -> float:
+    """:func:`benchmarks.common.time_stateful`: every output consumed, no loop round trips."""
+    if INTERPRET:  # CPU smoke run: exercise the code path only
+        return time_stateful(step, state, operands, iters=1, repeats=1)
+    return time_stateful(step, state, operands, iters=iters)
+
+
 def _time_loop(step, state, operands, *, iters: int, repeats: int = 3) -> float:
-    """Median seconds of one ``state = step(state, *operands)``, from a jitted loop of
-    ``iters`` calls with the state donated (so the kernels update it in place)."""
+    """Median seconds of one ``state = step(state, *operands)`` in a ``fori_loop`` (the copy
+    bandwidth floor only: unrolled, XLA would fuse the chained copies into one)."""
 
     if INTERPRET:  # CPU smoke run: exercise the code path only
         iters, repeats = 1, 1
@@ -208,14 +215,18 @@ def time_prefill(batch, seq_len, precision, *, reference: bool, **tuning) -> dic
     kernel = functools.partial(gpu.gdn_prefill, precision=precision, interpret=INTERPRET, **tuning)
 
     def step(fn):
-        return lambda st, acts, slots: fn(*acts, st, *slots)[1]
+        def one(st, acts, slots):
+            o, st = fn(*acts, st, *slots)
+            return st, o
 
-    t = _time_loop(step(kernel), pool, (acts, slots), iters=10)
+        return one
+
+    t = _time_stateful(step(kernel), pool, (acts, slots), iters=10)
     out["pallas_ms"] = 1e3 * t
     out["pallas_Mtok_per_s"] = batch * seq_len / t / 1e6
     if reference:
-        t = _time_loop(step(gdn_prefill_reference), _pool(jax.random.PRNGKey(5), num_slots),
-                       (acts, slots), iters=1)  # fmt: skip
+        t = _time_stateful(step(gdn_prefill_reference), _pool(jax.random.PRNGKey(5), num_slots),
+                           (acts, slots), iters=1)  # fmt: skip
         out["reference_ms"] = 1e3 * t
     return out
 
@@ -226,15 +237,19 @@ def time_decode(rows, **tuning) -> dict:
     slots = (_running_slots(rows),)
 
     def step(fn):
-        return lambda st, acts, slots: fn(*acts, st, *slots)[1]
+        def one(st, acts, slots):
+            o, st = fn(*acts, st, *slots)
+            return st, o
+
+        return one
 
     kernel = functools.partial(gpu.gdn_decode, interpret=INTERPRET, **tuning)
-    t = _time_loop(step(kernel), pool, (acts, slots), iters=50)
+    t = _time_stateful(step(kernel), pool, (acts, slots), iters=50)
     state_bytes = 2 * rows * HV * D * D * 4  # read src + write dst
     out = {"pallas_us": 1e6 * t, "pallas_state_GBps": state_bytes / t / 1e9}
     if not tuning:
         pool = _pool(jax.random.PRNGKey(7), rows + 1)
-        out["reference_us"] = 1e6 * _time_loop(
+        out["reference_us"] = 1e6 * _time_stateful(
             step(gdn_decode_reference), pool, (acts, slots), iters=50
         )
     return out
@@ -291,11 +306,11 @@ def time_fused_decode(rows) -> dict:
 
         def step(st, *ops, fn=fn):
             conv, ssm = st
-            _, conv, ssm = fn(ops[0], ops[1], conv, *ops[2:6], ssm, slots)
-            return conv, ssm
+            o, conv, ssm = fn(ops[0], ops[1], conv, *ops[2:6], ssm, slots)
+            return (conv, ssm), o
 
         state = (jnp.copy(conv), _pool(jax.random.PRNGKey(7), rows + 1))  # donated each time
-        t = _time_loop(step, state, (mixed, weight, a, b, A_log, dt_bias), iters=50)
+        t = _time_stateful(step, state, (mixed, weight, a, b, A_log, dt_bias), iters=50)
         out[f"{name}_us"] = 1e6 * t
     moved = 2 * rows * (HV * D * D * 4 + (CONV_K - 1) * CONV_C * 2)
     out["fused_state_GBps"] = moved / (out["fused_us"] * 1e-6) / 1e9
@@ -312,12 +327,11 @@ def time_conv_prefill(seq_len) -> dict:
     one, two = jnp.array([1], jnp.int32), jnp.array([2], jnp.int32)
     slots = StateSlots(one, two, none, none, jnp.int32(1))
 
-    def step(state, x, weight):  # y is carried: XLA would drop an unused output
-        conv, y = state
-        y_new, conv = causal_conv1d_prefill_reference(x + y, weight, conv, qsl, slots)
-        return conv, y_new
+    def step(conv, x, weight):
+        y, conv = causal_conv1d_prefill_reference(x, weight, conv, qsl, slots)
+        return conv, y
 
-    t = _time_loop(step, (conv, jnp.zeros_like(x)), (x, weight), iters=20)
+    t = _time_stateful(step, conv, (x, weight), iters=20)
     return {"reference_us": 1e6 * t, "bytes_moved_MB": 3 * x.nbytes / 1e6}  # x, y in; y out
 
 

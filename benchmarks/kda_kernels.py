@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import device_name
+from benchmarks.common import device_name, time_stateful
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.kda import gpu
 from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
@@ -60,24 +59,16 @@ def _err_ratio(got, want):
     return float(np.sqrt(np.mean((got - want) ** 2)) / max(np.sqrt(np.mean(want**2)), 1e-30))
 
 
-def _time_loop(step, state, operands, *, iters: int, repeats: int = 3) -> float:
-    """Median seconds of one ``state = step(state, *operands)`` in a jitted, donated loop."""
-    if INTERPRET:
-        iters, repeats = 1, 1
+def _time_stateful(step, state, operands, *, iters: int) -> float:
+    """:func:`benchmarks.common.time_stateful`: every output consumed, no loop round trips."""
+    if INTERPRET:  # CPU smoke run: exercise the code path only
+        return time_stateful(step, state, operands, iters=1, repeats=1)
+    return time_stateful(step, state, operands, iters=iters)
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def loop(state, operands):
-        return jax.lax.fori_loop(0, iters, lambda i, s: step(s, *operands), state)
 
-    state = loop(state, operands)
-    state.block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        state = loop(state, operands)
-        state.block_until_ready()
-        times.append((time.perf_counter() - t0) / iters)
-    return float(np.median(times))
+def _swap(out):
+    """``(o, state)`` as ops return it -> ``(state, o)`` as :func:`time_stateful` takes it."""
+    return out[1], out[0]
 
 
 # ----------------------------------------------------------------------------- checks
@@ -231,7 +222,7 @@ def time_prefill(bsz, seq_len, precision, **tuning) -> dict:
     pool = _pool(jax.random.PRNGKey(5), bsz + 1)
     args = (qsl, StateSlots(slots, slots, zeros, zeros, jnp.int32(bsz)))
     kernel = functools.partial(gpu.kda_prefill, precision=precision, interpret=INTERPRET, **tuning)
-    t = _time_loop(lambda st, a, s: kernel(*a, st, *s)[1], pool, (acts, args), iters=5)
+    t = _time_stateful(lambda st, a, s: _swap(kernel(*a, st, *s)), pool, (acts, args), iters=5)
     return {"pallas_ms": 1e3 * t, "pallas_Mtok_per_s": bsz * seq_len / t / 1e6}
 
 
@@ -244,7 +235,8 @@ def time_decode(rows) -> dict:
     out = {}
     for name, fn in [("pallas", functools.partial(gpu.kda_decode, interpret=INTERPRET)),
                      ("reference", kda_decode_reference)]:  # fmt: skip
-        t = _time_loop(lambda st, a, s, fn=fn: fn(*a, st, *s)[1], pool, (acts, args), iters=50)
+        step = functools.partial(lambda st, a, s, fn: _swap(fn(*a, st, *s)), fn=fn)
+        t = _time_stateful(step, pool, (acts, args), iters=50)
         out[f"{name}_us"] = 1e6 * t
         pool = _pool(jax.random.PRNGKey(7), rows + 1)
     # Bytes that must move: the state read once and written once, f32.
