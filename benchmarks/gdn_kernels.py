@@ -40,6 +40,16 @@ from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_refer
 
 HK, HV, D = 16, 32, 128
 INTERPRET = False  # --interpret: run the kernels in Pallas interpret mode (CPU smoke runs)
+# The prefill variants timed: (precision, operand dtype, three launches). ``default`` is what
+# the engine calls for a bf16 model (hyjax.ops: precision None, operands in the activations'
+# dtype, the launch count by the scratch rule).
+PREFILL_VARIANTS = {
+    "default": (None, None, None),
+    "bf16ops_serial": (None, jnp.bfloat16, False),
+    "bf16ops_three": (None, jnp.bfloat16, True),
+    "tf32_f32ops_serial": (jax.lax.Precision.DEFAULT, jnp.float32, False),
+    "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True),
+}
 PRECISIONS = {
     "f32": jax.lax.Precision.HIGHEST,
     "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
@@ -157,7 +167,7 @@ def _median_time(fn, repeats: int = 10) -> float:
 # ----------------------------------------------------------------------------- checks
 
 
-def check_prefill(precision) -> dict:
+def check_prefill(precision, operand_dtype=None) -> dict:
     key = jax.random.PRNGKey(0)
     lens = [1, 63, 64, 65, 700, 2000]
     n = sum(lens) + 7
@@ -174,7 +184,9 @@ def check_prefill(precision) -> dict:
     slots = StateSlots(src, dst, jnp.asarray(ck_off), jnp.asarray(ck_slot), jnp.int32(len(lens)))
     args = (*acts, pool, qsl, slots)
     want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
-    kernel = functools.partial(gpu.gdn_prefill, precision=precision, interpret=INTERPRET)
+    kernel = functools.partial(
+        gpu.gdn_prefill, precision=precision, operand_dtype=operand_dtype, interpret=INTERPRET
+    )
     got_o, got_s = jax.jit(kernel)(*args)
     written = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9])
     return {
@@ -206,8 +218,14 @@ def check_decode() -> dict:
 # ----------------------------------------------------------------------------- timings
 
 
-def time_prefill(batch, seq_len, precision, *, reference: bool, **tuning) -> dict:
-    qsl, slot_args, num_slots = _prefill_batch(batch, seq_len)
+def time_prefill(
+    batch, seq_len, precision, *, reference: bool, checkpoints: int = 0, **tuning
+) -> dict:
+    """``checkpoints`` per sequence at multiples of 64 tokens inside it (the default path)."""
+    every = (seq_len // (checkpoints + 1)) // 64 * 64 if checkpoints else None
+    qsl, slot_args, num_slots = _prefill_batch(
+        batch, seq_len, max_ckpt=checkpoints or 2, ckpt_every=every
+    )
     acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
     pool = _pool(jax.random.PRNGKey(5), num_slots)
     slots = (qsl, slot_args)
@@ -425,7 +443,7 @@ def main() -> None:
     only = tuple(args.only.split(",")) if args.only else None
     global INTERPRET
     INTERPRET = args.interpret
-    prefill_shapes = [(1, 4096), (1, 16384), (8, 4096)]
+    prefill_shapes = [(1, 4096), (1, 16384), (8, 4096), (1, 32768)]
     decode_rows = [1, 16, 64, 256]
     if args.quick:
         prefill_shapes, decode_rows = [(1, 256)], [1, 4]
@@ -448,42 +466,39 @@ def main() -> None:
     precisions = {k: PRECISIONS[k] for k in args.precisions.split(",")}
     for name, prec in precisions.items():
         guarded(f"check_prefill_{name}", lambda prec=prec: check_prefill(prec))
+    guarded("check_prefill_bf16ops", lambda: check_prefill(None, operand_dtype=jnp.bfloat16))
     for b, t in prefill_shapes:
-        for name, prec in precisions.items():
-            modes = {"scan": False, "three": True} if name == "tf32" else {"auto": None}
-            for mode, three in modes.items():
-                guarded(
-                    f"prefill_B{b}_T{t}_{name}_{mode}",
-                    lambda b=b, t=t, prec=prec, name=name, three=three: time_prefill(
-                        b,
-                        t,
-                        prec,
-                        reference=(b, t) == prefill_shapes[0] and name == "f32",
-                        three_launches=three,
-                    ),
-                )
-    if args.sweep:
-        prec = PRECISIONS["tf32"]
-        configs = [(4, 2, 32, 64), (4, 3, 32, 64), (4, 2, 16, 64), (4, 2, 32, 32), (8, 2, 32, 128)]
-        for nw, ns, bv, bo in configs:
+        for variant, (prec, op, three) in PREFILL_VARIANTS.items():
             guarded(
-                f"sweep_three_tf32_w{nw}_s{ns}_bv{bv}_bo{bo}",
-                lambda nw=nw, ns=ns, bv=bv, bo=bo: time_prefill(
-                    *prefill_shapes[0],
-                    prec,
-                    reference=False,
-                    num_warps=nw,
-                    num_stages=ns,
-                    block_v=bv,
-                    block_v_out=bo,
-                    three_launches=True,
+                f"prefill_B{b}_T{t}_{variant}",
+                lambda b=b, t=t, prec=prec, op=op, three=three: time_prefill(
+                    b, t, prec, reference=False, operand_dtype=op, three_launches=three
                 ),
             )
-        for bv, nw in [(16, 2), (32, 2), (64, 4), (64, 8), (128, 8), (128, 16)]:
-            guarded(
-                f"sweep_decode_B64_bv{bv}_w{nw}",
-                lambda bv=bv, nw=nw: time_decode(64, block_v=bv, num_warps=nw),
-            )
+    b, t = prefill_shapes[-1] if args.quick else (8, 4096)
+    for n_ckpt in (0, 1, 4):  # checkpoints inside each sequence (multiples of 64 tokens)
+        guarded(
+            f"prefill_B{b}_T{t}_ckpt{n_ckpt}",
+            lambda n_ckpt=n_ckpt: time_prefill(b, t, None, reference=False, checkpoints=n_ckpt),
+        )
+    if args.sweep:  # tuning: the serial launch's Dv block, warps and pipeline depth
+        b, t = prefill_shapes[0]
+        for three in (False, True):
+            for nw, ns, bv in [(4, 2, 64), (4, 3, 32), (4, 1, 32), (8, 2, 64), (4, 2, 16)]:
+                guarded(
+                    f"sweep_prefill_B{b}_T{t}_bf16ops_{'three' if three else 'serial'}"
+                    f"_w{nw}_s{ns}_bv{bv}",
+                    lambda nw=nw, ns=ns, bv=bv, three=three: time_prefill(
+                        b, t, None, reference=False, num_warps=nw, num_stages=ns,
+                        block_v=bv, three_launches=three,
+                    ),
+                )  # fmt: skip
+        for rows in (64, 256):
+            for bv, nw in [(32, 2), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]:
+                guarded(
+                    f"sweep_decode_B{rows}_bv{bv}_w{nw}",
+                    lambda rows=rows, bv=bv, nw=nw: time_decode(rows, block_v=bv, num_warps=nw),
+                )
     for rows in decode_rows:
         guarded(f"decode_B{rows}", lambda rows=rows: time_decode(rows))
     for rows in decode_rows:

@@ -21,10 +21,10 @@ channel, inside the dot products)::
 A kernel builds the gate-specific operands (:class:`GatedChunk`: ``A``, ``Aqk`` and the
 decayed rows; how the pairwise decays are formed is what differs) and hands them to
 :func:`delta_rule_chunk`, the rest of the step, written once: the GDN and KDA TPU kernels and
-the KDA GPU kernel run it whole; the GDN GPU prefill, whose parallel launch computes ``W`` and
-``U``, runs its serial part :func:`chunk_recurrence` (its three-launch path splits that part
-once more: ``Vnew`` and ``S`` serially, ``o`` in parallel). Padded rows have ``g = beta = 0``
-and ``q = k = v = 0``: they contribute nothing.
+the KDA GPU kernel run it whole; the GDN GPU prefill, whose parallel launch computes
+everything but the state's products, runs its serial part :func:`chunk_recurrence` (its
+three-launch path splits that part once more: ``Vnew`` and ``S`` serially, ``o`` in parallel).
+Padded rows have ``g = beta = 0`` and ``q = k = v = 0``: they contribute nothing.
 
 Everything here is traced inside a kernel body and uses only what both Mosaic and Triton lower
 (2-D tiles, ``dot_general``, shifts instead of integer division), so TPU and GPU kernels can
@@ -100,12 +100,19 @@ class GatedChunk(NamedTuple):
     s_decay: jax.Array  # exp(gam_last): [1, 1] or a scalar (GDN), [Dk, 1] (KDA)
 
 
-def chunk_recurrence(state, w, u, q_dec, a_qk, k_dec, s_decay, precision=HIGHEST):
+def chunk_recurrence(
+    state, w, u, q_dec, a_qk, k_dec, s_decay, precision=HIGHEST, operand_dtype=None
+):
     """The chunk's output and the state after it, from the UT transform's ``W [C, Dk]`` and
-    ``U [C, Dv]``: the serial part of the chunk step. Returns ``(o [C, Dv], state [Dk, Dv])``."""
-    vnew = u - mm(w, state, precision=precision)  # [C, Dv]
-    o = mm(q_dec, state, precision=precision) + mm(a_qk, vnew, precision=precision)
-    state = state * s_decay + mm(k_dec, vnew, TN, precision=precision)
+    ``U [C, Dv]``: the serial part of the chunk step. Returns ``(o [C, Dv], state [Dk, Dv])``.
+
+    ``operand_dtype`` (e.g. bf16) casts the state and ``Vnew`` where they enter a product;
+    accumulation and the returned state stay float32."""
+    sb = state if operand_dtype is None else state.astype(operand_dtype)
+    vnew = u.astype(jnp.float32) - mm(w, sb, precision=precision)  # [C, Dv]
+    vb = vnew if operand_dtype is None else vnew.astype(operand_dtype)
+    o = mm(q_dec, sb, precision=precision) + mm(a_qk, vb, precision=precision)
+    state = state * s_decay + mm(k_dec, vb, TN, precision=precision)
     return o, state
 
 

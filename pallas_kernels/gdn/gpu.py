@@ -16,30 +16,42 @@ Decode
 grid = (S, Hv, Dv // BV); a program owns ``state[:, h, :, v0:v0+BV]`` of one row and decays it
 by ``exp(g)``, ``g = -exp(A_log) softplus(a + dt_bias)``.
 
-Prefill (chunked WY/UT form, two launches)
-------------------------------------------
+Prefill (chunked WY/UT form, two or three launches)
+---------------------------------------------------
 Chunks of at most 64 tokens, each read as a 64-row window (``T >= 64``: the wrapper pads
 shorter batches).
 
-1. ``_intra_kernel``, grid = (NC, Hv), every chunk in parallel: gates, ``gam = cumsum(g)``,
-   ``A = beta k k^T * decay`` (strictly lower), ``T = (I + A)^-1`` by recursive doubling,
-   ``W = T (beta e^gam k)`` and ``U = T (beta v)``; stored token-major (``[T, Hv, D]``, valid
-   rows only), so the scratch is proportional to the tokens, not to the chunk capacity.
-2. ``_scan_kernel``, grid = (S, Hv, Dv // BV): a program walks its row's chunks in order with
-   ``S [Dk, BV]`` in registers: ``V' = U - W S``, ``o = (q e^gam) S + (q k^T * decay) V'``,
-   ``S = e^gam_last S + (k e^(gam_last - gam))^T V'``, writing checkpoints and ``dst``.
+1. ``_intra_kernel``, grid = (NC, Hv), every chunk in parallel: all of the chunk that does not
+   depend on the state. Gates, ``gam = cumsum(g)``, ``A = beta k k^T * decay`` (strictly
+   lower), ``Tm = (I + A)^-1`` by recursive doubling, ``W = Tm (beta e^gam k)``,
+   ``U = Tm (beta v)``, the decayed rows ``q e^gam`` and ``k e^(gam_last - gam)``, the
+   intra-chunk scores ``Aqk = incl_lower(q k^T * decay)`` and the chunk's state decay
+   ``e^gam_last``. Stored head-major (``[Hv, T, D]``: a chunk's rows are contiguous) in the
+   *operand dtype*, valid rows only, so the scratch is proportional to the tokens.
+2. ``_serial_kernel``, grid = (S, Hv, Dv // BV): a program walks its row's chunks in order with
+   ``S [Dk, BV]`` (f32) in registers: ``V' = U - W S``, ``o = (q e^gam) S + Aqk V'``,
+   ``S = e^gam_last S + (k e^(gam_last - gam))^T V'``, writing checkpoints and ``dst``. Two of
+   the four products (``W S``, then the state update) are the serial chain; the other two hang
+   off it.
 
-The serial part is two Dk x BV matmuls per chunk plus the output's; the inverse, which
-dominated the single-kernel version, runs once per (chunk, head) in the parallel launch.
-``three_launches`` moves the output out of the scan (``_state_kernel`` then
-``_output_kernel``). Requirements: ``Dk`` a power of two, ``BV`` a power of two dividing ``Dv``
-(by default the largest one up to 32 or 64); :func:`unsupported_reason` says which head dims
-``hyjax.ops`` must leave to the reference.
+``three_launches`` moves the output out of the serial launch (``_state_kernel`` stores each
+chunk's starting state, ``[NC, Hv, Dk, Dv]`` in the operand dtype, then ``_output_kernel``
+runs every (chunk, head, Dv block) in parallel): a shorter serial chain, for a scratch that
+grows with the chunks; the default takes it while that scratch fits ``max_scratch_bytes``.
+
+The operand dtype (:func:`operand_dtype_for`) is that of the products' inputs after the UT
+transform: bf16 for bf16 activations (FLA's and FlashInfer's choice: bf16 tensor-core products,
+f32 accumulation, the state kept in f32 between chunks), f32 for f32 ones (the products then
+follow ``precision``). The UT transform itself (``k k^T``, the inverse, W, U) always runs on
+f32 operands at ``precision``. Requirements: ``Dk`` a power of two, ``BV`` a power of two
+dividing ``Dv`` (by default the largest one up to 32 or 64); :func:`unsupported_reason` says
+which head dims ``hyjax.ops`` must leave to the reference.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -156,18 +168,24 @@ def gdn_decode(
 def _intra_kernel(
     c_start_ref, c_len_ref,  # i32[NC]
     gates_ref,  # f32[2, Hv]
-    k_ref,  # [Tp, Hk, Dk]
+    q_ref, k_ref,  # [Tp, Hk, Dk]
     v_ref,  # [Tp, Hv, Dv]
     a_ref, b_ref,  # [Tp, Hv]
-    w_ref,  # f32[Tp, Hv, Dk]  out: W = T (beta e^gam k), token-major, valid rows only
-    u_ref,  # f32[Tp, Hv, Dv]  out: U = T (beta v)
-    gam_ref,  # f32[Tp, Hv]     out: cumulative log-decay inside the chunk
-    *, ratio: int, precision,
+    w_ref,  # [Hv, Tp, Dk]  out: W = Tm (beta e^gam k), head-major, valid rows only
+    u_ref,  # [Hv, Tp, Dv]  out: U = Tm (beta v)
+    qd_ref,  # [Hv, Tp, Dk] out: q e^gam (l2-normed, scaled)
+    kd_ref,  # [Hv, Tp, Dk] out: k e^(gam_last - gam) (l2-normed)
+    aqk_ref,  # [Hv, Tp, C] out: incl_lower(q k^T e^(gam_i - gam_j)), window columns
+    dl_ref,  # f32[NC, Hv]  out: e^gam_last, the chunk's state decay
+    *, ratio: int, scale: float, precision,
 ):  # fmt: skip
-    """Kernel 1, one program per (chunk, value head), all in parallel: the chunk's UT form."""
+    """Kernel 1, one program per (chunk, value head), all in parallel: everything of the chunk
+    that does not depend on the state (the gates, the UT transform, the decayed q / k rows and
+    the intra-chunk scores), so the serial launch does only the state's products."""
     ci, h = pl.program_id(0), pl.program_id(1)
     start, length = c_start_ref[ci], c_len_ref[ci]
     num_tokens = k_ref.shape[0]
+    op = w_ref.dtype
 
     @pl.when(length > 0)
     def _():
@@ -176,140 +194,146 @@ def _intra_kernel(
         c = CHUNK
         ii = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
         jj = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-        k = pltr.load(k_ref.at[win.rows, h // ratio, :], mask=valid[:, None], other=0.0)
+        hk = h // ratio
+        k = pltr.load(k_ref.at[win.rows, hk, :], mask=valid[:, None], other=0.0)
+        q = pltr.load(q_ref.at[win.rows, hk, :], mask=valid[:, None], other=0.0)
         k = l2norm(k.astype(jnp.float32))
+        q = l2norm(q.astype(jnp.float32)) * scale
         a = pltr.load(a_ref.at[win.rows, h], mask=valid, other=0.0)
         b = pltr.load(b_ref.at[win.rows, h], mask=valid, other=0.0)
         g, beta = _gates(gates_ref, h, a, b)
         g = jnp.where(valid, g, 0.0)
         beta = jnp.where(valid, beta, 0.0)
-        gam = jnp.cumsum(g)  # [C]
-        decay = jnp.exp(jnp.where(ii > jj, gam[:, None] - gam[None, :], -1e30))
-        a_mat = beta[:, None] * mm(k, k, NT, precision) * decay  # strictly lower [C, C]
+        gam = jnp.cumsum(g)  # [C]; rows outside the chunk add 0
+        gam_last = jnp.sum(g)
+        # gam is non-increasing, so every exponent below is <= 0 (no overflow).
+        diff = gam[:, None] - gam[None, :]
+        a_mat = beta[:, None] * mm(k, k, NT, precision) * jnp.exp(jnp.where(ii > jj, diff, -1e30))
+        a_qk = mm(q, k, NT, precision) * jnp.exp(jnp.where(ii >= jj, diff, -1e30))
         tm = unit_lower_inverse(a_mat, precision)
+        rows = valid[:, None]
         w = mm(tm, k * (beta * jnp.exp(gam))[:, None], precision=precision)  # [C, Dk]
-        pltr.store(w_ref.at[win.rows, h, :], w, mask=valid[:, None])
+        pltr.store(w_ref.at[h, win.rows, :], w.astype(op), mask=rows)
+        pltr.store(qd_ref.at[h, win.rows, :], (q * jnp.exp(gam)[:, None]).astype(op), mask=rows)
+        k_dec = k * jnp.exp(gam_last - gam)[:, None]
+        pltr.store(kd_ref.at[h, win.rows, :], k_dec.astype(op), mask=rows)
+        pltr.store(aqk_ref.at[h, win.rows, :], a_qk.astype(op), mask=rows)
         dv = v_ref.shape[-1]
         bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
         for vb in range(dv // bv):
             vs = pl.ds(vb * bv, bv)
-            v = pltr.load(v_ref.at[win.rows, h, vs], mask=valid[:, None], other=0.0)
+            v = pltr.load(v_ref.at[win.rows, h, vs], mask=rows, other=0.0)
             u = mm(tm, v.astype(jnp.float32) * beta[:, None], precision=precision)  # [C, BV]
-            pltr.store(u_ref.at[win.rows, h, vs], u, mask=valid[:, None])
-        pltr.store(gam_ref.at[win.rows, h], gam, mask=valid)
+            pltr.store(u_ref.at[h, win.rows, vs], u.astype(op), mask=rows)
+        dl_ref[ci, h] = jnp.exp(gam_last)
 
 
-def _scan_kernel(
+class ChunkRefs(NamedTuple):
+    """What the intra launch leaves for the later launches (see :func:`_intra_kernel`)."""
+
+    w: jax.Array  # [Hv, Tp, Dk]
+    u: jax.Array  # [Hv, Tp, Dv]
+    q_dec: jax.Array  # [Hv, Tp, Dk]
+    k_dec: jax.Array  # [Hv, Tp, Dk]
+    a_qk: jax.Array  # [Hv, Tp, C]
+    decay: jax.Array  # f32[NC, Hv]
+
+
+def _chunk_loads(x: ChunkRefs, ci, win, h, vs):
+    """The chunk's operands for value head ``h`` and Dv columns ``vs`` (rows outside the
+    chunk read as zeros)."""
+    rows = win.valid[:, None]
+
+    def ld(ref, cols=slice(None)):
+        return pltr.load(ref.at[h, win.rows, cols], mask=rows, other=0.0)
+
+    return ld(x.w), ld(x.u, vs), ld(x.q_dec), ld(x.k_dec), ld(x.a_qk), x.decay[ci, h]
+
+
+def _serial_kernel(
     p: RowPlan,
-    q_ref, k_ref,  # [Tp, Hk, Dk]
-    w_ref,  # f32[Tp, Hv, Dk]
-    u_ref,  # f32[Tp, Hv, Dv]
-    gam_ref,  # f32[Tp, Hv]
-    pool_in,  # f32[num_slots, Hv, Dk, Dv]
+    x: ChunkRefs,
+    pool_in,  # [num_slots, Hv, Dk, Dv]
     o_ref,  # [Tp, Hv, Dv]  (rows outside every chunk are left unwritten)
     pool_out,
-    *, bv: int, ratio: int, scale: float, precision,
+    *, bv: int, precision,
 ):  # fmt: skip
-    """Kernel 2, one program per (row, value head, Dv block): the state walks the chunks."""
+    """Kernel 2 of the two-launch path, one program per (row, value head, Dv block): the state
+    walks the row's chunks and the chunk's output is finished on the way
+    (``chunk_recurrence``; every operand but the state comes from the intra launch)."""
     h, vb = pl.program_id(1), pl.program_id(2)
     vs = pl.ds(vb * bv, bv)
-    num_tokens = q_ref.shape[0]
-    hk = h // ratio
-    c = CHUNK
-    ii = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    jj = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
 
     def step(ci, win, s):
-        valid = win.valid
-        q = pltr.load(q_ref.at[win.rows, hk, :], mask=valid[:, None], other=0.0)
-        k = pltr.load(k_ref.at[win.rows, hk, :], mask=valid[:, None], other=0.0)
-        q = l2norm(q.astype(jnp.float32)) * scale
-        k = l2norm(k.astype(jnp.float32))
-        w = pltr.load(w_ref.at[win.rows, h, :], mask=valid[:, None], other=0.0)  # [C, Dk]
-        u = pltr.load(u_ref.at[win.rows, h, vs], mask=valid[:, None], other=0.0)  # [C, BV]
-        gam = pltr.load(gam_ref.at[win.rows, h], mask=valid, other=0.0)  # [C]
-        gam_last = jnp.sum(jnp.where(win.tok == win.start + win.length - 1, gam, 0.0))
-        # Invalid rows read gam = 0: mask them out of the decay (no exp overflow).
-        both = valid[:, None] & valid[None, :] & (ii >= jj)
-        decay = jnp.exp(jnp.where(both, gam[:, None] - gam[None, :], -1e30))
-        qk = mm(q, k, NT, precision) * decay  # [C, C]
-        q_dec = q * jnp.exp(gam)[:, None]
-        k_dec = k * jnp.exp(gam_last - gam)[:, None]
-        o, s = chunk_recurrence(s, w, u, q_dec, qk, k_dec, jnp.exp(gam_last), precision)
-        pltr.store(o_ref.at[win.rows, h, vs], o.astype(o_ref.dtype), mask=valid[:, None])
+        w, u, q_dec, k_dec, a_qk, decay = _chunk_loads(x, ci, win, h, vs)
+        o, s = chunk_recurrence(s, w, u, q_dec, a_qk, k_dec, decay, precision, x.w.dtype)
+        pltr.store(o_ref.at[win.rows, h, vs], o.astype(o_ref.dtype), mask=win.valid[:, None])
         return s
 
-    scan_row_chunks(p, pool_in, pool_out, vs=vs, num_tokens=num_tokens, chunk=CHUNK, step=step)
+    scan_row_chunks(p, pool_in, pool_out, vs=vs, num_tokens=o_ref.shape[0], chunk=CHUNK,
+                    step=step)  # fmt: skip
 
 
 def _state_kernel(
     p: RowPlan,
-    k_ref,  # [Tp, Hk, Dk]
-    w_ref,  # f32[Tp, Hv, Dk]
-    u_ref,  # f32[Tp, Hv, Dv]
-    gam_ref,  # f32[Tp, Hv]
-    pool_in,  # f32[num_slots, Hv, Dk, Dv]
-    h_ref,  # f32[NC, Hv, Dk, Dv]  out: the state before each chunk
-    vnew_ref,  # f32[Tp, Hv, Dv]   out: V' = U - W S, token-major
+    x: ChunkRefs,
+    pool_in,  # [num_slots, Hv, Dk, Dv]
+    h_ref,  # [NC, Hv, Dk, Dv]  out: the state before each chunk (operand dtype)
+    vnew_ref,  # [Hv, Tp, Dv]   out: V' = U - W S
     pool_out,
-    *, bv: int, ratio: int, precision,
+    *, bv: int, precision,
 ):  # fmt: skip
     """Kernel 2 of the three-launch path: only the state recurrence is serial."""
     h, vb = pl.program_id(1), pl.program_id(2)
     vs = pl.ds(vb * bv, bv)
-    num_tokens = k_ref.shape[0]
+    op = x.w.dtype
 
     def step(ci, win, s):
-        valid = win.valid
-        h_ref[ci, h, :, vs] = s
-        k = pltr.load(k_ref.at[win.rows, h // ratio, :], mask=valid[:, None], other=0.0)
-        k = l2norm(k.astype(jnp.float32))
-        w = pltr.load(w_ref.at[win.rows, h, :], mask=valid[:, None], other=0.0)  # [C, Dk]
-        u = pltr.load(u_ref.at[win.rows, h, vs], mask=valid[:, None], other=0.0)  # [C, BV]
-        gam = pltr.load(gam_ref.at[win.rows, h], mask=valid, other=0.0)  # [C]
-        gam_last = jnp.sum(jnp.where(win.tok == win.start + win.length - 1, gam, 0.0))
-        vnew = u - mm(w, s, precision=precision)  # [C, BV]
-        pltr.store(vnew_ref.at[win.rows, h, vs], vnew, mask=valid[:, None])
-        k_dec = k * jnp.exp(gam_last - gam)[:, None]
-        return s * jnp.exp(gam_last) + mm(k_dec, vnew, TN, precision)
+        w, u, _, k_dec, _, decay = _chunk_loads(x, ci, win, h, vs)
+        sb = s.astype(op)
+        h_ref[ci, h, :, vs] = sb
+        vnew = (u.astype(jnp.float32) - mm(w, sb, precision=precision)).astype(op)  # [C, BV]
+        pltr.store(vnew_ref.at[h, win.rows, vs], vnew, mask=win.valid[:, None])
+        return s * decay + mm(k_dec, vnew, TN, precision)
 
-    scan_row_chunks(p, pool_in, pool_out, vs=vs, num_tokens=num_tokens, chunk=CHUNK, step=step)
+    scan_row_chunks(p, pool_in, pool_out, vs=vs, num_tokens=vnew_ref.shape[1], chunk=CHUNK,
+                    step=step)  # fmt: skip
 
 
 def _output_kernel(
     c_start_ref, c_len_ref,  # i32[NC]
-    q_ref, k_ref,  # [Tp, Hk, Dk]
-    gam_ref,  # f32[Tp, Hv]
-    h_ref,  # f32[NC, Hv, Dk, Dv]
-    vnew_ref,  # f32[Tp, Hv, Dv]
+    qd_ref,  # [Hv, Tp, Dk]
+    aqk_ref,  # [Hv, Tp, C]
+    h_ref,  # [NC, Hv, Dk, Dv]
+    vnew_ref,  # [Hv, Tp, Dv]
     o_ref,  # [Tp, Hv, Dv]
-    *, bv: int, ratio: int, scale: float, precision,
+    *, bv: int, precision,
 ):  # fmt: skip
-    """Kernel 3 of the three-launch path, every (chunk, head, Dv block) in parallel."""
+    """Kernel 3 of the three-launch path, every (chunk, head, Dv block) in parallel:
+    ``o = (q e^gam) S + Aqk V'``."""
     ci, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     vs = pl.ds(vb * bv, bv)
     start, length = c_start_ref[ci], c_len_ref[ci]
-    num_tokens = q_ref.shape[0]
 
     @pl.when(length > 0)
     def _():
-        c = CHUNK
-        ii = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-        jj = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-        win = window(start, length, num_tokens, CHUNK)
-        valid = win.valid
-        q = pltr.load(q_ref.at[win.rows, h // ratio, :], mask=valid[:, None], other=0.0)
-        k = pltr.load(k_ref.at[win.rows, h // ratio, :], mask=valid[:, None], other=0.0)
-        q = l2norm(q.astype(jnp.float32)) * scale
-        k = l2norm(k.astype(jnp.float32))
-        gam = pltr.load(gam_ref.at[win.rows, h], mask=valid, other=0.0)
-        vnew = pltr.load(vnew_ref.at[win.rows, h, vs], mask=valid[:, None], other=0.0)
-        both = valid[:, None] & valid[None, :] & (ii >= jj)
-        decay = jnp.exp(jnp.where(both, gam[:, None] - gam[None, :], -1e30))
-        qk = mm(q, k, NT, precision) * decay
-        o = mm(q * jnp.exp(gam)[:, None], h_ref[ci, h, :, vs], precision=precision)
-        o = o + mm(qk, vnew, precision=precision)
-        pltr.store(o_ref.at[win.rows, h, vs], o.astype(o_ref.dtype), mask=valid[:, None])
+        win = window(start, length, o_ref.shape[0], CHUNK)
+        rows = win.valid[:, None]
+        q_dec = pltr.load(qd_ref.at[h, win.rows, :], mask=rows, other=0.0)
+        a_qk = pltr.load(aqk_ref.at[h, win.rows, :], mask=rows, other=0.0)
+        vnew = pltr.load(vnew_ref.at[h, win.rows, vs], mask=rows, other=0.0)
+        o = mm(q_dec, h_ref[ci, h, :, vs], precision=precision)
+        o = o + mm(a_qk, vnew, precision=precision)
+        pltr.store(o_ref.at[win.rows, h, vs], o.astype(o_ref.dtype), mask=rows)
+
+
+def operand_dtype_for(dtype, requested=None):
+    """The dtype of the prefill's matmul operands and scratch: ``requested``, else 16-bit
+    activations' own (FLA's choice: bf16 products, f32 accumulation and state) and float32
+    otherwise (float32 models keep float32 products)."""
+    if requested is not None:
+        return jnp.dtype(requested)
+    return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(jnp.float32)
 
 
 def gdn_prefill(
@@ -320,16 +344,17 @@ def gdn_prefill(
     b: jax.Array,  # [T, Hv]
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
-    state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # [num_slots, Hv, Dk, Dv]  donated: updated in place
     query_start_loc: jax.Array,  # i32[S+1]
     slots: StateSlots,  # DESIGN.md §3
     *,
     block_v: int | None = None,
     precision=jax.lax.Precision.HIGHEST,
+    operand_dtype=None,
     num_warps: int = 4,
     num_stages: int = 2,
     three_launches: bool | None = None,
-    max_scratch_bytes: int = 512 * 1024 * 1024,
+    max_scratch_bytes: int = 1024 * 1024 * 1024,
     block_v_out: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -337,10 +362,12 @@ def gdn_prefill(
 
     ``precision`` is the matmul precision inside the chunk (``HIGHEST``: IEEE f32; a
     ``DotAlgorithmPreset`` such as ``BF16_BF16_F32_X3`` or ``DEFAULT`` (TF32) trade accuracy
-    for tensor-core speed). ``three_launches`` moves the output out of the serial scan into a
-    parallel launch, at the cost of a scratch of every chunk's starting state (f32
-    ``[NC, Hv, Dk, Dv]``); by default it is used when that scratch fits
-    ``max_scratch_bytes`` (long prefills; decode-heavy mixed batches have many small chunks).
+    for tensor-core speed). ``operand_dtype`` is the dtype of the products' operands after the
+    UT transform and of the scratch between launches (:func:`operand_dtype_for`: bf16 for bf16
+    activations, float32 for float32 ones); accumulation and the running state stay float32.
+    ``three_launches`` moves the output out of the serial launch into a parallel one, at the
+    cost of a scratch of every chunk's starting state (``[NC, Hv, Dk, Dv]`` in the operand
+    dtype); by default it is used when that scratch fits ``max_scratch_bytes``.
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, hk, dk = q.shape
@@ -348,54 +375,52 @@ def gdn_prefill(
     rows, max_ckpt = slots.ckpt_offsets.shape
     check_key_dim(dk)
     bv = pick_block_v(dv, block_v)
+    op = operand_dtype_for(v.dtype, operand_dtype)
     plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK)
     nc = max_chunks(n, rows, max_ckpt, CHUNK)
     rp = row_plan(plan, slots, nc)
     (q, k, v, a, b), tp = pad_tokens((q, k, v, a, b), CHUNK)  # the 64-row window needs T >= 64
-    gates = _gate_params(A_log, dt_bias)
-    f32 = jnp.float32
-    w, u, gam = pl.pallas_call(
-        functools.partial(_intra_kernel, ratio=hv // hk, precision=precision),
-        grid=(nc, hv),
-        out_shape=[
-            jax.ShapeDtypeStruct((tp, hv, dk), f32),
-            jax.ShapeDtypeStruct((tp, hv, dv), f32),
-            jax.ShapeDtypeStruct((tp, hv), f32),
-        ],
-        compiler_params=compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        name="gdn_prefill_intra_gpu",
-    )(plan.start, plan.length, gates, k, v, a, b)
     params = compiler_params(num_warps, num_stages)
-    scale = float(dk) ** -0.5
-    if three_launches is None:  # the per-chunk states must fit the scratch budget
-        three_launches = nc * hv * dk * dv * 4 <= max_scratch_bytes
-    if not three_launches:
-        args = (*rp, q, k, w, u, gam, state)
-        o, state = pl.pallas_call(
-            group_refs(
-                _scan_kernel, RowPlan, bv=bv, ratio=hv // hk, scale=scale, precision=precision
+    sds = jax.ShapeDtypeStruct
+    x = ChunkRefs(
+        *pl.pallas_call(
+            functools.partial(
+                _intra_kernel, ratio=hv // hk, scale=float(dk) ** -0.5, precision=precision
             ),
-            grid=(rows, hv, dv // bv),
+            grid=(nc, hv),
             out_shape=[
-                jax.ShapeDtypeStruct((tp, hv, dv), v.dtype),
-                jax.ShapeDtypeStruct(state.shape, state.dtype),
-            ],
+                sds((hv, tp, dk), op),
+                sds((hv, tp, dv), op),
+                sds((hv, tp, dk), op),
+                sds((hv, tp, dk), op),
+                sds((hv, tp, CHUNK), op),
+                sds((nc, hv), jnp.float32),
+            ],  # fmt: skip
+            compiler_params=params,
+            interpret=interpret,
+            name="gdn_prefill_intra_gpu",
+        )(plan.start, plan.length, _gate_params(A_log, dt_bias), q, k, v, a, b)
+    )
+    if three_launches is None:  # the per-chunk states must fit the scratch budget
+        three_launches = nc * hv * dk * dv * op.itemsize <= max_scratch_bytes
+    state_out = sds(state.shape, state.dtype)
+    if not three_launches:
+        args = (*rp, *x, state)
+        o, state = pl.pallas_call(
+            group_refs(_rows_and_chunks(_serial_kernel), RowPlan, bv=bv, precision=precision),
+            grid=(rows, hv, dv // bv),
+            out_shape=[sds((tp, hv, dv), v.dtype), state_out],
             input_output_aliases={len(args) - 1: 1},
             compiler_params=params,
             interpret=interpret,
-            name="gdn_prefill_scan_gpu",
+            name="gdn_prefill_serial_gpu",
         )(*args)
     else:
-        args = (*rp, k, w, u, gam, state)
+        args = (*rp, *x, state)
         h_all, vnew, state = pl.pallas_call(
-            group_refs(_state_kernel, RowPlan, bv=bv, ratio=hv // hk, precision=precision),
+            group_refs(_rows_and_chunks(_state_kernel), RowPlan, bv=bv, precision=precision),
             grid=(rows, hv, dv // bv),
-            out_shape=[
-                jax.ShapeDtypeStruct((nc, hv, dk, dv), f32),
-                jax.ShapeDtypeStruct((tp, hv, dv), f32),
-                jax.ShapeDtypeStruct(state.shape, state.dtype),
-            ],
+            out_shape=[sds((nc, hv, dk, dv), op), sds((hv, tp, dv), op), state_out],
             input_output_aliases={len(args) - 1: 2},
             compiler_params=params,
             interpret=interpret,
@@ -403,13 +428,21 @@ def gdn_prefill(
         )(*args)
         bo = pick_block_v(dv, block_v_out, default=64)
         o = pl.pallas_call(
-            functools.partial(
-                _output_kernel, bv=bo, ratio=hv // hk, scale=scale, precision=precision
-            ),
+            functools.partial(_output_kernel, bv=bo, precision=precision),
             grid=(nc, hv, dv // bo),
-            out_shape=jax.ShapeDtypeStruct((tp, hv, dv), v.dtype),
+            out_shape=sds((tp, hv, dv), v.dtype),
             compiler_params=params,
             interpret=interpret,
             name="gdn_prefill_output_gpu",
-        )(plan.start, plan.length, q, k, gam, h_all, vnew)
+        )(plan.start, plan.length, x.q_dec, x.a_qk, h_all, vnew)
     return jnp.where(plan.live[:, None, None], o[:n], 0).astype(v.dtype), state
+
+
+def _rows_and_chunks(kernel):
+    """``kernel(p, x: ChunkRefs, *rest)`` taking its :class:`ChunkRefs` as one group too."""
+
+    def grouped(p, *refs, **params):
+        n = len(ChunkRefs._fields)
+        return kernel(p, ChunkRefs(*refs[:n]), *refs[n:], **params)
+
+    return grouped
