@@ -354,10 +354,9 @@ def _intra_kernel(
             k_dec = k[bi] * jnp.exp(gam_last[None, :] - gam[bi])
             pltr.store(qd_ref.at[r, h, :], q_dec.astype(qd_ref.dtype), mask=ok)
             pltr.store(kd_ref.at[r, h, :], k_dec.astype(kd_ref.dtype), mask=ok)
-            for bj in range(NSUB):  # zeros above the diagonal: the output launch reads [C, C]
-                blk = a_qk[bi, bj] if bj <= bi else jnp.zeros((SUB, SUB), jnp.float32)
+            for bj in range(bi + 1):  # the blocks above are never written: see _output_kernel
                 cols = pl.ds(bj * SUB, SUB)
-                pltr.store(aqk_ref.at[r, h, cols], blk.astype(aqk_ref.dtype), mask=ok)
+                pltr.store(aqk_ref.at[r, h, cols], a_qk[bi, bj].astype(aqk_ref.dtype), mask=ok)
 
 
 def _state_kernel(
@@ -417,6 +416,10 @@ def _output_kernel(
         ok = win.valid[:, None]
         q_dec = pltr.load(qd_ref.at[win.rows, h, :], mask=ok, other=0.0)  # [C, Dk]
         a_qk = pltr.load(aqk_ref.at[win.rows, h, :], mask=ok, other=0.0)  # [C, C]
+        # Above the diagonal blocks the scratch was never written: select, don't multiply.
+        ii = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
+        jj = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
+        a_qk = jnp.where(ii >= jj, a_qk, 0.0)
         vnew = pltr.load(vnew_ref.at[win.rows, h, vs], mask=ok, other=0.0)  # [C, BV]
         s = h_ref[ci, h, :, vs]  # [Dk, BV]
         o = mm(q_dec.astype(op), s.astype(op), precision=op_prec)

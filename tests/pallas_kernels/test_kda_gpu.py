@@ -52,8 +52,17 @@ PATHS = {
 }
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("lens,h,dk,dv,dtype,bv", PREFILL_CASES, ids=PREFILL_IDS)
+# Each three-launch case takes ~40 s of XLA compilation in interpret mode: bf16 operands run
+# on the two cases with several chunks per row only.
+PREFILL_PATH_CASES = [
+    pytest.param(*case, path, id=f"{case_id}-{path}")
+    for case, case_id in zip(PREFILL_CASES, PREFILL_IDS)
+    for path in PATHS
+    if path != "bf16_operands" or max(case[0]) > 64
+]
+
+
+@pytest.mark.parametrize("lens,h,dk,dv,dtype,bv,path", PREFILL_PATH_CASES)
 def test_prefill_matches_reference(lens, h, dk, dv, dtype, bv, path):
     rng = np.random.default_rng(sum(lens))
     case = ragged_case(lens)
