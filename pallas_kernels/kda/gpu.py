@@ -12,23 +12,45 @@ Decode
 grid = (S, H, Dv // BV); a program owns ``state[:, h, :, v0:v0+BV]`` of one row and decays its
 rows per key channel: ``S = diag(exp(g)) S``.
 
-Prefill (chunked form, 16-token chunks, one program per row, head and Dv block)
--------------------------------------------------------------------------------
+Prefill (chunked WY/UT form, three launches)
+--------------------------------------------
 The per-channel decay sits inside the intra-chunk dot products, so they are not plain
-matmuls. With 16-token chunks the pairwise decays fit in registers and are computed directly
-and stably (``exp`` only of ``gam_i - gam_j <= 0``, the upper triangle selected away before
-the ``exp``); that is the gate part of the chunk step::
+matmuls. Chunks of at most 64 tokens, read as 64-row windows (``T >= 64``: the wrapper pads)
+of four 16-row sub-blocks; ``gam = cumsum(g)`` from the window's first row (rows outside the
+chunk have ``g = beta = 0`` and zero q/k/v, so ``gam`` restarts at the chunk)::
 
-    gam   = cumsum(g) over the chunk's rows           [C, Dk]   (a lower-ones matmul)
-    E     = exp(gam_i - gam_j)  for i >= j, else 0     [C, C, Dk]
-    Akk   = strict_lower(beta_i sum_d k_i k_j E)       Aqk = incl_lower(sum_d q_i k_j E)
+    Akk[i, j] = beta_i sum_d k_id k_jd e^(gam_id - gam_jd)   (i > j)    Aqk: q_i, i >= j
 
-then ``Tm = (I + Akk)^-1``, W, U, Vnew, o and ``S = diag(exp(gam_last)) S + ...``, in the same
-program: the serial scan runs the whole chunk step. Chunks are read as 16-row windows
-(``T >= 16``: the wrapper pads shorter batches; the scheduler's checkpoint offsets are
-multiples of 64, hence of 16). :func:`unsupported_reason` says which head dims ``hyjax.ops``
-must leave to the reference. FLA's ``chunk_kda`` uses 64-token chunks with 16-row sub-blocks
-and three kernels; this is the simple first form.
+1. ``_intra_kernel``, grid = (NC, H), every chunk in parallel. Akk and Aqk by ``[16, 16]``
+   blocks (I, J), every ``exp`` argument <= 0:
+
+   - diagonal blocks (I = J): one column ``j`` at a time, ``e^(gam_i - gam_j)`` for rows
+     ``i >= j`` as a ``[16, Dk]`` tile (elementwise f32);
+   - blocks below it (J < I): factored through ``gam_r``, the first row of block I:
+     ``(q_i e^(gam_i - gam_r)) . (k_j e^(gam_r - gam_j))``, a ``[16, Dk] x [Dk, 16]`` dot.
+     ``gam`` never increases (``g <= 0``) and J's rows precede ``r``, so both exponents are
+     <= 0: a product that underflows is one whose true value does.
+
+   Then ``Tm = (I + Akk)^-1`` by blocks (``T_II = unit_lower_inverse(A_II)``,
+   ``T_IJ = -T_II sum_{J<=K<I} A_IK T_KJ``), ``W = Tm (beta k e^gam)``, ``U = Tm (beta v)``.
+   Stored token-major (valid rows only, so the scratch scales with the tokens): W, U,
+   ``q e^gam``, ``k e^(gam_last - gam)``, Aqk (``[T, H, 64]``, columns = window rows; the
+   blocks above the diagonal are never written), and ``e^gam_last`` per chunk.
+2. ``_state_kernel``, grid = (S, H, Dv // BV): a program walks its row's chunks in order
+   (:func:`~pallas_kernels.common.delta_rule_gpu.scan_row_chunks`: slot loads, checkpoint
+   and ``dst`` stores) with ``S [Dk, BV]`` in registers, storing each chunk's starting state
+   ``h`` (``[NC, H, Dk, Dv]``) and ``Vnew = U - W S``; then
+   ``S = diag(e^gam_last) S + (k e^(gam_last - gam))^T Vnew``. Two Dk x BV matmuls a chunk.
+3. ``_output_kernel``, grid = (NC, H, Dv // BV_out), in parallel:
+   ``o = (q e^gam) h + Aqk Vnew``.
+
+``operand_dtype=jnp.bfloat16`` casts the dot operands (W, U, Vnew, the decayed rows, Aqk,
+``h``) to bf16 with f32 accumulation and stores that scratch in bf16, as FLA's ``chunk_kda``
+runs; the carried state and the inverse stay f32. ``three_launches=False`` (the default only
+when ``h`` would exceed ``max_scratch_bytes``) runs the earlier single serial launch: 16-token
+chunks, the whole chunk step (decays ``[C, C, Dk]`` in registers, the inverse, W, U, o, S)
+inside the per-(row, head, Dv block) scan, recomputed per Dv block. :func:`unsupported_reason`
+says which head dims ``hyjax.ops`` must leave to the reference.
 """
 
 from __future__ import annotations
