@@ -294,18 +294,23 @@ def main() -> None:
                     lambda b=bsz, t=t, p=prec, v=variant: time_prefill(b, t, p, **v),
                 )
     if not args.quick:  # launch tuning of the three-launch path at B=1 T=4096, TF32
-        for nw, ns, bv, bo in [(4, 2, 32, 64), (8, 2, 32, 64), (4, 1, 64, 64), (4, 2, 16, 32),
-                               (8, 1, 64, 128), (2, 2, 32, 64)]:  # fmt: skip
+        sweep = [
+            (4, 2, 32, 64, 8),
+            (8, 2, 32, 64, 8),
+            (4, 1, 64, 64, 8),
+            (4, 2, 16, 32, 8),
+            (8, 1, 64, 128, 8),
+            (2, 2, 32, 64, 8),
+            (4, 2, 32, 64, 4),
+            (4, 2, 32, 64, 16),
+        ]
+        for nw, ns, bv, bo, iw in sweep:  # serial/output warps, stages, tiles; intra warps
+            tuning = dict(
+                num_warps=nw, num_stages=ns, block_v=bv, block_v_out=bo, intra_num_warps=iw
+            )
             guarded(
-                f"sweep_tf32_w{nw}_s{ns}_bv{bv}_bo{bo}",
-                lambda nw=nw, ns=ns, bv=bv, bo=bo: time_prefill(
-                    *prefill_shapes[0],
-                    PRECISIONS["tf32"],
-                    num_warps=nw,
-                    num_stages=ns,
-                    block_v=bv,
-                    block_v_out=bo,
-                ),
+                f"sweep_tf32_w{nw}_s{ns}_bv{bv}_bo{bo}_iw{iw}",
+                lambda t=tuning: time_prefill(*prefill_shapes[0], PRECISIONS["tf32"], **t),
             )
     for rows in decode_rows:
         guarded(f"decode_B{rows}", lambda rows=rows: time_decode(rows))

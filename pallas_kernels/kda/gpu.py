@@ -469,6 +469,7 @@ def kda_prefill(
     max_scratch_bytes: int = 512 * 1024 * 1024,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    intra_num_warps: int = 8,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, H, Dv], state)``.
@@ -481,7 +482,10 @@ def kda_prefill(
     state carried between chunks stays f32. ``three_launches`` (default: when the scratch of
     every chunk's starting state, ``[NC, H, Dk, Dv]``, fits ``max_scratch_bytes``) picks the
     parallel/serial/parallel path; False runs the single serial launch of 16-token chunks.
-    ``block_v`` / ``block_v_out`` are the Dv tiles of the serial and output launches.
+    ``block_v`` / ``block_v_out`` are the Dv tiles of the serial and output launches;
+    ``num_warps`` / ``num_stages`` their launch parameters (default 4 / 2; the single launch:
+    8 / 1), ``intra_num_warps`` the intra launch's (it holds a whole chunk: four 16-row
+    sub-blocks of q, k, gam and v). None of these is tuned on a GPU yet.
     """
     _check(q, k, v, g, b, A_log, dt_bias, state, slots, query_start_loc)
     n, h, dk = q.shape
@@ -517,7 +521,7 @@ def kda_prefill(
             sd((tp, h, CHUNK), op),
             sd((nc, h, dk), jnp.float32),
         ],  # fmt: skip
-        compiler_params=params,
+        compiler_params=compiler_params(intra_num_warps, num_stages or 2),
         interpret=interpret,
         name="kda_prefill_intra_gpu",
     )(plan.start, plan.length, neg_a, dt, q, k, g, v, b)
