@@ -7,8 +7,10 @@ For the Pallas GPU kernels (``pallas_kernels/kda/gpu.py``) this script
 2. checks the reference against flash-linear-attention's ``chunk_kda`` and
    ``fused_recurrent_kda`` (gate, l2norm and sigmoid in their kernels) on the same inputs,
    when ``fla`` imports: the semantics, not just the speed, are the same;
-3. times prefill and decode with the state donated, in a jitted loop (device time), per
-   matmul precision, and FLA's two kernels on the same shapes in the same run.
+3. times prefill and decode with the state donated (:func:`benchmarks.common.time_stateful`:
+   unrolled calls, every output consumed), per matmul precision and prefill path
+   (``VARIANTS``: the three-launch default, the single serial launch, bf16 dot operands), and
+   FLA's two kernels on the same shapes in the same run.
 
 It prints one JSON summary (and writes it to ``--out``)::
 
@@ -35,6 +37,14 @@ from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_refer
 H, D = 32, 128  # Kimi-Linear-48B: 32 KDA heads of 128 (Dk = Dv)
 INTERPRET = False
 PRECISIONS = {"f32": jax.lax.Precision.HIGHEST, "tf32": jax.lax.Precision.DEFAULT}
+# The prefill paths side by side: parallel intra / serial state / parallel output (default),
+# the old single serial launch of 16-token chunks, and the default with bf16 dot operands
+# (FLA's chunk_kda runs that way).
+VARIANTS = {
+    "three": {},
+    "serial": {"three_launches": False},
+    "bf16ops": {"operand_dtype": jnp.bfloat16},
+}
 
 
 def _activations(key, n, dtype=jnp.bfloat16):
@@ -74,7 +84,7 @@ def _swap(out):
 # ----------------------------------------------------------------------------- checks
 
 
-def check_prefill(precision, lens) -> dict:
+def check_prefill(precision, lens, **variant) -> dict:
     n = sum(lens) + 7
     acts = _activations(jax.random.PRNGKey(0), n)
     qsl = jnp.array([0, *np.cumsum(lens), sum(lens)], jnp.int32)
@@ -92,7 +102,7 @@ def check_prefill(precision, lens) -> dict:
     slots = StateSlots(*(jnp.asarray(x) for x in (src, dst, ck_off, ck_slot)), jnp.int32(len(lens)))
     args = (*acts, pool, qsl, slots)
     want_o, want_s = jax.jit(kda_prefill_reference)(*args)
-    kernel = functools.partial(gpu.kda_prefill, precision=precision, interpret=INTERPRET)
+    kernel = functools.partial(gpu.kda_prefill, precision=precision, interpret=INTERPRET, **variant)
     got_o, got_s = jax.jit(kernel)(*args)
     got_s, want_s = np.asarray(got_s), np.asarray(want_s)
     nan = np.isnan(want_s).reshape(len(want_s), -1).all(1)  # slots the reference left alone
@@ -269,19 +279,38 @@ def main() -> None:
         print(name, json.dumps(summary[name]), flush=True)
 
     guarded("check_decode", check_decode)
-    for name, prec in PRECISIONS.items():
-        guarded(f"check_prefill_{name}", lambda prec=prec: check_prefill(prec, check_lens))
+    for vname, variant in VARIANTS.items():
+        for name, prec in PRECISIONS.items():
+            guarded(
+                f"check_prefill_{vname}_{name}",
+                lambda prec=prec, variant=variant: check_prefill(prec, check_lens, **variant),
+            )
     guarded("check_reference_vs_fla", check_against_fla)
     for bsz, t in prefill_shapes:
-        for name, prec in PRECISIONS.items():
-            guarded(f"prefill_B{bsz}_T{t}_{name}", lambda b=bsz, t=t, p=prec: time_prefill(b, t, p))
-    if not args.quick:  # launch tuning at B=1 T=4096, TF32
-        for nw, bv in [(8, 32), (4, 64), (8, 64), (2, 16)]:
+        for vname, variant in VARIANTS.items():
+            for name, prec in PRECISIONS.items():
+                guarded(
+                    f"prefill_B{bsz}_T{t}_{vname}_{name}",
+                    lambda b=bsz, t=t, p=prec, v=variant: time_prefill(b, t, p, **v),
+                )
+    if not args.quick:  # launch tuning of the three-launch path at B=1 T=4096, TF32
+        sweep = [
+            (4, 2, 32, 64, 8),
+            (8, 2, 32, 64, 8),
+            (4, 1, 64, 64, 8),
+            (4, 2, 16, 32, 8),
+            (8, 1, 64, 128, 8),
+            (2, 2, 32, 64, 8),
+            (4, 2, 32, 64, 4),
+            (4, 2, 32, 64, 16),
+        ]
+        for nw, ns, bv, bo, iw in sweep:  # serial/output warps, stages, tiles; intra warps
+            tuning = dict(
+                num_warps=nw, num_stages=ns, block_v=bv, block_v_out=bo, intra_num_warps=iw
+            )
             guarded(
-                f"sweep_tf32_w{nw}_bv{bv}",
-                lambda nw=nw, bv=bv: time_prefill(
-                    *prefill_shapes[0], PRECISIONS["tf32"], num_warps=nw, block_v=bv
-                ),
+                f"sweep_tf32_w{nw}_s{ns}_bv{bv}_bo{bo}_iw{iw}",
+                lambda t=tuning: time_prefill(*prefill_shapes[0], PRECISIONS["tf32"], **t),
             )
     for rows in decode_rows:
         guarded(f"decode_B{rows}", lambda rows=rows: time_decode(rows))

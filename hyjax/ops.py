@@ -147,6 +147,11 @@ GPU_DECODE_ATTENTION = functools.partial(attention_gpu.ragged_paged_attention, d
 # the chunk) for float32 models.
 GPU_GDN_PREFILL = functools.partial(gdn_gpu.gdn_prefill, precision=None)
 
+# The KDA prefill on NVIDIA likewise (its dots: the off-diagonal blocks of Akk / Aqk, the UT
+# inverse, W, U and the recurrence; the per-channel decays of the diagonal blocks are
+# elementwise f32 either way).
+GPU_KDA_PREFILL = functools.partial(kda_gpu.kda_prefill, precision=None)
+
 # The grid: one row per op (the fields of ``Ops``), columns reference | tpu | gpu.
 GRID: dict[str, Row] = {
     "conv1d_prefill": Row(
@@ -194,7 +199,7 @@ GRID: dict[str, Row] = {
     "kda_prefill": Row(
         reference=kda_prefill_reference,
         tpu=kda_tpu.kda_prefill,
-        gpu=kda_gpu.kda_prefill,
+        gpu=GPU_KDA_PREFILL,
     ),
     "kda_decode": Row(
         reference=kda_decode_reference,

@@ -5,6 +5,8 @@ a last test lowers both kernels to Triton IR for CUDA at Kimi-Linear-48B shapes 
 needed). Compiling and timing them is ``benchmarks/kda_kernels.py`` on a GPU machine.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,30 +37,66 @@ def _inputs(rng, n, h, dk, dv, dtype):
 PREFILL_CASES = [
     # (lens, h, dk, dv, dtype, block_v)
     ([1, 15, 16, 17, 70], 2, 16, 8, jnp.float32, 4),
-    ([5, 2], 2, 16, 16, jnp.float32, None),  # T < 16: the wrapper pads
+    ([5, 2], 2, 16, 16, jnp.float32, None),  # T < 64: the wrapper pads
     ([100, 7], 1, 16, 16, jnp.bfloat16, 8),
+    ([130, 64, 3], 1, 32, 16, jnp.float32, 8),  # full 64-token chunks, a window at T's end
 ]
 PREFILL_IDS = [
     f"{lens=}_{h=}_{jnp.dtype(dt).name}_{bv=}" for lens, h, _, _, dt, bv in PREFILL_CASES
 ]
+# The three-launch path (default), the single serial launch, and bf16 dot operands.
+PATHS = {
+    "three": {},
+    "serial": {"three_launches": False},
+    "bf16_operands": {"operand_dtype": jnp.bfloat16},
+}
 
 
-@pytest.mark.parametrize("lens,h,dk,dv,dtype,bv", PREFILL_CASES, ids=PREFILL_IDS)
-def test_prefill_matches_reference(lens, h, dk, dv, dtype, bv):
+# Each three-launch case takes ~40 s of XLA compilation in interpret mode: bf16 operands run
+# on the two cases with several chunks per row only.
+PREFILL_PATH_CASES = [
+    pytest.param(*case, path, id=f"{case_id}-{path}")
+    for case, case_id in zip(PREFILL_CASES, PREFILL_IDS)
+    for path in PATHS
+    if path != "bf16_operands" or max(case[0]) > 64
+]
+
+
+@pytest.mark.parametrize("lens,h,dk,dv,dtype,bv,path", PREFILL_PATH_CASES)
+def test_prefill_matches_reference(lens, h, dk, dv, dtype, bv, path):
     rng = np.random.default_rng(sum(lens))
     case = ragged_case(lens)
     inputs = _inputs(rng, case.num_tokens, h, dk, dv, dtype)
     pool = jnp.asarray(case.pool(rng, (h, dk, dv), np.float32))
     args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
     want_o, want_s = jax.jit(kda_prefill_reference)(*args)
-    got_o, got_s = jax.jit(lambda *x: gpu.kda_prefill(*x, block_v=bv, interpret=True))(*args)
+    kernel = functools.partial(gpu.kda_prefill, block_v=bv, interpret=True, **PATHS[path])
+    got_o, got_s = jax.jit(kernel)(*args)
     assert not np.isnan(np.asarray(got_o, np.float32)).any(), "a poisoned slot was read"
-    if dtype == jnp.float32:
+    if dtype == jnp.float32 and path != "bf16_operands":
         assert_close(got_o, want_o, rtol=1e-4, atol=1e-4, what="outputs")
         assert_close(got_s, want_s, rtol=1e-4, atol=1e-4, what="state pool")
     else:
         assert_rel_close(got_o, want_o, tol=2e-2, what="outputs")
         assert_rel_close(got_s, want_s, tol=2e-2, what="state pool")
+
+
+def test_prefill_strong_gates_stay_finite():
+    """Decays of ~e^-100 per token: every exp argument in the chunk must stay <= 0 (a factored
+    form e^gam_i e^-gam_j would overflow), and the tiny products underflow to exact zeros."""
+    rng = np.random.default_rng(7)
+    case = ragged_case([150, 40])
+    h, dk, dv = 1, 16, 16
+    q, k, v, g, b, _, dt_bias = _inputs(rng, case.num_tokens, h, dk, dv, jnp.float32)
+    A_log = jnp.full((h,), np.log(16.0), jnp.float32)
+    g = g + 6.0  # softplus ~ 6..12: g ~ -100..-200 per token and channel
+    pool = jnp.asarray(case.pool(rng, (h, dk, dv), np.float32))
+    args = (q, k, v, g, b, A_log, dt_bias, pool, jnp.asarray(case.query_start_loc), case.slots())
+    want_o, want_s = jax.jit(kda_prefill_reference)(*args)
+    got_o, got_s = jax.jit(functools.partial(gpu.kda_prefill, interpret=True))(*args)
+    assert np.isfinite(np.asarray(got_o)).all()
+    assert_close(got_o, want_o, rtol=1e-4, atol=1e-4, what="outputs")
+    assert_close(got_s, want_s, rtol=1e-4, atol=1e-4, what="state pool")
 
 
 def test_decode_matches_reference():
