@@ -45,12 +45,14 @@ def _check(got, want, dtype):
 
 CASES = [
     # (lens, channels, kernel width, dtype, block_t, block_c)
-    ([1, 63, 64, 65, 130], 40, 4, jnp.float32, 64, 128),
+    ([1, 63, 64, 65, 130], 40, 4, jnp.float32, 32, 128),
     ([1, 63, 64, 65, 130], 40, 4, jnp.bfloat16, 16, 16),  # C not a multiple of the tile
     ([2, 1, 5, 1, 3], 24, 4, jnp.float32, 4, 8),  # shorter than K - 1: windows from the state
     ([64, 1, 1], 256, 3, jnp.bfloat16, 32, 128),
-    ([200, 7], 40, 2, jnp.float32, 64, 32),
+    ([200, 7], 40, 2, jnp.float32, 16, 32),
     ([9, 4, 17], 20, 6, jnp.float32, 8, 16),  # K - 1 = 5: a window of 8 rows, 3 masked
+    ([150, 3, 40], 300, 4, jnp.bfloat16, 16, 256),  # general-path tiles in 2 x 128 channels
+    ([130, 70], 72, 4, jnp.float32, 16, 512),  # the default tiles, shrunk to C
 ]
 IDS = [
     f"{lens=}_{c=}_{kw=}_{jnp.dtype(dt).name}_{bt=}_{bc=}".replace(" ", "")
@@ -115,8 +117,8 @@ def test_state_dtype_wider_than_inputs():
 
 
 def test_one_token_rows_many_per_tile():
-    """A decode-like batch (one token per row, 37 rows) in one token tile: the bisection over
-    ``query_start_loc`` must find every row."""
+    """A decode-like batch (one token per row, 37 rows), 16 rows a token tile: the bisection
+    over ``query_start_loc`` must find every row."""
     rng = np.random.default_rng(4)
     rows, c, kw = 37, 16, 4
     qsl = np.arange(rows + 1, dtype=np.int32)
@@ -127,7 +129,7 @@ def test_one_token_rows_many_per_tile():
     x = jnp.asarray(rng.normal(size=(rows, c)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(c, kw)), jnp.float32)
     slots = state_slots(src, dst, none, none, rows - 2)  # two padding rows
-    got, want = _run_both(x, w, pool, qsl, slots, block_t=64)
+    got, want = _run_both(x, w, pool, qsl, slots, block_t=16)
     _check(got, want, jnp.float32)
 
 
@@ -161,3 +163,17 @@ def test_kernel_lowers_to_triton_at_80b_shapes():
             sd((rows + 1,), jnp.int32), abstract_slots(rows, m)]  # fmt: skip
     lowered = jax.jit(gpu.causal_conv1d_prefill).trace(*args)
     assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_padding_rows_with_tokens_give_zeros():
+    """Tokens past ``query_start_loc[num_seqs]`` are padding even inside a padding row's span
+    (a whole tile of them, which the inner-tile path must not compute)."""
+    rng = np.random.default_rng(5)
+    c, kw = 16, 4
+    qsl = np.array([0, 20, 60], np.int32)
+    one, none = np.array([1, 2], np.int32), np.zeros((2, 1), np.int32)
+    pool = jnp.asarray(rng.normal(size=(3, kw - 1, c)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(64, c)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(c, kw)), jnp.float32)
+    got, want = _run_both(x, w, pool, qsl, state_slots(one, one, none, none, 1), block_t=16)
+    _check(got, want, jnp.float32)
