@@ -145,9 +145,9 @@ def time_prefill(batch, seq_len, channels, *, reference: bool, ckpt_every: int, 
     return out
 
 
-SWEEP = [  # (block_t, block_c, num_warps, num_stages)
-    (64, 128, 4, 1), (32, 256, 4, 1), (64, 256, 4, 1), (64, 256, 8, 1), (128, 128, 8, 1),
-    (32, 128, 4, 1), (16, 512, 4, 1), (128, 256, 8, 1), (64, 64, 2, 1),
+SWEEP = [  # (block_t, block_c, num_warps, num_stages); 16-byte loads need BC = 256 x warps
+    (16, 512, 2, 1), (8, 512, 2, 1), (32, 512, 2, 1), (16, 256, 1, 1), (32, 256, 1, 1),
+    (16, 1024, 4, 1), (32, 1024, 4, 1), (16, 256, 2, 1), (8, 1024, 4, 1),
 ]  # fmt: skip
 
 
