@@ -54,6 +54,7 @@ from pallas_kernels.attention.reference import (
     ragged_paged_attention_reference,
     write_kv_reference,
 )
+from pallas_kernels.conv1d import gpu as conv1d_gpu
 from pallas_kernels.conv1d import tpu as conv1d_tpu
 from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
@@ -157,7 +158,8 @@ GRID: dict[str, Row] = {
     "conv1d_prefill": Row(
         reference=causal_conv1d_prefill_reference,
         tpu=conv1d_tpu.causal_conv1d_prefill,
-        gpu=None,  # XLA: elementwise taps in one fused loop
+        # every shape (channel tiles masked); the source windows gathered by XLA first
+        gpu=conv1d_gpu.causal_conv1d_prefill,
     ),
     "conv1d_update": Row(
         reference=causal_conv1d_update_reference,

@@ -1,0 +1,211 @@
+"""Causal conv1d prefill on a GPU at Qwen3-Next-80B's shapes: the Pallas kernel vs XLA.
+
+The op is memory bound (4 multiply-adds per element): its floor is the bytes it must move,
+``x`` read + ``y`` written + the conv windows read from ``src`` and written to ``dst`` and the
+checkpoints, at the device's copy bandwidth. This script
+
+1. measures that bandwidth the way ``benchmarks/gdn_kernels.py`` does (read + write bytes of
+   ``x * 1.0001`` on 1 GiB of float32, in a ``fori_loop``);
+2. checks the kernel (``pallas_kernels/conv1d/gpu.py``) against the reference on a ragged
+   batch with in-place rows, rows shorter than the kernel width and checkpoints;
+3. times the kernel and the XLA reference (the GPU path before the kernel) in the same
+   process with :func:`benchmarks.common.time_stateful` (pool donated, every output consumed)
+   at B=1 T=4096, B=1 T=16384 and B=8 T=4096, 8192 channels, width 4, bf16, and reports the
+   bytes moved per second as a percentage of the copy bandwidth.
+
+It prints one JSON summary and writes it to ``--out``::
+
+    python -m benchmarks.conv1d_kernels --out CONV1D_KERNELS.json
+    python -m benchmarks.conv1d_kernels --sweep        # also tile / warp sweeps at B=1 T=4096
+    python -m benchmarks.conv1d_kernels --interpret --quick   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import device_name, time_stateful
+from pallas_kernels.common.slots import StateSlots
+from pallas_kernels.conv1d import gpu
+from pallas_kernels.conv1d.reference import causal_conv1d_prefill_reference
+
+# Qwen3-Next-80B's GDN conv: q and k (16 heads x 128) and v (32 heads x 128), width 4.
+CHANNELS, WIDTH, DTYPE = 2 * 16 * 128 + 32 * 128, 4, jnp.bfloat16
+MAX_CKPT = 2
+INTERPRET = False  # --interpret: Pallas interpret mode on CPU, one timed call (a smoke run)
+
+
+def copy_bandwidth(num_bytes: int = 2**30) -> float:
+    """Device copy bandwidth in bytes/s: (read + write) of ``x * 1.0001`` per call, in a
+    ``fori_loop`` (unrolled, XLA would fuse the chained copies into one)."""
+    iters, repeats = (1, 1) if INTERPRET else (20, 3)
+    x = jnp.ones((num_bytes // 4,), jnp.float32)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def loop(x):
+        return jax.lax.fori_loop(0, iters, lambda i, x: x * 1.0001, x)
+
+    x = jax.block_until_ready(loop(x))  # compile + warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x = jax.block_until_ready(loop(x))
+        times.append((time.perf_counter() - t0) / iters)
+    return 2 * x.nbytes / float(np.median(times))
+
+
+def prefill_batch(batch: int, seq_len: int, channels: int, ckpt_every: int):
+    """``batch`` rows of ``seq_len`` tokens, each updating its slot ``1 + row`` in place and
+    writing ``MAX_CKPT`` checkpoints every ``ckpt_every`` tokens (when they fall inside)."""
+    key = jax.random.PRNGKey(batch * seq_len)
+    kx, kw, kp = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (batch * seq_len, channels), DTYPE)
+    weight = 0.5 * jax.random.normal(kw, (channels, WIDTH), DTYPE)
+    qsl = jnp.arange(batch + 1, dtype=jnp.int32) * seq_len
+    running = 1 + jnp.arange(batch, dtype=jnp.int32)
+    offs = jnp.arange(1, MAX_CKPT + 1, dtype=jnp.int32) * ckpt_every
+    ck_off = jnp.broadcast_to(jnp.where(offs <= seq_len, offs, 0), (batch, MAX_CKPT))
+    ck_slot = 1 + batch + jnp.arange(batch * MAX_CKPT, dtype=jnp.int32).reshape(batch, MAX_CKPT)
+    ck_slot = jnp.where(ck_off > 0, ck_slot, 0)
+    slots = StateSlots(running, running, ck_off, ck_slot, jnp.int32(batch))
+    pool = jax.random.normal(kp, (1 + batch * (1 + MAX_CKPT), WIDTH - 1, channels), DTYPE)
+    writes = batch * (1 + int(jnp.sum(ck_off[0] > 0)))
+    return x, weight, pool, qsl, slots, writes
+
+
+def bytes_moved(x, pool, batch: int, writes: int) -> int:
+    """x read + y written + the source windows read + every window written."""
+    window = pool[0].nbytes
+    return 2 * x.nbytes + (batch + writes) * window
+
+
+def check(channels: int, **tiles) -> dict:
+    """Kernel vs reference on a ragged batch: in-place rows, rows shorter than K - 1, a fresh
+    destination, checkpoints at offsets 1, 2, 64 and 700, a padding row and padding tokens."""
+    rng = np.random.default_rng(0)
+    lens = [1, 2, 700, 64, 3]
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(lens), [sum(lens)]]), jnp.int32)
+    src = jnp.array([1, 2, 0, 3, 4, 0], jnp.int32)
+    dst = jnp.array([1, 2, 5, 3, 6, 0], jnp.int32)
+    ck_off = jnp.array([[0, 0], [1, 0], [64, 700], [2, 64], [0, 0], [0, 0]], jnp.int32)
+    ck_slot = jnp.array([[0, 0], [7, 0], [8, 9], [10, 11], [0, 0], [0, 0]], jnp.int32)
+    slots = StateSlots(src, dst, ck_off, ck_slot, jnp.int32(len(lens)))
+    x = jnp.asarray(rng.normal(size=(sum(lens) + 9, channels)), DTYPE)
+    w = jnp.asarray(0.5 * rng.normal(size=(channels, WIDTH)), DTYPE)
+    pool = jnp.asarray(rng.normal(size=(12, WIDTH - 1, channels)), DTYPE)
+    args = (x, w, pool, qsl, slots)
+    want_y, want_s = jax.jit(causal_conv1d_prefill_reference)(*args)
+    kernel = functools.partial(gpu.causal_conv1d_prefill, interpret=INTERPRET, **tiles)
+    got_y, got_s = jax.jit(kernel)(*args)
+    got_y, want_y = np.asarray(got_y, np.float32), np.asarray(want_y, np.float32)
+    return {
+        "output_max_abs_err": float(np.abs(got_y - want_y).max()),
+        "output_max_abs": float(np.abs(want_y).max()),
+        "output_bits_equal_fraction": float(np.mean(got_y == want_y)),
+        "pool_bit_exact": bool(np.array_equal(np.asarray(got_s, np.float32),
+                                              np.asarray(want_s, np.float32))),
+    }  # fmt: skip
+
+
+def _step(fn, qsl, slots):
+    def one(pool, x, weight):
+        y, pool = fn(x, weight, pool, qsl, slots)
+        return pool, y
+
+    return one
+
+
+def time_prefill(batch, seq_len, channels, *, reference: bool, ckpt_every: int, bw, **tiles):
+    """Kernel (and reference) seconds per call, bytes moved per second, % of copy bandwidth."""
+    x, weight, pool, qsl, slots, writes = prefill_batch(batch, seq_len, channels, ckpt_every)
+    moved = bytes_moved(x, pool, batch, writes)
+    iters, repeats = (1, 1) if INTERPRET else (20, 5)
+    fns = {"pallas": functools.partial(gpu.causal_conv1d_prefill, interpret=INTERPRET, **tiles)}
+    if reference:
+        fns["xla"] = causal_conv1d_prefill_reference
+    out = {"bytes_moved_MB": moved / 1e6}
+    for name, fn in fns.items():
+        t = time_stateful(
+            _step(fn, qsl, slots), jnp.copy(pool), (x, weight), iters=iters, repeats=repeats
+        )
+        out[f"{name}_us"] = 1e6 * t
+        out[f"{name}_GBps"] = moved / t / 1e9
+        if bw:
+            out[f"{name}_pct_of_copy_bw"] = 100 * moved / t / bw
+    if reference:
+        out["speedup"] = out["xla_us"] / out["pallas_us"]
+    return out
+
+
+SWEEP = [  # (block_t, block_c, num_warps, num_stages); 16-byte loads need BC = 256 x warps
+    (16, 512, 2, 1), (8, 512, 2, 1), (32, 512, 2, 1), (16, 256, 1, 1), (32, 256, 1, 1),
+    (16, 1024, 4, 1), (32, 1024, 4, 1), (16, 256, 2, 1), (8, 1024, 4, 1),
+]  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
+    p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
+    p.add_argument("--sweep", action="store_true", help="tile / warp sweep at B=1 T=4096")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    global INTERPRET
+    INTERPRET = args.interpret
+    shapes = [(1, 4096), (1, 16384), (8, 4096)]
+    channels, ckpt_every = CHANNELS, 1024
+    if args.quick:
+        shapes, channels, ckpt_every = [(1, 64), (3, 32)], 256, 16
+    summary = {
+        "device": device_name(),
+        "jax": jax.__version__,
+        "shapes": f"C={channels} K={WIDTH} {jnp.dtype(DTYPE).name}, in-place rows, "
+        f"{MAX_CKPT} checkpoints a row every {ckpt_every} tokens",
+    }
+
+    def guarded(name, fn):
+        try:
+            summary[name] = fn()
+        except Exception as e:  # noqa: BLE001 - keep going, report the failure
+            summary[name] = {"failed": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()
+        print(name, json.dumps(summary[name]), flush=True)
+
+    guarded("copy_bandwidth_GBps", lambda: copy_bandwidth(2**20 if args.quick else 2**30) / 1e9)
+    bw = summary["copy_bandwidth_GBps"]
+    bw = bw * 1e9 if isinstance(bw, float) else None
+    guarded("check", lambda: check(channels))
+    for b, t in shapes:
+        guarded(
+            f"prefill_B{b}_T{t}",
+            lambda b=b, t=t: time_prefill(
+                b, t, channels, reference=True, ckpt_every=ckpt_every, bw=bw
+            ),
+        )
+    if args.sweep:
+        b, t = shapes[0]
+        for bt, bc, nw, ns in SWEEP:
+            tiles = dict(block_t=bt, block_c=bc, num_warps=nw, num_stages=ns)
+            guarded(
+                f"sweep_B{b}_T{t}_bt{bt}_bc{bc}_w{nw}_s{ns}",
+                lambda tiles=tiles: time_prefill(
+                    b, t, channels, reference=False, ckpt_every=ckpt_every, bw=bw, **tiles
+                ),
+            )
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

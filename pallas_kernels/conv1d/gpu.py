@@ -1,0 +1,247 @@
+"""Causal depthwise conv1d + SiLU Pallas kernel for NVIDIA GPUs (Triton lowering), with slots.
+
+Same signature and semantics as :func:`pallas_kernels.conv1d.reference.
+causal_conv1d_prefill_reference` (DESIGN.md §3). Written for memory bandwidth: every input is
+read once from HBM and every output written once; the taps are summed in float32.
+
+Prefill, one launch, grid = (W + ceil(T / BT), ceil(C / BC))
+-------------------------------------------------------------
+The first ``W = S * (M + 1)`` programs along axis 0 write the conv windows (one per row and
+target: the ``M`` checkpoints, then ``dst``); the others each own ``BT`` tokens x ``BC``
+channels. Each output is ``y[t] = silu(sum_j w[:, j] * tap_j[t])`` over the inputs
+``tap_j[t] = x[t + j - (K-1)]``, where a position before its row's first token reads the
+source window instead::
+
+    K = 4, a row starting at token 5 with window p0 p1 p2 (zeros when src == 0)
+
+    token t:        5   6   7   8 ...        pos = t - qsl[row] + j - (K-1)
+    tap j = 0:      p0  p1  p2  x5           pos < 0:  init[row, K-1 + pos]
+    tap j = 1:      p1  p2  x5  x6           pos >= 0: x[t + j - (K-1)]
+    tap j = 2:      p2  x5  x6  x7
+    tap j = 3:      x5  x6  x7  x8
+
+A token program takes one of two paths:
+
+- inner tile (all ``BT`` tokens in one live row, at least ``K-1`` after its start; the row of
+  the tile's first token comes from a scalar bisection over ``query_start_loc``): the
+  ``BT + K-1`` rows ``x[t0 - (K-1) .. t0 + BT)`` are loaded once each, as separate ``[BC]``
+  vectors, and tap ``j`` of token ``i`` is vector ``i + j``: no reloads (the HBM and L2 bytes
+  are the floor's, plus ``K-1`` halo rows per tile), no row masks;
+- any other tile (a row start, padding tokens, the batch's end): each token finds its row by
+  a vector bisection; every tap is a masked ``[BT, 128]`` load from ``x`` plus one from the
+  source window.
+
+A window program writes ``[K-1, BC]`` rows ``off - (K-1) .. off - 1`` of its row (from ``x``,
+or from the source window where negative) to its slot; ``off`` is the checkpoint's offset, or
+the row's length for ``dst``. Nothing else is written to the pool.
+
+Reads before writes: the source windows of all rows are gathered (``read_slots``, one small
+XLA fusion of ``S * (K-1) * C`` elements) before the launch, and the kernel reads that copy,
+never the pool. So a row that updates its slot in place (``src == dst``) cannot see its new
+window: the programs of one launch run in no fixed order, and a token program reading
+``pool[src]`` could otherwise run after the window program that overwrote it.
+
+Any ``C`` (channel tiles are masked), any ``K`` in [2, 9], any dtypes the reference takes.
+``interpret=True`` runs the kernel in Pallas' interpreter on CPU (the tests). Loads that may
+leave the array (a tap above the first token, the last partial tile) index with clamped
+integer arrays, stores with slices: the interpreter clamps a negative slice start (shifting
+the data), and resolves a clamped duplicate index of a masked store in no fixed order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from pallas_kernels.common.ragged import read_slots
+from pallas_kernels.common.slots import StateSlots
+from pallas_kernels.conv1d.reference import check_conv1d_args
+
+BLOCK_T = 16
+BLOCK_C = 512
+SUB_C = 128  # the channels of one [BT, SUB_C] tile of the general path
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _silu(x):
+    return x * jax.nn.sigmoid(x)
+
+
+def _row_of(qsl_ref, t, num_rows: int):
+    """``searchsorted(query_start_loc[1:], t, side="right")`` by bisection, clamped to S - 1:
+    the row of each token ``t`` (any int array). ``num_rows.bit_length()`` halvings narrow the
+    ``S + 1`` candidates ``[0, S]`` to one."""
+    lo = jnp.zeros_like(t)
+    hi = jnp.full_like(t, num_rows)
+    for _ in range(num_rows.bit_length()):
+        mid = (lo + hi) // 2
+        end = pltr.load(qsl_ref.at[jnp.minimum(mid + 1, num_rows)])  # end of row mid
+        right = (lo < hi) & (end <= t)
+        hi = jnp.where((lo < hi) & ~right, mid, hi)
+        lo = jnp.where(right, mid + 1, lo)
+    return jnp.minimum(lo, num_rows - 1)
+
+
+def _prefill_kernel(
+    qsl_ref,  # i32[S+1]
+    nseq_ref,  # i32[1]
+    dst_ref,  # i32[S]
+    ck_off_ref, ck_slot_ref,  # i32[S, M]
+    x_ref,  # [T, C]
+    w_ref,  # [C, K]
+    init_ref,  # [S, K-1, C]  the source windows (zeros where src == 0)
+    pool_in,  # [num_slots, K-1, C]  aliased to pool_out; never read
+    y_ref,  # [T, C]
+    pool_out,  # [num_slots, K-1, C]
+    *, block_t: int, block_c: int, sub_c: int,
+):  # fmt: skip
+    del pool_in
+    num_tokens, c = x_ref.shape
+    kw = w_ref.shape[1]
+    km1 = kw - 1
+    rows, max_ckpt = ck_off_ref.shape
+    num_windows = rows * (max_ckpt + 1)
+    pid, cb = pl.program_id(0), pl.program_id(1)
+    f32 = jnp.float32
+
+    def channels(first: int, width: int, ndim: int):
+        """Channel indices ``cb * BC + first + [0, width)`` as ``[width]`` or ``[1, width]``,
+        their in-bounds mask, and the same channels as a slice (for stores)."""
+        shape = (width,) if ndim == 1 else (1, width)
+        cols = cb * block_c + first + jax.lax.broadcasted_iota(jnp.int32, shape, ndim - 1)
+        return cols, cols < c, pl.ds(cb * block_c + first, width)
+
+    def tap_x(tok, cols, ok):
+        """``x[tok, cols]`` in f32 where ``ok`` (zeros elsewhere, nothing read)."""
+        tok = jnp.clip(tok, 0, num_tokens - 1)
+        return pltr.load(x_ref.at[tok, cols], mask=ok, other=0).astype(f32)
+
+    def tap_init(row, pos, cols, ok):
+        """``init[row, K-1 + pos, cols]`` (``pos`` in [-(K-1), 0)) in f32 where ``ok``."""
+        r = jnp.clip(km1 + pos, 0, km1 - 1)
+        return pltr.load(init_ref.at[row, r, cols], mask=ok, other=0).astype(f32)
+
+    def weights(cols, ok):
+        return [pltr.load(w_ref.at[cols, j], mask=ok, other=0).astype(f32) for j in range(kw)]
+
+    @pl.when(pid < num_windows)
+    def _():
+        # Window program: row s, target j (< M: checkpoint j; == M: dst).
+        s, j = pid // (max_ckpt + 1), pid % (max_ckpt + 1)
+        start = qsl_ref[s]
+        if max_ckpt:
+            jc = jnp.minimum(j, max_ckpt - 1)
+            is_dst = j == max_ckpt
+            off = jnp.where(is_dst, qsl_ref[s + 1] - start, ck_off_ref[s, jc])
+            slot = jnp.where(is_dst, dst_ref[s], ck_slot_ref[s, jc])
+        else:
+            off, slot = qsl_ref[s + 1] - start, dst_ref[s]
+        kp = _pow2_at_least(km1)
+        i = jax.lax.broadcasted_iota(jnp.int32, (kp, 1), 0)  # window row
+        pos = off - km1 + i  # its position in the row's new tokens
+        ok = (i < km1) & (s < nseq_ref[0]) & (slot > 0)
+        cols, col_ok, chans = channels(0, block_c, 2)
+        ok = ok & col_ok
+        win = tap_x(start + pos, cols, ok & (pos >= 0)) + tap_init(s, pos, cols, ok & (pos < 0))
+        pltr.store(pool_out.at[slot, pl.ds(0, kp), chans], win.astype(pool_out.dtype), mask=ok)
+
+    t0 = (pid - num_windows) * block_t
+    n_live = qsl_ref[nseq_ref[0]]
+    # The common tile: all its tokens in one live row, at least K-1 tokens after its start.
+    row0 = _row_of(qsl_ref, t0, rows)
+    inner = (t0 - qsl_ref[row0] >= km1) & (t0 + block_t <= jnp.minimum(qsl_ref[row0 + 1], n_live))
+
+    @pl.when((pid >= num_windows) & inner)
+    def _():
+        # Rows as separate [BC] vectors, loaded once (the K-1 above the tile too): the taps
+        # are the same vectors shifted by a list index, no reload, no mask but the channels'.
+        cols, col_ok, chans = channels(0, block_c, 1)
+        xs = [
+            pltr.load(x_ref.at[t0 + i, cols], mask=col_ok, other=0) for i in range(-km1, block_t)
+        ]  # xs[i + K-1] = x[t0 + i]
+        w = weights(cols, col_ok)
+        for i in range(block_t):
+            acc = xs[i].astype(f32) * w[0]  # same order of sums as the reference
+            for j in range(1, kw):
+                acc = acc + xs[i + j].astype(f32) * w[j]
+            pltr.store(y_ref.at[t0 + i, chans], _silu(acc).astype(y_ref.dtype), mask=col_ok)
+
+    @pl.when((pid >= num_windows) & ~inner)
+    def _():
+        # Tiles with a row start, padding or the end of the batch: each token finds its row
+        # and reads the taps before it from the source window; [BT, sub_c] tiles.
+        t = t0 + jax.lax.broadcasted_iota(jnp.int32, (block_t, 1), 0)  # [BT, 1] tokens
+        live = t < n_live  # padding tokens give 0
+        row = _row_of(qsl_ref, t, rows)
+        local = t - pltr.load(qsl_ref.at[row])  # index in the row's new tokens
+        for first in range(0, block_c, sub_c):
+            cols, col_ok, chans = channels(first, sub_c, 2)
+            w = weights(cols, col_ok)
+            acc = jnp.zeros((block_t, sub_c), f32)
+            for j in range(kw):  # same order of sums as the reference
+                d = j - km1
+                pos = local + d
+                v = tap_x(t + d, cols, live & (pos >= 0) & col_ok)
+                if d < 0:
+                    v = v + tap_init(row, pos, cols, live & (pos < 0) & col_ok)
+                acc = v * w[j] if j == 0 else acc + v * w[j]
+            y = jnp.where(live, _silu(acc), 0.0)
+            pltr.store(
+                y_ref.at[pl.ds(t0, block_t), chans],
+                y.astype(y_ref.dtype),
+                mask=(t < num_tokens) & col_ok,
+            )
+
+
+def causal_conv1d_prefill(
+    x: jax.Array,  # [T, C] pre-conv inputs, model dtype
+    weight: jax.Array,  # [C, K]
+    conv_state: jax.Array,  # [num_slots, K-1, C]  donated: updated in place
+    query_start_loc: jax.Array,  # i32[S+1]
+    slots: StateSlots,  # DESIGN.md §3
+    *,
+    block_t: int = BLOCK_T,
+    block_c: int = BLOCK_C,
+    num_warps: int = 2,
+    num_stages: int = 1,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Ragged prefill; see the module docstring. Returns ``(y [T, C], conv_state)``.
+
+    Writes the window after the last token to ``dst_slot`` and after ``ckpt_offsets`` tokens
+    to ``ckpt_slots`` for live rows; padding tokens give 0. ``block_t`` and ``block_c`` (powers
+    of two) are the token x channel tile, shrunk to the problem when it is smaller.
+    """
+    check_conv1d_args(x, weight, conv_state, slots, query_start_loc)
+    for name, b in (("block_t", block_t), ("block_c", block_c)):
+        if b < 1 or b & (b - 1):
+            raise ValueError(f"{name}={b} must be a power of two")
+    n, c = x.shape
+    rows, max_ckpt = slots.ckpt_offsets.shape
+    bt = min(block_t, _pow2_at_least(n))
+    bc = min(block_c, _pow2_at_least(c))
+    sub_c = min(bc, SUB_C)
+    num_windows = rows * (max_ckpt + 1)
+    src, dst, ck_off, ck_slot, num_seqs = slots.arrays()
+    init = read_slots(conv_state, src)  # [S, K-1, C], read before the pool is written
+    args = (query_start_loc.astype(jnp.int32), num_seqs, dst, ck_off, ck_slot, x, weight, init,
+            conv_state)  # fmt: skip
+    return pl.pallas_call(
+        functools.partial(_prefill_kernel, block_t=bt, block_c=bc, sub_c=sub_c),
+        grid=(num_windows + pl.cdiv(n, bt), pl.cdiv(c, bc)),
+        out_shape=[
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+        ],
+        input_output_aliases={len(args) - 1: 1},
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="causal_conv1d_prefill_gpu",
+    )(*args)

@@ -1,0 +1,179 @@
+"""The Triton-lowered causal conv1d prefill kernel vs the pure-JAX reference, in Pallas'
+interpret mode on CPU (no GPU needed). Timing it is ``benchmarks/conv1d_kernels.py`` on a GPU.
+
+The conv windows written to the pool are copies of inputs, so the pool must come back
+bit-identical to the reference's (NaN-poisoned slots nobody reads or writes included); the
+outputs are the same float32 sums in the same order.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.conv1d import gpu
+from pallas_kernels.conv1d.reference import causal_conv1d_prefill_reference
+from tests.pallas_kernels.ragged_cases import (
+    abstract_slots,
+    assert_close,
+    assert_rel_close,
+    ragged_case,
+    state_slots,
+    zero_slots,
+)
+
+
+def _run_both(x, w, pool, qsl, slots, **tiles):
+    args = (x, w, pool, jnp.asarray(qsl, jnp.int32), slots)
+    want = jax.jit(causal_conv1d_prefill_reference)(*args)
+    got = jax.jit(lambda *a: gpu.causal_conv1d_prefill(*a, **tiles, interpret=True))(*args)
+    return got, want
+
+
+def _check(got, want, dtype):
+    (got_y, got_s), (want_y, want_s) = got, want
+    assert got_y.dtype == dtype and got_s.dtype == want_s.dtype
+    assert not np.isnan(np.asarray(got_y, np.float32)).any(), "a poisoned slot was read"
+    np.testing.assert_array_equal(
+        np.asarray(got_s, np.float32), np.asarray(want_s, np.float32), err_msg="conv state pool"
+    )
+    if dtype == jnp.float32:
+        assert_close(got_y, want_y, rtol=1e-6, atol=1e-6, what="outputs")
+    else:  # the same f32 sums, rounded to bf16: at most one bf16 step apart
+        assert_rel_close(got_y, want_y, tol=8e-3, what="outputs")
+
+
+CASES = [
+    # (lens, channels, kernel width, dtype, block_t, block_c)
+    ([1, 63, 64, 65, 130], 40, 4, jnp.float32, 32, 128),
+    ([1, 63, 64, 65, 130], 40, 4, jnp.bfloat16, 16, 16),  # C not a multiple of the tile
+    ([2, 1, 5, 1, 3], 24, 4, jnp.float32, 4, 8),  # shorter than K - 1: windows from the state
+    ([64, 1, 1], 256, 3, jnp.bfloat16, 32, 128),
+    ([200, 7], 40, 2, jnp.float32, 16, 32),
+    ([9, 4, 17], 20, 6, jnp.float32, 8, 16),  # K - 1 = 5: a window of 8 rows, 3 masked
+    ([150, 3, 40], 300, 4, jnp.bfloat16, 16, 256),  # general-path tiles in 2 x 128 channels
+    ([130, 70], 72, 4, jnp.float32, 16, 512),  # the default tiles, shrunk to C
+]
+IDS = [
+    f"{lens=}_{c=}_{kw=}_{jnp.dtype(dt).name}_{bt=}_{bc=}".replace(" ", "")
+    for lens, c, kw, dt, bt, bc in CASES
+]
+
+
+@pytest.mark.parametrize("lens,c,kw,dtype,bt,bc", CASES, ids=IDS)
+def test_prefill_matches_reference(lens, c, kw, dtype, bt, bc):
+    """Ragged rows (src 0 and src > 0, dst 0 and dst > 0, padding rows and tokens),
+    checkpoints at offsets 1, 64, len // 2 and len."""
+    rng = np.random.default_rng(sum(lens) + c + kw)
+    case = ragged_case(lens, max_ckpt=3)
+    x = jnp.asarray(rng.normal(size=(case.num_tokens, c)), dtype)
+    w = jnp.asarray(rng.normal(size=(c, kw)), dtype)
+    pool = jnp.asarray(case.pool(rng, (kw - 1, c), np.float32), dtype)
+    got, want = _run_both(x, w, pool, case.query_start_loc, case.slots(), block_t=bt, block_c=bc)
+    _check(got, want, dtype)
+    y = np.asarray(got[0], np.float32)
+    assert np.all(y[case.query_start_loc[-1] :] == 0), "padding tokens must give 0"
+
+
+def _short_in_place_case(rng, c, kw, dtype):
+    """Rows that read and write the same slot, most shorter than K - 1, with checkpoints
+    inside the window (offsets 0 .. 2) and a row whose last window is all state."""
+    lens = [1, 2, 1, 3, 8]
+    qsl = np.concatenate([[0], np.cumsum(lens), [sum(lens)]]).astype(np.int32)
+    rows = len(lens) + 1
+    src = np.array([1, 2, 0, 3, 4, 0], np.int32)
+    dst = np.array([1, 2, 5, 3, 4, 0], np.int32)  # in place, except row 2 (fresh slot 5)
+    ck_off = np.zeros((rows, 2), np.int32)
+    ck_slot = np.zeros((rows, 2), np.int32)
+    ck_off[1], ck_slot[1] = [1, 0], [6, 7]  # offset 0: the source window itself
+    ck_off[3], ck_slot[3] = [2, 1], [8, 9]
+    ck_off[4], ck_slot[4] = [2, 7], [10, 11]
+    num_slots = 14
+    pool = np.full((num_slots, kw - 1, c), np.nan, np.float32)
+    pool[1:5] = rng.normal(size=(4, kw - 1, c))
+    x = jnp.asarray(rng.normal(size=(sum(lens) + 3, c)), dtype)
+    w = jnp.asarray(rng.normal(size=(c, kw)), dtype)
+    slots = state_slots(src, dst, ck_off, ck_slot, len(lens))
+    return x, w, jnp.asarray(pool, dtype), qsl, slots
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("kw", [4, 5])
+def test_short_rows_in_place(dtype, kw):
+    """src == dst on rows shorter than K - 1: the outputs and the new windows read the old
+    window, which the same launch overwrites."""
+    rng = np.random.default_rng(kw)
+    args = _short_in_place_case(rng, 48, kw, dtype)
+    got, want = _run_both(*args, block_t=4, block_c=16)
+    _check(got, want, dtype)
+
+
+def test_state_dtype_wider_than_inputs():
+    """bf16 inputs with a float32 conv state: the windows are widened exactly."""
+    rng = np.random.default_rng(3)
+    x, w, pool, qsl, slots = _short_in_place_case(rng, 32, 4, jnp.bfloat16)
+    got, want = _run_both(x, w, pool.astype(jnp.float32), qsl, slots, block_t=8)
+    _check(got, want, jnp.bfloat16)
+
+
+def test_one_token_rows_many_per_tile():
+    """A decode-like batch (one token per row, 37 rows), 16 rows a token tile: the bisection
+    over ``query_start_loc`` must find every row."""
+    rng = np.random.default_rng(4)
+    rows, c, kw = 37, 16, 4
+    qsl = np.arange(rows + 1, dtype=np.int32)
+    src = np.arange(1, rows + 1, dtype=np.int32)
+    dst = np.arange(1, rows + 1, dtype=np.int32)
+    none = np.zeros((rows, 1), np.int32)
+    pool = jnp.asarray(rng.normal(size=(rows + 1, kw - 1, c)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(rows, c)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(c, kw)), jnp.float32)
+    slots = state_slots(src, dst, none, none, rows - 2)  # two padding rows
+    got, want = _run_both(x, w, pool, qsl, slots, block_t=16)
+    _check(got, want, jnp.float32)
+
+
+BAD = {
+    "x_rank": (dict(x=jnp.zeros((10, 2, 8))), r"x .* must be \[T, C\]"),
+    "weight_channels": (dict(weight=jnp.zeros((7, 4))), "weight .* must be"),
+    "kernel_width": (dict(weight=jnp.zeros((8, 12))), "kernel width K=12"),
+    "state_shape": (dict(conv_state=jnp.zeros((4, 2, 8))), "conv_state .* must be"),
+    "qsl_shape": (dict(query_start_loc=jnp.zeros(2, jnp.int32)), "query_start_loc .* must be"),
+    "block_c": (dict(block_c=48), "block_c=48 must be a power of two"),
+}
+
+
+@pytest.mark.parametrize("bad,match", BAD.values(), ids=BAD.keys())
+def test_prefill_rejects_bad_shapes(bad, match):
+    z = jnp.zeros
+    kw = dict(
+        x=z((10, 8)), weight=z((8, 4)), conv_state=z((4, 3, 8)),
+        query_start_loc=z(4, jnp.int32), slots=zero_slots(3, 2),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        gpu.causal_conv1d_prefill(**{**kw, **bad}, interpret=True)
+
+
+def test_kernel_lowers_to_triton_at_80b_shapes():
+    """Qwen3-Next-80B's GDN conv: 2 * 16 * 128 + 32 * 128 = 8192 channels, width 4, bf16."""
+    c, kw, n, rows, m = 8192, 4, 4096, 8, 2
+    sd = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    args = [sd((n, c), bf), sd((c, kw), bf), sd((20, kw - 1, c), bf),
+            sd((rows + 1,), jnp.int32), abstract_slots(rows, m)]  # fmt: skip
+    lowered = jax.jit(gpu.causal_conv1d_prefill).trace(*args)
+    assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_padding_rows_with_tokens_give_zeros():
+    """Tokens past ``query_start_loc[num_seqs]`` are padding even inside a padding row's span
+    (a whole tile of them, which the inner-tile path must not compute)."""
+    rng = np.random.default_rng(5)
+    c, kw = 16, 4
+    qsl = np.array([0, 20, 60], np.int32)
+    one, none = np.array([1, 2], np.int32), np.zeros((2, 1), np.int32)
+    pool = jnp.asarray(rng.normal(size=(3, kw - 1, c)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(64, c)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(c, kw)), jnp.float32)
+    got, want = _run_both(x, w, pool, qsl, state_slots(one, one, none, none, 1), block_t=16)
+    _check(got, want, jnp.float32)
