@@ -1,7 +1,9 @@
 """Device caches: the paged KV pool (full-attention layers) and the state pool (GDN/KDA layers).
 
 One state *slot* holds, for every linear-attention layer, the conv window (last K-1 pre-conv
-inputs, model dtype) and the recurrent state (float32). Slot 0 is NULL; block 0 is null.
+inputs, model dtype) and the recurrent state (``state_dtype``: float32, or bfloat16 at half the
+bytes, ``--state-dtype``; the kernels compute in float32 either way). Slot 0 is NULL; block 0 is
+null.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class Caches:
     # [NB, bs, Hkv, D]; Kimi-Linear's MLA one latent [NB, bs, kv_lora_rank + rope dims]
     kv: tuple[tuple[jax.Array, ...], ...]
     conv: tuple[jax.Array, ...]  # per linear layer: [num_slots, K-1, conv_dim]
-    ssm: tuple[jax.Array, ...]  # per linear layer: f32[num_slots, H, Dk, Dv]
+    ssm: tuple[jax.Array, ...]  # per linear layer: f32 | bf16[num_slots, H, Dk, Dv]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +53,14 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: jnp.dtype) -> int:
     return per_token * block_size * spec.num_attention_layers
 
 
-def state_slot_bytes(cfg: ModelConfig, dtype: jnp.dtype) -> int:
-    """Bytes of one state slot over all linear-attention layers."""
+def state_slot_bytes(
+    cfg: ModelConfig, dtype: jnp.dtype, state_dtype: jnp.dtype = jnp.float32
+) -> int:
+    """Bytes of one state slot over all linear-attention layers: conv windows in ``dtype``,
+    recurrent states in ``state_dtype``."""
     spec = cache_spec(cfg)
     conv = int(np.prod(spec.conv_shape)) * jnp.dtype(dtype).itemsize
-    ssm = int(np.prod(spec.ssm_shape)) * 4
+    ssm = int(np.prod(spec.ssm_shape)) * jnp.dtype(state_dtype).itemsize
     return (conv + ssm) * spec.num_linear_layers
 
 
@@ -88,9 +93,11 @@ def init_caches(
     block_size: int,
     num_slots: int,
     dtype: jnp.dtype,
+    state_dtype: jnp.dtype = jnp.float32,
     fill: float = 0.0,
 ) -> Caches:
-    """Allocates the pools. ``fill=nan`` poisons them so a stray read shows up in tests."""
+    """Allocates the pools: KV pages and conv windows in ``dtype``, recurrent states in
+    ``state_dtype``. ``fill=nan`` poisons them so a stray read shows up in tests."""
     spec = cache_spec(cfg)
     kv = tuple(
         tuple(jnp.full((num_blocks, block_size) + s, fill, dtype) for s in spec.kv_token_shapes)
@@ -99,5 +106,5 @@ def init_caches(
     conv_shape = (num_slots,) + spec.conv_shape
     ssm_shape = (num_slots,) + spec.ssm_shape
     conv = tuple(jnp.full(conv_shape, fill, dtype) for _ in range(spec.num_linear_layers))
-    ssm = tuple(jnp.full(ssm_shape, fill, jnp.float32) for _ in range(spec.num_linear_layers))
+    ssm = tuple(jnp.full(ssm_shape, fill, state_dtype) for _ in range(spec.num_linear_layers))
     return Caches(kv=kv, conv=conv, ssm=ssm)

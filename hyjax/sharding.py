@@ -138,11 +138,11 @@ class ShardingPlan:
         """The config the pools are shaped from: e.g. kv heads repeated where the mesh needs."""
         return self.family.pool_config(self.cfg, self.tp)
 
-    def pool_bytes(self, block_size: int, dtype) -> tuple[int, int]:
+    def pool_bytes(self, block_size: int, dtype, state_dtype="float32") -> tuple[int, int]:
         """``(KV block bytes, state slot bytes)`` on one device."""
         cfg = self.cache_config()
         kv = kv_block_bytes(cfg, block_size, dtype)
-        slot = state_slot_bytes(cfg, dtype)
+        slot = state_slot_bytes(cfg, dtype, state_dtype)
         kv_split, slot_split = self.pool_splits()
         return kv // kv_split, slot // slot_split
 

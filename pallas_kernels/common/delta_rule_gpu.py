@@ -8,8 +8,9 @@ The kernels use ``jax.experimental.pallas.triton`` (masked loads/stores, ``tl.do
 
 Tiles: Triton tiles are powers of two. A program holds all of ``Dk`` (a power of two) and
 ``BV`` columns of ``Dv`` (:func:`pick_block_v`: a power of two dividing ``Dv``), so a state block is
-``state[slot, h, :, v0:v0+BV]`` (``[Dk, BV]`` f32); :func:`unsupported_reason` says which head
-dims ``hyjax.ops`` must leave to the reference.
+``state[slot, h, :, v0:v0+BV]`` (``[Dk, BV]`` f32 in registers; the pool is f32 or bf16:
+:func:`load_state` widens, :func:`store_state` rounds); :func:`unsupported_reason` says which
+head dims ``hyjax.ops`` must leave to the reference.
 
 Decode (memory bound: one read of the source state, one write per destination)::
 
@@ -45,7 +46,7 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common.chunking import ChunkPlan
 from pallas_kernels.common.delta_rule import group_refs
-from pallas_kernels.common.slots import StateSlots
+from pallas_kernels.common.slots import ROUND_EVERY, StateSlots
 
 # The narrowest tile a kernel here takes on a head dim (the tiny test models' Dv = 8). Narrower
 # ones would run as Triton FMA loops nobody has compiled on a GPU: those models take the
@@ -90,13 +91,16 @@ def compiler_params(num_warps: int, num_stages: int):
 
 
 def load_state(pool_in, slot, h, vs, enabled):
-    """``pool_in[slot, h, :, vs]`` (``[Dk, BV]`` f32), zeros where not ``enabled`` (no read)."""
+    """``pool_in[slot, h, :, vs]`` as ``[Dk, BV]`` f32 (a bf16 pool's state widened), zeros
+    where not ``enabled`` (no read)."""
     mask = jnp.full((pool_in.shape[2], vs.size), enabled)
-    return pltr.load(pool_in.at[slot, h, :, vs], mask=mask, other=0.0)
+    return pltr.load(pool_in.at[slot, h, :, vs], mask=mask, other=0.0).astype(jnp.float32)
 
 
 def store_state(pool_out, slot, h, vs, s, enabled):
-    """``pool_out[slot, h, :, vs] = s`` where ``enabled`` (a masked store: nothing otherwise)."""
+    """``pool_out[slot, h, :, vs] = s`` rounded to the pool's dtype, where ``enabled`` (a
+    masked store: nothing otherwise)."""
+    s = s.astype(pool_out.dtype)
     pltr.store(pool_out.at[slot, h, :, vs], s, mask=jnp.full(s.shape, enabled))
 
 
@@ -120,7 +124,7 @@ class DecodeSlots(NamedTuple):
 
 def decode_program(
     p: DecodeSlots,
-    pool_in,  # f32[num_slots, H, Dk, Dv]
+    pool_in,  # f32 | bf16[num_slots, H, Dk, Dv]
     o_ref,  # [S, H, Dv]
     pool_out,  # aliased to pool_in
     *,
@@ -150,7 +154,7 @@ def launch_decode(
     name: str,
     slots: StateSlots,
     inputs: Sequence[jax.Array],  # the gate parameters, then the row-major activations
-    state: jax.Array,  # f32[num_slots, H, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dk, Dv]  donated: updated in place
     out_dtype,
     bv: int,
     num_warps: int,
@@ -236,7 +240,7 @@ def row_plan(plan: ChunkPlan, slots: StateSlots, num_chunks: int) -> RowPlan:
 
 def scan_row_chunks(
     p: RowPlan,
-    pool_in,  # f32[num_slots, H, Dk, Dv]
+    pool_in,  # f32 | bf16[num_slots, H, Dk, Dv]
     pool_out,  # aliased to pool_in
     *,
     vs: pl.Slice,  # this program's Dv columns
@@ -246,7 +250,8 @@ def scan_row_chunks(
 ):
     """Program ``(r, h, vb)`` of a serial launch: ``S <- pool[src[r], h, :, vs]`` (zeros when
     src == 0), then row ``r``'s chunks in order, storing the state where a checkpoint's offset
-    is the chunk's end and, after the last chunk, to ``dst``."""
+    is the chunk's end and, after the last chunk, to ``dst``. A bf16 pool's state is rounded
+    every ``ROUND_EVERY`` tokens of the row (``pallas_kernels.common.slots``)."""
     r, h = pl.program_id(0), pl.program_id(1)
     n_chunks = p.row_chunks[r]
     src, dst = p.src[r], p.dst[r]
@@ -256,6 +261,8 @@ def scan_row_chunks(
         ci = p.row_first[r] + i
         start, length, end = p.c_start[ci], p.c_len[ci], p.c_end[ci]
         s = step(ci, window(start, length, num_tokens, chunk), s)
+        if pool_out.dtype != jnp.float32:  # a bf16 pool: the carried state rounds too
+            s = jnp.where(end % ROUND_EVERY == 0, s.astype(pool_out.dtype).astype(s.dtype), s)
         for m in range(p.ck_off.shape[1]):
             slot = p.ck_slot[r, m]
             store_state(pool_out, slot, h, vs, s, (slot > 0) & (p.ck_off[r, m] == end))

@@ -21,12 +21,20 @@ tile. :func:`launch_prefill`::
 Empty chunks (capacity padding) map their blocks to the last real chunk, so they cost one grid
 step and no DMA.
 
+A bfloat16 pool (``--state-dtype bfloat16``): a DMA copies bytes and converts nothing, so the
+slot moves through a second VMEM block in the pool's dtype (:class:`StateScratch`'s ``stage``)
+and is widened to the f32 state after the load and rounded into it before the stores; the
+state in VMEM is rounded too after every ``ROUND_EVERY`` tokens of a row (as every op does,
+:mod:`pallas_kernels.common.slots`). The math stays f32; an f32 pool has no stage and DMAs
+straight to and from the state.
+
 Decode: one token per row, one pass over the state
 --------------------------------------------------
 :func:`launch_decode`: grid = (H // HB "parallel", S "arbitrary"); the state block
 ``pool[src[s], heads]`` comes in through the pipeline (a data-dependent index map over
 scalar-prefetched slots, so the next row's state streams in while this row computes); the new
-state goes out by DMA to ``dst[s]`` and to every checkpoint slot whose offset is 1. All math is
+state goes out by DMA to ``dst[s]`` and to every checkpoint slot whose offset is 1 (from the
+stage, rounded, for a bf16 pool; the pipelined block is widened where it is read). All math is
 on the VPU: with q, k (and KDA's gate) as columns ``[Dk, HB]`` (the wrapper transposes them;
 they are 1/Dv of the traffic) ``S^T k`` is a sublane reduction and the rank-1 update a
 broadcast product.
@@ -37,7 +45,8 @@ Assumptions (what Mosaic accepts, and what the scheduler guarantees)
   ``(Dk, HB)``, ``(HB, Dv)``), so any head dims work; ``Dk, Dv`` multiples of 128 give
   unpadded tiles. f32 matmuls run at ``Precision.HIGHEST``.
 - The prefill keeps ``HB * Dk * Dv * 4`` bytes of state in VMEM (default ``HB = H``: 2 MiB at
-  Qwen3-Next-80B shapes) plus double-buffered input and output blocks.
+  Qwen3-Next-80B shapes; a bf16 pool's stage adds half of that) plus double-buffered input
+  and output blocks.
 - Slot hazards: a slot written in a launch (dst or checkpoint) is not the source of another
   row of the same launch (DESIGN.md §4, same-step rule). A row may read and write the same
   slot. All DMAs are waited inside their grid step.
@@ -47,8 +56,9 @@ Assumptions (what Mosaic accepts, and what the scheduler guarantees)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +67,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.common.chunking import ChunkPlan
 from pallas_kernels.common.delta_rule import group_refs
-from pallas_kernels.common.slots import StateSlots
+from pallas_kernels.common.slots import ROUND_EVERY, StateSlots
 
 # ----------------------------------------------------------------------------- in-kernel math
 
@@ -127,32 +137,60 @@ class DecodePrefetch(NamedTuple):
     num_seqs: jax.Array  # i32[1]
 
 
-def _store_state(p, s_scr, pool_out, sem, heads, *, row, offset, write_dst):
-    """``pool[ckpt_slots[row, m]] <- s_scr`` where ``ckpt_offsets[row, m] == offset``, and
-    ``pool[dst[row]] <- s_scr`` where ``write_dst`` (``None``: always); slot 0 is never
-    written."""
+class StateScratch(NamedTuple):
+    """A delta-rule kernel's scratch (``_launch`` groups the refs): the head block's state in
+    VMEM, the DMA semaphore and, for a pool that is not f32, the stage every slot DMA goes
+    through (a DMA converts nothing)."""
+
+    state: Any  # VMEM f32[HB, Dk, Dv]
+    sem: Any  # DMA semaphore
+    stage: Any | None  # VMEM [HB, Dk, Dv] in the pool's dtype; None for an f32 pool
+
+
+def _load_state(src_ref, scr: StateScratch):
+    """``scr.state <- src_ref`` (one slot's head block of the pool), widened to f32."""
+    if scr.stage is None:
+        sync_copy(src_ref, scr.state, scr.sem)
+    else:
+        sync_copy(src_ref, scr.stage, scr.sem)
+        scr.state[...] = scr.stage[...].astype(jnp.float32)
+
+
+def _store_state(p, scr: StateScratch, pool_out, heads, *, row, offset, write_dst):
+    """``pool[ckpt_slots[row, m]] <- state`` where ``ckpt_offsets[row, m] == offset``, and
+    ``pool[dst[row]] <- state`` where ``write_dst`` (``None``: always), rounded to the pool's
+    dtype; slot 0 is never written."""
     max_ckpt = p.ck_off.shape[0] // p.src.shape[0]
+    writes = []
     for m in range(max_ckpt):
         slot = p.ck_slot[row * max_ckpt + m]
-        hit = (slot > 0) & (p.ck_off[row * max_ckpt + m] == offset)
-        sync_copy(s_scr, pool_out.at[slot, heads], sem, when=hit)
+        writes.append((slot, (slot > 0) & (p.ck_off[row * max_ckpt + m] == offset)))
     slot = p.dst[row]
-    ok = slot > 0 if write_dst is None else write_dst & (slot > 0)
-    sync_copy(s_scr, pool_out.at[slot, heads], sem, when=ok)
+    writes.append((slot, slot > 0 if write_dst is None else write_dst & (slot > 0)))
+    src = scr.state
+    if scr.stage is not None:
+        src = scr.stage
+        any_write = functools.reduce(jnp.logical_or, [ok for _, ok in writes])
+
+        @pl.when(any_write)
+        def _round():
+            scr.stage[...] = scr.state[...].astype(scr.stage.dtype)
+
+    for slot, ok in writes:
+        sync_copy(src, pool_out.at[slot, heads], scr.sem, when=ok)
 
 
 def prefill_grid_step(
     p: PrefillPrefetch,
-    pool_in,  # ANY f32[num_slots, H, Dk, Dv]
+    pool_in,  # ANY f32 | bf16[num_slots, H, Dk, Dv]
     pool_out,  # ANY, aliased to pool_in
-    s_scr,  # VMEM f32[HB, Dk, Dv]
-    sem,
+    scr: StateScratch,
     compute: Callable,  # compute(h0, length): the chunk step of every head of the block
 ):
     """Grid step (head block, chunk ``c``) of a prefill kernel: the state in, the family's
     chunk step, the state out (see the module docstring)."""
     hb_idx, c = pl.program_id(0), pl.program_id(1)
-    num_heads_blk = s_scr.shape[0]
+    num_heads_blk = scr.state.shape[0]
     h0 = hb_idx * num_heads_blk
     heads = pl.ds(h0, num_heads_blk)
     live = c < p.n_chunks[0]
@@ -164,20 +202,26 @@ def prefill_grid_step(
 
         @pl.when(slot > 0)
         def _():
-            sync_copy(pool_in.at[slot, heads], s_scr, sem)
+            _load_state(pool_in.at[slot, heads], scr)
 
         @pl.when(slot == 0)
         def _():
-            s_scr[...] = jnp.zeros_like(s_scr)
+            scr.state[...] = jnp.zeros_like(scr.state)
 
     @pl.when(live)
     def _compute():
         compute(h0, p.c_len[c])
 
+    if scr.stage is not None:  # a bf16 pool: the carried state rounds every ROUND_EVERY tokens
+
+        @pl.when(live & (p.c_end[c] % ROUND_EVERY == 0))
+        def _round():
+            scr.state[...] = scr.state[...].astype(scr.stage.dtype).astype(jnp.float32)
+
     @pl.when(live)
     def _write_states():
         _store_state(
-            p, s_scr, pool_out, sem, heads, row=seq, offset=p.c_end[c], write_dst=p.c_last[c] == 1
+            p, scr, pool_out, heads, row=seq, offset=p.c_end[c], write_dst=p.c_last[c] == 1
         )
 
 
@@ -196,11 +240,10 @@ def for_each_head(s_scr, o_ref, head: Callable):
 
 def decode_grid_step(
     p: DecodePrefetch,
-    s_in,  # [1, HB, Dk, Dv]  pool[src[r], heads], pipelined
+    s_in,  # [1, HB, Dk, Dv]  pool[src[r], heads], pipelined (the pool's dtype)
     o_ref,  # [1, 1, HB, Dv]
     pool_out,  # ANY, aliased to the pool that s_in is read from
-    s_scr,  # VMEM f32[HB, Dk, Dv]
-    sem,
+    scr: StateScratch,
     head: Callable,  # head(h, j) -> (qc, kc [Dk, 1], v [1, Dv], beta [1, 1], decay)
 ):
     """Grid step (head block, row ``r``) of a decode kernel: for each head ``j`` of the block
@@ -208,7 +251,7 @@ def decode_grid_step(
     a ``[Dk, 1]`` column), the delta-rule update, then the state to ``dst`` and to the
     checkpoints at offset 1. Padding rows write zeros to ``o`` and nothing else."""
     hb_idx, r = pl.program_id(0), pl.program_id(1)
-    num_heads_blk = s_scr.shape[0]
+    num_heads_blk = scr.state.shape[0]
     h0 = hb_idx * num_heads_blk
     heads = pl.ds(h0, num_heads_blk)
     live = r < p.num_seqs[0]
@@ -218,11 +261,11 @@ def decode_grid_step(
     def _compute():
         for j in range(num_heads_blk):
             qc, kc, v, beta, decay = head(h0 + j, j)
-            s = jnp.where(has_src, s_in[0, j], 0.0) * decay  # [Dk, Dv]
+            s = jnp.where(has_src, s_in[0, j].astype(jnp.float32), 0.0) * decay  # [Dk, Dv]
             o, s = decode_update(s, qc, kc, v, beta)
             o_ref[0, 0, j : j + 1, :] = o.astype(o_ref.dtype)
-            s_scr[j] = s
-        _store_state(p, s_scr, pool_out, sem, heads, row=r, offset=1, write_dst=None)
+            scr.state[j] = s
+        _store_state(p, scr, pool_out, heads, row=r, offset=1, write_dst=None)
 
     @pl.when(~live)
     def _padding_row():
@@ -238,20 +281,32 @@ def _launch(
 ):  # fmt: skip
     """The ``pallas_call`` of both launches: the prefetch, the gate parameters in SMEM, the
     blocked inputs (``spec``), the pool (``state_spec``, aliased to the second output, which
-    the kernel writes by DMA), and ``HB`` heads of state in VMEM."""
+    the kernel writes by DMA), and ``HB`` heads of state in VMEM (:class:`StateScratch`, the
+    kernel's last argument)."""
     _, _, dk, dv = state.shape
+    scratch = [
+        pltpu.VMEM((heads_per_block, dk, dv), jnp.float32),
+        pltpu.SemaphoreType.DMA(()),
+    ]
+    staged = state.dtype != jnp.float32
+    if staged:
+        scratch.append(pltpu.VMEM((heads_per_block, dk, dv), state.dtype))
+    grouped = group_refs(kernel, type(prefetch), **params)
+
+    def body(*refs):
+        n = len(scratch)
+        scr = StateScratch(*refs[-n:]) if staged else StateScratch(*refs[-n:], stage=None)
+        return grouped(*refs[:-n], scr)
+
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
         grid=grid,
         in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), *map(spec, blocks), state_spec],
         out_specs=[spec(out), pl.BlockSpec(memory_space=pl.ANY)],
-        scratch_shapes=[
-            pltpu.VMEM((heads_per_block, dk, dv), jnp.float32),
-            pltpu.SemaphoreType.DMA(()),
-        ],
+        scratch_shapes=scratch,
     )
     return pl.pallas_call(
-        group_refs(kernel, type(prefetch), **params),
+        body,
         grid_spec=grid_spec,
         out_shape=[out, jax.ShapeDtypeStruct(state.shape, state.dtype)],
         input_output_aliases={len(prefetch) + 1 + len(blocks): 1},
@@ -262,14 +317,14 @@ def _launch(
 
 
 def launch_prefill(
-    kernel: Callable,  # kernel(PrefillPrefetch, smem, *blocks, pool_in, o, pool_out, s_scr, sem)
+    kernel: Callable,  # kernel(PrefillPrefetch, smem, *blocks, pool_in, o, pool_out, scr)
     *,
     name: str,
     plan: ChunkPlan,
     slots: StateSlots,
     smem: jax.Array,  # f32[...]  the gate parameters, whole in SMEM
     blocks: Sequence[jax.Array],  # [H', NC, R, D] chunked inputs, H' a multiple of the blocks
-    state: jax.Array,  # f32[num_slots, H, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dk, Dv]  donated: updated in place
     out: jax.ShapeDtypeStruct,  # [H, NC, C, Dv]
     heads_per_block: int,
     interpret,
@@ -301,13 +356,13 @@ def launch_prefill(
 
 
 def launch_decode(
-    kernel: Callable,  # kernel(DecodePrefetch, smem, *blocks, s_in, o, pool_out, s_scr, sem)
+    kernel: Callable,  # kernel(DecodePrefetch, smem, *blocks, s_in, o, pool_out, scr)
     *,
     name: str,
     slots: StateSlots,
     smem: jax.Array,  # f32[...]  the gate parameters, whole in SMEM
     blocks: Sequence[jax.Array],  # [S, H // HB, R, D]  row r, head block h: block [R, D]
-    state: jax.Array,  # f32[num_slots, H, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dk, Dv]  donated: updated in place
     out: jax.ShapeDtypeStruct,  # [S, H // HB, HB, Dv]
     interpret,
     **params,

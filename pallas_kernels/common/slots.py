@@ -11,6 +11,15 @@ Per row (sequence) of a ragged step::
 The GDN, KDA and conv1d ops (reference and kernels alike) take a :class:`StateSlots`; under
 tensor parallel it is replicated (one ``P()`` spec for the whole pytree), since every device
 holds the same slots of its own pool shard.
+
+The recurrent-state pool is float32 or bfloat16 (``--state-dtype``): the GDN / KDA ops compute
+in float32 whatever the pool holds; a slot is read into float32 and written back rounded to
+the pool's dtype (:func:`check_state_dtype`). A prefill also rounds the state it carries after
+every :data:`ROUND_EVERY` tokens of a row, stored or not: the rounding points are then the same
+however the scheduler chunks a prompt or where a prefix cache hit resumes it (a row starts on
+a multiple of the checkpoint granularity, itself a multiple of 64), so with a bf16 pool the
+tokens still do not depend on the chunking or on prefix caching (a float32 pool rounds
+nothing).
 """
 
 from __future__ import annotations
@@ -19,6 +28,21 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+# The recurrent-state pool dtypes every GDN / KDA op takes (the conv windows stay in the
+# activations' dtype).
+STATE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+# A prefill rounds its carried state to a bf16 pool's dtype after every this many tokens of a
+# row: the kernels' chunk (16 or 64) divides it, so it falls on a chunk end.
+ROUND_EVERY = 64
+
+
+def check_state_dtype(state: jax.Array) -> None:
+    """Raises ``ValueError`` unless ``state`` is a pool of one of :data:`STATE_DTYPES`."""
+    if state.dtype not in STATE_DTYPES:
+        raise ValueError(f"state dtype {state.dtype} must be float32 or bfloat16")
 
 
 @jax.tree_util.register_dataclass

@@ -92,7 +92,7 @@ def composed_conv_gdn_decode(conv1d_update: Callable, gdn_decode: Callable) -> C
         b: jax.Array,  # [S, Hv]
         A_log: jax.Array,  # f32[Hv]
         dt_bias: jax.Array,  # f32[Hv]
-        ssm_state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]
+        ssm_state: jax.Array,  # f32 | bf16[num_slots, Hv, Dk, Dv]
         slots: StateSlots,  # DESIGN.md §3
         *,
         num_k_heads: int,
@@ -178,7 +178,7 @@ def conv_gdn_decode(
     b: jax.Array,  # [S, Hv]
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
-    ssm_state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]  donated: updated in place
+    ssm_state: jax.Array,  # f32 | bf16[num_slots, Hv, Dk, Dv]  donated: updated in place
     slots: StateSlots,  # DESIGN.md §3
     *,
     num_k_heads: int,

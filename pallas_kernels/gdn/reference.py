@@ -12,6 +12,8 @@ Per value head ``h`` (key head ``h // (Hv // Hk)``) and token ``t``, with state
 
 Slots follow DESIGN.md §3: ``src_slot`` 0 reads a zero state, ``dst_slot`` 0 writes nothing,
 and ``(ckpt_offsets, ckpt_slots)`` pairs write the state after that many of the step's tokens.
+The pool holds float32 or bfloat16 states (``--state-dtype``): a slot is read into float32, the
+recurrence runs in float32 and the state is rounded to the pool's dtype where it is written.
 The prefill reference scans token by token: it is the oracle, not the fast path.
 """
 
@@ -26,7 +28,7 @@ from pallas_kernels.common.ragged import (
     write_decode_states,
     write_index,
 )
-from pallas_kernels.common.slots import StateSlots
+from pallas_kernels.common.slots import ROUND_EVERY, StateSlots, check_state_dtype
 
 # The oracle is IEEE float32 on every platform: at XLA's default precision an NVIDIA GPU may
 # run f32 contractions in TF32 (10-bit mantissa), and the recurrent state accumulates that.
@@ -60,8 +62,7 @@ def check_gdn_args(
         raise ValueError(f"A_log {A_log.shape} and dt_bias {dt_bias.shape} must be [{hv}]")
     if state.ndim != 4 or state.shape[1:] != (hv, dk, dv):
         raise ValueError(f"state {state.shape} must be [num_slots, {hv}, {dk}, {dv}]")
-    if state.dtype != jnp.float32:
-        raise ValueError(f"state dtype {state.dtype} must be float32")
+    check_state_dtype(state)
     slots.check(query_start_loc)
 
 
@@ -116,7 +117,7 @@ def gdn_prefill_reference(
     b: jax.Array,  # [T, Hv]  beta logits
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
-    state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]
+    state: jax.Array,  # f32 | bf16[num_slots, Hv, Dk, Dv]
     query_start_loc: jax.Array,  # i32[S+1]
     slots: StateSlots,  # DESIGN.md §3
 ) -> tuple[jax.Array, jax.Array]:
@@ -125,7 +126,8 @@ def gdn_prefill_reference(
     num_slots = state.shape[0]
     seq_id, local, live = token_seq_ids(query_start_loc, slots.num_seqs, num_tokens)
     q32, k32, v32, g, beta = _prepare(q, k, v, a, b, A_log, dt_bias)
-    init = read_slots(state, slots.src_slot)  # [S, Hv, Dk, Dv], read before any write
+    # [S, Hv, Dk, Dv] f32, read before any write; the pool may be bf16 (--state-dtype)
+    init = read_slots(state, slots.src_slot).astype(jnp.float32)
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     row_live = jnp.arange(slots.num_rows) < slots.num_seqs
 
@@ -136,13 +138,17 @@ def gdn_prefill_reference(
         cur, o = _step(cur, q32[t], k32[t], v32[t], g[t], beta[t])
         ok = live[t] & row_live[s]
         n = i + 1  # tokens of this sequence consumed so far
+        if state.dtype != jnp.float32:  # the carried state too, every ROUND_EVERY tokens
+            rounded = cur.astype(state.dtype).astype(jnp.float32)
+            cur = jnp.where(n % ROUND_EVERY == 0, rounded, cur)
         idx = jnp.concatenate(
             [
                 write_index(slots.ckpt_slots[s], ok & (slots.ckpt_offsets[s] == n), num_slots),
                 write_index(slots.dst_slot[s][None], ok & (n == q_len[s])[None], num_slots),
             ]
         )
-        pool = pool.at[idx].set(jnp.broadcast_to(cur, (idx.shape[0],) + cur.shape), mode="drop")
+        vals = jnp.broadcast_to(cur, (idx.shape[0],) + cur.shape).astype(pool.dtype)
+        pool = pool.at[idx].set(vals, mode="drop")
         return (cur, pool), jnp.where(live[t], o, 0.0)
 
     cur0 = jnp.zeros(state.shape[1:], jnp.float32)
@@ -158,7 +164,7 @@ def gdn_decode_reference(
     b: jax.Array,  # [S, Hv]
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
-    state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]
+    state: jax.Array,  # f32 | bf16[num_slots, Hv, Dk, Dv]
     slots: StateSlots,  # DESIGN.md §3
 ) -> tuple[jax.Array, jax.Array]:
     """One token per sequence. Returns ``(o [S, Hv, Dv] in v.dtype, state)``.
@@ -167,7 +173,7 @@ def gdn_decode_reference(
     slot too (a decode step that reaches a checkpoint boundary).
     """
     q32, k32, v32, g, beta = _prepare(q, k, v, a, b, A_log, dt_bias)
-    init = read_slots(state, slots.src_slot)
+    init = read_slots(state, slots.src_slot).astype(jnp.float32)
     new, o = jax.vmap(_step)(init, q32, k32, v32, g, beta)
     live = jnp.arange(q.shape[0]) < slots.num_seqs
     state = write_decode_states(state, new, slots)

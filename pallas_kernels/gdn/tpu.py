@@ -54,6 +54,7 @@ from pallas_kernels.common.delta_rule import NT, GatedChunk, delta_rule_chunk, l
 from pallas_kernels.common.delta_rule_tpu import (
     DecodePrefetch,
     PrefillPrefetch,
+    StateScratch,
     decode_grid_step,
     divisor_at_most,
     for_each_head,
@@ -111,11 +112,10 @@ def _prefill_kernel(
     q_ref, k_ref,  # [HKB, 1, C, Dk]
     v_ref,  # [HB, 1, C, Dv]
     a_ref, b_ref,  # [HB, 1, 1, C]
-    pool_in,  # ANY f32[num_slots, Hv, Dk, Dv]
+    pool_in,  # ANY f32 | bf16[num_slots, Hv, Dk, Dv]
     o_ref,  # [HB, 1, C, Dv]
     pool_out,  # ANY, aliased to pool_in
-    s_scr,  # VMEM f32[HB, Dk, Dv]
-    sem,
+    scr: StateScratch,  # VMEM f32 state of the head block, DMA semaphore, stage
     *, ratio: int, scale: float,
 ):  # fmt: skip
     chunk = q_ref.shape[2]
@@ -136,9 +136,9 @@ def _prefill_kernel(
             beta_col = row_to_col(jnp.where(row_ok, jax.nn.sigmoid(b), 0.0))  # [C, 1]
             return delta_rule_chunk(_gated_chunk(q, k, g, beta_col), v * beta_col, state)
 
-        for_each_head(s_scr, o_ref, head)
+        for_each_head(scr.state, o_ref, head)
 
-    prefill_grid_step(p, pool_in, pool_out, s_scr, sem, compute)
+    prefill_grid_step(p, pool_in, pool_out, scr, compute)
 
 
 def gdn_prefill(
@@ -149,7 +149,7 @@ def gdn_prefill(
     b: jax.Array,  # [T, Hv]
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
-    state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, Hv, Dk, Dv]  donated: updated in place
     query_start_loc: jax.Array,  # i32[S+1]
     slots: StateSlots,  # DESIGN.md §3
     *,
@@ -212,8 +212,7 @@ def _decode_kernel(
     s_in,  # [1, HB, Dk, Dv]  pool[src[r], heads], pipelined
     o_ref,  # [1, 1, HB, Dv]
     pool_out,  # ANY, aliased to the pool that s_in is read from
-    s_scr,  # VMEM f32[HB, Dk, Dv]
-    sem,
+    scr: StateScratch,  # VMEM f32 state of the head block, DMA semaphore, stage
     *, scale: float,
 ):  # fmt: skip
     hv = gates_ref.shape[0] // 2
@@ -227,7 +226,7 @@ def _decode_kernel(
         g = gates_ref[h] * softplus(a + gates_ref[hv + h])
         return qc, kc, v, jax.nn.sigmoid(b), jnp.exp(g)
 
-    decode_grid_step(p, s_in, o_ref, pool_out, s_scr, sem, head)
+    decode_grid_step(p, s_in, o_ref, pool_out, scr, head)
 
 
 def gdn_decode(
@@ -238,7 +237,7 @@ def gdn_decode(
     b: jax.Array,  # [S, Hv]
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
-    state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, Hv, Dk, Dv]  donated: updated in place
     slots: StateSlots,  # DESIGN.md §3
     *,
     heads_per_block: int | None = None,

@@ -15,8 +15,10 @@ over the raw low-rank projection ``g_t`` and the beta logits ``b_t``.
 
 Slots follow DESIGN.md §3 exactly as the GDN ops do: ``src_slot`` 0 reads a zero state,
 ``dst_slot`` 0 writes nothing, and ``(ckpt_offsets, ckpt_slots)`` pairs write the state after
-that many of the step's tokens. The prefill reference scans token by token: it is the
-oracle, not the fast path.
+that many of the step's tokens. The pool holds float32 or bfloat16 states (``--state-dtype``): a
+slot is read into float32, the recurrence runs in float32 and the state is rounded to the
+pool's dtype where it is written. The prefill reference scans token by token: it is the oracle,
+not the fast path.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pallas_kernels.common.ragged import (
     write_decode_states,
     write_index,
 )
-from pallas_kernels.common.slots import StateSlots
+from pallas_kernels.common.slots import ROUND_EVERY, StateSlots, check_state_dtype
 
 # IEEE float32 on every platform (no TF32 on NVIDIA): the recurrent state accumulates it.
 EXACT = jax.lax.Precision.HIGHEST
@@ -75,10 +77,9 @@ def check_kda_args(
         raise ValueError(f"b {b.shape} must be [N={n}, H={h}]")
     if A_log.shape != (h,) or dt_bias.shape != (h, dk):
         raise ValueError(f"A_log {A_log.shape} must be [{h}], dt_bias {dt_bias.shape} [{h}, {dk}]")
-    if state.shape[1:] != (h, dk, v.shape[2]) or state.dtype != jnp.float32:
-        raise ValueError(
-            f"state {state.shape} {state.dtype} must be f32[num_slots, {h}, {dk}, {v.shape[2]}]"
-        )
+    if state.shape[1:] != (h, dk, v.shape[2]):
+        raise ValueError(f"state {state.shape} must be [num_slots, {h}, {dk}, {v.shape[2]}]")
+    check_state_dtype(state)
     slots.check(query_start_loc)
 
 
@@ -107,7 +108,7 @@ def kda_prefill_reference(
     b: jax.Array,  # [T, H]      beta logits
     A_log: jax.Array,  # f32[H]
     dt_bias: jax.Array,  # f32[H, Dk]
-    state: jax.Array,  # f32[num_slots, H, Dk, Dv]
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dk, Dv]
     query_start_loc: jax.Array,  # i32[S+1]
     slots: StateSlots,  # DESIGN.md §3
 ) -> tuple[jax.Array, jax.Array]:
@@ -117,7 +118,8 @@ def kda_prefill_reference(
     num_slots = state.shape[0]
     seq_id, local, live = token_seq_ids(query_start_loc, slots.num_seqs, num_tokens)
     q32, k32, v32, decay, beta = _prepare(q, k, v, g, b, A_log, dt_bias)
-    init = read_slots(state, slots.src_slot)  # [S, H, Dk, Dv], read before any write
+    # [S, H, Dk, Dv] f32, read before any write; the pool may be bf16 (--state-dtype)
+    init = read_slots(state, slots.src_slot).astype(jnp.float32)
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     row_live = jnp.arange(slots.num_rows) < slots.num_seqs
 
@@ -128,13 +130,17 @@ def kda_prefill_reference(
         cur, o = _step(cur, q32[t], k32[t], v32[t], decay[t], beta[t])
         ok = live[t] & row_live[s]
         n = i + 1  # tokens of this sequence consumed so far
+        if state.dtype != jnp.float32:  # the carried state too, every ROUND_EVERY tokens
+            rounded = cur.astype(state.dtype).astype(jnp.float32)
+            cur = jnp.where(n % ROUND_EVERY == 0, rounded, cur)
         idx = jnp.concatenate(
             [
                 write_index(slots.ckpt_slots[s], ok & (slots.ckpt_offsets[s] == n), num_slots),
                 write_index(slots.dst_slot[s][None], ok & (n == q_len[s])[None], num_slots),
             ]
         )
-        pool = pool.at[idx].set(jnp.broadcast_to(cur, (idx.shape[0],) + cur.shape), mode="drop")
+        vals = jnp.broadcast_to(cur, (idx.shape[0],) + cur.shape).astype(pool.dtype)
+        pool = pool.at[idx].set(vals, mode="drop")
         return (cur, pool), jnp.where(live[t], o, 0.0)
 
     cur0 = jnp.zeros(state.shape[1:], jnp.float32)
@@ -150,7 +156,7 @@ def kda_decode_reference(
     b: jax.Array,  # [S, H]
     A_log: jax.Array,  # f32[H]
     dt_bias: jax.Array,  # f32[H, Dk]
-    state: jax.Array,  # f32[num_slots, H, Dk, Dv]
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dk, Dv]
     slots: StateSlots,  # DESIGN.md §3
 ) -> tuple[jax.Array, jax.Array]:
     """One token per sequence. Returns ``(o [S, H, Dv] in v.dtype, state)``.
@@ -159,7 +165,7 @@ def kda_decode_reference(
     """
     check_kda_args(q, k, v, g, b, A_log, dt_bias, state, slots)
     q32, k32, v32, decay, beta = _prepare(q, k, v, g, b, A_log, dt_bias)
-    init = read_slots(state, slots.src_slot)
+    init = read_slots(state, slots.src_slot).astype(jnp.float32)
     new, o = jax.vmap(_step)(init, q32, k32, v32, decay, beta)
     live = jnp.arange(q.shape[0]) < slots.num_seqs
     state = write_decode_states(state, new, slots)

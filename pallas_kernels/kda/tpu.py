@@ -47,6 +47,7 @@ from pallas_kernels.common.delta_rule import GatedChunk, delta_rule_chunk, l2nor
 from pallas_kernels.common.delta_rule_tpu import (
     DecodePrefetch,
     PrefillPrefetch,
+    StateScratch,
     decode_grid_step,
     divisor_at_most,
     for_each_head,
@@ -103,11 +104,10 @@ def _prefill_kernel(
     q_ref, k_ref, g_ref,  # [HB, 1, C, Dk]  (g: raw gate + dt_bias)
     v_ref,  # [HB, 1, C, Dv]
     b_ref,  # [HB, 1, C, 1]
-    pool_in,  # ANY f32[num_slots, H, Dk, Dv]
+    pool_in,  # ANY f32 | bf16[num_slots, H, Dk, Dv]
     o_ref,  # [HB, 1, C, Dv]
     pool_out,  # ANY, aliased to pool_in
-    s_scr,  # VMEM f32[HB, Dk, Dv]
-    sem,
+    scr: StateScratch,  # VMEM f32 state of the head block, DMA semaphore, stage
     *, scale: float,
 ):  # fmt: skip
     chunk = q_ref.shape[2]
@@ -124,9 +124,9 @@ def _prefill_kernel(
             beta = jnp.where(rows_ok, jax.nn.sigmoid(b_ref[jh, 0].astype(jnp.float32)), 0.0)
             return delta_rule_chunk(_gated_chunk(q, k, g, beta), v * beta, state)
 
-        for_each_head(s_scr, o_ref, head)
+        for_each_head(scr.state, o_ref, head)
 
-    prefill_grid_step(p, pool_in, pool_out, s_scr, sem, compute)
+    prefill_grid_step(p, pool_in, pool_out, scr, compute)
 
 
 def kda_prefill(
@@ -137,7 +137,7 @@ def kda_prefill(
     b: jax.Array,  # [T, H]
     A_log: jax.Array,  # f32[H]
     dt_bias: jax.Array,  # f32[H, Dk]
-    state: jax.Array,  # f32[num_slots, H, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dk, Dv]  donated: updated in place
     query_start_loc: jax.Array,  # i32[S+1]
     slots: StateSlots,  # DESIGN.md §3
     *,
@@ -189,8 +189,7 @@ def _decode_kernel(
     s_in,  # [1, HB, Dk, Dv]  pool[src[r], heads], pipelined
     o_ref,  # [1, 1, HB, Dv]
     pool_out,  # ANY, aliased to the pool that s_in is read from
-    s_scr,  # VMEM f32[HB, Dk, Dv]
-    sem,
+    scr: StateScratch,  # VMEM f32 state of the head block, DMA semaphore, stage
     *, scale: float,
 ):  # fmt: skip
     def head(h, j):
@@ -201,7 +200,7 @@ def _decode_kernel(
         v = v_ref[0, 0, j : j + 1, :].astype(jnp.float32)  # [1, Dv]
         return qc, kc, v, jax.nn.sigmoid(b), jnp.exp(gc)  # decay: the state's rows, per channel
 
-    decode_grid_step(p, s_in, o_ref, pool_out, s_scr, sem, head)
+    decode_grid_step(p, s_in, o_ref, pool_out, scr, head)
 
 
 def kda_decode(
@@ -212,7 +211,7 @@ def kda_decode(
     b: jax.Array,  # [S, H]
     A_log: jax.Array,  # f32[H]
     dt_bias: jax.Array,  # f32[H, Dk]
-    state: jax.Array,  # f32[num_slots, H, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dk, Dv]  donated: updated in place
     slots: StateSlots,  # DESIGN.md §3
     *,
     heads_per_block: int | None = None,

@@ -87,6 +87,13 @@ class EngineArgs:
         "interpret-gpu: the TPU / GPU kernels in Pallas' interpreter on CPU (tests)",
         choices=["auto", "reference", "pallas", "interpret", "interpret-gpu"],
     )
+    state_dtype: str = _flag(
+        "float32",
+        "the recurrent (GDN / KDA) states' type in the state pool: bfloat16 halves a slot's "
+        "bytes (about twice the running and cached-prefix slots per GiB) and rounds the state "
+        "at every store; the kernels compute in float32 either way",
+        choices=["float32", "bfloat16"],
+    )
     allow_tf32: bool = _flag(
         False,
         "float32 models: let matmuls use TF32 tensor cores on NVIDIA (bf16 passes on TPU): "

@@ -157,6 +157,7 @@ class LLMEngine:
             cache_bytes=args.cache_bytes,
             num_checkpoint_slots=args.num_checkpoint_slots,
             sharding=sharding,
+            state_dtype=args.state_dtype,
         )
         self.runner = ModelRunner(
             model,
@@ -166,6 +167,7 @@ class LLMEngine:
             kernel_backend=args.kernel_backend,
             sharding=sharding,
             allow_tf32=args.allow_tf32,
+            state_dtype=args.state_dtype,
         )
         cache_cfg = CacheConfig(
             self.runner.memory.num_kv_blocks, self.runner.memory.num_state_slots

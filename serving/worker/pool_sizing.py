@@ -31,6 +31,7 @@ def size_pools(
     cache_bytes: int | None = None,
     num_checkpoint_slots: int | None = None,
     sharding: ShardingPlan | None = None,
+    state_dtype: str | jnp.dtype = "float32",
 ) -> MemoryPlan:
     """The pool sizes for ``cfg`` in ``dtype`` under ``sched_cfg``'s flags.
 
@@ -42,19 +43,21 @@ def size_pools(
         or four a sequence on CPU without ``cache_bytes``.
       sharding: tensor / expert parallel plan: the pools are split by head, and the bytes are
         a device's share.
+      state_dtype: the recurrent states' dtype (``--state-dtype``): bfloat16 halves their
+        bytes, so about twice the slots fit the same budget.
 
     In a multi-process job every process must call this (it is a collective): all size their
     pools from the smallest budget and the fewest checkpoint slots any of them planned.
     """
     if sharding is not None:
-        kv_bytes, slot_bytes = sharding.pool_bytes(sched_cfg.block_size, dtype)
+        kv_bytes, slot_bytes = sharding.pool_bytes(sched_cfg.block_size, dtype, state_dtype)
         kv_split, slot_split = sharding.pool_splits()
         max_blocks, max_slots = pool_limits(
             sharding.cache_config(), sched_cfg.block_size, kv_split=kv_split, slot_split=slot_split
         )
     else:
         kv_bytes = kv_block_bytes(cfg, sched_cfg.block_size, dtype)
-        slot_bytes = state_slot_bytes(cfg, dtype)
+        slot_bytes = state_slot_bytes(cfg, dtype, state_dtype)
         max_blocks, max_slots = pool_limits(cfg, sched_cfg.block_size)
     if cache_bytes is None:
         devices = list(sharding.mesh.devices.flat) if sharding else jax.local_devices()[:1]

@@ -131,6 +131,8 @@ class ModelRunner:
       sharding: tensor / expert parallel plan (``hyjax.sharding``): parameters are placed by
         its rules, the pools split by head, the kernels run under ``shard_map``. Pool sizes
         are then per device.
+      state_dtype: the recurrent-state pool's dtype (``float32`` or ``bfloat16``); ``memory``
+        must have been sized for it.
     """
 
     def __init__(
@@ -143,6 +145,7 @@ class ModelRunner:
         kernel_backend: str = "auto",
         sharding: ShardingPlan | None = None,
         allow_tf32: bool = False,
+        state_dtype: str = "float32",
     ):
         self.cfg = cfg
         self.sched_cfg = sched_cfg
@@ -172,11 +175,15 @@ class ModelRunner:
             log.info(sharding.describe_pools())
         for line in self.memory.describe().splitlines():
             log.info(line)
+        self.state_dtype = jnp.dtype(state_dtype)
+        if self.state_dtype != jnp.float32:
+            log.info("recurrent states stored in %s (computed in float32)", self.state_dtype)
         pools = dict(
             num_blocks=self.memory.num_kv_blocks,
             block_size=sched_cfg.block_size,
             num_slots=self.memory.num_state_slots,
             dtype=self.dtype,
+            state_dtype=self.state_dtype,
         )
         if sharding is not None:
             self.caches = sharding.init_caches(**pools)

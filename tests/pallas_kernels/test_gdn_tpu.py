@@ -177,7 +177,7 @@ BAD = {
     "gates_shape": (dict(a=jnp.zeros((10, 5))), r"a \(10, 5\) and b"),
     "A_log_shape": (dict(A_log=jnp.zeros(5)), "A_log .* must be"),
     "state_shape": (dict(state=jnp.zeros((4, 6, 8, 16))), "state .* must be"),
-    "state_dtype": (dict(state=jnp.zeros((4, 6, 16, 8), jnp.bfloat16)), "must be float32"),
+    "state_dtype": (dict(state=jnp.zeros((4, 6, 16, 8), jnp.float16)), "must be float32 or bf"),
     "ckpt_shape": (
         dict(slots=zero_slots(3, 2, ckpt_slots=jnp.zeros((3, 1), jnp.int32))),
         "ckpt_slots .* must match",

@@ -123,7 +123,9 @@ def test_kda_bad_shapes_name_the_argument():
     with pytest.raises(ValueError, match=r"g \(4, 3\) must be \[N=4, H=3, Dk=8\]"):
         kda_decode_reference(*args, state, slots)
     args[3] = z((4, H, DK))
-    with pytest.raises(ValueError, match="state .* must be f32"):
-        kda_decode_reference(*args, state.astype(jnp.bfloat16), slots)
+    with pytest.raises(ValueError, match=r"state \(3, 3, 4, 6\) must be"):
+        kda_decode_reference(*args, state[:, :, :4], slots)
+    with pytest.raises(ValueError, match="state dtype float16 must be float32 or bfloat16"):
+        kda_decode_reference(*args, state.astype(jnp.float16), slots)
     with pytest.raises(ValueError, match="ckpt_slots .* must match"):
         kda_decode_reference(*args, state, zero_slots(2, 1, ckpt_slots=z((2, 2), jnp.int32)))

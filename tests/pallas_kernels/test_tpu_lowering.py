@@ -38,20 +38,21 @@ def as_tpu(request):
     tpu_info.get_tpu_info.cache_clear()
 
 
-def _gdn_args(t, prefill):
+def _gdn_args(t, prefill, state=F32):
+    """``state``: the recurrent-state pool's dtype (``--state-dtype``)."""
     acts = [sd((t, HK, D), BF)] * 2 + [sd((t, HV, D), BF)] + [sd((t, HV), BF)] * 2
     qsl = [sd((ROWS + 1,), I32)] if prefill else []
-    return [*acts, sd((HV,), F32), sd((HV,), F32), sd((SLOTS, HV, D, D), F32), *qsl, SLOTS_ARG]
+    return [*acts, sd((HV,), F32), sd((HV,), F32), sd((SLOTS, HV, D, D), state), *qsl, SLOTS_ARG]
 
 
 # Kimi-Linear-48B's KDA: 32 heads of 128 channels, a gate per key channel.
 KDA_H = 32
 
 
-def _kda_args(t, prefill):
+def _kda_args(t, prefill, state=F32):
     acts = [sd((t, KDA_H, D), BF)] * 4 + [sd((t, KDA_H), BF)]  # q, k, v, g; b
     qsl = [sd((ROWS + 1,), I32)] if prefill else []
-    params = [sd((KDA_H,), F32), sd((KDA_H, D), F32), sd((SLOTS, KDA_H, D, D), F32)]
+    params = [sd((KDA_H,), F32), sd((KDA_H, D), F32), sd((SLOTS, KDA_H, D, D), state)]
     return [*acts, *params, *qsl, SLOTS_ARG]
 
 
@@ -67,6 +68,11 @@ def _conv_args(t, prefill):
         (gdn_tpu.gdn_decode, _gdn_args(ROWS, False)),
         (kda_tpu.kda_prefill, _kda_args(TOKENS, True)),
         (kda_tpu.kda_decode, _kda_args(ROWS, False)),
+        # A bf16 state pool: the slot DMAs go through a bf16 VMEM stage.
+        (gdn_tpu.gdn_prefill, _gdn_args(TOKENS, True, state=BF)),
+        (gdn_tpu.gdn_decode, _gdn_args(ROWS, False, state=BF)),
+        (kda_tpu.kda_prefill, _kda_args(TOKENS, True, state=BF)),
+        (kda_tpu.kda_decode, _kda_args(ROWS, False, state=BF)),
         (conv1d_tpu.causal_conv1d_prefill, _conv_args(TOKENS, True)),
         (conv1d_tpu.causal_conv1d_update, _conv_args(ROWS, False)),
     ],
@@ -75,6 +81,10 @@ def _conv_args(t, prefill):
         "gdn_decode",
         "kda_prefill",
         "kda_decode",
+        "gdn_prefill_bf16_state",
+        "gdn_decode_bf16_state",
+        "kda_prefill_bf16_state",
+        "kda_decode_bf16_state",
         "conv1d_prefill",
         "conv1d_update",
     ],

@@ -1,9 +1,11 @@
 """Pool sizing from a model's config and the flags, before any weights exist (CPU)."""
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from hyjax.cache import kv_block_bytes, state_slot_bytes
+from hyjax.cache import cache_spec, kv_block_bytes, state_slot_bytes
+from hyjax.models.qwen3_next.config import qwen3_next_80b_a3b
 from hyjax.tiny import tiny_config
 from serving.core.config import SchedulerConfig
 from serving.worker.pool_sizing import size_pools
@@ -33,3 +35,41 @@ def test_a_budget_is_split_with_a_tenth_for_checkpoints():
 def test_a_budget_too_small_for_one_request_names_it():
     with pytest.raises(ValueError, match="max_model_len"):
         size_pools(CFG, SCHED, jnp.float32, cache_bytes=4096, num_checkpoint_slots=0)
+
+
+def _split_slot_bytes(cfg, dtype, state_dtype):
+    """(conv window bytes, recurrent state bytes) of one slot, summed over the layers."""
+    spec = cache_spec(cfg)
+    layers = spec.num_linear_layers
+    conv = int(np.prod(spec.conv_shape)) * jnp.dtype(dtype).itemsize * layers
+    ssm = int(np.prod(spec.ssm_shape)) * jnp.dtype(state_dtype).itemsize * layers
+    return conv, ssm
+
+
+@pytest.mark.parametrize("cfg", [CFG, qwen3_next_80b_a3b()], ids=["tiny", "qwen3_next_80b"])
+def test_bf16_states_halve_the_state_bytes_of_a_slot(cfg):
+    """``--state-dtype bfloat16``: the recurrent states take half; the conv windows stay in
+    the model's dtype. At real shapes the states are nearly all of a slot (Qwen3-Next-80B:
+    98 %), so a budget holds 1.96 times the slots."""
+    conv, ssm = _split_slot_bytes(cfg, jnp.bfloat16, jnp.float32)
+    assert state_slot_bytes(cfg, jnp.bfloat16) == conv + ssm
+    assert state_slot_bytes(cfg, jnp.bfloat16, jnp.bfloat16) == conv + ssm // 2
+    if cfg is not CFG:
+        assert state_slot_bytes(cfg, jnp.bfloat16, jnp.bfloat16) < 0.52 * (conv + ssm)
+
+
+def test_bf16_states_fit_more_checkpoints_in_the_same_budget():
+    f32 = state_slot_bytes(CFG, jnp.bfloat16)
+    bf16 = state_slot_bytes(CFG, jnp.bfloat16, jnp.bfloat16)
+    budget = 400 * f32
+    mem32 = size_pools(CFG, SCHED, jnp.bfloat16, cache_bytes=budget)
+    mem16 = size_pools(CFG, SCHED, jnp.bfloat16, cache_bytes=budget, state_dtype="bfloat16")
+    assert (mem32.state_slot_bytes, mem16.state_slot_bytes) == (f32, bf16)
+    # A tenth of the budget for checkpoints: as many more as the slot is smaller.
+    assert mem32.num_checkpoint_slots == 40
+    assert mem16.num_checkpoint_slots == budget // 10 // bf16 > 40 * f32 // bf16 - 1
+    assert mem16.kv_bytes + mem16.state_bytes <= budget
+    # The CPU default sizes the same slots in fewer bytes.
+    assert size_pools(CFG, SCHED, jnp.float32, state_dtype="bfloat16").state_slot_bytes == (
+        state_slot_bytes(CFG, jnp.float32, jnp.bfloat16)
+    )
