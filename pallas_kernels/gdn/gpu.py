@@ -353,8 +353,7 @@ def gdn_prefill(
     operand_dtype=None,
     num_warps: int = 4,
     num_stages: int = 2,
-    three_launches: bool | None = None,
-    max_scratch_bytes: int = 1024 * 1024 * 1024,
+    three_launches: bool = False,
     block_v_out: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -401,8 +400,6 @@ def gdn_prefill(
             name="gdn_prefill_intra_gpu",
         )(plan.start, plan.length, _gate_params(A_log, dt_bias), q, k, v, a, b)
     )
-    if three_launches is None:  # the per-chunk states must fit the scratch budget
-        three_launches = nc * hv * dk * dv * op.itemsize <= max_scratch_bytes
     state_out = sds(state.shape, state.dtype)
     if not three_launches:
         args = (*rp, *x, state)
