@@ -177,40 +177,50 @@ def check(family: str) -> dict:
 # ----------------------------------------------------------------------------- timings
 
 
-def time_verify(family: str, rows: int, k: int, *, baselines: bool, **tuning) -> dict:
+def _verify_setup(family: str, rows: int, k: int):
     heads, acts_fn, kernel, prefill, decode, _ = FAMILIES[family]
     heads = heads()
     qsl, slots, num_slots = verify_slots(rows, k)
     acts = acts_fn(jax.random.PRNGKey(2), rows * k)
 
-    def step(fn):
+    def timed(fn, iters=50):
         def one(st, acts, qsl, slots):
             o, st = fn(*acts, st, qsl, slots)
             return st, o
 
-        return one
-
-    def timed(fn, iters=50):
         pool = _pool(jax.random.PRNGKey(3), num_slots, heads)  # donated: one per timing
-        return _time_stateful(step(fn), pool, (acts, qsl, slots), iters=iters)
+        return _time_stateful(one, pool, (acts, qsl, slots), iters=iters)
 
-    fn = functools.partial(kernel, max_tokens=k, interpret=INTERPRET, **tuning)
-    t = timed(fn)
+    return heads, kernel, prefill, decode, timed
+
+
+def time_verify(family: str, rows: int, k: int, **tuning) -> dict:
+    """The multi-decode kernel, bytes moved per launch and their rate."""
+    heads, kernel, _, _, timed = _verify_setup(family, rows, k)
+    t = timed(functools.partial(kernel, max_tokens=k, interpret=INTERPRET, **tuning))
     state_bytes = rows * (1 + k + 1) * heads * D * D * 4
     token_bytes = rows * k * _token_bytes(family)
-    out = {
+    return {
         "us": 1e6 * t,
         "state_MB": state_bytes / 1e6,
         "token_MB": token_bytes / 1e6,
         "GBps": (state_bytes + token_bytes) / t / 1e9,
     }
-    if baselines:
-        route = functools.partial(prefill, interpret=INTERPRET)
-        out["prefill_kernel_us"] = 1e6 * timed(route, iters=5)
-        if k == 1:  # the one-token decode kernel with the same slots (no query_start_loc)
-            one = functools.partial(decode, interpret=INTERPRET)
-            out["decode_kernel_us"] = 1e6 * timed(lambda *a: one(*a[:-2], a[-1]))
+
+
+def time_routes(family: str, rows: int, k: int) -> dict:
+    """What a verify step runs without this kernel: the chunked prefill with the same slots
+    (one-token chunks); at k = 1 also the one-token decode kernel."""
+    _, _, prefill, decode, timed = _verify_setup(family, rows, k)
+    out = {"prefill_kernel_us": 1e6 * timed(functools.partial(prefill, interpret=INTERPRET), 5)}
+    if k == 1:  # same slots, no query_start_loc
+        one = functools.partial(decode, interpret=INTERPRET)
+        out["decode_kernel_us"] = 1e6 * timed(lambda *a: one(*a[:-2], a[-1]))
     return out
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 def main() -> None:
@@ -219,13 +229,15 @@ def main() -> None:
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
     p.add_argument("--sweep", action="store_true", help="block_v x num_warps at B=64 k=4")
     p.add_argument("--no-baselines", action="store_true", help="skip the prefill/decode routes")
+    p.add_argument("--batches", default="64,256")
+    p.add_argument("--ks", default="1,2,4")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     global INTERPRET, GDN_HK, GDN_HV, KDA_H, D
     INTERPRET = args.interpret
     if args.interpret:  # the interpreter runs every program on the CPU: tiny heads only
         GDN_HK, GDN_HV, KDA_H, D = 2, 4, 2, 16
-    batches, ks = ([2], [1, 2]) if args.quick else ([64, 256], [1, 2, 4])
+    batches, ks = ([2], [1, 2]) if args.quick else (_ints(args.batches), _ints(args.ks))
     summary = {
         "device": device_name(),
         "jax": jax.__version__,
@@ -239,6 +251,9 @@ def main() -> None:
             summary[name] = {"failed": f"{type(e).__name__}: {e}"}
             traceback.print_exc()
         print(name, json.dumps(summary[name]), flush=True)
+        if args.out:  # after every entry: a run cut short still leaves its numbers
+            with open(args.out, "w") as f:
+                json.dump(summary, f, indent=2)
 
     guarded("floors", copy_bandwidth)
     bw = summary["floors"].get("copy_bandwidth_GBps")
@@ -248,22 +263,23 @@ def main() -> None:
         for rows in batches:
             for k in ks:
                 name = f"{family}_B{rows}_k{k}"
-                guarded(
-                    name,
-                    lambda f=family, r=rows, k=k: time_verify(
-                        f, r, k, baselines=not args.no_baselines
-                    ),
-                )
+                guarded(name, lambda f=family, r=rows, k=k: time_verify(f, r, k))
                 if bw and "GBps" in summary[name]:
                     summary[name]["of_copy_bandwidth"] = summary[name]["GBps"] / bw
+    if not args.no_baselines:
+        for family in FAMILIES:
+            for rows in batches:
+                for k in ks:
+                    guarded(
+                        f"routes_{family}_B{rows}_k{k}",
+                        lambda f=family, r=rows, k=k: time_routes(f, r, k),
+                    )
     if args.sweep:
         for family in FAMILIES:
             for bv, nw in [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]:
                 guarded(
                     f"sweep_{family}_B64_k4_bv{bv}_w{nw}",
-                    lambda f=family, bv=bv, nw=nw: time_verify(
-                        f, 64, 4, baselines=False, block_v=bv, num_warps=nw
-                    ),
+                    lambda f=family, bv=bv, nw=nw: time_verify(f, 64, 4, block_v=bv, num_warps=nw),
                 )
     text = json.dumps(summary, indent=2)
     print(text)
