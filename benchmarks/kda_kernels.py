@@ -41,7 +41,7 @@ PRECISIONS = {"f32": jax.lax.Precision.HIGHEST, "tf32": jax.lax.Precision.DEFAUL
 # the old single serial launch of 16-token chunks, and the default with bf16 dot operands
 # (FLA's chunk_kda runs that way).
 VARIANTS = {
-    "three": {},
+    "three": {"operand_dtype": jnp.float32},
     "serial": {"three_launches": False},
     "bf16ops": {"operand_dtype": jnp.bfloat16},
 }
@@ -259,7 +259,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
     p.add_argument("--out", default=None)
+    p.add_argument("--only", default=None, help="comma-separated name prefixes to run")
     args = p.parse_args()
+    only = tuple(args.only.split(",")) if args.only else None
     global INTERPRET, H, D
     INTERPRET = args.interpret
     if args.interpret:  # the interpreter runs every program in Python: tiny heads only
@@ -271,6 +273,8 @@ def main() -> None:
     summary = {"device": device_name(), "jax": jax.__version__, "shapes": f"H={H} D={D}"}
 
     def guarded(name, fn):
+        if only and not name.startswith(only):
+            return
         try:
             summary[name] = fn()
         except Exception as e:  # noqa: BLE001 - keep going, report the failure

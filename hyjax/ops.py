@@ -54,7 +54,6 @@ from pallas_kernels.attention.reference import (
     ragged_paged_attention_reference,
     write_kv_reference,
 )
-from pallas_kernels.conv1d import gpu as conv1d_gpu
 from pallas_kernels.conv1d import tpu as conv1d_tpu
 from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
@@ -158,8 +157,9 @@ GRID: dict[str, Row] = {
     "conv1d_prefill": Row(
         reference=causal_conv1d_prefill_reference,
         tpu=conv1d_tpu.causal_conv1d_prefill,
-        # every shape (channel tiles masked); the source windows gathered by XLA first
-        gpu=conv1d_gpu.causal_conv1d_prefill,
+        # XLA's: the Pallas kernel (pallas_kernels/conv1d/gpu.py) measured 118 us at B=1
+        # T=4096 on an H200 (27 % of copy bandwidth), slower than XLA's fusion (BENCHMARKS.md)
+        gpu=None,
     ),
     "conv1d_update": Row(
         reference=causal_conv1d_update_reference,

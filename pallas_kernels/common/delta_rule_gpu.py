@@ -87,6 +87,15 @@ def compiler_params(num_warps: int, num_stages: int):
     return pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def operand_dtype_for(dtype, requested=None):
+    """The dtype of the prefill's matmul operands and scratch: ``requested``, else 16-bit
+    activations' own (FLA's choice: bf16 products, f32 accumulation and state) and float32
+    otherwise (float32 models keep float32 products)."""
+    if requested is not None:
+        return jnp.dtype(requested)
+    return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(jnp.float32)
+
+
 # ----------------------------------------------------------------------------- state blocks
 
 

@@ -76,6 +76,7 @@ from pallas_kernels.common.delta_rule_gpu import (
     compiler_params,
     decode_program,
     launch_decode,
+    operand_dtype_for,
     pad_tokens,
     pick_block_v,
     row_plan,
@@ -325,15 +326,6 @@ def _output_kernel(
         o = mm(q_dec, h_ref[ci, h, :, vs], precision=precision)
         o = o + mm(a_qk, vnew, precision=precision)
         pltr.store(o_ref.at[win.rows, h, vs], o.astype(o_ref.dtype), mask=rows)
-
-
-def operand_dtype_for(dtype, requested=None):
-    """The dtype of the prefill's matmul operands and scratch: ``requested``, else 16-bit
-    activations' own (FLA's choice: bf16 products, f32 accumulation and state) and float32
-    otherwise (float32 models keep float32 products)."""
-    if requested is not None:
-        return jnp.dtype(requested)
-    return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(jnp.float32)
 
 
 def gdn_prefill(

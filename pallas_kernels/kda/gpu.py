@@ -82,6 +82,7 @@ from pallas_kernels.common.delta_rule_gpu import (
     compiler_params,
     decode_program,
     launch_decode,
+    operand_dtype_for,
     pad_tokens,
     pick_block_v,
     row_plan,
@@ -491,7 +492,7 @@ def kda_prefill(
     n, h, dk = q.shape
     dv = v.shape[2]
     rows, max_ckpt = slots.ckpt_offsets.shape
-    op = jnp.dtype(jnp.float32 if operand_dtype is None else operand_dtype)
+    op = operand_dtype_for(v.dtype, operand_dtype)
     if three_launches is None:
         nc = max_chunks(n, rows, max_ckpt, CHUNK)
         three_launches = nc * h * dk * dv * op.itemsize <= max_scratch_bytes
