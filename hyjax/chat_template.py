@@ -19,6 +19,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -83,6 +84,19 @@ def compile_chat_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise ChatTemplateError(f"chat template does not compile: {e} (line {e.lineno})") from e
+
+
+@functools.lru_cache(maxsize=16)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a template reads from its context (``messages``, ``tools`` ...); a
+    template that never reads ``tools`` cannot show tools to the model.
+
+    Raises:
+        ChatTemplateError: The source is not valid Jinja.
+    """
+    compile_chat_template(source)  # the same error for a broken source
+    env = ImmutableSandboxedEnvironment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
 
 
 def render_chat_template(

@@ -262,6 +262,29 @@ class Tokenizer:
         """The default chat template, or None."""
         return self.chat_templates.get("default")
 
+    def chat_template_source(
+        self, chat_template: str | None = None, *, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str:
+        """The template source ``apply_chat_template`` renders with these arguments.
+
+        Raises:
+            ChatTemplateError: No template is available.
+        """
+        if chat_template in self.chat_templates:
+            return self.chat_templates[chat_template]
+        if chat_template is not None:
+            return chat_template
+        if tools is not None and "tool_use" in self.chat_templates:
+            return self.chat_templates["tool_use"]
+        if "default" in self.chat_templates:
+            return self.chat_templates["default"]
+        available = sorted(self.chat_templates)
+        raise ChatTemplateError(
+            "this tokenizer has no chat template"
+            + (f" named 'default' (available: {available})" if available else "")
+            + "; pass chat_template=..."
+        )
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -293,21 +316,7 @@ class Tokenizer:
         Raises:
             ChatTemplateError: No template is available, or the template raised.
         """
-        if chat_template in self.chat_templates:
-            source = self.chat_templates[chat_template]
-        elif chat_template is not None:
-            source = chat_template
-        elif tools is not None and "tool_use" in self.chat_templates:
-            source = self.chat_templates["tool_use"]
-        elif "default" in self.chat_templates:
-            source = self.chat_templates["default"]
-        else:
-            available = sorted(self.chat_templates)
-            raise ChatTemplateError(
-                "this tokenizer has no chat template"
-                + (f" named 'default' (available: {available})" if available else "")
-                + "; pass chat_template=..."
-            )
+        source = self.chat_template_source(chat_template, tools=tools)
         return render_chat_template(
             source,
             messages,

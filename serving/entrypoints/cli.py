@@ -16,6 +16,8 @@ from tqdm import tqdm
 from serving.core.request import EngineRequest
 from serving.engine.engine_args import EngineArgs, add_engine_args, engine_kwargs
 from serving.engine.logs import setup_logging
+from serving.entrypoints.reasoning_parsers import REASONING_PARSERS
+from serving.entrypoints.tool_parsers import TOOL_PARSERS
 
 
 def engine_args(ns: argparse.Namespace, **extra) -> EngineArgs:
@@ -229,7 +231,17 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         kwargs["multihost"] = dataclasses.asdict(multihost)
     from serving.engine.engine_client import EngineStartError
+    from serving.entrypoints.chat_output import ChatParsing
     from serving.entrypoints.server import serve
+
+    try:
+        chat_parsing = ChatParsing(
+            tool_call_parser=ns.tool_call_parser,
+            enable_auto_tool_choice=ns.enable_auto_tool_choice,
+            reasoning_parser=ns.reasoning_parser,
+        )
+    except ValueError as e:
+        raise SystemExit(f"hyjax serve: {e}") from None
 
     try:
         return serve(
@@ -241,6 +253,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             max_request_bytes=ns.max_request_bytes,
             shutdown_timeout=ns.shutdown_timeout,
             log_level="warning" if ns.quiet else "info",
+            chat_parsing=chat_parsing,
         )
     except EngineStartError as e:
         print(f"hyjax serve: the engine failed to start: {e}", file=sys.stderr)
@@ -264,6 +277,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds in-flight requests may finish before they are aborted",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="parse the tool calls of chat outputs in this format into message.tool_calls",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="put the <think> reasoning of chat outputs into message.reasoning_content",
+    )
     p.add_argument(
         "--warmup",
         default="background",

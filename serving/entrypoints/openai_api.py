@@ -20,10 +20,12 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from hyjax.chat_template import template_variables
 from hyjax.tokenizer import ChatTemplateError, Tokenizer
 from serving.core.request import SamplingParams
 from serving.engine.engine_client import EngineClient, EngineDeadError, RequestRejected
 from serving.engine.messages import Delta
+from serving.entrypoints.chat_output import ChatOutputParser, ChatParsing
 from serving.entrypoints.http_metrics import ServerMetrics
 from serving.entrypoints.protocol import (
     ChatChoice,
@@ -40,6 +42,8 @@ from serving.entrypoints.protocol import (
     _SamplingFields,
     error_body,
 )
+from serving.entrypoints.reasoning_parsers import REASONING_PARSERS
+from serving.entrypoints.tool_parsers import TOOL_PARSERS, ToolCall, ToolParser
 
 MAX_CHOICES = 256  # engine requests per HTTP request (prompts x n)
 SEED_STRIDE = 0x9E3779B9  # sample j of n gets seed + j * stride (mod 2**32)
@@ -240,11 +244,13 @@ class OpenAIServing:
         tokenizer: Tokenizer | None,
         model_name: str,
         metrics: ServerMetrics,
+        chat_parsing: ChatParsing | None = None,
     ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
+        self.chat_parsing = chat_parsing or ChatParsing()
 
     # ------------------------------------------------------------------ inputs
 
@@ -297,9 +303,19 @@ class OpenAIServing:
             )
         return prompts
 
-    async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    async def chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The rendered prompt and its token ids."""
         tok = self._require_tokenizer()
         try:
+            if req.tools:
+                source = tok.chat_template_source(tools=req.tools)
+                if "tools" not in template_variables(source):
+                    raise ApiError(
+                        400,
+                        "this model's chat template does not render tools",
+                        param="tools",
+                        code="tools_not_supported",
+                    )
             text = tok.apply_chat_template(
                 [m.template_dict() for m in req.messages],
                 add_generation_prompt=req.add_generation_prompt,
@@ -310,7 +326,48 @@ class OpenAIServing:
             raise ApiError(400, f"chat template error: {e}", param="messages") from None
         except TypeError as e:  # a chat_template_kwargs key that clashes with an argument
             raise ApiError(400, str(e), param="chat_template_kwargs") from None
-        return await self._encode(text, add_special_tokens=False)
+        return text, await self._encode(text, add_special_tokens=False)
+
+    def tool_parser(self, req: ChatCompletionRequest) -> ToolParser | None:
+        """The request's tool-call parser (None: its output is not parsed for calls).
+
+        ``required`` and a named ``tool_choice`` are not enforced while decoding yet: an
+        output that does not parse as a call is returned as content.
+        """
+        try:
+            req.check_tools()
+        except ValueError as e:
+            field, _, message = str(e).partition(": ")
+            raise ApiError(400, message, param=field) from None
+        choice = req.tool_choice
+        if not req.tools or choice == "none":
+            return None
+        name = self.chat_parsing.tool_call_parser
+        if choice in (None, "auto") and not self.chat_parsing.enable_auto_tool_choice:
+            raise ApiError(
+                400,
+                'tool_choice "auto" needs the server started with --enable-auto-tool-choice '
+                "and --tool-call-parser",
+                param="tool_choice",
+            )
+        if name is None:
+            raise ApiError(
+                400, "tool calls need the server started with --tool-call-parser",
+                param="tool_choice",
+            )  # fmt: skip
+        return TOOL_PARSERS[name](req.tools)
+
+    def chat_output_parser(
+        self, req: ChatCompletionRequest, tools: ToolParser | None, prompt: str
+    ) -> ChatOutputParser:
+        name = self.chat_parsing.reasoning_parser
+        reasoning = REASONING_PARSERS[name] if name is not None else None
+        return ChatOutputParser(
+            reasoning,
+            tools,
+            in_reasoning=reasoning is not None and reasoning.starts_in_reasoning(prompt),
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+        )
 
     async def _start(
         self, prefix: str, body: _SamplingFields, prompts: list[list[int]], params: SamplingParams
@@ -374,39 +431,73 @@ class OpenAIServing:
         except ValueError as e:
             raise ApiError(400, str(e), param="top_logprobs") from None
         params = self.sampling_params(req, max_tokens, n_logprobs)
-        prompt = await self.chat_prompt(req)
+        tools = self.tool_parser(req)
+        prompt_text, prompt = await self.chat_prompt(req)
         group = await self._start("chatcmpl", req, [prompt], params)
         wants = params.logprobs is not None
+        parsers = {c.index: self.chat_output_parser(req, tools, prompt_text) for c in group.choices}
+        called: set[int] = set()  # choices that made a tool call
 
-        def chunk(c: _Choice | None, d: Delta | None, role: bool = False) -> dict:
-            choices = []
-            if c is not None:
-                delta = DeltaMessage(role="assistant", content="") if role else DeltaMessage()
-                if d is not None and d.text:
-                    delta.content = d.text
-                choices.append(ChatChunkChoice(
-                    index=c.index,
-                    delta=delta,
-                    logprobs=self._chat_logprobs(d.logprobs if d is not None else None),
-                    finish_reason=d.finish_reason if d is not None and d.finished else None,
-                ))  # fmt: skip
-            body = ChatCompletionChunk(id=group.id, created=group.created, model=self.model_name,
-                                       choices=choices)  # fmt: skip
-            return body.model_dump(exclude={"usage"})  # streamed: usage only where asked
+        def finish_reason(c: _Choice, reason: str | None) -> str | None:
+            return "tool_calls" if reason == "stop" and c.index in called else reason
+
+        def chunk(c: _Choice | None, d: Delta | None, role: bool = False) -> list[dict]:
+            def body(delta: DeltaMessage, logprobs=None, reason=None) -> dict:
+                choices = []
+                if c is not None:
+                    choices.append(ChatChunkChoice(index=c.index, delta=delta, logprobs=logprobs,
+                                                   finish_reason=reason))  # fmt: skip
+                out = ChatCompletionChunk(id=group.id, created=group.created,
+                                          model=self.model_name, choices=choices)  # fmt: skip
+                return out.model_dump(exclude={"usage"})  # streamed: usage only where asked
+
+            if c is None or role:
+                return [
+                    body(DeltaMessage(role="assistant", content="") if role else DeltaMessage())
+                ]
+            assert d is not None
+            parser = parsers[c.index]
+            parsed = parser.feed(d.text or "")
+            if d.finished:
+                parsed += parser.finish()
+            deltas = []
+            if parsed.reasoning:
+                deltas.append(DeltaMessage(reasoning_content=parsed.reasoning))
+            if parsed.content:
+                deltas.append(DeltaMessage(content=parsed.content))
+            first_index = parser.num_calls - len(parsed.tool_calls)
+            for k, call in enumerate(parsed.tool_calls):
+                called.add(c.index)
+                deltas += _tool_call_deltas(call, first_index + k)
+            logprobs = self._chat_logprobs(d.logprobs)
+            reason = finish_reason(c, d.finish_reason) if d.finished else None
+            if not deltas and (logprobs or reason):
+                deltas.append(DeltaMessage())
+            return [
+                body(delta, logprobs if k == 0 else None, reason if k == len(deltas) - 1 else None)
+                for k, delta in enumerate(deltas)
+            ]
 
         def first() -> list[dict]:
-            return [chunk(c, None, role=True) for c in group.choices]
+            return [b for c in group.choices for b in chunk(c, None, role=True)]
 
         def final() -> dict:
-            choices = [
-                ChatChoice(
-                    index=c.index,
-                    message=ChatCompletionMessage(content="".join(c.text)),
-                    logprobs=self._chat_logprobs(c.logprobs if wants else None),
-                    finish_reason=c.finish_reason,
+            choices = []
+            for c in group.choices:
+                parsed = parsers[c.index].parse("".join(c.text))
+                if parsed.tool_calls:
+                    called.add(c.index)
+                message = ChatCompletionMessage(
+                    content=parsed.content or (None if parsed.tool_calls else ""),
+                    reasoning_content=parsed.reasoning or None,
+                    tool_calls=[t.to_openai() for t in parsed.tool_calls] or None,
                 )
-                for c in group.choices
-            ]
+                choices.append(ChatChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._chat_logprobs(c.logprobs if wants else None),
+                    finish_reason=finish_reason(c, c.finish_reason),
+                ))  # fmt: skip
             return ChatCompletionResponse(
                 id=group.id, created=group.created, model=self.model_name, choices=choices,
                 usage=group.usage(),
@@ -514,9 +605,12 @@ class OpenAIServing:
                     yield _sse(error_body(*_error_fields(_error_of(d))))
                     continue
                 if d.text or d.finished:
-                    yield _sse(with_usage(chunk(c, d)))
+                    bodies = chunk(c, d)  # a chat chunk may hold text back, or split
+                    for body in bodies if isinstance(bodies, list) else [bodies]:
+                        yield _sse(with_usage(body))
             if include_usage:
                 body = chunk(None, None)
+                body = body[0] if isinstance(body, list) else body
                 body["usage"] = group.usage().model_dump()
                 yield _sse(body)
         except ApiError as e:  # the engine went away mid-stream
@@ -524,6 +618,15 @@ class OpenAIServing:
         finally:
             group.abort()  # a no-op unless the client left mid-stream
         yield "data: [DONE]\n\n"
+
+
+def _tool_call_deltas(call: ToolCall, index: int) -> list[DeltaMessage]:
+    """A call as the OpenAI SDK accumulates it: index, id, type and name first, then the
+    arguments (one fragment: a call is emitted once its block is closed)."""
+    head = {"index": index, "id": call.id, "type": "function"}
+    head["function"] = {"name": call.name, "arguments": ""}
+    rest = {"index": index, "function": {"arguments": call.arguments}}
+    return [DeltaMessage(tool_calls=[head]), DeltaMessage(tool_calls=[rest])]
 
 
 def _error_fields(e: ApiError) -> tuple[str, str, str | None, str | None]:

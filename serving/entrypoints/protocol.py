@@ -3,13 +3,14 @@
 Requests accept the OpenAI fields hyjax implements plus vLLM-style extras (``top_k``,
 ``min_p``, ``ignore_eos``, ``stop_token_ids``); unknown fields are ignored, as the OpenAI
 clients send new fields before servers know them. Fields that would change the output in a way
-hyjax does not implement yet (``echo``, penalties, ``logit_bias``, ``response_format``, a
-``tool_choice`` that demands a call, vLLM's guided decoding ...) are rejected with a 400
-naming the field rather than silently dropped (``unsupported_fields``).
+hyjax does not implement yet (``echo``, penalties, ``logit_bias``, ``response_format``,
+vLLM's guided decoding ...) are rejected with a 400 naming the field rather than silently
+dropped (``unsupported_fields``).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -219,7 +220,25 @@ class ChatMessage(BaseModel):
         d = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             d["content"] = "".join(p.text for p in self.content)
+        if isinstance(d.get("tool_calls"), list):
+            d["tool_calls"] = [_call_for_template(c) for c in d["tool_calls"]]
         return d
+
+
+def _call_for_template(call: Any) -> Any:
+    """An OpenAI tool call as templates read it: ``arguments`` as a mapping (Qwen3-Coder's
+    template iterates over it; Qwen3's writes a mapping or a string as is)."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    fn = call["function"]
+    if isinstance(fn.get("arguments"), str):
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            return call
+        if isinstance(args, dict):
+            return {**call, "function": {**fn, "arguments": args}}
+    return call
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -230,16 +249,52 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def unsupported_fields(self) -> list[str]:
-        bad = super().unsupported_fields()
-        # The tools reach the chat template, but calls are not parsed or enforced yet: a
-        # tool_choice that demands a call ("required", a named function) cannot be honoured.
-        if self.tool_choice not in (None, "none", "auto"):
-            bad.append("tool_choice")
-        return bad
+    def tool_names(self) -> list[str]:
+        return [
+            t["function"]["name"]
+            for t in self.tools or ()
+            if isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+        ]
+
+    def check_tools(self) -> None:
+        """Raises ValueError ``"FIELD: message"`` for inconsistent tool fields."""
+        for i, tool in enumerate(self.tools or ()):
+            fn = tool.get("function")
+            if tool.get("type", "function") != "function" or not isinstance(fn, dict):
+                raise ValueError(f"tools: tools[{i}] must be a function tool")
+            if not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"tools: tools[{i}].function.name must be a non-empty string")
+        choice = self.tool_choice
+        if choice is not None and not self.tools and choice != "none":
+            raise ValueError(f"tool_choice: tool_choice={choice!r} needs tools")
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise ValueError(f"tool_choice: {choice!r} is not none, auto, required or a function")
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise ValueError(
+                    'tool_choice: expected {"type": "function", "function": {"name": ...}}'
+                )
+            if name not in self.tool_names():
+                raise ValueError(f"tool_choice: function {name!r} is not in tools")
+        called: set[str] = set()
+        for i, m in enumerate(self.messages):
+            extra = m.model_extra or {}
+            if m.role == "assistant":
+                for call in extra.get("tool_calls") or ():
+                    if isinstance(call, dict) and isinstance(call.get("id"), str):
+                        called.add(call["id"])
+            elif m.role == "tool":
+                call_id = extra.get("tool_call_id")
+                if call_id not in called:
+                    raise ValueError(
+                        f"messages: messages[{i}] (role tool) has tool_call_id={call_id!r}, "
+                        "which no earlier assistant tool call has"
+                    )
 
     def requested_logprobs(self) -> int | None:
         """How many top logprobs to report (None: no logprobs)."""
@@ -281,8 +336,17 @@ class CompletionResponse(BaseModel):
 
 
 class ChatCompletionMessage(BaseModel):
+    """``reasoning_content`` and ``tool_calls`` are left out when there are none."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_extras(self, handler) -> dict:
+        d = handler(self)
+        return {k: v for k, v in d.items() if k == "content" or v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -306,6 +370,8 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _without_none(self, handler) -> dict:

@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyjax.tokenizer import Tokenizer, TokenizerFilesError
 from serving.engine.engine_client import EngineClient, EngineDeadError
+from serving.entrypoints.chat_output import ChatParsing
 from serving.entrypoints.http_metrics import CONTENT_TYPE, ServerMetrics
 from serving.entrypoints.openai_api import ApiError, OpenAIServing
 from serving.entrypoints.protocol import (
@@ -68,6 +69,7 @@ class ServerState:
         api_key: str | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         tokenizer: Tokenizer | None = None,
+        chat_parsing: ChatParsing | None = None,
     ) -> None:
         self.client = client
         self.model_name = model_name
@@ -75,7 +77,7 @@ class ServerState:
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         self.metrics = ServerMetrics(model_name)
-        self.serving = OpenAIServing(client, tokenizer, model_name, self.metrics)
+        self.serving = OpenAIServing(client, tokenizer, model_name, self.metrics, chat_parsing)
         self.draining = False
         self.in_flight = 0  # HTTP requests inside the app
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -310,6 +312,7 @@ def serve(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     shutdown_timeout: float = 30.0,
     log_level: str = "info",
+    chat_parsing: ChatParsing | None = None,
 ) -> int:
     """Binds the port, starts the engine process, then serves until SIGTERM/SIGINT. Returns
     the exit code (1: the port is taken, the engine failed or died)."""
@@ -335,6 +338,7 @@ def serve(
             api_key=api_key,
             max_request_bytes=max_request_bytes,
             tokenizer=tokenizer,
+            chat_parsing=chat_parsing,
         )
         config = uvicorn.Config(
             build_app(state),
