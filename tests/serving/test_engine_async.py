@@ -191,3 +191,23 @@ def test_no_row_ahead_when_the_host_needs_the_token_or_it_ends_the_request(cachi
     s.schedule()
     out1 = s.schedule()
     assert out1 is None if caching else out1.request_ids == ["blk"]
+
+
+def test_async_preemption_under_a_tiny_pool(model_dir):
+    """test_engine.py's tiny pool (preemptions with caching on): async is token-identical to
+    sync and gives every block and slot back."""
+    tiny = dict(
+        BASE,
+        min_token_bucket=128,
+        cache_bytes=45 * 4096 + 9 * 16896,
+        num_checkpoint_slots=4,
+        warmup=False,
+    )
+    sync = LLMEngine(EngineArgs(model=model_dir, **tiny))
+    on = LLMEngine(EngineArgs(model=model_dir, async_scheduling=True, **tiny))
+    _count_spliced(on)
+    want = _tokens(run_waves(sync, workload(seed=1, max_tokens=80)))
+    got = _tokens(run_waves(on, workload(seed=1, max_tokens=80)))
+    assert got == want
+    assert on.metrics().num_preemptions > 0 and on.spliced > 100
+    _assert_all_freed(on)
