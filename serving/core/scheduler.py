@@ -39,6 +39,14 @@ Overlap: ``schedule()`` may run before the previous step's ``update()``. A reque
 token is still in flight has nothing to schedule and is skipped; one preempted meanwhile is
 not admitted again before that token arrives (``awaiting_token``).
 
+Async scheduling (``async_scheduling=True``): a running request whose only missing token is
+the one the previous plan samples gets a decode row for it anyway, its input id read on
+device from that step's output (``SchedulerOutput.from_prev``). Not when the host needs the
+token's id to schedule the row (prefix caching and the row fills a KV block: its hash), nor
+when the pending token certainly ends the request (``max_tokens``, ``max_model_len``). A
+request that finishes (EOS, stop, abort) while a later step still has its row keeps its
+blocks and slot until that step's ``update``, which discards the row's token.
+
 When the KV pool runs dry, the most recently admitted running request is preempted (by
 recompute): its blocks and running slot are freed and it goes back to the front of the
 waiting queue with every known token to prefill again, through the same lookup.
@@ -97,7 +105,12 @@ class Scheduler:
     """
 
     def __init__(
-        self, sched_cfg: SchedulerConfig, cache_cfg: CacheConfig, *, rng_seed: int | None = None
+        self,
+        sched_cfg: SchedulerConfig,
+        cache_cfg: CacheConfig,
+        *,
+        rng_seed: int | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.cfg = sched_cfg
         self.cache = CacheManager(sched_cfg, cache_cfg)
@@ -108,6 +121,14 @@ class Scheduler:
         self._sampling = SamplingArrays.empty(sched_cfg.max_num_seqs)  # by table row
         self._rng = random.Random(rng_seed)
         self._arrivals = 0
+        self.async_scheduling = async_scheduling
+        self._last_plan_step = -1  # step id of the newest step with a plan
+        # Per request id, over steps scheduled and not yet updated: rows, sampled tokens, and
+        # (step id, row) of the newest sampling row.
+        self._rows_in_flight: collections.Counter[str] = collections.Counter()
+        self._tokens_in_flight: collections.Counter[str] = collections.Counter()
+        self._sampling_row: dict[str, tuple[int, int]] = {}
+        self._free_after: dict[str, Request] = {}  # finished, freed when their rows are done
         self._step_id = 0
         self._num_preemptions = 0
 
@@ -121,7 +142,7 @@ class Scheduler:
         fit the KV pool is accepted but finished at once with reason ``error`` (``req.error``
         says why); the next ``schedule``/``update`` reports it.
         """
-        if req.request_id in self._requests:
+        if req.request_id in self._requests or req.request_id in self._free_after:
             raise ValueError(f"request_id={req.request_id!r} is already in use")
         prompt_len = req.num_prompt_tokens
         if prompt_len == 0:
@@ -175,12 +196,12 @@ class Scheduler:
         req = self._requests.get(request_id)
         if req is None:
             return
-        self.cache.free(req)
         self._set_finished(req, reason)
+        self._free(req)
 
     def has_unfinished_requests(self) -> bool:
         """Whether ``schedule`` has anything left to run or report."""
-        return bool(self._requests or self._rejected)
+        return bool(self._requests or self._rejected or self._free_after)
 
     @property
     def num_running(self) -> int:
@@ -226,7 +247,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             start = req.num_computed_tokens
-            n = self._chunk_len(req, start, budget)
+            ahead = self._ahead_row(req)
+            n = 1 if ahead is not None else self._chunk_len(req, start, budget)
             if n == 0:
                 i += 1
                 continue
@@ -238,7 +260,7 @@ class Scheduler:
                     break
             else:
                 slot = self.cache.alloc(req.request_id).running_slot
-                self._add_row(b, req, start, n, src=slot)
+                self._add_row(b, req, start, n, src=slot, ahead=ahead)
                 budget -= n
                 i += 1
 
@@ -289,6 +311,7 @@ class Scheduler:
             b.dst,
             b.ckpts,
         )
+        self._last_plan_step = b.step_id
         self._step_id += 1
         return SchedulerOutput(
             plan,
@@ -299,6 +322,7 @@ class Scheduler:
             finished=rejected,
             ckpt_written=b.ckpt_written,
             slots_held=b.slots_held,
+            from_prev=b.from_prev,
         )
 
     def update(self, output: SchedulerOutput, sampled: np.ndarray) -> list[RequestUpdate]:
@@ -315,10 +339,20 @@ class Scheduler:
         updates = list(output.finished)
         tokens = np.asarray(sampled).tolist()
         for s, req in enumerate(output.requests):
+            rid = req.request_id
+            self._rows_in_flight[rid] -= 1
+            if not self._rows_in_flight[rid]:
+                del self._rows_in_flight[rid]
+                if rid in self._free_after:
+                    self.cache.free(self._free_after.pop(rid))
             if not output.samples[s]:
                 continue
-            req.awaiting_token = False
-            if req.is_finished:
+            self._tokens_in_flight[rid] -= 1
+            if not self._tokens_in_flight[rid]:
+                del self._tokens_in_flight[rid]
+                req.awaiting_token = False
+                del self._sampling_row[rid]
+            if req.is_finished:  # the token of a row scheduled before it finished: dropped
                 continue
             tok = int(tokens[s])
             req.output_token_ids.append(tok)
@@ -327,8 +361,8 @@ class Scheduler:
                 self.cache.hash_new_blocks(req)
             reason = self._stop_reason(req, tok)
             if reason is not None:
-                self.cache.free(req)
                 self._set_finished(req, reason)
+                self._free(req)
             updates.append(self._report(req, [tok], reason))
         return updates
 
@@ -343,8 +377,43 @@ class Scheduler:
         assert start % g == 0, f"a partial prefill chunk must start on a multiple of {g=}"
         return budget // g * g
 
-    def _add_row(self, b: _StepBuilder, req: Request, start: int, n: int, src: int) -> None:
-        """Schedules tokens ``[start, start + n)`` of running ``req`` (blocks already held)."""
+    def _ahead_row(self, req: Request) -> int | None:
+        """Async scheduling: the previous plan's row that samples ``req``'s one missing token,
+        if ``req`` decodes it in this step without knowing its id; else None.
+
+        ``req`` needs: exactly one token in flight, sampled by the newest plan (the runner
+        splices that plan's output), everything else computed; a row that fills no KV block
+        when prefix caching is on (registering it hashes the token); and room for another
+        token after the pending one (else the pending one ends it by length).
+        """
+        rid = req.request_id
+        if not self.async_scheduling or self._tokens_in_flight[rid] != 1:
+            return None
+        step, row = self._sampling_row[rid]
+        known = len(req.all_token_ids)
+        if step != self._last_plan_step or req.num_computed_tokens != known:
+            return None
+        if self.cfg.enable_prefix_caching and (known + 1) % self.cfg.block_size == 0:
+            return None
+        if len(req.output_token_ids) + 1 >= req.max_tokens or known + 1 >= self.cfg.max_model_len:
+            return None
+        return row
+
+    def _free(self, req: Request) -> None:
+        """Frees finished ``req``'s blocks and slot now, or, with async scheduling, at the
+        ``update`` of the last scheduled step with a row of it (that step still reads and
+        writes them on the device while the host schedules the next one)."""
+        if self.async_scheduling and self._rows_in_flight[req.request_id]:
+            self._free_after[req.request_id] = req
+        else:
+            self.cache.free(req)
+
+    def _add_row(
+        self, b: _StepBuilder, req: Request, start: int, n: int, src: int, ahead: int | None = None
+    ) -> None:
+        """Schedules tokens ``[start, start + n)`` of running ``req`` (blocks already held).
+        ``ahead``: the previous plan's row that samples the one token ``[start, start + 1)``
+        (async scheduling; its id is spliced in on device)."""
         alloc = self.cache.alloc(req.request_id)
         end = start + n
         if self.cfg.enable_prefix_caching:
@@ -362,15 +431,24 @@ class Scheduler:
         b.table_rows.append(alloc.row)
         b.starts.append(start)
         b.q_lens.append(n)
-        b.input_ids += req.all_token_ids[start:end]
+        if ahead is None:
+            b.input_ids += req.all_token_ids[start:end]
+        else:
+            assert n == 1 and start == len(req.all_token_ids), (req.request_id, start, n)
+            b.from_prev.append((len(b.input_ids), ahead))
+            b.input_ids.append(0)  # a placeholder: the device reads the previous step's token
         b.src.append(src)
         b.dst.append(alloc.running_slot)
-        samples = end == len(req.all_token_ids)
+        samples = end >= len(req.all_token_ids)
         b.samples.append(samples)
         req.num_computed_tokens = end
+        rid = req.request_id
+        self._rows_in_flight[rid] += 1
         if samples:
-            assert not req.awaiting_token, req.request_id
+            assert ahead is not None or not req.awaiting_token, rid
             req.awaiting_token = True
+            self._tokens_in_flight[rid] += 1
+            self._sampling_row[rid] = (b.step_id, len(b.requests) - 1)
 
     def _checkpoint_positions(self, req: Request, start: int, end: int) -> list[tuple[int, bool]]:
         """Boundaries in ``(start, end]`` to checkpoint, each with "is the latest" flag.
@@ -464,3 +542,4 @@ class _StepBuilder:
     ckpts: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     ckpt_written: list[int] = dataclasses.field(default_factory=list)
     slots_held: list[int] = dataclasses.field(default_factory=list)
+    from_prev: list[tuple[int, int]] = dataclasses.field(default_factory=list)

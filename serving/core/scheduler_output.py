@@ -51,6 +51,9 @@ class SchedulerOutput:
     # (those plus the hit checkpoints it reads) until ``update``.
     ckpt_written: list[int] = dataclasses.field(default_factory=list, repr=False)
     slots_held: list[int] = dataclasses.field(default_factory=list, repr=False)
+    # Async scheduling: ``(token index in the plan's input_ids, row of the previous plan)``
+    # for each token whose id that previous step samples (the runner splices it on device).
+    from_prev: list[tuple[int, int]] = dataclasses.field(default_factory=list, repr=False)
     updated: bool = dataclasses.field(default=False, repr=False)
 
     @property

@@ -111,6 +111,12 @@ class EngineArgs:
         type=positive_int,
     )
     seed: int | None = _flag(0, "the sampler's seed for unseeded requests", type=int)
+    async_scheduling: bool = _flag(
+        False,
+        "schedule step N+1 while step N runs on the device (its decode rows read step N's "
+        "tokens on the device): the host's scheduling, detokenizing and output overlap the "
+        "device; outputs are the same as without it (single-process engines)",
+    )
     # Devices the model is split over (hyjax.sharding): heads of GDN / attention and the MoE
     # experts' intermediate dim, or (expert parallel) the experts themselves.
     tensor_parallel_size: int = _flag(

@@ -8,10 +8,21 @@ One engine step reads as three lines (CONVENTIONS.md §3)::
 
 around which the engine detokenizes, checks stop strings (then finishes the request through
 the scheduler, which frees its blocks and slot) and reports :class:`RequestOutput` s.
+
+With ``--async-scheduling`` a step overlaps the next one's scheduling with the device::
+
+    out[N+1] = scheduler.schedule()               # step N still runs: its decode rows get
+    step[N+1] = runner.submit(plan[N+1], step[N])  #   a token read from step N on the device
+    result[N] = runner.fetch(step[N])             # waits for step N only
+    updates = scheduler.update(out[N], result[N]) # then detokenize, stop strings, outputs
+
+A request that finishes at step N but already has a row in step N+1 keeps its blocks and slot
+until step N+1's ``update``, which drops that row's token (``Scheduler`` docstring).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -26,10 +37,11 @@ from hyjax.tokenizer import Tokenizer, TokenizerFilesError
 from serving.core.config import CacheConfig, SchedulerConfig
 from serving.core.request import EngineRequest, Request
 from serving.core.scheduler import Scheduler
+from serving.core.scheduler_output import SchedulerOutput
 from serving.engine.engine_args import EngineArgs
 from serving.engine.messages import EngineStats
 from serving.worker.pool_sizing import size_pools
-from serving.worker.runner import ModelRunner
+from serving.worker.runner import InFlightStep, ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +184,16 @@ class LLMEngine:
         cache_cfg = CacheConfig(
             self.runner.memory.num_kv_blocks, self.runner.memory.num_state_slots
         )
-        self.scheduler = Scheduler(self.sched_config, cache_cfg, rng_seed=args.seed)
+        self.scheduler = Scheduler(
+            self.sched_config,
+            cache_cfg,
+            rng_seed=args.seed,
+            async_scheduling=args.async_scheduling,
+        )
+        # Async scheduling: dispatched steps not yet updated, oldest first (at most two).
+        self._in_flight: collections.deque[tuple[SchedulerOutput, InFlightStep]] = (
+            collections.deque()
+        )
         self.vocab_size = self.model_config.vocab_size
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
@@ -220,12 +241,14 @@ class LLMEngine:
         self._tracked.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self._in_flight) or self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled step; returns the requests that made progress or finished."""
+        if self.args.async_scheduling:
+            return self._step_async()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out is None:
@@ -243,6 +266,47 @@ class LLMEngine:
             device=t2 - t1,
         )
         return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Dispatches the next step (two on the first call), then waits for the oldest one in
+        flight and reports it: the host schedules step N+1 while the device runs step N."""
+        t0 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        if not self._in_flight:
+            self._launch(outputs)
+        self._launch(outputs)
+        if not self._in_flight:
+            return outputs
+        t1 = time.perf_counter()
+        out, handle = self._in_flight.popleft()
+        result = self.runner.fetch(handle)
+        t2 = time.perf_counter()
+        outputs += self._report(out, result)
+        self.timing.add(
+            out.num_rows,
+            out.plan.shape.decode_only,
+            host=(t1 - t0) + (time.perf_counter() - t2),
+            device=t2 - t1,
+        )
+        return outputs
+
+    def _launch(self, outputs: list[RequestOutput]) -> None:
+        """Schedules a step and dispatches it after the ones in flight (a step without a plan,
+        only rejections to report, is reported at once)."""
+        out = self.scheduler.schedule()
+        if out is None:
+            return
+        if out.plan is None:
+            outputs += self._report(out, None)
+            return
+        prev = self._in_flight[-1][1] if self._in_flight else None
+        handle = self.runner.submit(out.plan, prev=prev, from_prev=out.from_prev)
+        self._in_flight.append((out, handle))
+
+    def _report(self, out: SchedulerOutput, result) -> list[RequestOutput]:
+        updates = self.scheduler.update(out, result.tokens if result else np.empty(0))
+        rows = {rid: i for i, rid in enumerate(out.request_ids)}
+        return [o for o in (self._process(u, result, rows) for u in updates) if o is not None]
 
     def _process(self, u, result, rows: dict[str, int]) -> RequestOutput | None:
         tr = self._tracked.get(u.request_id)

@@ -70,8 +70,20 @@ def _unpack(buf: jax.Array, layout: PlanLayout) -> dict[str, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def _step(static: _Static, ops: Ops, decode_only: bool, state_leaves: list, caches: Caches, buf):
+def _step(
+    static: _Static,
+    ops: Ops,
+    decode_only: bool,
+    state_leaves: list,
+    caches: Caches,
+    buf,  # i32[plan + 2R]: the packed plan, then the splice (token index [R], prev row [R])
+    prev,  # i32[R]: the previous step's sampled tokens, padded to R = max_num_seqs
+):
     """The whole step on device: forward over the ragged batch, then sampling.
+
+    Async scheduling: the plan's input ids at the splice's token indices are replaced by the
+    previous step's tokens at its rows, read from that step's output on the device, which the
+    host has not seen yet (an index past the tokens is padding: nothing is replaced).
 
     ``static`` holds the model's graphdef, its state's treedef and the plan's layout: the state
     travels as a flat list of arrays and the plan as one packed int32 buffer, so a dispatch
@@ -80,6 +92,9 @@ def _step(static: _Static, ops: Ops, decode_only: bool, state_leaves: list, cach
     graphdef, treedef, layout = static.value
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
     arrays = _unpack(buf, layout)
+    (r,) = prev.shape
+    at, rows = buf[buf.shape[0] - 2 * r : buf.shape[0] - r], buf[buf.shape[0] - r :]
+    arrays["input_ids"] = arrays["input_ids"].at[at].set(prev[rows], mode="drop")
     batch = Batch.from_arrays(arrays)
     # Every matmul traced here that pins no precision of its own (XLA's and the Pallas GPU
     # kernels') gets the ops' one: "highest" (IEEE f32) for float32 models, else the default.
@@ -101,7 +116,9 @@ def _step(static: _Static, ops: Ops, decode_only: bool, state_leaves: list, cach
         lambda: token_logprobs(ops.gather_logits(logits), tokens),
         lambda: none,
     )
-    return caches, (tokens, *logprobs)
+    assert s <= r, f"{s=} rows exceed the splice's {r=}"
+    next_prev = jnp.zeros(r, jnp.int32).at[:s].set(tokens)
+    return caches, (tokens, *logprobs), next_prev
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +130,14 @@ class StepResult:
     logprobs: np.ndarray | None = None  # f32[S]   the sampled token's logprob
     top_ids: np.ndarray | None = None  # i32[S, K] the K most likely tokens (K = MAX_LOGPROBS)
     top_logprobs: np.ndarray | None = None  # f32[S, K]
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlightStep:
+    """A dispatched step's outputs, still on the device (``ModelRunner.submit``)."""
+
+    out: tuple[jax.Array, ...]  # what ``fetch`` copies to the host
+    tokens: jax.Array  # i32[R]: the sampled tokens padded to max_num_seqs, for the next step
 
 
 class ModelRunner:
@@ -153,6 +178,7 @@ class ModelRunner:
         # Multi-host serve: the leader ships each plan to the followers before running it, so
         # every process enters the step's collectives (serving/engine/multihost.py).
         self.on_execute: Callable[[StepPlan], None] | None = None
+        self._no_prev: jax.Array | None = None  # i32[max_num_seqs] zeros: no previous tokens
         # Background warm-up: bucket -> its compile (None -> the closing log line).
         self._warming: dict[StepShape | None, Future] = {}
         self._warmup_pool: ThreadPoolExecutor | None = None
@@ -245,26 +271,57 @@ class ModelRunner:
                 fut.result()
 
     def _compile_ahead(self, shape: StepShape, avals: tuple) -> None:
-        static, ops, decode_only, _, _, buf = self.step_args(StepPlan.empty(shape))
-        _step.lower(static, ops, decode_only, *avals, buf).compile()
+        static, ops, decode_only, _, _, buf, prev = self.step_args(StepPlan.empty(shape))
+        _step.lower(static, ops, decode_only, *avals, buf, prev).compile()
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step. Returns every row's sampled token and logprobs (padding included)."""
+        return self.fetch(self.submit(plan))
+
+    def submit(
+        self,
+        plan: StepPlan,
+        *,
+        prev: InFlightStep | None = None,
+        from_prev: list[tuple[int, int]] = (),
+    ) -> InFlightStep:
+        """Dispatches one step without waiting for it (async scheduling). ``from_prev``:
+        ``(token index, row)`` pairs: the plan's input id at the index is ``prev``'s sampled
+        token of that row, which stays on the device."""
         if self.on_execute is not None:
+            if from_prev:
+                raise NotImplementedError("async scheduling with several processes")
             self.on_execute(plan)
         if self._warm_pending:
             fut = self._warming.pop(plan.shape, None)
             if fut is not None and not fut.cancel():  # under way (or done): its result
                 fut.result()
-        self.caches, out = _step(*self.step_args(plan))
+        assert prev is not None or not from_prev
+        self.caches, out, tokens = _step(*self.step_args(plan, from_prev, prev))
         if not (plan.sampling.logprobs >= 0).any():
             out = out[:1]  # one device-to-host copy: the tokens
-        return StepResult(*_fetch(out))
+        return InFlightStep(out, tokens)
 
-    def step_args(self, plan: StepPlan) -> tuple:
-        """``_step``'s arguments for ``plan``, its packed arrays on the device (the step's one
-        host-to-device transfer)."""
+    @staticmethod
+    def fetch(step: InFlightStep) -> StepResult:
+        """Waits for ``step`` and copies its results to the host."""
+        return StepResult(*_fetch(step.out))
+
+    def step_args(
+        self,
+        plan: StepPlan,
+        from_prev: list[tuple[int, int]] = (),
+        prev: InFlightStep | None = None,
+    ) -> tuple:
+        """``_step``'s arguments for ``plan``, its packed arrays and the splice on the device
+        (the step's one host-to-device transfer)."""
         buf, layout = plan.packed()
+        r = self.sched_cfg.max_num_seqs
+        splice = np.zeros((2, r), np.int32)
+        splice[0] = plan.input_ids.shape[0]  # past the tokens: nothing replaced
+        for j, (at, row) in enumerate(from_prev):
+            splice[:, j] = at, row
+        buf = np.concatenate([buf, splice.reshape(-1)])
         if self.sharding is not None:
             buf = replicate_tree(buf, self.sharding.mesh)
         else:
@@ -272,8 +329,19 @@ class ModelRunner:
         static = self._static.get(layout)
         if static is None:  # one per bucket
             static = self._static[layout] = _Static((self.graphdef, self._treedef, layout))
+        if prev is not None:
+            tokens = prev.tokens
+        else:
+            if self._no_prev is None:
+                zeros = np.zeros(r, np.int32)
+                self._no_prev = (
+                    replicate_tree(zeros, self.sharding.mesh)
+                    if self.sharding is not None
+                    else jax.device_put(zeros)
+                )
+            tokens = self._no_prev
         leaves = self._state_leaves
-        return static, self.ops, plan.shape.decode_only, leaves, self.caches, buf
+        return static, self.ops, plan.shape.decode_only, leaves, self.caches, buf, tokens
 
     @property
     def state(self) -> nnx.State:
