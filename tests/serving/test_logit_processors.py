@@ -223,3 +223,20 @@ def test_token_tables_exact_under_prefix_caching_and_preemption(model_dir):
     assert got == want
     assert on.metrics().effective_hit_tokens > 0
     assert on.metrics().num_preemptions > 0
+
+
+def test_table_inits_reach_multihost_followers():
+    """A follower's tables must start its rows as the leader's do: the plan frame carries them."""
+    import socket
+
+    from serving.core.plan import StepPlan, StepShape
+    from serving.engine import multihost
+
+    plan = StepPlan.empty(StepShape(8, 2, 4, 1, False))
+    init = TableInit((1, 2, 3), 2, (7,), ((4, 1.5), (6, float("-inf"))))
+    plan.sampling.table_inits[3] = init
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(multihost.encode_plan(plan))
+        header, arrays = multihost._recv_frame(b, 1 << 20)
+    assert multihost.decode_plan(header, arrays).sampling.table_inits == {3: init}
