@@ -49,6 +49,42 @@ def _per_row(dtype: type, pad: float) -> Any:
     return dataclasses.field(metadata={"dtype": np.dtype(dtype), "pad": pad})
 
 
+@dataclasses.dataclass(frozen=True)
+class TableInit:
+    """What a request's row of the runner's token tables holds when it is admitted.
+
+    The runner keeps, per table row, dense vocabulary-wide tables on device (``TokenTables``
+    in ``serving/worker/sampler.py``): output-token counts, prompt presence, the stop ids that
+    ``min_tokens`` bans, and the logit bias. Every step adds its *input* tokens to its rows'
+    counts (a prompt position marks presence, a later one counts an output), so at a sampling
+    step the counts cover exactly the tokens before the sampled position. Tokens a step never
+    feeds are those of a prefix-cache hit: admission (also after a preemption) starts the row
+    from ``token_ids[:num_computed]``, the tokens the hit skips, so the counts are rebuilt
+    exactly whatever the hit length.
+    """
+
+    token_ids: tuple[int, ...]  # tokens [0, num_computed) of the request (cache hit)
+    prompt_len: int
+    stop_ids: tuple[int, ...]  # banned while min_tokens are not generated
+    bias: tuple[tuple[int, float], ...]  # (token id, bias); bad words at -inf
+
+    @classmethod
+    def of(cls, req: Request) -> TableInit:
+        sp = req.sampling_params
+        stop = tuple(sp.stop_token_ids)
+        if sp.min_tokens and req.eos_token_id is not None and not sp.ignore_eos:
+            stop += (req.eos_token_id,)
+        bias = dict(sp.logit_bias or {})
+        for t in sp.bad_words_token_ids:
+            bias[t] = float("-inf")
+        return cls(
+            tuple(req.all_token_ids[: req.num_computed_tokens]),
+            req.num_prompt_tokens,
+            stop if sp.min_tokens else (),
+            tuple(bias.items()),
+        )
+
+
 @dataclasses.dataclass
 class SamplingArrays:
     """Per-row sampling parameters as fixed-capacity arrays, one entry a row.
@@ -65,6 +101,21 @@ class SamplingArrays:
     min_p: np.ndarray = _per_row(np.float32, 0.0)  # f32[R]   0 = off
     seeds: np.ndarray = _per_row(np.uint32, 0)  # u32[R]   mixed with the position by the sampler
     logprobs: np.ndarray = _per_row(np.int32, -1)  # i32[R]   top logprobs reported; -1 = none
+    # The token tables (``TokenTables``): row ``table_row`` of the runner's per-request tables
+    # is this row's when ``uses_tables`` is 1 (else the sampler skips them).
+    table_row: np.ndarray = _per_row(np.int32, 0)  # i32[R]
+    uses_tables: np.ndarray = _per_row(np.int32, 0)  # i32[R]   1: penalties / bias / min_tokens
+    prompt_len: np.ndarray = _per_row(np.int32, 0)  # i32[R]   positions below are the prompt's
+    presence_penalty: np.ndarray = _per_row(np.float32, 0.0)  # f32[R]   0 = off
+    frequency_penalty: np.ndarray = _per_row(np.float32, 0.0)  # f32[R]   0 = off
+    repetition_penalty: np.ndarray = _per_row(np.float32, 1.0)  # f32[R]   1 = off
+    # EOS and stop ids are banned while the sampled position is below this (prompt + min_tokens).
+    min_tokens_until: np.ndarray = _per_row(np.int32, 0)  # i32[R]   0 = off
+
+    def __post_init__(self) -> None:
+        # Host only (not a dataclass field, so never on device): table row -> the contents
+        # its token tables get before the step that first samples for a newly admitted request.
+        self.table_inits: dict[int, TableInit] = {}
 
     @classmethod
     def empty(cls, n: int) -> SamplingArrays:
@@ -89,11 +140,27 @@ class SamplingArrays:
         self.min_p[row] = sp.min_p
         self.seeds[row] = req.seed
         self.logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+        self.table_row[row] = row
+        self.uses_tables[row] = sp.uses_token_tables
+        self.prompt_len[row] = req.num_prompt_tokens
+        self.presence_penalty[row] = sp.presence_penalty
+        self.frequency_penalty[row] = sp.frequency_penalty
+        self.repetition_penalty[row] = sp.repetition_penalty
+        self.min_tokens_until[row] = req.num_prompt_tokens + sp.min_tokens if sp.min_tokens else 0
+        if sp.uses_token_tables:
+            self.table_inits[row] = TableInit.of(req)
+        else:
+            self.table_inits.pop(row, None)
 
     def take(self, rows: np.ndarray, out: SamplingArrays) -> None:
-        """Copies rows ``rows`` of this table into the first ``len(rows)`` rows of ``out``."""
+        """Copies rows ``rows`` of this table into the first ``len(rows)`` rows of ``out``, and
+        moves their pending ``table_inits`` to ``out`` (each is run once, before its step)."""
         for name, a in self.arrays().items():
             getattr(out, name)[: len(rows)] = a[rows]
+        for r in rows.tolist():
+            init = self.table_inits.pop(r, None)
+            if init is not None:
+                out.table_inits[r] = init
 
 
 @dataclasses.dataclass

@@ -9,6 +9,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Literal
 
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -38,6 +40,39 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # report the sampled token's logprob and this many top ones
+    # Penalties, as OpenAI (presence, frequency: over the generated tokens) and vLLM
+    # (repetition: over prompt and generated tokens, logits > 0 divided, < 0 multiplied).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many are generated
+    bad_words_token_ids: tuple[int, ...] = ()  # banned tokens (single-token bad words)
+
+    @property
+    def uses_token_tables(self) -> bool:
+        """Whether the sampler reads this request's row of the runner's token tables
+        (counts for the penalties and ``min_tokens``, the dense bias for ``logit_bias`` and
+        bad words)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+            or self.logit_bias
+            or self.bad_words_token_ids
+        )
+
+    def validate_token_ids(self, vocab_size: int) -> None:
+        """Raises ValueError naming the field whose token id is not in ``[0, vocab_size)``."""
+        for name, ids in (
+            ("logit_bias", tuple(self.logit_bias or ())),
+            ("stop_token_ids", self.stop_token_ids),
+            ("bad_words", self.bad_words_token_ids),
+        ):
+            for t in ids:
+                if not 0 <= t < vocab_size:
+                    raise ValueError(f"{name}={t}: token id not in [0, {vocab_size})")
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field. Normalises ``top_k=-1`` to 0."""
@@ -55,9 +90,28 @@ class SamplingParams:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs={self.logprobs} must be in [0, 20]")
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError(f"presence_penalty={self.presence_penalty} must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError(f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be in (0, 2]")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens={self.min_tokens} must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias={len(self.logit_bias)} entries: at most {MAX_LOGIT_BIAS}"
+                )
+            for tok, bias in self.logit_bias.items():
+                if not -100 <= bias <= 100:
+                    raise ValueError(f"logit_bias={{{tok}: {bias}}}: a bias must be in [-100, 100]")
         if self.seed is not None and self.seed < 0:
             raise ValueError(f"seed={self.seed} must be >= 0")
         self.stop_token_ids = tuple(self.stop_token_ids)
+        self.bad_words_token_ids = tuple(self.bad_words_token_ids)
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 

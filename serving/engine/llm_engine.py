@@ -224,6 +224,7 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        params.validate_token_ids(self.vocab_size)
         if not params.ignore_eos and self.eos_token_ids:
             extra = [e for e in self.eos_token_ids[1:] if e not in params.stop_token_ids]
             params.stop_token_ids = tuple(params.stop_token_ids) + tuple(extra)

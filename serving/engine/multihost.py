@@ -45,7 +45,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from serving.core.plan import StepPlan, StepShape
+from serving.core.plan import StepPlan, StepShape, TableInit
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +152,21 @@ def _recv_frame(
 
 
 def encode_plan(plan: StepPlan) -> bytes:
-    return _encode({"kind": "plan", "shape": dataclasses.asdict(plan.shape)}, plan.arrays())
+    header = {"kind": "plan", "shape": dataclasses.asdict(plan.shape)}
+    # The token tables' rows to start (plain numbers): every process's tables must agree.
+    inits = plan.sampling.table_inits
+    if inits:
+        header["table_inits"] = [[r, *dataclasses.astuple(i)] for r, i in inits.items()]
+    return _encode(header, plan.arrays())
 
 
 def decode_plan(header: dict, arrays: dict[str, np.ndarray]) -> StepPlan:
-    return StepPlan.from_arrays(StepShape(**header["shape"]), arrays)
+    plan = StepPlan.from_arrays(StepShape(**header["shape"]), arrays)
+    for row, ids, prompt_len, stop, bias in header.get("table_inits", ()):
+        bias = tuple((int(t), float(b)) for t, b in bias)
+        init = TableInit(tuple(ids), int(prompt_len), tuple(stop), bias)
+        plan.sampling.table_inits[int(row)] = init
+    return plan
 
 
 def engine_signature(engine) -> dict:

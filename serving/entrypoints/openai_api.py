@@ -271,8 +271,12 @@ class OpenAIServing:
     def sampling_params(
         self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None = None
     ) -> SamplingParams:
+        encode = None
+        if self.tokenizer is not None:
+            tok = self.tokenizer
+            encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
         try:
-            return req.to_sampling_params(max_tokens, logprobs)
+            return req.to_sampling_params(max_tokens, logprobs, encode=encode)
         except ValueError as e:
             raise ApiError(400, str(e), param=_param_of(str(e))) from None
 

@@ -1,17 +1,18 @@
 """OpenAI-shaped request and response bodies (pydantic), and the error body.
 
 Requests accept the OpenAI fields hyjax implements plus vLLM-style extras (``top_k``,
-``min_p``, ``ignore_eos``, ``stop_token_ids``); unknown fields are ignored, as the OpenAI
-clients send new fields before servers know them. Fields that would change the output in a way
-hyjax does not implement yet (``echo``, penalties, ``logit_bias``, ``response_format``,
-vLLM's guided decoding ...) are rejected with a 400 naming the field rather than silently
-dropped (``unsupported_fields``).
+``min_p``, ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``min_tokens``,
+``bad_words``); unknown fields are ignored, as the OpenAI clients send new fields before servers
+know them. Fields that would change the output in a way hyjax does not implement yet
+(``echo``, ``response_format``, vLLM's guided decoding ...) are rejected with a 400
+naming the field rather than silently dropped (``unsupported_fields``).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -73,7 +74,10 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys) -> bias
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    bad_words: list[StrictStr] | None = None
     user: str | None = None
     # Prefix caching: requests share cached blocks and states only with requests of the same
     # salt (vLLM's field), so one tenant cannot time another's prompts.
@@ -82,10 +86,7 @@ class _SamplingFields(BaseModel):
     # extras vLLM users send): parsed so that ``unsupported_fields`` can name them in a 400,
     # never silently dropped. Their "off" values pass.
     response_format: dict[str, Any] | None = None
-    repetition_penalty: float | None = None
     length_penalty: float | None = None
-    min_tokens: int | None = None
-    bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -104,9 +105,31 @@ class _SamplingFields(BaseModel):
         logprobs: int | None = None,
         *,
         default_temperature: float = 1.0,
+        encode: Callable[[str], list[int]] | None = None,
     ) -> SamplingParams:
-        """The engine's ``SamplingParams``; raises ValueError naming the first bad field."""
+        """The engine's ``SamplingParams``; raises ValueError naming the first bad field.
+
+        ``encode`` tokenizes ``bad_words`` (each word as is and after a space, as it reads
+        mid-text); a variant of one token is banned, and a word with no one-token variant is
+        rejected (multi-token bad words are not implemented yet)."""
         stop = self.stop if self.stop is not None else ()
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = float(value)
+            except ValueError:
+                raise ValueError(f"logit_bias={key!r}: keys must be token ids") from None
+        bad_ids: list[int] = []
+        for word in self.bad_words or ():
+            if encode is None:
+                raise ValueError("bad_words=... needs the model's tokenizer")
+            single = [ids[0] for ids in (encode(word), encode(" " + word)) if len(ids) == 1]
+            if not single:
+                raise ValueError(
+                    f"bad_words={word!r} is more than one token: only one-token words are "
+                    "supported yet"
+                )
+            bad_ids.extend(t for t in single if t not in bad_ids)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=default_temperature if self.temperature is None else self.temperature,
@@ -118,6 +141,14 @@ class _SamplingFields(BaseModel):
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=(
+                1.0 if self.repetition_penalty is None else self.repetition_penalty
+            ),
+            logit_bias=bias or None,
+            min_tokens=self.min_tokens or 0,
+            bad_words_token_ids=tuple(bad_ids),
         )
         params.validate()
         if any(s == "" for s in params.stop):
@@ -134,14 +165,8 @@ class _SamplingFields(BaseModel):
     def unsupported_fields(self) -> list[str]:
         """The fields set to a value that would change the output in a way not implemented."""
         on = {
-            "presence_penalty": bool(self.presence_penalty),
-            "frequency_penalty": bool(self.frequency_penalty),
-            "logit_bias": bool(self.logit_bias),
             "response_format": (self.response_format or {}).get("type", "text") != "text",
-            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
             "length_penalty": self.length_penalty not in (None, 1.0),
-            "min_tokens": bool(self.min_tokens),
-            "bad_words": bool(self.bad_words),
             "allowed_token_ids": self.allowed_token_ids is not None,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": not self.skip_special_tokens,

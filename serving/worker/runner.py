@@ -32,7 +32,15 @@ from hyjax.sharding import ShardingPlan, replicate_tree
 from serving.core.config import SchedulerConfig
 from serving.core.memory_planner import MemoryPlan
 from serving.core.plan import PlanLayout, SamplingArrays, StepPlan, StepShape
-from serving.worker.sampler import MAX_LOGPROBS, sample, token_logprobs
+from serving.worker.sampler import (
+    MAX_LOGPROBS,
+    count_inputs,
+    init_token_tables,
+    sample,
+    set_table_row,
+    table_row_values,
+    token_logprobs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +77,14 @@ def _unpack(buf: jax.Array, layout: PlanLayout) -> dict[str, jax.Array]:
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
 def _step(
     static: _Static,
     ops: Ops,
     decode_only: bool,
     state_leaves: list,
     caches: Caches,
+    tables,
     buf,  # i32[plan + 2R]: the packed plan, then the splice (token index [R], prev row [R])
     prev,  # i32[R]: the previous step's sampled tokens, padded to R = max_num_seqs
 ):
@@ -104,8 +113,21 @@ def _step(
     # Under TP the logits stay split by vocab where XLA partitions the work well (argmax, max,
     # the Gumbel draw); the sampler's sort and the log-probs gather them whole first.
     sampling = SamplingArrays.from_arrays(arrays)
+    # The token tables see this step's inputs before its rows sample (sampler.TokenTables).
+    tables = jax.lax.cond(
+        jnp.any(sampling.uses_tables > 0),
+        lambda: count_inputs(
+            tables,
+            sampling,
+            arrays["input_ids"],
+            arrays["positions"],
+            arrays["query_start_loc"],
+            arrays["num_seqs"],
+        ),
+        lambda: tables,
+    )
     positions = arrays["seq_lens"]  # of the tokens sampled
-    tokens = sample(logits, sampling, positions, gather=ops.gather_logits)
+    tokens = sample(logits, sampling, positions, gather=ops.gather_logits, tables=tables)
     # Log-probabilities (a log-softmax and a top-k over the vocabulary) only in steps where
     # some row reports them; elsewhere zeros the host never reads.
     k = min(MAX_LOGPROBS, logits.shape[-1])
@@ -118,7 +140,7 @@ def _step(
     )
     assert s <= r, f"{s=} rows exceed the splice's {r=}"
     next_prev = jnp.zeros(r, jnp.int32).at[:s].set(tokens)
-    return caches, (tokens, *logprobs), next_prev
+    return caches, tables, (tokens, *logprobs), next_prev
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +240,11 @@ class ModelRunner:
             # bucket warmed up sees other argument types than the steps after it, and compiles
             # again in serving.
             self.caches = jax.device_put(init_caches(cfg, **pools), jax.devices()[0])
+        tables = init_token_tables(sched_cfg.max_num_seqs, cfg.vocab_size)
+        if sharding is not None:
+            self.tables = replicate_tree(tables, sharding.mesh)
+        else:
+            self.tables = jax.device_put(tables, jax.devices()[0])
 
     def warmup(self, *, progress: bool = True) -> float:
         """Compiles every bucket the scheduler can produce. Returns the seconds it took."""
@@ -239,7 +266,7 @@ class ModelRunner:
             self.sched_cfg.step_shapes(), key=lambda s: (not s.decode_only, s.num_tokens)
         )
         sds = functools.partial(jax.tree.map, _shape_of)
-        avals = (sds(self._state_leaves), sds(self.caches))
+        avals = (sds(self._state_leaves), sds(self.caches), sds(self.tables))
         pool = ThreadPoolExecutor(1, thread_name_prefix="hyjax-warmup")
         start = time.perf_counter()
         self._warming = {s: pool.submit(self._compile_ahead, s, avals) for s in shapes}
@@ -271,7 +298,7 @@ class ModelRunner:
                 fut.result()
 
     def _compile_ahead(self, shape: StepShape, avals: tuple) -> None:
-        static, ops, decode_only, _, _, buf, prev = self.step_args(StepPlan.empty(shape))
+        static, ops, decode_only, _, _, _, buf, prev = self.step_args(StepPlan.empty(shape))
         _step.lower(static, ops, decode_only, *avals, buf, prev).compile()
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -297,7 +324,10 @@ class ModelRunner:
             if fut is not None and not fut.cancel():  # under way (or done): its result
                 fut.result()
         assert prev is not None or not from_prev
-        self.caches, out, tokens = _step(*self.step_args(plan, from_prev, prev))
+        for row, init in plan.sampling.table_inits.items():
+            values = table_row_values(init, self.cfg.vocab_size)
+            self.tables = set_table_row(self.tables, np.int32(row), values)
+        self.caches, self.tables, out, tokens = _step(*self.step_args(plan, from_prev, prev))
         if not (plan.sampling.logprobs >= 0).any():
             out = out[:1]  # one device-to-host copy: the tokens
         return InFlightStep(out, tokens)
@@ -341,7 +371,9 @@ class ModelRunner:
                 )
             tokens = self._no_prev
         leaves = self._state_leaves
-        return static, self.ops, plan.shape.decode_only, leaves, self.caches, buf, tokens
+        return (
+            static, self.ops, plan.shape.decode_only, leaves, self.caches, self.tables, buf, tokens
+        )  # fmt: skip
 
     @property
     def state(self) -> nnx.State:

@@ -40,6 +40,7 @@ def server(tmp_path_factory):
         "--shutdown-timeout",
         "2",
     )
+    srv.model_dir = model_dir
     try:
         srv.wait_ready()
         yield srv
@@ -342,8 +343,22 @@ BAD = [
     ("tool_choice_required", CHAT, {**HI, "tools": [TOOL], "tool_choice": "required"}, 400,
      "tool_choice"),
     ("guided_json", C, {"prompt": "a", "guided_json": {"type": "object"}}, 400, "guided_json"),
-    ("repetition_penalty", C, {"prompt": "a", "repetition_penalty": 1.2}, 400,
+    ("length_penalty", C, {"prompt": "a", "length_penalty": 1.2}, 400, "length_penalty"),
+    # The sampling knobs' bad values: a 400 naming the field.
+    ("negative_min_tokens", C, {"prompt": "a", "min_tokens": -1}, 400, "min_tokens"),
+    ("min_tokens_over_max", C, {"prompt": "a", "min_tokens": 9, "max_tokens": 3}, 400,
+     "min_tokens"),
+    ("presence_penalty_range", C, {"prompt": "a", "presence_penalty": 2.5}, 400,
+     "presence_penalty"),
+    ("frequency_penalty_range", CHAT, {**HI, "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("repetition_penalty_zero", C, {"prompt": "a", "repetition_penalty": 0}, 400,
      "repetition_penalty"),
+    ("logit_bias_outside_vocab", C, {"prompt": "a", "logit_bias": {"1000000": 5}}, 400,
+     "logit_bias"),
+    ("logit_bias_not_an_id", C, {"prompt": "a", "logit_bias": {"x": 5}}, 400, "logit_bias"),
+    ("logit_bias_too_big", C, {"prompt": "a", "logit_bias": {"3": 101}}, 400, "logit_bias"),
+    ("logit_bias_too_many", C, {"prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}},
+     400, "logit_bias"),
 ]  # fmt: skip
 
 
@@ -404,6 +419,38 @@ def test_api_key(server, client):
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=NAME, prompt="a", max_tokens=1)
     assert request("GET", server.url + "/metrics")[0] == 200  # not under /v1
+
+
+def test_sampling_knobs(server, client):
+    """logit_bias forces and bans; min_tokens holds EOS off; penalties change the output."""
+    from hyjax.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(server.model_dir)
+    body = dict(model=NAME, prompt=[5, 6, 7, 8] * 8, max_tokens=8, temperature=0)
+    no_eos = {"ignore_eos": True}
+
+    def ids(**kw) -> list[int]:
+        r = client.completions.create(**body, **kw)
+        return tok.encode(r.choices[0].text, add_special_tokens=False)
+
+    plain = ids(extra_body=no_eos)
+    forced = client.completions.create(**body, logit_bias={"11": 100}, extra_body=no_eos)
+    assert forced.choices[0].text == tok.decode([11] * 8)
+    assert ids(logit_bias={str(plain[0]): -100}, extra_body=no_eos)[0] != plain[0]
+    eos = tok.eos_token_id
+    first = client.completions.create(**body, logit_bias={str(eos): 100})
+    assert first.usage.completion_tokens == 1
+    held = client.completions.create(
+        **body, logit_bias={str(eos): 100}, extra_body={"min_tokens": 3}
+    )
+    assert held.usage.completion_tokens == 4 and held.choices[0].finish_reason == "stop"
+    # This model's greedy text repeats nothing: a bias makes token 11 repeat, which a
+    # frequency penalty then holds back (presence: tests/serving/test_logit_processors.py).
+    biased = ids(logit_bias={"11": 5}, extra_body=no_eos)
+    penalised = ids(logit_bias={"11": 5}, frequency_penalty=2, extra_body=no_eos)
+    assert penalised.count(11) < biased.count(11)
+    assert ids(extra_body={**no_eos, "repetition_penalty": 1.0}) == plain
+    assert ids(presence_penalty=0, frequency_penalty=0, extra_body=no_eos) == plain
 
 
 def test_still_serving_after_bad_input(client):
