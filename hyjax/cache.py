@@ -79,10 +79,17 @@ def pool_limits(
     max_elements: int = MAX_POOL_ELEMENTS,
 ) -> tuple[int, int]:
     """``(max KV blocks, max state slots)`` keeping every pool array (per device, where the
-    pools are split ``kv_split`` / ``slot_split`` ways by head) within ``max_elements``."""
+    pools are split ``kv_split`` / ``slot_split`` ways by head, and stacked over the layer
+    groups of the scanned forward) within ``max_elements``."""
+    from hyjax.models.hybrid import layer_groups  # here: that module imports this one
+
     spec = cache_spec(cfg)
+    # The scanned forward stacks a group position's pools into one array, G times as long.
+    groups = layer_groups(cfg)
+    stack = groups.num_groups if groups is not None else 1
     per_block = max(int(np.prod(s)) for s in spec.kv_token_shapes) * block_size // kv_split
     per_slot = max(int(np.prod(spec.conv_shape)), int(np.prod(spec.ssm_shape))) // slot_split
+    per_block, per_slot = per_block * stack, per_slot * stack
     return max_elements // max(1, per_block), max_elements // max(1, per_slot)
 
 

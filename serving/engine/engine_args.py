@@ -117,6 +117,12 @@ class EngineArgs:
         "tokens on the device): the host's scheduling, detokenizing and output overlap the "
         "device; outputs are the same as without it (single-process engines)",
     )
+    scan_layers: bool = _flag(
+        False,
+        "run the repeating layer group as one lax.scan (parameters and pools stacked per group "
+        "position): compile time does not grow with depth; single device only, and a stacked "
+        "pool must stay under 2^31 elements (the GPU kernels' offsets)",
+    )
     # Devices the model is split over (hyjax.sharding): heads of GDN / attention and the MoE
     # experts' intermediate dim, or (expert parallel) the experts themselves.
     tensor_parallel_size: int = _flag(

@@ -180,6 +180,7 @@ class LLMEngine:
             sharding=sharding,
             allow_tf32=args.allow_tf32,
             state_dtype=args.state_dtype,
+            scan_layers=args.scan_layers,
         )
         cache_cfg = CacheConfig(
             self.runner.memory.num_kv_blocks, self.runner.memory.num_state_slots

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from hyjax.batch import Batch
 from hyjax.cache import Caches, init_caches
 from hyjax.config import ModelConfig
+from hyjax.models.hybrid import layer_groups, stack_caches
 from hyjax.ops import Ops, ops_for_model
 from hyjax.sharding import ShardingPlan, replicate_tree
 from serving.core.config import SchedulerConfig
@@ -193,6 +194,7 @@ class ModelRunner:
         sharding: ShardingPlan | None = None,
         allow_tf32: bool = False,
         state_dtype: str = "float32",
+        scan_layers: bool = False,
     ):
         self.cfg = cfg
         self.sched_cfg = sched_cfg
@@ -216,6 +218,11 @@ class ModelRunner:
         if sharding is not None:
             model = sharding.shard_model(model)
             self.ops = sharding.shard_ops(self.ops)
+        # One lax.scan over the repeating layer group (compile time independent of depth);
+        # tensor parallel keeps the per-layer loop for now (its pool specs are per layer).
+        self.scan_layers = scan_layers and sharding is None and layer_groups(cfg) is not None
+        if self.scan_layers:
+            model.stack_layers()
         self.graphdef, self.state = nnx.split(model)
         self.dtype = model.dtype
         self.memory = memory
@@ -239,7 +246,10 @@ class ModelRunner:
             # Committed to the device, as every step's donated outputs are: otherwise the first
             # bucket warmed up sees other argument types than the steps after it, and compiles
             # again in serving.
-            self.caches = jax.device_put(init_caches(cfg, **pools), jax.devices()[0])
+            make = functools.partial(init_caches, cfg, **pools)
+            if self.scan_layers:  # allocated in the scan's layout, in one jitted fill
+                make = jax.jit(lambda: stack_caches(cfg, init_caches(cfg, **pools)))
+            self.caches = jax.device_put(make(), jax.devices()[0])
         tables = init_token_tables(sched_cfg.max_num_seqs, cfg.vocab_size)
         if sharding is not None:
             self.tables = replicate_tree(tables, sharding.mesh)
