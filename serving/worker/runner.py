@@ -223,6 +223,16 @@ class ModelRunner:
         self.scan_layers = scan_layers and sharding is None and layer_groups(cfg) is not None
         if self.scan_layers:
             model.stack_layers()
+            lg = layer_groups(cfg)
+            log.info("layers: %d groups of %d scanned, %d unrolled", lg.num_groups, lg.period,
+                     cfg.num_hidden_layers - lg.num_groups * lg.period)  # fmt: skip
+        elif scan_layers:
+            log.warning(
+                "--scan-layers ignored: %s",
+                "tensor parallel keeps the per-layer loop"
+                if sharding is not None
+                else "the model has no repeating layer group",
+            )
         self.graphdef, self.state = nnx.split(model)
         self.dtype = model.dtype
         self.memory = memory
