@@ -19,6 +19,7 @@ from hyjax.config import ModelConfig
 from hyjax.sharding import ShardingPlan
 from serving.core.config import SchedulerConfig
 from serving.core.memory_planner import MemoryPlan, plan_memory
+from serving.worker.sampler import token_table_bytes
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,9 @@ def size_pools(
         # This process measures its own devices only (another host's have no stats here).
         devices = [d for d in devices if d.process_index == jax.process_index()]
         cache_bytes = default_cache_bytes(
-            sched_cfg, kv_bytes, slot_bytes, num_checkpoint_slots, devices
-        )
+            sched_cfg, kv_bytes, slot_bytes, num_checkpoint_slots, devices,
+            reserved=token_table_bytes(sched_cfg.max_num_seqs, cfg.vocab_size),
+        )  # fmt: skip
         if jax.devices()[0].platform == "cpu" and num_checkpoint_slots is None:
             num_checkpoint_slots = 4 * sched_cfg.max_num_seqs
     if jax.process_count() > 1:
@@ -101,15 +103,19 @@ def default_cache_bytes(
     slot_bytes: int,
     num_checkpoint_slots: int | None,
     devices: list,
+    *,
+    reserved: int = 0,
 ) -> int:
-    """Bytes for the pools on each of ``devices`` (the least free of them on accelerators)."""
+    """Bytes for the pools on each of ``devices``: on accelerators 90 % of the least free
+    memory, less ``reserved`` (what the runner allocates beside the pools: the sampler's token
+    tables)."""
     free = []
     for device in devices:
         stats = device.memory_stats() if device.platform != "cpu" else None
         if stats and "bytes_limit" in stats:
             free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
     if free:
-        return int(min(free) * 0.9)
+        return int(min(free) * 0.9) - reserved
     # CPU: every sequence at full length plus 25 % for cached prefixes, the running slots, and
     # the checkpoint slots (given, or four per sequence).
     ckpt = num_checkpoint_slots if num_checkpoint_slots is not None else 4 * sched_cfg.max_num_seqs

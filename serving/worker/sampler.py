@@ -32,6 +32,12 @@ jax.tree_util.register_dataclass(SamplingArrays)
 TokenTables = dict[str, jax.Array]  # the four tables below, by name
 
 
+def token_table_bytes(num_rows: int, vocab: int) -> int:
+    """Device bytes of :func:`init_token_tables` (10 a row and vocabulary entry: 0.38 GB for
+    256 rows of a 151k vocabulary), which the pools' default budget leaves free."""
+    return num_rows * vocab * (4 + 1 + 1 + 4)
+
+
 def init_token_tables(num_rows: int, vocab: int) -> TokenTables:
     """Zeroed tables: ``counts`` i32[R, V] (generated tokens), ``prompt`` i8[R, V] (1: in the
     prompt), ``stop`` i8[R, V] (1: banned while ``min_tokens`` are not generated), ``bias``

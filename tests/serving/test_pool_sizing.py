@@ -73,3 +73,31 @@ def test_bf16_states_fit_more_checkpoints_in_the_same_budget():
     assert size_pools(CFG, SCHED, jnp.float32, state_dtype="bfloat16").state_slot_bytes == (
         state_slot_bytes(CFG, jnp.float32, jnp.bfloat16)
     )
+
+
+def test_accelerator_default_leaves_the_sampler_token_tables_free(monkeypatch):
+    """On an accelerator the pools get 90 % of the free memory less the sampler's token tables
+    (allocated beside the pools, 10 bytes a row and vocabulary entry), and size_pools reserves
+    them for this config's rows and vocabulary."""
+    from serving.worker import pool_sizing
+    from serving.worker.sampler import init_token_tables, token_table_bytes
+
+    class Device:
+        platform = "gpu"
+
+        def memory_stats(self):
+            return {"bytes_limit": 10_000_000_000, "bytes_in_use": 0}
+
+    per_entry = sum(x.nbytes for x in init_token_tables(2, 300).values()) // (2 * 300)
+    assert token_table_bytes(256, 151_936) == 256 * 151_936 * per_entry
+    got = pool_sizing.default_cache_bytes(SCHED, 1, 1, None, [Device()], reserved=12345)
+    assert got == 9_000_000_000 - 12345
+    seen = {}
+
+    def fake(*args, reserved=0):
+        seen["reserved"] = reserved
+        return 10**8
+
+    monkeypatch.setattr(pool_sizing, "default_cache_bytes", fake)
+    pool_sizing.size_pools(CFG, SCHED, jnp.float32)
+    assert seen["reserved"] == token_table_bytes(SCHED.max_num_seqs, CFG.vocab_size)
