@@ -322,10 +322,10 @@ def hits_resume_from_zero():
 
     add_row = Scheduler._add_row
 
-    def zero_src(self, b, req, start, n, src):
+    def zero_src(self, b, req, start, n, src, **kw):
         if src != self.cache.alloc(req.request_id).running_slot:  # a hit's first row
             src = 0
-        add_row(self, b, req, start, n, src)
+        add_row(self, b, req, start, n, src, **kw)
 
     Scheduler._add_row = zero_src
     try:
