@@ -37,6 +37,7 @@ default 64 at B=64 k=4 (both families; 8 warps slower); not measured at other k 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -46,7 +47,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.common.delta_rule import group_refs, l2norm, softplus
+from pallas_kernels.common.delta_rule import group_refs
 from pallas_kernels.common.delta_rule_gpu import (
     check_key_dim,
     compiler_params,
@@ -56,9 +57,9 @@ from pallas_kernels.common.delta_rule_gpu import (
     store_state,
 )
 from pallas_kernels.common.slots import StateSlots
-from pallas_kernels.gdn.gpu import _gate_params as _gdn_gate_params
-from pallas_kernels.gdn.gpu import _gates as _gdn_gates
+from pallas_kernels.gdn import gpu as gdn_gpu
 from pallas_kernels.gdn.reference import check_gdn_args
+from pallas_kernels.kda import gpu as kda_gpu
 from pallas_kernels.kda.reference import check_kda_args
 
 # The unrolled token loop grows the kernel with max_tokens (a masked store per checkpoint pair
@@ -186,13 +187,8 @@ def _gdn_kernel(
     pool_out,  # aliased to pool_in
     *, bv: int, max_tokens: int, ratio: int, scale: float,
 ):  # fmt: skip
-    def inputs(tok, h, vs):
-        q = l2norm(q_ref[tok, h // ratio, :].astype(jnp.float32)) * scale  # [Dk]
-        k = l2norm(k_ref[tok, h // ratio, :].astype(jnp.float32))
-        v = v_ref[tok, h, vs].astype(jnp.float32)  # [BV]
-        g, beta = _gdn_gates(gates_ref, h, a_ref[tok, h], b_ref[tok, h])
-        return q, k, v, beta, jnp.exp(g)
-
+    refs = (gates_ref, q_ref, k_ref, v_ref, a_ref, b_ref)
+    inputs = functools.partial(gdn_gpu.token_inputs, *refs, ratio=ratio, scale=scale)
     multi_decode_program(p, pool_in, o_ref, pool_out, bv=bv, max_tokens=max_tokens, inputs=inputs)
 
 
@@ -225,7 +221,7 @@ def gdn_multi_decode(
         name="gdn_multi_decode_gpu",
         query_start_loc=query_start_loc,
         slots=slots,
-        inputs=(_gdn_gate_params(A_log, dt_bias), q, k, v, a, b),
+        inputs=(gdn_gpu.gate_params(A_log, dt_bias), q, k, v, a, b),
         state=state,
         out_dtype=v.dtype,
         max_tokens=max_tokens,
@@ -253,14 +249,8 @@ def _kda_kernel(
     pool_out,  # aliased to pool_in
     *, bv: int, max_tokens: int, scale: float,
 ):  # fmt: skip
-    def inputs(tok, h, vs):
-        q = l2norm(q_ref[tok, h, :].astype(jnp.float32)) * scale  # [Dk]
-        k = l2norm(k_ref[tok, h, :].astype(jnp.float32))
-        v = v_ref[tok, h, vs].astype(jnp.float32)  # [BV]
-        g = neg_a_ref[h] * softplus(g_ref[tok, h, :].astype(jnp.float32) + dt_ref[h, :])  # [Dk]
-        beta = jax.nn.sigmoid(b_ref[tok, h].astype(jnp.float32))
-        return q, k, v, beta, jnp.exp(g)[:, None]  # the state's rows, per key channel
-
+    refs = (neg_a_ref, dt_ref, q_ref, k_ref, g_ref, v_ref, b_ref)
+    inputs = functools.partial(kda_gpu.token_inputs, *refs, scale=scale)
     multi_decode_program(p, pool_in, o_ref, pool_out, bv=bv, max_tokens=max_tokens, inputs=inputs)
 
 

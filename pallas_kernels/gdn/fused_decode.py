@@ -42,7 +42,7 @@ from pallas_kernels.common.delta_rule_gpu import (
 )
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import causal_conv1d_update_reference
-from pallas_kernels.gdn.gpu import _gate_params, _gates, gdn_decode
+from pallas_kernels.gdn.gpu import _gates, gate_params, gdn_decode
 from pallas_kernels.gdn.reference import check_gdn_args, gdn_decode_reference
 
 
@@ -213,7 +213,7 @@ def conv_gdn_decode(
     check_key_dim(dk)
     bv = pick_block_v(dv, block_v)
     args = (
-        *slots.arrays(), _gate_params(A_log, dt_bias),
+        *slots.arrays(), gate_params(A_log, dt_bias),
         mixed, conv_weight, a, b, conv_state, ssm_state,
     )  # fmt: skip
     kernel = functools.partial(_kernel, hk=num_k_heads, bv=bv, scale=float(dk) ** -0.5)

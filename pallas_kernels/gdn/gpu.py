@@ -96,7 +96,17 @@ def _gates(gates_ref, h, a, b):
     return g, jax.nn.sigmoid(b.astype(jnp.float32))
 
 
-def _gate_params(A_log, dt_bias):
+def token_inputs(gates_ref, q_ref, k_ref, v_ref, a_ref, b_ref, tok, h, vs, *, ratio, scale):
+    """One token's decode inputs for value head ``h`` and Dv columns ``vs`` (the decode and
+    multi-token decode kernels): ``(q, k [Dk], v [BV], beta, decay = exp(g))``."""
+    q = l2norm(q_ref[tok, h // ratio, :].astype(jnp.float32)) * scale  # [Dk]
+    k = l2norm(k_ref[tok, h // ratio, :].astype(jnp.float32))
+    v = v_ref[tok, h, vs].astype(jnp.float32)  # [BV]
+    g, beta = _gates(gates_ref, h, a_ref[tok, h], b_ref[tok, h])
+    return q, k, v, beta, jnp.exp(g)
+
+
+def gate_params(A_log, dt_bias):
     return jnp.stack([-jnp.exp(A_log.astype(jnp.float32)), dt_bias.astype(jnp.float32)])
 
 
@@ -114,13 +124,8 @@ def _decode_kernel(
     pool_out,  # aliased to pool_in
     *, bv: int, ratio: int, scale: float,
 ):  # fmt: skip
-    def inputs(r, h, vs):
-        q = l2norm(q_ref[r, h // ratio, :].astype(jnp.float32)) * scale  # [Dk]
-        k = l2norm(k_ref[r, h // ratio, :].astype(jnp.float32))
-        v = v_ref[r, h, vs].astype(jnp.float32)  # [BV]
-        g, beta = _gates(gates_ref, h, a_ref[r, h], b_ref[r, h])
-        return q, k, v, beta, jnp.exp(g)
-
+    refs = (gates_ref, q_ref, k_ref, v_ref, a_ref, b_ref)
+    inputs = functools.partial(token_inputs, *refs, ratio=ratio, scale=scale)
     decode_program(p, pool_in, o_ref, pool_out, bv=bv, inputs=inputs)
 
 
@@ -151,7 +156,7 @@ def gdn_decode(
         _decode_kernel,
         name="gdn_decode_gpu",
         slots=slots,
-        inputs=(_gate_params(A_log, dt_bias), q, k, v, a, b),
+        inputs=(gate_params(A_log, dt_bias), q, k, v, a, b),
         state=state,
         out_dtype=v.dtype,
         bv=pick_block_v(dv, block_v, default=64),  # H200 sweep at B=64: 64 columns, 4 warps
@@ -390,7 +395,7 @@ def gdn_prefill(
             compiler_params=params,
             interpret=interpret,
             name="gdn_prefill_intra_gpu",
-        )(plan.start, plan.length, _gate_params(A_log, dt_bias), q, k, v, a, b)
+        )(plan.start, plan.length, gate_params(A_log, dt_bias), q, k, v, a, b)
     )
     state_out = sds(state.shape, state.dtype)
     if not three_launches:

@@ -111,6 +111,17 @@ def _check(q, k, v, g, b, A_log, dt_bias, state, slots, qsl=None):
     check_key_dim(q.shape[-1])
 
 
+def token_inputs(neg_a_ref, dt_ref, q_ref, k_ref, g_ref, v_ref, b_ref, tok, h, vs, *, scale):
+    """One token's decode inputs for head ``h`` and Dv columns ``vs`` (the decode and
+    multi-token decode kernels): ``(q, k [Dk], v [BV], beta, decay [Dk, 1])``."""
+    q = l2norm(q_ref[tok, h, :].astype(jnp.float32)) * scale  # [Dk]
+    k = l2norm(k_ref[tok, h, :].astype(jnp.float32))
+    v = v_ref[tok, h, vs].astype(jnp.float32)  # [BV]
+    g = neg_a_ref[h] * softplus(g_ref[tok, h, :].astype(jnp.float32) + dt_ref[h, :])  # [Dk]
+    beta = jax.nn.sigmoid(b_ref[tok, h].astype(jnp.float32))
+    return q, k, v, beta, jnp.exp(g)[:, None]  # the state's rows, per key channel
+
+
 # ----------------------------------------------------------------------------- decode
 
 
@@ -126,14 +137,8 @@ def _decode_kernel(
     pool_out,  # aliased to pool_in
     *, bv: int, scale: float,
 ):  # fmt: skip
-    def inputs(r, h, vs):
-        q = l2norm(q_ref[r, h, :].astype(jnp.float32)) * scale  # [Dk]
-        k = l2norm(k_ref[r, h, :].astype(jnp.float32))
-        v = v_ref[r, h, vs].astype(jnp.float32)  # [BV]
-        g = neg_a_ref[h] * softplus(g_ref[r, h, :].astype(jnp.float32) + dt_ref[h, :])  # [Dk]
-        beta = jax.nn.sigmoid(b_ref[r, h].astype(jnp.float32))
-        return q, k, v, beta, jnp.exp(g)[:, None]  # the state's rows, per key channel
-
+    refs = (neg_a_ref, dt_ref, q_ref, k_ref, g_ref, v_ref, b_ref)
+    inputs = functools.partial(token_inputs, *refs, scale=scale)
     decode_program(p, pool_in, o_ref, pool_out, bv=bv, inputs=inputs)
 
 
