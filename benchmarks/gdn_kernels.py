@@ -95,8 +95,8 @@ def _running_slots(rows) -> StateSlots:
     return StateSlots(running, running, none, none, jnp.int32(rows))
 
 
-def _pool(key, num_slots):
-    return 0.1 * jax.random.normal(key, (num_slots, HV, D, D), jnp.float32)
+def _pool(key, num_slots, dtype=jnp.float32):
+    return (0.1 * jax.random.normal(key, (num_slots, HV, D, D), jnp.float32)).astype(dtype)
 
 
 def _err_ratio(got, want):
@@ -248,9 +248,9 @@ def time_prefill(
     return out
 
 
-def time_decode(rows, **tuning) -> dict:
+def time_decode(rows, state_dtype=jnp.float32, **tuning) -> dict:
     acts = _activations(jax.random.PRNGKey(6), rows)
-    pool = _pool(jax.random.PRNGKey(7), rows + 1)
+    pool = _pool(jax.random.PRNGKey(7), rows + 1, state_dtype)
     slots = (_running_slots(rows),)
 
     def step(fn):
@@ -262,9 +262,9 @@ def time_decode(rows, **tuning) -> dict:
 
     kernel = functools.partial(gpu.gdn_decode, interpret=INTERPRET, **tuning)
     t = _time_stateful(step(kernel), pool, (acts, slots), iters=50)
-    state_bytes = 2 * rows * HV * D * D * 4  # read src + write dst
+    state_bytes = 2 * rows * HV * D * D * jnp.dtype(state_dtype).itemsize  # read src + write dst
     out = {"pallas_us": 1e6 * t, "pallas_state_GBps": state_bytes / t / 1e9}
-    if not tuning:
+    if not tuning and state_dtype == jnp.float32:
         pool = _pool(jax.random.PRNGKey(7), rows + 1)
         out["reference_us"] = 1e6 * _time_stateful(
             step(gdn_decode_reference), pool, (acts, slots), iters=50
@@ -493,13 +493,27 @@ def main() -> None:
                     ),
                 )  # fmt: skip
         for rows in (64, 256):
-            for bv, nw in [(32, 2), (64, 8), (128, 4), (128, 8)]:
+            for bv, nw in [
+                (16, 1),
+                (16, 2),
+                (32, 2),
+                (32, 4),
+                (64, 2),
+                (64, 8),
+                (128, 4),
+                (128, 8),
+            ]:  # noqa: E501
                 guarded(
                     f"sweep_decode_B{rows}_bv{bv}_w{nw}",
                     lambda rows=rows, bv=bv, nw=nw: time_decode(rows, block_v=bv, num_warps=nw),
                 )
     for rows in decode_rows:
         guarded(f"decode_B{rows}", lambda rows=rows: time_decode(rows))
+    for rows in decode_rows:  # --state-dtype bfloat16: half the bytes
+        guarded(
+            f"decode_bf16state_B{rows}",
+            lambda rows=rows: time_decode(rows, state_dtype=jnp.bfloat16),
+        )
     for rows in decode_rows:
         guarded(f"fused_decode_B{rows}", lambda rows=rows: time_fused_decode(rows))
     for t in sorted({t for _, t in prefill_shapes}):
