@@ -8,6 +8,7 @@ code is never executed: only ``config.json`` and the tensors are read.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -29,8 +30,9 @@ from hyjax.sharding import ShardingPlan
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# Checkpoint tensors that are known and deliberately not loaded (multi-token prediction).
+# Checkpoint tensors loaded only when asked for (multi-token prediction: ``load_model(mtp=)``).
 IGNORED = re.compile(r"^mtp\.")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
 class CheckpointError(ValueError):
@@ -50,12 +52,14 @@ def fused_expert_targets(name: str, cfg: ModelConfig) -> list[Target] | None:
 
     The names are those of the MoE layer's parameters (``mlp.experts_*``), whatever the family.
     """
-    mt = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
+    mt = re.fullmatch(r"(model|mtp)\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
     if not mt:
         return None
-    m = ("layers", int(mt.group(1)), "mlp")
+    m = ("layers", int(mt.group(2)), "mlp")
+    if mt.group(1) == "mtp":
+        m = ("mtp",) + m
     f = cfg.moe_intermediate_size
-    if mt.group(2) == "down_proj":
+    if mt.group(3) == "down_proj":
         return [Target(m + ("experts_down",), "t")]
     return [
         Target(m + ("experts_gate",), "t", part=slice(0, f)),
@@ -96,8 +100,14 @@ def load_model(
     dtype: str = "auto",
     mesh: Mesh | None = None,
     expert_parallel: bool = False,
+    mtp: bool = False,
 ) -> tuple[nnx.Module, ModelConfig]:
     """Builds the model of ``model_dir/config.json`` and fills it from the checkpoint.
+
+    ``mtp`` builds and loads the multi-token prediction layers (``mtp.*``) too: as many as the
+    config declares, else as many as the checkpoint holds (Qwen3-Next's config.json names
+    none); the returned config says how many (``num_mtp_layers``). Without it the ``mtp.*``
+    tensors are skipped unread and the config comes back with ``num_mtp_layers=0``.
 
     With a ``mesh`` every device reads only its own shard of each tensor from the memory map
     (``jax.make_array_from_callback``), as :class:`hyjax.sharding.ShardingPlan` places it, and
@@ -106,17 +116,20 @@ def load_model(
     """
     model_dir = os.fspath(model_dir)
     cfg = load_config(model_dir)
+    converted = os.path.isdir(os.path.join(model_dir, ORBAX_DIR))
+    files = {} if converted else checkpoint_files(model_dir)
+    cfg = _with_mtp_layers(cfg, files, mtp)
     jdtype = resolve_dtype(dtype, cfg)
     family = family_of(cfg)
     cls = family.model_class
     abstract = nnx.eval_shape(lambda: cls(cfg, dtype=jdtype, rngs=nnx.Rngs(0)))
     plan = ShardingPlan(mesh, cfg, expert_parallel) if mesh is not None else None
-    if os.path.isdir(os.path.join(model_dir, ORBAX_DIR)):
+    if converted:
         return _restore_converted(model_dir, abstract, cfg, plan), cfg
     graphdef, state = nnx.split(abstract)
     params = dict(nnx.to_flat_state(state))
     targets = family.targets(cfg)
-    files = checkpoint_files(model_dir)
+    skip_mtp = not getattr(cfg, "num_mtp_layers", 0)
     alias = family.checkpoint_name
     stored = {alias(k): k for k in files}  # our name -> the file's name
     files = {alias(k): v for k, v in files.items()}
@@ -125,7 +138,7 @@ def load_model(
     by_param: dict[tuple, list[tuple[str, Target]]] = {}
     unexpected = []
     for name in files:
-        if IGNORED.match(name):
+        if skip_mtp and IGNORED.match(name):
             continue
         tl = [targets[name]] if name in targets else fused_expert_targets(name, cfg)
         if tl is None:
@@ -189,6 +202,25 @@ def load_model(
         plan.configure(model)  # layers' static settings; permutes the (small) GDN conv rows
     log.info("loaded %s (%s) from %s", cfg.model_type, jnp.dtype(jdtype).name, model_dir)
     return model, cfg
+
+
+def _with_mtp_layers(cfg: ModelConfig, files: dict[str, str], mtp: bool) -> ModelConfig:
+    """``cfg`` with the number of MTP layers to build: 0 unless asked for; when asked for,
+    the config's own number or else the checkpoint's (``mtp.layers.{j}.*``)."""
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    if "num_mtp_layers" not in fields:
+        if mtp:
+            raise ValueError(f"{cfg.model_type} has no multi-token prediction layers")
+        return cfg
+    if not mtp:
+        return dataclasses.replace(cfg, num_mtp_layers=0)
+    if cfg.num_mtp_layers:
+        return cfg
+    found = {int(m.group(1)) for m in map(_MTP_LAYER.match, files) if m}
+    if not found:
+        where = sorted(set(files.values())) or "a converted checkpoint (declare it in config.json)"
+        raise CheckpointError(f"mtp=True but no mtp.layers.* tensors in {where}")
+    return dataclasses.replace(cfg, num_mtp_layers=max(found) + 1)
 
 
 def _read_block(

@@ -152,15 +152,25 @@ class HybridForCausalLM(nnx.Module):
         self.groups = groups
 
     def __call__(
-        self, batch: Batch, caches: Caches, ops: Ops, *, decode_only: bool = False
-    ) -> tuple[Caches, jax.Array]:
+        self,
+        batch: Batch,
+        caches: Caches,
+        ops: Ops,
+        *,
+        decode_only: bool = False,
+        return_hidden: bool = False,
+    ) -> tuple[Caches, jax.Array] | tuple[Caches, jax.Array, jax.Array]:
         """Runs every layer over the batch. Returns ``(caches, logits f32[S, vocab])``.
 
         ``decode_only`` (jit-static) tells every mixer that each row is one token, so it may
-        take its decode path.
+        take its decode path. ``return_hidden`` (jit-static) adds a third output: the final
+        hidden states of every row, after the final norm (``[T, D]``, model dtype), which a
+        multi-token-prediction drafter reads (:mod:`hyjax.models.qwen3_next.mtp`).
         """
         if self.groups is not None:
-            return self._scanned(batch, caches, ops, decode_only=decode_only)
+            return self._scanned(
+                batch, caches, ops, decode_only=decode_only, return_hidden=return_hidden
+            )
         h = self.embed_tokens[...][batch.input_ids]  # [T, D]
         kv, conv, ssm = list(caches.kv), list(caches.conv), list(caches.ssm)
         attn_i = lin_i = 0  # the next entry of the paged pools and of the state pools
@@ -173,12 +183,19 @@ class HybridForCausalLM(nnx.Module):
                     h, (conv[lin_i], ssm[lin_i]), batch, ops, decode_only=decode_only
                 )
                 lin_i += 1
-        h = self.norm(h[batch.logits_indices])  # [S, D]
-        return Caches(kv=tuple(kv), conv=tuple(conv), ssm=tuple(ssm)), self.logits(h)
+        return self._head(h, Caches(kv=tuple(kv), conv=tuple(conv), ssm=tuple(ssm)), batch,
+                          return_hidden)  # fmt: skip
+
+    def _head(self, h: jax.Array, caches: Caches, batch: Batch, return_hidden: bool):
+        """The final norm and the logits of the rows ``batch.logits_indices`` picks."""
+        if not return_hidden:
+            return caches, self.logits(self.norm(h[batch.logits_indices]))  # [S, D] normed
+        hidden = self.norm(h)  # [T, D]: the norm is per row, so its rows are those below
+        return caches, self.logits(hidden[batch.logits_indices]), hidden
 
     def _scanned(
-        self, batch: Batch, caches: Caches, ops: Ops, *, decode_only: bool
-    ) -> tuple[Caches, jax.Array]:
+        self, batch: Batch, caches: Caches, ops: Ops, *, decode_only: bool, return_hidden: bool
+    ) -> tuple[Caches, jax.Array] | tuple[Caches, jax.Array, jax.Array]:
         """The forward of the stacked form: prefix layers, one scan over the groups, tail.
 
         Caches are in :func:`stack_caches`' layout: the prefix layers' entries, one stacked
@@ -237,8 +254,8 @@ class HybridForCausalLM(nnx.Module):
 
         for layer in list(self.layers)[groups.prefix :]:
             h, attn_i, lin_i = run(layer, h, attn_i, lin_i, batch)
-        h = self.norm(h[batch.logits_indices])  # [S, D]
-        return Caches(kv=tuple(kv), conv=tuple(conv), ssm=tuple(ssm)), self.logits(h)
+        return self._head(h, Caches(kv=tuple(kv), conv=tuple(conv), ssm=tuple(ssm)), batch,
+                          return_hidden)  # fmt: skip
 
     def logits(
         self,

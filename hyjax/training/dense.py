@@ -18,7 +18,12 @@ import jax.numpy as jnp
 
 from hyjax.layers.moe import SparseMoe
 from hyjax.layers.rope import apply_partial_rope
-from hyjax.models.qwen3_next.model import GatedAttention, GatedDeltaNet, Qwen3NextForCausalLM
+from hyjax.models.qwen3_next.model import (
+    DecoderLayer,
+    GatedAttention,
+    GatedDeltaNet,
+    Qwen3NextForCausalLM,
+)
 from hyjax.training.chunked import chunk_gated_delta_rule
 from pallas_kernels.gdn.reference import gdn_gates, l2norm
 
@@ -105,29 +110,45 @@ def moe_dense(moe: SparseMoe, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return routed + shared, logits
 
 
+def layer_dense(layer: DecoderLayer, h: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """One decoder layer over ``h [B, T, D]``: ``(h, router logits f32[B*T, E] or None)``."""
+    bsz, t, _ = h.shape
+    x = layer.input_layernorm(h)
+    if layer.is_attention:
+        h = h + attention_dense(layer.self_attn, x)
+    else:
+        h = h + gdn_dense(layer.linear_attn, x)
+    x = layer.post_attention_layernorm(h).reshape(bsz * t, -1)
+    logits = None
+    if isinstance(layer.mlp, SparseMoe):
+        y, logits = moe_dense(layer.mlp, x)
+    else:
+        y = layer.mlp(x)
+    return h + y.reshape(bsz, t, -1), logits
+
+
+def dense_hidden(
+    model: Qwen3NextForCausalLM,
+    input_ids: jax.Array,  # i32[B, T]
+) -> tuple[jax.Array, list[jax.Array]]:
+    """Returns ``(final hidden states [B, T, D] after model.norm, router logits per MoE layer)``."""
+    h = model.embed_tokens[...][input_ids]  # [B, T, D]
+    router_logits = []
+    for layer in model.layers:
+        h, logits = layer_dense(layer, h)
+        if logits is not None:
+            router_logits.append(logits)
+    return model.norm(h), router_logits
+
+
 def dense_forward(
     model: Qwen3NextForCausalLM,
     input_ids: jax.Array,  # i32[B, T]
 ) -> tuple[jax.Array, list[jax.Array]]:
     """Returns ``(logits f32[B, T, vocab], router logits: one f32[B*T, E] per MoE layer)``."""
     bsz, t = input_ids.shape
-    h = model.embed_tokens[...][input_ids]  # [B, T, D]
-    router_logits = []
-    for layer in model.layers:
-        x = layer.input_layernorm(h)
-        if layer.is_attention:
-            h = h + attention_dense(layer.self_attn, x)
-        else:
-            h = h + gdn_dense(layer.linear_attn, x)
-        x = layer.post_attention_layernorm(h).reshape(bsz * t, -1)
-        if isinstance(layer.mlp, SparseMoe):
-            y, logits = moe_dense(layer.mlp, x)
-            router_logits.append(logits)
-        else:
-            y = layer.mlp(x)
-        h = h + y.reshape(bsz, t, -1)
-    h = model.norm(h).reshape(bsz * t, -1)
-    return model.logits(h).reshape(bsz, t, -1), router_logits
+    h, router_logits = dense_hidden(model, input_ids)
+    return model.logits(h.reshape(bsz * t, -1)).reshape(bsz, t, -1), router_logits
 
 
 def load_balancing_loss(router_logits: list[jax.Array], top_k: int) -> jax.Array:

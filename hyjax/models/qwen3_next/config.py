@@ -53,6 +53,10 @@ class Qwen3NextConfig(ModelConfig):
     eos_token_id: int | tuple[int, ...] | None
     dtype: str  # the checkpoint's own dtype: "bfloat16" | "float32" | "float16"
     model_type: str = "qwen3_next"
+    # Multi-token prediction layers (checkpoint ``mtp.*``) the model builds: 0 = none. Parsed
+    # from ``num_nextn_predict_layers`` or ``mtp_num_hidden_layers``; Qwen3-Next-80B's
+    # config.json names neither, so ``load_model(mtp=True)`` counts them in the checkpoint.
+    num_mtp_layers: int = 0
 
     def __post_init__(self):
         check_layer_types(self.layer_types, self.num_hidden_layers)
@@ -66,6 +70,8 @@ class Qwen3NextConfig(ModelConfig):
             raise ValueError(
                 f"{self.num_attention_heads=} must be divisible by {self.num_key_value_heads=}"
             )
+        if self.num_mtp_layers < 0:
+            raise ValueError(f"{self.num_mtp_layers=} must be >= 0")
 
     # Derived values.
     @property
@@ -154,11 +160,15 @@ class Qwen3NextConfig(ModelConfig):
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             dtype=hf_dtype(d),
+            num_mtp_layers=int(
+                d.get("num_nextn_predict_layers") or d.get("mtp_num_hidden_layers") or 0
+            ),
         )
 
     def to_hf(self) -> dict[str, Any]:
         """The ``config.json`` dict transformers reads (used by presets and tests)."""
-        return {
+        mtp = {"num_nextn_predict_layers": self.num_mtp_layers} if self.num_mtp_layers else {}
+        return mtp | {
             "architectures": ["Qwen3NextForCausalLM"],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,

@@ -193,4 +193,15 @@ class DecoderLayer(HybridDecoderLayer):
 
 
 class Qwen3NextForCausalLM(HybridForCausalLM):
+    """The hybrid stack, plus ``mtp`` (the multi-token prediction layers, parameters
+    ``mtp/...``) when the config builds them (``num_mtp_layers``; built last, so every other
+    random init is what it was without them)."""
+
     layer_class = DecoderLayer
+
+    def __init__(self, cfg: Qwen3NextConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        super().__init__(cfg, dtype=dtype, rngs=rngs)
+        if cfg.num_mtp_layers:
+            from hyjax.models.qwen3_next.mtp import MultiTokenPredictor  # it imports this module
+
+            self.mtp = MultiTokenPredictor(cfg, dtype=dtype, rngs=rngs)
