@@ -23,7 +23,7 @@ It needs the engines installed (they are not the project's dependencies yet)::
 runs per constrained row and step)::
 
     python -m benchmarks.grammar_engines --engines hyjax \
-        --out benchmarks/results/grammar_mask_hyjax_cpu.json
+        --out benchmarks/results/grammar_mask_hyjax_cpu_2core_epyc.json
 """
 
 from __future__ import annotations
