@@ -18,6 +18,12 @@ It needs the engines installed (they are not the project's dependencies yet)::
 
     pip install llguidance xgrammar outlines-core   # xgrammar imports torch
     python -m benchmarks.grammar_engines --out benchmarks/results/grammar_engines_cpu.json
+
+``--engines hyjax`` times llguidance through hyjax's own integration (what the scheduler
+runs per constrained row and step)::
+
+    python -m benchmarks.grammar_engines --engines hyjax \
+        --out benchmarks/results/grammar_mask_hyjax_cpu_2core_epyc.json
 """
 
 from __future__ import annotations
@@ -168,6 +174,32 @@ def run_llguidance(hf_tok, schema, tokens):
     return _summary(compile_s, times, ok)
 
 
+def run_hyjax(hf_tok, schema, tokens):
+    """llguidance through hyjax's integration (``serving.structured.grammar``): the server's
+    ``GrammarCompiler`` over a ``hyjax.tokenizer.Tokenizer`` of the same vocabulary, the
+    scheduler's per-row ``fill_mask`` into a step mask row, then ``accept``."""
+    from hyjax.tokenizer import Tokenizer
+    from serving.core.plan import mask_words
+    from serving.structured import StructuredOutput
+    from serving.structured.grammar import GrammarCompiler
+
+    tok = Tokenizer(hf_tok.backend_tokenizer, special_tokens={"eos_token": "<|endoftext|>"})
+    compiler = GrammarCompiler(tok, len(hf_tok), [hf_tok.eos_token_id])
+    _ = compiler.ll_tokenizer  # the vocabulary view, built once a server (not a compile's cost)
+    t0 = time.perf_counter()
+    matcher = compiler.compile(StructuredOutput("json", json.dumps(schema)))
+    compile_s = time.perf_counter() - t0
+    mask = np.zeros((1, mask_words(len(hf_tok))), np.int32)
+    times, ok = [], True
+    for t in tokens:
+        t0 = time.perf_counter()
+        matcher.fill_mask(mask[0])
+        times.append(time.perf_counter() - t0)
+        ok &= _bitmask_allows(mask[0], t)
+        ok &= matcher.accept(t)
+    return _summary(compile_s, times, ok)
+
+
 def run_xgrammar(hf_tok, schema, tokens):
     import xgrammar as xg
 
@@ -233,7 +265,12 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(keep, chars)}
 
 
-ENGINES = {"llguidance": run_llguidance, "xgrammar": run_xgrammar, "outlines_core": run_outlines}
+ENGINES = {
+    "llguidance": run_llguidance,
+    "xgrammar": run_xgrammar,
+    "outlines_core": run_outlines,
+    "hyjax": run_hyjax,  # llguidance as the server drives it
+}
 
 
 def main() -> None:
@@ -254,7 +291,8 @@ def main() -> None:
         try:
             import importlib.metadata as md
 
-            summary[f"{engine}_version"] = md.version(engine.replace("_", "-"))
+            dist = "llguidance" if engine == "hyjax" else engine.replace("_", "-")
+            summary[f"{engine}_version"] = md.version(dist)
         except Exception:  # noqa: BLE001 - report what is installed
             summary[f"{engine}_version"] = None
         for name, schema in SCHEMAS.items():

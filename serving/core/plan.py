@@ -111,6 +111,9 @@ class SamplingArrays:
     repetition_penalty: np.ndarray = _per_row(np.float32, 1.0)  # f32[R]   1 = off
     # EOS and stop ids are banned while the sampled position is below this (prompt + min_tokens).
     min_tokens_until: np.ndarray = _per_row(np.int32, 0)  # i32[R]   0 = off
+    # Structured outputs: the row's logits are masked by its row of the step's token bitmask
+    # (``StepPlan.token_mask``) when 1; rows at 0 never read it.
+    uses_grammar: np.ndarray = _per_row(np.int32, 0)  # i32[R]
 
     def __post_init__(self) -> None:
         # Host only (not a dataclass field, so never on device): table row -> the contents
@@ -147,6 +150,7 @@ class SamplingArrays:
         self.frequency_penalty[row] = sp.frequency_penalty
         self.repetition_penalty[row] = sp.repetition_penalty
         self.min_tokens_until[row] = req.num_prompt_tokens + sp.min_tokens if sp.min_tokens else 0
+        self.uses_grammar[row] = req.grammar is not None
         if sp.uses_token_tables:
             self.table_inits[row] = TableInit.of(req)
         else:
@@ -186,6 +190,11 @@ class StepPlan:
     ckpt_slots: np.ndarray  # i32[S, max_ckpt]   0 = no write
     logits_indices: np.ndarray  # i32[S]   token index whose logits are sampled
     sampling: SamplingArrays  # [S] each
+    # Structured outputs: i32[S, ceil(V / 32)] packed bitmask of the tokens each row may
+    # sample (bit t % 32 of word t // 32), read for rows with ``sampling.uses_grammar``; None
+    # when no row has a grammar (the runner passes a resident all-ones mask instead). Not
+    # part of ``packed``: its own transfer, only in steps that have one.
+    token_mask: np.ndarray | None = None
 
     @classmethod
     def empty(cls, shape: StepShape) -> StepPlan:
@@ -219,7 +228,7 @@ class StepPlan:
         """The device-bound arrays (everything but the static shape), the sampling ones under
         their own names: one flat namespace, which ``from_arrays`` splits again."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        del out["shape"], out["sampling"]
+        del out["shape"], out["sampling"], out["token_mask"]
         return out | self.sampling.arrays()
 
     def packed(self) -> tuple[np.ndarray, PlanLayout]:
@@ -237,6 +246,11 @@ class StepPlan:
                 raise TypeError(f"StepPlan.{name} is {a.dtype}: packed fields must be 4 bytes")
             parts.append(np.ascontiguousarray(a).reshape(-1).view(np.int32))
         return np.concatenate(parts), layout
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row of a token bitmask (``StepPlan.token_mask``)."""
+    return (vocab_size + 31) // 32
 
 
 # (field name, numpy dtype string, shape) of each array in ``StepPlan.packed``'s buffer, in order.

@@ -7,7 +7,12 @@ import dataclasses
 import enum
 import itertools
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from serving.structured.spec import StructuredOutput
 
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 
@@ -48,6 +53,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids are banned until this many are generated
     bad_words_token_ids: tuple[int, ...] = ()  # banned tokens (single-token bad words)
+    # The output must match this (JSON schema, regex, choice, grammar): the engine compiles
+    # it into the request's ``Request.grammar``.
+    structured: StructuredOutput | None = None
 
     @property
     def uses_token_tables(self) -> bool:
@@ -115,6 +123,24 @@ class SamplingParams:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+class Grammar(Protocol):
+    """A request's grammar state, as the scheduler drives it (host only;
+    ``serving.structured.grammar.GrammarMatcher``): before a step that samples for the request,
+    ``fill_mask`` writes the tokens it may sample; ``accept`` then takes the sampled one."""
+
+    mask_words: int  # int32 words of the bitmask (ceil(V / 32))
+
+    def fill_mask(self, out: np.ndarray) -> None: ...  # i32[mask_words]
+
+    def accept(self, token: int) -> bool: ...  # False: the grammar forbids it
+
+    @property
+    def is_terminated(self) -> bool: ...  # nothing may follow: the output is complete
+
+    @property
+    def error(self) -> str | None: ...
+
+
 _request_ids = itertools.count()
 
 
@@ -172,6 +198,7 @@ class Request:
     junctions: tuple[int, ...] = ()  # shared-prefix boundaries to checkpoint in prefill
     seed: int = 0  # uint32 actually used (the params' seed or a random one)
     max_tokens: int = 0  # resolved: the params' max_tokens, or what max_model_len leaves
+    grammar: Grammar | None = None  # compiled from ``sampling_params.structured`` by the engine
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

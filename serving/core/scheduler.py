@@ -42,7 +42,8 @@ not admitted again before that token arrives (``awaiting_token``).
 Async scheduling (``async_scheduling=True``): a running request whose only missing token is
 the one the previous plan samples gets a decode row for it anyway, its input id read on
 device from that step's output (``SchedulerOutput.from_prev``). Not when the host needs the
-token's id to schedule the row (prefix caching and the row fills a KV block: its hash), nor
+token's id to schedule the row (prefix caching and the row fills a KV block: its hash; a
+structured-output row: its token mask comes from the grammar advanced past it), nor
 when the pending token certainly ends the request (``max_tokens``, ``max_model_len``). A
 request that finishes (EOS, stop, abort) while a later step still has its row keeps its
 blocks and slot until that step's ``update``, which discards the row's token.
@@ -311,6 +312,7 @@ class Scheduler:
             b.dst,
             b.ckpts,
         )
+        self._fill_token_mask(plan, b)
         self._last_plan_step = b.step_id
         self._step_id += 1
         return SchedulerOutput(
@@ -360,6 +362,11 @@ class Scheduler:
             if len(req.all_token_ids) % self.cfg.block_size == 0:
                 self.cache.hash_new_blocks(req)
             reason = self._stop_reason(req, tok)
+            if req.grammar is not None and not req.grammar.accept(tok):  # masked: never
+                req.error = f"sampled token {tok} breaks the grammar: {req.grammar.error}"
+                reason = "error"
+            elif req.grammar is not None and reason is None and req.grammar.is_terminated:
+                reason = "stop"  # the output is complete: nothing but EOS may follow
             if reason is not None:
                 self._set_finished(req, reason)
                 self._free(req)
@@ -389,6 +396,8 @@ class Scheduler:
         rid = req.request_id
         if not self.async_scheduling or self._tokens_in_flight[rid] != 1:
             return None
+        if req.grammar is not None:  # its mask needs the pending token: it waits for it
+            return None
         step, row = self._sampling_row[rid]
         known = len(req.all_token_ids)
         if step != self._last_plan_step or req.num_computed_tokens != known:
@@ -398,6 +407,24 @@ class Scheduler:
         if len(req.output_token_ids) + 1 >= req.max_tokens or known + 1 >= self.cfg.max_model_len:
             return None
         return row
+
+    def _fill_token_mask(self, plan, b: _StepBuilder) -> None:
+        """Structured outputs: the bitmask of each sampling row with a grammar, computed on
+        the host from its matcher, which has taken every token before the sampled position
+        (sync: ``update`` ran; async: ``_ahead_row`` never schedules a grammar row ahead of
+        its pending token, so such a row decodes every other step). Rows without a grammar
+        keep all bits set and are not read (``uses_grammar`` 0)."""
+        rows = [
+            (s, req.grammar)
+            for s, req in enumerate(b.requests)
+            if req.grammar is not None and b.samples[s]
+        ]
+        if not rows:
+            return
+        mask = np.full((plan.shape.num_seqs, rows[0][1].mask_words), -1, np.int32)
+        for s, grammar in rows:
+            grammar.fill_mask(mask[s])
+        plan.token_mask = mask
 
     def _free(self, req: Request) -> None:
         """Frees finished ``req``'s blocks and slot now, or, with async scheduling, at the

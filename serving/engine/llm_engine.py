@@ -201,6 +201,7 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))
         self._tracked: dict[str, _Tracked] = {}
+        self._grammars = None  # GrammarCompiler, at the first structured-output request
         self.timing = StepTiming()
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -231,11 +232,26 @@ class LLMEngine:
             params.stop_token_ids = tuple(params.stop_token_ids) + tuple(extra)
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         req = Request.from_engine_request(request, ids, params, eos)
+        if params.structured is not None:
+            req.grammar = self._compile_grammar(params.structured)
         self.scheduler.add_request(req)  # raises ValueError for what the scheduler rejects
         detok = self.tokenizer.detokenizer(context_ids=ids) if self.tokenizer else None
         self._tracked[req.request_id] = _Tracked(req, detok)
         self.prompt_tokens += len(ids)
         return req.request_id
+
+    def _compile_grammar(self, spec):
+        """The request's matcher (llguidance, imported at the first constrained request).
+        Raises ValueError naming the API field for a constraint that does not compile."""
+        if self.tokenizer is None:
+            raise ValueError(f"{spec.param}=...: structured outputs need the model's tokenizer")
+        if self.runner.on_execute is not None:
+            raise ValueError(f"{spec.param}=...: structured outputs with several hosts")
+        if self._grammars is None:
+            from serving.structured.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars.compile(spec)
 
     def abort_request(self, request_id: str) -> None:
         """Stops a request wherever it is; its blocks and slot are freed."""

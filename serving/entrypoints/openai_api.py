@@ -44,6 +44,7 @@ from serving.entrypoints.protocol import (
 )
 from serving.entrypoints.reasoning_parsers import REASONING_PARSERS
 from serving.entrypoints.tool_parsers import TOOL_PARSERS, ToolCall, ToolParser
+from serving.structured import StructuredOutput, tool_call_grammar
 
 MAX_CHOICES = 256  # engine requests per HTTP request (prompts x n)
 SEED_STRIDE = 0x9E3779B9  # sample j of n gets seed + j * stride (mod 2**32)
@@ -335,8 +336,8 @@ class OpenAIServing:
     def tool_parser(self, req: ChatCompletionRequest) -> ToolParser | None:
         """The request's tool-call parser (None: its output is not parsed for calls).
 
-        ``required`` and a named ``tool_choice`` are not enforced while decoding yet: an
-        output that does not parse as a call is returned as content.
+        ``required`` and a named ``tool_choice`` are enforced while decoding by
+        ``forced_tool_calls``' grammar, so their output always parses as calls.
         """
         try:
             req.check_tools()
@@ -361,15 +362,39 @@ class OpenAIServing:
             )  # fmt: skip
         return TOOL_PARSERS[name](req.tools)
 
+    def forced_tool_calls(self, req: ChatCompletionRequest) -> StructuredOutput | None:
+        """The grammar of the calls ``tool_choice`` requires (``required``: one or more of any
+        tool, one when ``parallel_tool_calls`` is false; a named function: one call of it),
+        in the format of ``--tool-call-parser``; None when the choice leaves the model free.
+        Call after ``tool_parser`` (which checks the tool fields)."""
+        choice = req.tool_choice
+        if not req.tools or not (choice == "required" or isinstance(choice, dict)):
+            return None
+        function = choice["function"]["name"] if isinstance(choice, dict) else None
+        try:
+            text = tool_call_grammar(
+                self.chat_parsing.tool_call_parser,
+                req.tools,
+                function=function,
+                parallel=req.parallel_tool_calls is not False,
+            )
+        except ValueError as e:
+            raise ApiError(400, str(e), param="tool_choice") from None
+        return StructuredOutput("grammar", text, param="tool_choice")
+
     def chat_output_parser(
-        self, req: ChatCompletionRequest, tools: ToolParser | None, prompt: str
+        self, req: ChatCompletionRequest, tools: ToolParser | None, prompt: str, constrained: bool
     ) -> ChatOutputParser:
+        """``constrained``: a grammar owns the output from its first token, so it is read as
+        content (and calls), not as the reasoning a prompt may have opened."""
         name = self.chat_parsing.reasoning_parser
         reasoning = REASONING_PARSERS[name] if name is not None else None
         return ChatOutputParser(
             reasoning,
             tools,
-            in_reasoning=reasoning is not None and reasoning.starts_in_reasoning(prompt),
+            in_reasoning=reasoning is not None
+            and not constrained
+            and reasoning.starts_in_reasoning(prompt),
             parallel_tool_calls=req.parallel_tool_calls is not False,
         )
 
@@ -436,10 +461,24 @@ class OpenAIServing:
             raise ApiError(400, str(e), param="top_logprobs") from None
         params = self.sampling_params(req, max_tokens, n_logprobs)
         tools = self.tool_parser(req)
+        forced = self.forced_tool_calls(req)
+        if forced is not None:
+            if params.structured is not None:
+                raise ApiError(
+                    400,
+                    f"{params.structured.param} cannot be combined with tool_choice "
+                    f"{req.tool_choice!r}",
+                    param=params.structured.param,
+                )
+            params.structured = forced
         prompt_text, prompt = await self.chat_prompt(req)
         group = await self._start("chatcmpl", req, [prompt], params)
         wants = params.logprobs is not None
-        parsers = {c.index: self.chat_output_parser(req, tools, prompt_text) for c in group.choices}
+        constrained = params.structured is not None
+        parsers = {
+            c.index: self.chat_output_parser(req, tools, prompt_text, constrained)
+            for c in group.choices
+        }
         called: set[int] = set()  # choices that made a tool call
 
         def finish_reason(c: _Choice, reason: str | None) -> str | None:

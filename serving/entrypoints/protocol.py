@@ -4,8 +4,10 @@ Requests accept the OpenAI fields hyjax implements plus vLLM-style extras (``top
 ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``min_tokens``,
 ``bad_words``); unknown fields are ignored, as the OpenAI clients send new fields before servers
 know them. Fields that would change the output in a way hyjax does not implement yet
-(``echo``, ``response_format``, vLLM's guided decoding ...) are rejected with a 400
-naming the field rather than silently dropped (``unsupported_fields``).
+(``echo``, ``length_penalty``, ``allowed_token_ids`` ...) are rejected with a 400 naming the
+field rather than silently dropped (``unsupported_fields``). Structured outputs
+(``response_format``, vLLM's ``structured_outputs`` and older ``guided_*`` fields) become one
+``StructuredOutput`` in the sampling parameters (``serving/structured/spec.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pydantic import (
 )
 
 from serving.core.request import EngineRequest, SamplingParams
+from serving.structured.spec import StructuredOutput, from_fields, from_response_format
 
 MAX_N = 16  # choices per prompt
 MAX_STOP = 16  # stop strings per request
@@ -82,22 +85,38 @@ class _SamplingFields(BaseModel):
     # Prefix caching: requests share cached blocks and states only with requests of the same
     # salt (vLLM's field), so one tenant cannot time another's prompts.
     cache_salt: Annotated[StrictStr, Field(min_length=1)] | None = None
+    # Structured outputs (``structured_output``): OpenAI's, vLLM's extra and its older names.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # Fields that would change the output and are not implemented yet (OpenAI's, and the
     # extras vLLM users send): parsed so that ``unsupported_fields`` can name them in a 400,
     # never silently dropped. Their "off" values pass.
-    response_format: dict[str, Any] | None = None
     length_penalty: float | None = None
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     use_beam_search: bool = False
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     logits_processors: Any = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The request's one output constraint, if any; raises ValueError ``"FIELD=...: why"``
+        for a malformed one or for two of them."""
+        guided = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
+        a = from_response_format(self.response_format)
+        b = from_fields(self.structured_outputs, guided)
+        if a is not None and b is not None:
+            raise ValueError(f"response_format=...: cannot be combined with {b.param}")
+        return a or b
 
     def to_sampling_params(
         self,
@@ -149,6 +168,7 @@ class _SamplingFields(BaseModel):
             logit_bias=bias or None,
             min_tokens=self.min_tokens or 0,
             bad_words_token_ids=tuple(bad_ids),
+            structured=self.structured_output(),
         )
         params.validate()
         if any(s == "" for s in params.stop):
@@ -165,18 +185,12 @@ class _SamplingFields(BaseModel):
     def unsupported_fields(self) -> list[str]:
         """The fields set to a value that would change the output in a way not implemented."""
         on = {
-            "response_format": (self.response_format or {}).get("type", "text") != "text",
             "length_penalty": self.length_penalty not in (None, 1.0),
             "allowed_token_ids": self.allowed_token_ids is not None,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": not self.skip_special_tokens,
             "prompt_logprobs": self.prompt_logprobs is not None,
             "use_beam_search": self.use_beam_search,
-            "guided_json": self.guided_json is not None,
-            "guided_regex": self.guided_regex is not None,
-            "guided_choice": self.guided_choice is not None,
-            "guided_grammar": self.guided_grammar is not None,
-            "structured_outputs": self.structured_outputs is not None,
             "logits_processors": self.logits_processors is not None,
         }
         return [name for name, is_set in on.items() if is_set]

@@ -32,7 +32,7 @@ from hyjax.ops import Ops, ops_for_model
 from hyjax.sharding import ShardingPlan, replicate_tree
 from serving.core.config import SchedulerConfig
 from serving.core.memory_planner import MemoryPlan
-from serving.core.plan import PlanLayout, SamplingArrays, StepPlan, StepShape
+from serving.core.plan import PlanLayout, SamplingArrays, StepPlan, StepShape, mask_words
 from serving.worker.sampler import (
     MAX_LOGPROBS,
     count_inputs,
@@ -88,6 +88,7 @@ def _step(
     tables,
     buf,  # i32[plan + 2R]: the packed plan, then the splice (token index [R], prev row [R])
     prev,  # i32[R]: the previous step's sampled tokens, padded to R = max_num_seqs
+    token_mask,  # i32[S, ceil(V / 32)]: structured outputs' bitmask (rows with uses_grammar)
 ):
     """The whole step on device: forward over the ragged batch, then sampling.
 
@@ -128,7 +129,9 @@ def _step(
         lambda: tables,
     )
     positions = arrays["seq_lens"]  # of the tokens sampled
-    tokens = sample(logits, sampling, positions, gather=ops.gather_logits, tables=tables)
+    tokens = sample(
+        logits, sampling, positions, gather=ops.gather_logits, tables=tables, token_mask=token_mask
+    )
     # Log-probabilities (a log-softmax and a top-k over the vocabulary) only in steps where
     # some row reports them; elsewhere zeros the host never reads.
     k = min(MAX_LOGPROBS, logits.shape[-1])
@@ -203,6 +206,7 @@ class ModelRunner:
         # every process enters the step's collectives (serving/engine/multihost.py).
         self.on_execute: Callable[[StepPlan], None] | None = None
         self._no_prev: jax.Array | None = None  # i32[max_num_seqs] zeros: no previous tokens
+        self._all_allowed: dict[int, jax.Array] = {}  # rows -> i32[rows, ceil(V / 32)] of -1
         # Background warm-up: bucket -> its compile (None -> the closing log line).
         self._warming: dict[StepShape | None, Future] = {}
         self._warmup_pool: ThreadPoolExecutor | None = None
@@ -318,8 +322,8 @@ class ModelRunner:
                 fut.result()
 
     def _compile_ahead(self, shape: StepShape, avals: tuple) -> None:
-        static, ops, decode_only, _, _, _, buf, prev = self.step_args(StepPlan.empty(shape))
-        _step.lower(static, ops, decode_only, *avals, buf, prev).compile()
+        static, ops, decode_only, _, _, _, buf, prev, mask = self.step_args(StepPlan.empty(shape))
+        _step.lower(static, ops, decode_only, *avals, buf, prev, mask).compile()
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step. Returns every row's sampled token and logprobs (padding included)."""
@@ -392,8 +396,25 @@ class ModelRunner:
             tokens = self._no_prev
         leaves = self._state_leaves
         return (
-            static, self.ops, plan.shape.decode_only, leaves, self.caches, self.tables, buf, tokens
+            static, self.ops, plan.shape.decode_only, leaves, self.caches, self.tables, buf, tokens,
+            self._token_mask(plan),
         )  # fmt: skip
+
+    def _token_mask(self, plan: StepPlan) -> jax.Array:
+        """The plan's token bitmask on the device (a transfer of its own, only in steps with a
+        grammar row), else a resident all-ones mask of the bucket's rows (allowed everywhere,
+        read by no row): the step's arguments keep their shapes, so nothing compiles again."""
+        put = functools.partial(
+            replicate_tree, mesh=self.sharding.mesh
+        ) if self.sharding is not None else jax.device_put  # fmt: skip
+        if plan.token_mask is not None:
+            return put(plan.token_mask)
+        s = plan.shape.num_seqs
+        mask = self._all_allowed.get(s)
+        if mask is None:
+            words = mask_words(self.cfg.vocab_size)
+            mask = self._all_allowed[s] = put(np.full((s, words), -1, np.int32))
+        return mask
 
     @property
     def state(self) -> nnx.State:

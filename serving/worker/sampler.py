@@ -1,6 +1,6 @@
 """Sampling on device: greedy, temperature, top-k, top-p, min-p, per-request seeds, and the
 logit processors: presence / frequency / repetition penalties, logit bias, bad words and
-min_tokens.
+min_tokens, and the structured-output token bitmask.
 
 Each row draws from ``key(seed)`` folded with the position of the token it generates, so a
 request's samples do not depend on which other requests share its steps.
@@ -128,6 +128,27 @@ def process_logits(
     return jax.lax.cond(jnp.any(sampling.uses_tables > 0), apply, lambda: logits)
 
 
+def apply_token_mask(
+    logits: jax.Array,  # f32[S, V]
+    uses_grammar: jax.Array,  # i32[S]  1: the row's mask applies
+    token_mask: jax.Array,  # i32[S, ceil(V / 32)]  bit t % 32 of word t // 32: t allowed
+) -> jax.Array:
+    """Structured outputs: ``-inf`` for the tokens a row's grammar forbids: f32[S, V].
+
+    Runs only when some row has a grammar (``lax.cond``); other rows come back unchanged.
+    """
+
+    def apply():
+        s, v = logits.shape
+        bits = jnp.arange(32, dtype=jnp.int32)
+        # [S, W, 32] -> [S, W * 32]: bit j of word w is token 32 w + j.
+        allowed = ((token_mask[:, :, None] >> bits) & 1).reshape(s, -1)[:, :v] > 0
+        on = (uses_grammar > 0)[:, None]
+        return jnp.where(on & ~allowed, -jnp.inf, logits)
+
+    return jax.lax.cond(jnp.any(uses_grammar > 0), apply, lambda: logits)
+
+
 def sample(
     logits: jax.Array,  # f32[S, V]
     sampling: SamplingArrays,  # [S] each, as jax arrays
@@ -135,6 +156,7 @@ def sample(
     *,
     gather: Callable[[jax.Array], jax.Array] = lambda x: x,
     tables: TokenTables | None = None,
+    token_mask: jax.Array | None = None,  # i32[S, ceil(V / 32)]
 ) -> jax.Array:
     """Returns i32[S] token ids.
 
@@ -150,6 +172,8 @@ def sample(
     """
     if tables is not None:
         logits = process_logits(logits, sampling, positions, tables)
+    if token_mask is not None:
+        logits = apply_token_mask(logits, sampling.uses_grammar, token_mask)
     temperature, top_p, min_p = sampling.temperature, sampling.top_p, sampling.min_p
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     vocab = logits.shape[-1]

@@ -93,6 +93,7 @@ class FakeEngine:
     def __init__(self, tokenizer: Tokenizer, output: str, piece: int = 5) -> None:
         self.tokenizer, self.output, self.piece = tokenizer, output, piece
         self.prompts: list[str] = []
+        self.requests: list = []
 
     def attach(self, loop) -> None: ...
 
@@ -102,6 +103,7 @@ class FakeEngine:
 
     async def add(self, request, queue):
         self.prompts.append(self.tokenizer.decode(request.prompt, skip_special_tokens=False))
+        self.requests.append(request)
         pieces = [self.output[i : i + self.piece] for i in range(0, len(self.output), self.piece)]
 
         async def run():
@@ -239,15 +241,29 @@ def test_history_with_calls_and_results(serve):
     assert r.choices[0].message.reasoning_content == "It is sunny."  # never closed: reasoning
 
 
-def test_required_without_a_call_is_returned_as_content(serve):
-    """Constrained decoding of ``required`` / a named tool is not there yet: an output that
-    is no call comes back as content."""
-    client, _ = serve(output="</think>\n\nNo call.")
+def test_required_and_named_send_the_grammar_of_the_calls(serve):
+    """``required`` / a named tool reach the engine as the grammar of the calls (decoding
+    enforces it: test_structured_outputs.py); the output is read from its first token as
+    content and calls, not as the reasoning the prompt opened."""
+    client, engine = serve(output=CALL)
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         r = client.chat.completions.create(model="m", messages=USER, tools=TOOLS,
                                            tool_choice=choice)  # fmt: skip
-        assert r.choices[0].message.content == "No call."
-        assert r.choices[0].finish_reason == "stop"
+        spec = engine.requests[-1].sampling_params.structured
+        assert spec.kind == "grammar" and spec.param == "tool_choice"
+        assert "<tool_call>" in spec.value and '"const": "get_weather"' in spec.value
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+        assert not getattr(r.choices[0].message, "reasoning_content", None)
+    with pytest.raises(openai.BadRequestError, match="cannot be combined"):
+        client.chat.completions.create(model="m", messages=USER, tools=TOOLS,
+                                       tool_choice="required",
+                                       response_format={"type": "json_object"})  # fmt: skip
+    client, _ = serve(parsing=ChatParsing("qwen3_coder"))
+    with pytest.raises(openai.BadRequestError, match="not enforced") as e:
+        client.chat.completions.create(model="m", messages=USER, tools=TOOLS,
+                                       tool_choice="required")  # fmt: skip
+    assert e.value.body["param"] == "tool_choice"
 
 
 def test_tool_choice_none_leaves_calls_as_text(serve):

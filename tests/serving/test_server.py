@@ -338,12 +338,19 @@ BAD = [
     ("stop_not_string", C, {"prompt": "a", "stop": 3}, 400, None),
     ("empty_stop", C, {"prompt": "a", "stop": [""]}, 400, "stop"),
     # Output-changing fields not implemented yet: a 400 naming them, not a silent 200.
-    ("json_object", CHAT, {**HI, "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
     ("tool_choice_required", CHAT, {**HI, "tools": [TOOL], "tool_choice": "required"}, 400,
-     "tool_choice"),
-    ("guided_json", C, {"prompt": "a", "guided_json": {"type": "object"}}, 400, "guided_json"),
+     "tool_choice"),  # no --tool-call-parser
     ("length_penalty", C, {"prompt": "a", "length_penalty": 1.2}, 400, "length_penalty"),
+    # Structured outputs that do not compile (engine side) or are malformed (HTTP side).
+    ("bad_regex", C, {"prompt": "a", "structured_outputs": {"regex": "(x"}}, 400,
+     "structured_outputs"),
+    ("bad_schema", CHAT, {**HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": 5}}}}, 400, "response_format"),
+    ("guided_json_not_a_schema", C, {"prompt": "a", "guided_json": 5}, 400, "guided_json"),
+    ("two_constraints", C, {"prompt": "a", "guided_regex": "a", "response_format": {
+        "type": "json_object"}}, 400, "response_format"),
+    ("response_format_type", C, {"prompt": "a", "response_format": {"type": "xml"}}, 400,
+     "response_format"),
     # The sampling knobs' bad values: a 400 naming the field.
     ("negative_min_tokens", C, {"prompt": "a", "min_tokens": -1}, 400, "min_tokens"),
     ("min_tokens_over_max", C, {"prompt": "a", "min_tokens": 9, "max_tokens": 3}, 400,
