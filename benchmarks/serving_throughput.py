@@ -1,0 +1,263 @@
+"""SGLang-style serving throughput on full-size random weights (issues 20 and 23).
+
+Random prompts of ``--input-len`` tokens, ``--output-len`` tokens out (ignore_eos), at most
+``--concurrency`` requests in flight (a new one enters when one finishes), through the engine
+in this process. For each concurrency: output tokens per second, TTFT / ITL / TPOT percentiles
+(vLLM ``bench serve``'s definitions, host wall clock around the engine's steps).
+
+The model is built on the devices (``benchmarks.full_size``). Compile time is bounded by the
+workload: ``--max-num-seqs`` is the concurrency, one prefill token bucket (the step budget) with
+rows padded to ``min(T, max_num_seqs)``, and buckets compile as they are met during a short
+warm-up pass of the same workload (``--warmup-output-len`` tokens out), timed and printed as
+``compile``. ``--max-seconds`` stops the run cleanly (every request aborted) and still writes
+the JSON, with ``"partial": true``.
+
+    python -m benchmarks.serving_throughput --model qwen3-next-80b --tp 4 --concurrency 8 64 \\
+        --out SERVE.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
+        python -m benchmarks.serving_throughput --model tiny-qwen3-next --tp 2 --input-len 40 \\
+        --output-len 8 --concurrency 4 --dtype float32   # a CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import time
+
+import jax
+import numpy as np
+
+from benchmarks.common import device_name
+from benchmarks.full_size import add_model_args, build_for_engine
+from serving.core.request import EngineRequest, SamplingParams
+from serving.engine.llm_engine import EngineArgs, LLMEngine
+
+
+def percentiles(xs: list[float], qs=(50, 90, 99), scale: float = 1e3) -> dict[str, float]:
+    """``{"p50": ..., ...}`` in milliseconds (``scale``); NaN-free: empty gives None."""
+    if not xs:
+        return {f"p{q}": None for q in qs} | {"mean": None}
+    a = np.asarray(xs) * scale
+    return {f"p{q}": round(float(np.percentile(a, q)), 3) for q in qs} | {
+        "mean": round(float(a.mean()), 3)
+    }
+
+
+@dataclasses.dataclass
+class Trace:
+    """What one request saw: submission, each token's arrival."""
+
+    submitted: float
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0
+    finished: bool = False
+
+
+def drive(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    concurrency: int,
+    deadline: float,
+) -> tuple[dict[str, Trace], float, bool]:
+    """Runs ``prompts`` with at most ``concurrency`` in flight until done or ``deadline``
+    (``time.perf_counter()``); then aborts what is left. Returns the traces by request id,
+    the wall seconds and whether the deadline cut it short."""
+    pending = list(prompts)
+    traces: dict[str, Trace] = {}
+    in_flight = 0
+    start = time.perf_counter()
+    cut = False
+    while pending or engine.has_unfinished_requests():
+        if time.perf_counter() > deadline:
+            cut = True
+            for rid, t in traces.items():
+                if not t.finished:
+                    engine.abort_request(rid)
+            break
+        while pending and in_flight < concurrency:
+            rid = engine.add_request(EngineRequest(pending.pop(0), params))
+            traces[rid] = Trace(time.perf_counter())
+            in_flight += 1
+        for o in engine.step():
+            now = time.perf_counter()
+            t = traces[o.request_id]
+            t.token_times.extend([now] * len(o.delta_token_ids))
+            if o.finished:
+                t.finished = True
+                t.cached_tokens = o.num_cached_tokens
+                in_flight -= 1
+    # Async scheduling may hold a dispatched step: drain it so the next engine starts clean.
+    while engine.has_unfinished_requests():
+        engine.step()
+    return traces, time.perf_counter() - start, cut
+
+
+def metrics(traces: dict[str, Trace], seconds: float) -> dict:
+    """vLLM ``bench serve``'s metrics: TTFT (submission to first token), ITL (gaps between a
+    request's consecutive tokens; tokens of one step share its time), TPOT per request
+    ((last - first token) / (tokens - 1))."""
+    ttft, itl, tpot = [], [], []
+    out_tokens = 0
+    for t in traces.values():
+        out_tokens += len(t.token_times)
+        if t.token_times:
+            ttft.append(t.token_times[0] - t.submitted)
+            itl.extend(np.diff(t.token_times).tolist())
+        if len(t.token_times) > 1:
+            tpot.append((t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1))
+    return {
+        "requests": len(traces),
+        "completed": sum(t.finished for t in traces.values()),
+        "seconds": round(seconds, 3),
+        "output_tokens": out_tokens,
+        "output_tok_per_s": round(out_tokens / seconds, 2) if seconds else None,
+        "ttft_ms": percentiles(ttft),
+        "itl_ms": percentiles(itl),
+        "tpot_ms": percentiles(tpot),
+    }
+
+
+def engine_args(args, concurrency: int, max_model_len: int, **overrides) -> EngineArgs:
+    """The engine for one concurrency: buckets limited to what the workload meets."""
+    budget = args.max_num_batched_tokens
+    kw = dict(
+        model=".",  # no tokenizer: token-id prompts
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=concurrency,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        min_token_bucket=budget,  # one token bucket for every step with prefill tokens
+        mixed_row_buckets=False,  # ... and one row count for it
+        enable_prefix_caching=False,
+        kernel_backend=args.kernel_backend,
+        state_dtype=args.state_dtype,
+        cache_bytes=int(args.cache_gib * 2**30) if args.cache_gib else None,
+        async_scheduling=args.async_scheduling,
+        scan_layers=args.scan_layers,
+        tensor_parallel_size=args.tp,
+        enable_expert_parallel=args.expert_parallel,
+        compilation_cache_dir=args.compilation_cache_dir,
+        warmup=False,
+        progress=False,
+    )
+    kw.update(overrides)
+    return EngineArgs(**kw)
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, length).tolist() for _ in range(n)]
+
+
+def run_one(model, cfg, args, concurrency: int, deadline: float) -> dict:
+    max_len = args.input_len + args.output_len + 64
+    t0 = time.perf_counter()
+    engine = LLMEngine(engine_args(args, concurrency, max_len), preloaded=(model, cfg))
+    res = {"concurrency": concurrency, "engine_start_s": round(time.perf_counter() - t0, 2)}
+    res["kv_blocks_per_device"] = engine.runner.memory.num_kv_blocks
+    res["state_slots_per_device"] = engine.runner.memory.num_state_slots
+    vocab = min(cfg.vocab_size, 150000)
+    num = args.num_prompts or concurrency
+    # Warm-up: the same rows and prompt lengths, a few tokens out; compiles the buckets met.
+    compiles = engine.runner.compile_count()
+    warm = SamplingParams(max_tokens=args.warmup_output_len, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(concurrency, args.input_len, vocab, args.seed + 1)
+    _, warm_s, cut = drive(engine, prompts, warm, concurrency, deadline)
+    res["compile_s"] = round(warm_s, 2)
+    res["buckets_compiled"] = engine.runner.compile_count() - compiles
+    print(f"compile: {warm_s:.1f} s for {res['buckets_compiled']} step buckets "
+          f"(concurrency {concurrency})", flush=True)  # fmt: skip
+    if cut:
+        res["partial"] = True
+        return res
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(num, args.input_len, vocab, args.seed)
+    compiles = engine.runner.compile_count()
+    engine.timing.reset()
+    traces, seconds, cut = drive(engine, prompts, params, concurrency, deadline)
+    res |= metrics(traces, seconds)
+    res["partial"] = cut
+    res["compiles_while_measured"] = engine.runner.compile_count() - compiles
+    steps = max(engine.timing.steps, 1)
+    res["host_ms_per_step"] = round(engine.timing.host / steps * 1e3, 3)
+    res["device_ms_per_step"] = round(engine.timing.device / steps * 1e3, 3)
+    del engine
+    gc.collect()
+    return res
+
+
+def add_serving_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags the serving benchmarks share."""
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kernel-backend", default="auto")
+    p.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--cache-gib", type=float, default=None, help="KV + state pools per device (default: 90%%)"
+    )
+    p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument("--compilation-cache-dir", default=None)
+    p.add_argument(
+        "--max-seconds", type=float, default=510.0, help="stop cleanly, JSON written, after this"
+    )
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def write(results: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+def main() -> None:
+    start = time.perf_counter()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_model_args(p)
+    add_serving_args(p)
+    p.add_argument("--input-len", type=int, default=1000)
+    p.add_argument("--output-len", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8])
+    p.add_argument("--num-prompts", type=int, default=None, help="default: the concurrency")
+    p.add_argument("--warmup-output-len", type=int, default=4)
+    args = p.parse_args()
+    deadline = start + args.max_seconds
+    model, cfg, info = build_for_engine(args, dtype=args.dtype)
+    print(f"build: {info['build_s']} s, {info['param_gb_per_device']} GB of parameters per "
+          "device", flush=True)  # fmt: skip
+    results = {
+        "device": device_name(),
+        "num_devices": jax.device_count(),
+        "jax": jax.__version__,
+        "model": info,
+        "workload": {
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "ignore_eos": True,
+            "num_prompts": args.num_prompts,
+        },  # fmt: skip
+        "runs": [],
+        "partial": False,
+    }
+    write(results, args.out)
+    for c in args.concurrency:
+        if time.perf_counter() > deadline:
+            results["partial"] = True
+            break
+        r = run_one(model, cfg, args, c, deadline)
+        print(json.dumps(r), flush=True)
+        results["runs"].append(r)
+        results["partial"] |= bool(r.get("partial"))
+        write(results, args.out)  # after every run: a later failure keeps the earlier ones
+    results["total_s"] = round(time.perf_counter() - start, 1)
+    write(results, args.out)
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

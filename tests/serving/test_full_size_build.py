@@ -1,0 +1,108 @@
+"""The full-size benchmarks' random build (``benchmarks.full_size``) on simulated CPU devices.
+
+Every parameter must be created where the engine's sharding plan puts it, the engine must
+take the model as it is (no copy of a placed parameter), and a generation must run at
+TP=2 and TP=4 with expert parallel. A small model of the real structure; one fresh interpreter
+with 4 CPU devices (this module run as a script), since JAX reads the device count once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env["XLA_FLAGS"] = (
+        "--xla_force_host_platform_device_count=4 --xla_cpu_multi_thread_eigen=false "
+        "--xla_backend_optimization_level=0"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.serving.test_full_size_build"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ["tp2", "tp4_ep"])
+def test_every_parameter_is_built_in_its_engine_place(report, case):
+    r = report[case]
+    assert r["misplaced"] == []
+    assert r["sharded_params"] > 0  # the rules did split something
+
+
+@pytest.mark.parametrize("case", ["tp2", "tp4_ep"])
+def test_engine_takes_the_sharded_model_without_a_copy(report, case):
+    assert report[case]["same_buffers"]
+
+
+@pytest.mark.parametrize("case", ["tp2", "tp4_ep"])
+def test_generation_runs(report, case):
+    assert report[case]["tokens"] == 3
+
+
+def _worker() -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from benchmarks.full_size import misplaced, model_config, random_sharded_model, sharding_plan
+    from serving.core.request import EngineRequest, SamplingParams
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
+
+    cfg = model_config("tiny-qwen3-next", 4)  # GDN x 3, attention; MoE with a shared expert
+    out = {}
+    for name, tp, ep in [("tp2", 2, False), ("tp4_ep", 4, True)]:
+        plan = sharding_plan(cfg, tp, ep)
+        model = random_sharded_model(cfg, plan, dtype=jnp.float32)
+        params = nnx.to_flat_state(nnx.state(model))
+        sharded = sum(1 for _, v in params if len(v.get_value().sharding.device_set) > 1
+                      and not v.get_value().sharding.is_fully_replicated)  # fmt: skip
+        experts = model.layers[0].mlp.experts_gate.get_value()
+        before = [s.data.unsafe_buffer_pointer() for s in experts.addressable_shards]
+        engine = LLMEngine(
+            EngineArgs(
+                model=".",
+                max_num_seqs=2,
+                max_num_batched_tokens=64,
+                min_token_bucket=64,
+                mixed_row_buckets=False,
+                max_model_len=64,
+                block_size=16,
+                enable_prefix_caching=False,
+                kernel_backend="reference",
+                cache_bytes=8 << 20,
+                tensor_parallel_size=tp,
+                enable_expert_parallel=ep,
+                warmup=False,
+                progress=False,
+            ),
+            preloaded=(model, cfg),
+        )
+        engine_experts = engine.runner.state["layers"][0]["mlp"]["experts_gate"].get_value()
+        after = [s.data.unsafe_buffer_pointer() for s in engine_experts.addressable_shards]
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        engine.add_request(EngineRequest(list(range(1, 11)), params))
+        done = engine.run_to_completion()
+        out[name] = {
+            "misplaced": misplaced(model, plan),
+            "sharded_params": sharded,
+            "same_buffers": before == after and len(set(after)) == tp,
+            "tokens": len(next(iter(done.values())).output_token_ids),
+        }
+        del engine
+        jax.clear_caches()
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker()))
