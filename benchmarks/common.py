@@ -126,7 +126,7 @@ def add_engine_workload_args(p, *, layers: int, prefill_requests: int, output_le
     p.add_argument("--cache-gib", type=float, default=cache_gib)
 
 
-def workload_engine(args, backend: str, tp: int = 1, expert_parallel: bool = False):
+def workload_engine(args, backend: str, tp: int = 1, expert_parallel: bool = False, **engine_kw):
     """A random bench model and an engine sized for ``add_engine_workload_args``'s workloads
     (prefix caching off: every prompt is computed; buckets compiled as they are met)."""
     from serving.engine.llm_engine import EngineArgs, LLMEngine
@@ -147,6 +147,7 @@ def workload_engine(args, backend: str, tp: int = 1, expert_parallel: bool = Fal
             progress=False,
             tensor_parallel_size=tp,
             enable_expert_parallel=expert_parallel,
+            **engine_kw,
         ),
         preloaded=(model, cfg),
     )

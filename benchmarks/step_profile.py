@@ -5,6 +5,14 @@ compile, then once under ``jax.profiler.trace``. The Perfetto trace's device eve
 kernels, TPU ops) are summed by name, so the kernels that dominate a step are named.
 
     python -m benchmarks.step_profile --layers 4 --out PROFILE.json
+    python -m benchmarks.step_profile --layers 8 --decode-rows 16,64,256 --out PROFILE.json
+
+Each decode workload also reports its **byte floor**: the bytes a decode step must move (the
+weights it reads: every non-expert parameter once, the routed experts its rows touch, expected
+``E (1 - (1 - k/E)^R)`` per MoE layer for uniform routing; the recurrent states read and
+written; the KV cache read at the workload's mean context; the LM head) at the copy bandwidth
+measured in the same process, so ``device_ms_per_step`` and ``wall_ms_per_step`` are read
+against it.
 """
 
 from __future__ import annotations
@@ -19,9 +27,11 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from benchmarks.common import add_engine_workload_args, device_name, workload_engine
+from benchmarks.common import add_engine_workload_args, bench_config, device_name, workload_engine
 from serving.core.request import EngineRequest, SamplingParams
 from serving.engine.llm_engine import LLMEngine
 
@@ -70,12 +80,62 @@ def summarize(events: list[dict], top: int) -> dict:
     }
 
 
-def _workload(engine: LLMEngine, phase: str, args, seed: int) -> tuple[int, float]:
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB f32 copy (read + write), median of 5 unrolled programs of
+    10 chained copies (a fresh input each call, so XLA cannot fuse the chain away)."""
+    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
+
+    @jax.jit
+    def chain(x):
+        for i in range(10):
+            x = x * (1.0 + 1e-7 * (i + 1))
+        return x
+
+    jax.block_until_ready(chain(x))
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(chain(x))
+        times.append((time.perf_counter() - t0) / 10)
+    return 2 * x.nbytes / float(np.median(times))
+
+
+def decode_floor_bytes(model, cfg, rows: int, context: int) -> dict:
+    """The bytes one decode step of ``rows`` rows at mean ``context`` tokens must move."""
+    expert, other = 0, 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        nbytes = leaf.size * leaf.dtype.itemsize
+        if any("experts_" in str(getattr(k, "key", k)) for k in path):
+            expert += nbytes
+        else:
+            other += nbytes
+    embed = cfg.vocab_size * cfg.hidden_size * 2  # the embedding: only `rows` rows are read
+    if not cfg.tie_word_embeddings:
+        other -= embed
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    touched = e * (1 - (1 - k / e) ** rows) / e if e else 0.0
+    kinds = list(cfg.layer_types)
+    n_linear = sum(t == "linear_attention" for t in kinds)
+    n_attn = len(kinds) - n_linear
+    state = 2 * rows * n_linear * cfg.linear_num_value_heads * cfg.linear_key_head_dim
+    state *= cfg.linear_value_head_dim * 4
+    kv = rows * context * n_attn * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    parts = {
+        "weights_dense": other,
+        "weights_experts_touched": int(expert * touched),
+        "recurrent_state": state,
+        "kv_read": kv,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _workload(engine: LLMEngine, phase: str, args, seed: int, rows: int = 0):
     rng = np.random.default_rng(seed)
     if phase == "prefill":
         n, prompt, out = args.prefill_requests, args.prompt_len, 1
     else:
-        n, prompt, out = args.decode_requests, 32, args.output_len
+        n, prompt, out = rows, 32, args.output_len
     params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
     for _ in range(n):
         engine.add_request(EngineRequest(rng.integers(0, 150000, prompt).tolist(), params))
@@ -93,9 +153,21 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     p.add_argument("--expert-parallel", action="store_true")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument(
+        "--decode-rows",
+        default=None,
+        help="comma-separated decode batch sizes (default: --decode-requests)",
+    )
+    p.add_argument("--async-scheduling", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    engine, _ = workload_engine(args, args.kernel_backend, args.tp, args.expert_parallel)
+    rows_list = [int(r) for r in (args.decode_rows or str(args.decode_requests)).split(",")]
+    args.decode_requests = max(rows_list)
+    engine, model = workload_engine(
+        args, args.kernel_backend, args.tp, args.expert_parallel,
+        async_scheduling=args.async_scheduling,
+    )  # fmt: skip
+    bandwidth = copy_bandwidth()
     results = {
         "device": device_name(),
         "jax": jax.__version__,
@@ -103,17 +175,28 @@ def main() -> None:
         "kernel_backend": args.kernel_backend,
         "tensor_parallel_size": args.tp,
         "expert_parallel": args.expert_parallel,
+        "async_scheduling": args.async_scheduling,
+        "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
     }
-    for phase in ("prefill", "decode"):
-        _workload(engine, phase, args, seed=0)  # compiles
+    phases = [("prefill", 0)] + [(f"decode_B{r}", r) for r in rows_list]
+    for phase, rows in phases:
+        kind = "prefill" if rows == 0 else "decode"
+        _workload(engine, kind, args, seed=0, rows=rows)  # compiles
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(d, create_perfetto_trace=True):
-                steps, seconds = _workload(engine, phase, args, seed=1)
+                steps, seconds = _workload(engine, kind, args, seed=1, rows=rows)
             events = device_events(d)
         res = summarize(events, args.top)
         res.update(steps=steps, wall_ms_per_step=round(1e3 * seconds / steps, 2))
         res["device_ms_per_step"] = round(res["device_busy_us"] / 1e3 / steps, 2)
         res["kernels_per_step"] = round(res["kernels"] / steps, 1)
+        if rows:
+            floor = decode_floor_bytes(model, bench_config(args.layers, args.experts), rows,
+                                       32 + args.output_len // 2)  # fmt: skip
+            res["floor_bytes"] = floor
+            res["floor_ms"] = round(1e3 * floor["total"] / bandwidth, 3)
+            res["wall_over_floor"] = round(res["wall_ms_per_step"] / res["floor_ms"], 2)
+            res["device_over_floor"] = round(res["device_ms_per_step"] / res["floor_ms"], 2)
         results[phase] = res
         print(phase, json.dumps(res, indent=1), flush=True)
     if args.out:
