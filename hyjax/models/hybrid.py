@@ -159,6 +159,14 @@ class HybridForCausalLM(nnx.Module):
         ``decode_only`` (jit-static) tells every mixer that each row is one token, so it may
         take its decode path.
         """
+        caches, h = self.hidden_states(batch, caches, ops, decode_only=decode_only)
+        return caches, self.head(h[batch.logits_indices])
+
+    def hidden_states(
+        self, batch: Batch, caches: Caches, ops: Ops, *, decode_only: bool = False
+    ) -> tuple[Caches, jax.Array]:
+        """Runs every layer over the batch. Returns ``(caches, h [T, D])``: every token's last
+        hidden state before the final norm (``head`` turns rows of it into logits)."""
         if self.groups is not None:
             return self._scanned(batch, caches, ops, decode_only=decode_only)
         h = self.embed_tokens[...][batch.input_ids]  # [T, D]
@@ -173,8 +181,7 @@ class HybridForCausalLM(nnx.Module):
                     h, (conv[lin_i], ssm[lin_i]), batch, ops, decode_only=decode_only
                 )
                 lin_i += 1
-        h = self.norm(h[batch.logits_indices])  # [S, D]
-        return Caches(kv=tuple(kv), conv=tuple(conv), ssm=tuple(ssm)), self.logits(h)
+        return Caches(kv=tuple(kv), conv=tuple(conv), ssm=tuple(ssm)), h
 
     def _scanned(
         self, batch: Batch, caches: Caches, ops: Ops, *, decode_only: bool
@@ -237,8 +244,11 @@ class HybridForCausalLM(nnx.Module):
 
         for layer in list(self.layers)[groups.prefix :]:
             h, attn_i, lin_i = run(layer, h, attn_i, lin_i, batch)
-        h = self.norm(h[batch.logits_indices])  # [S, D]
-        return Caches(kv=tuple(kv), conv=tuple(conv), ssm=tuple(ssm)), self.logits(h)
+        return Caches(kv=tuple(kv), conv=tuple(conv), ssm=tuple(ssm)), h
+
+    def head(self, h: jax.Array) -> jax.Array:  # [N, D] hidden rows -> f32[N, vocab]
+        """The final norm and the LM head over some rows of ``hidden_states``."""
+        return self.logits(self.norm(h))
 
     def logits(
         self,

@@ -213,3 +213,16 @@ def token_logprobs(
     k = min(MAX_LOGPROBS, logits.shape[-1])
     top_lp, top_ids = jax.lax.top_k(lp, k)
     return chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def prompt_token_logprobs(
+    logits: jax.Array,  # f32[P, V]  raw model logits at prompt positions
+    targets: jax.Array,  # i32[P]     the prompt token after each position
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Prompt log-probabilities: each target's logprob f32[P] and rank i32[P] (1 = the most
+    likely token; ties with it do not push it down), and the ``MAX_LOGPROBS`` most likely
+    tokens (i32[P, K], f32[P, K])."""
+    chosen, top_ids, top_lp = token_logprobs(logits, targets)
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    rank = 1 + jnp.sum(lp > chosen[:, None], axis=-1, dtype=jnp.int32)
+    return chosen, rank, top_ids, top_lp
