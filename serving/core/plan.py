@@ -70,6 +70,7 @@ class TableInit:
     prompt_len: int
     stop_ids: tuple[int, ...]  # banned while min_tokens are not generated
     bias: tuple[tuple[int, float], ...]  # (token id, bias); bad words at -inf
+    bad_seqs: tuple[tuple[int, ...], ...] = ()  # multi-token bad words
 
     @classmethod
     def of(cls, req: Request) -> TableInit:
@@ -85,6 +86,7 @@ class TableInit:
             req.num_prompt_tokens,
             stop if sp.min_tokens else (),
             tuple(bias.items()),
+            sp.bad_word_sequences,
         )
 
 
