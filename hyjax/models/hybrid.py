@@ -167,10 +167,19 @@ class HybridForCausalLM(nnx.Module):
         hidden states of every row, after the final norm (``[T, D]``, model dtype), which a
         multi-token-prediction drafter reads (:mod:`hyjax.models.qwen3_next.mtp`).
         """
+        caches, h = self.hidden_states(batch, caches, ops, decode_only=decode_only)
+        if not return_hidden:
+            return caches, self.head(h[batch.logits_indices])
+        hidden = self.norm(h)  # [T, D]: the norm is per row, so its rows are those below
+        return caches, self.logits(hidden[batch.logits_indices]), hidden
+
+    def hidden_states(
+        self, batch: Batch, caches: Caches, ops: Ops, *, decode_only: bool = False
+    ) -> tuple[Caches, jax.Array]:
+        """Runs every layer over the batch. Returns ``(caches, h [T, D])``: every token's last
+        hidden state before the final norm (``head`` turns rows of it into logits)."""
         if self.groups is not None:
-            return self._scanned(
-                batch, caches, ops, decode_only=decode_only, return_hidden=return_hidden
-            )
+            return self._scanned(batch, caches, ops, decode_only=decode_only)
         h = self.embed_tokens[...][batch.input_ids]  # [T, D]
         kv, conv, ssm = list(caches.kv), list(caches.conv), list(caches.ssm)
         attn_i = lin_i = 0  # the next entry of the paged pools and of the state pools
@@ -183,19 +192,11 @@ class HybridForCausalLM(nnx.Module):
                     h, (conv[lin_i], ssm[lin_i]), batch, ops, decode_only=decode_only
                 )
                 lin_i += 1
-        return self._head(h, Caches(kv=tuple(kv), conv=tuple(conv), ssm=tuple(ssm)), batch,
-                          return_hidden)  # fmt: skip
-
-    def _head(self, h: jax.Array, caches: Caches, batch: Batch, return_hidden: bool):
-        """The final norm and the logits of the rows ``batch.logits_indices`` picks."""
-        if not return_hidden:
-            return caches, self.logits(self.norm(h[batch.logits_indices]))  # [S, D] normed
-        hidden = self.norm(h)  # [T, D]: the norm is per row, so its rows are those below
-        return caches, self.logits(hidden[batch.logits_indices]), hidden
+        return Caches(kv=tuple(kv), conv=tuple(conv), ssm=tuple(ssm)), h
 
     def _scanned(
-        self, batch: Batch, caches: Caches, ops: Ops, *, decode_only: bool, return_hidden: bool
-    ) -> tuple[Caches, jax.Array] | tuple[Caches, jax.Array, jax.Array]:
+        self, batch: Batch, caches: Caches, ops: Ops, *, decode_only: bool
+    ) -> tuple[Caches, jax.Array]:
         """The forward of the stacked form: prefix layers, one scan over the groups, tail.
 
         Caches are in :func:`stack_caches`' layout: the prefix layers' entries, one stacked
@@ -254,8 +255,11 @@ class HybridForCausalLM(nnx.Module):
 
         for layer in list(self.layers)[groups.prefix :]:
             h, attn_i, lin_i = run(layer, h, attn_i, lin_i, batch)
-        return self._head(h, Caches(kv=tuple(kv), conv=tuple(conv), ssm=tuple(ssm)), batch,
-                          return_hidden)  # fmt: skip
+        return Caches(kv=tuple(kv), conv=tuple(conv), ssm=tuple(ssm)), h
+
+    def head(self, h: jax.Array) -> jax.Array:  # [N, D] hidden rows -> f32[N, vocab]
+        """The final norm and the LM head over some rows of ``hidden_states``."""
+        return self.logits(self.norm(h))
 
     def logits(
         self,

@@ -59,6 +59,10 @@ class SchedulerConfig:
         one bucket per token count: a quarter of the compiles and their memory, for the padded
         rows' logits (free on CPU, where the embedded model's mixed steps take as long at 2 rows
         as at 32).
+      max_prompt_logprobs: prompt positions one step may score for requests that ask for
+        ``prompt_logprobs`` (0: such requests are refused). Rounded up to a multiple of G (a
+        prompt-logprob request's prefill chunk is capped by it). The step holds P rows of
+        f32 logits (P x vocab x 4 bytes: 155 MB at 256 x 151k) only while some row asks.
     """
 
     max_num_seqs: int = 256
@@ -70,6 +74,7 @@ class SchedulerConfig:
     retention_interval: int = 0
     min_token_bucket: int = 8  # the smallest token bucket of mixed steps (fewer compiles)
     mixed_row_buckets: bool = True
+    max_prompt_logprobs: int = 256
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -92,6 +97,8 @@ class SchedulerConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least the "
                 f"checkpoint granularity {self.granularity} (prefill chunks are multiples of it)"
             )
+        if not isinstance(self.max_prompt_logprobs, int) or self.max_prompt_logprobs < 0:
+            raise ValueError(f"max_prompt_logprobs={self.max_prompt_logprobs!r} must be >= 0")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least "
@@ -104,6 +111,12 @@ class SchedulerConfig:
         if self.checkpoint_interval is not None:
             return self.checkpoint_interval
         return math.lcm(KERNEL_CHUNK, self.block_size)
+
+    @property
+    def prompt_logprob_capacity(self) -> int:
+        """P: ``max_prompt_logprobs`` rounded up to a multiple of G (0 stays 0)."""
+        g = self.granularity
+        return -(-self.max_prompt_logprobs // g) * g
 
     @functools.cached_property
     def token_buckets(self) -> tuple[int, ...]:
@@ -139,7 +152,11 @@ class SchedulerConfig:
         t = s if decode_only else _smallest_at_least(self.token_buckets, num_tokens)
         if not decode_only and not self.mixed_row_buckets:
             s = self._mixed_rows(t)
-        return StepShape(t, s, self.max_blocks, self.max_ckpt, decode_only)
+        return self._shape(t, s, decode_only)
+
+    def _shape(self, t: int, s: int, decode_only: bool) -> StepShape:
+        p = 0 if decode_only else self.prompt_logprob_capacity  # decode rows score no prompt
+        return StepShape(t, s, self.max_blocks, self.max_ckpt, decode_only, p)
 
     def _mixed_rows(self, t: int) -> int:
         """The rows of a mixed step of ``t`` tokens without row buckets: as many as fit."""
@@ -147,19 +164,16 @@ class SchedulerConfig:
 
     def step_shapes(self) -> list[StepShape]:
         """Every shape ``schedule()`` can produce: what the runner compiles at start-up."""
-        shapes = [StepShape(s, s, self.max_blocks, self.max_ckpt, True) for s in self.seq_buckets]
+        shapes = [self._shape(s, s, True) for s in self.seq_buckets]
         if not self.mixed_row_buckets:
-            shapes += [
-                StepShape(t, self._mixed_rows(t), self.max_blocks, self.max_ckpt, False)
-                for t in self.token_buckets
-            ]
+            shapes += [self._shape(t, self._mixed_rows(t), False) for t in self.token_buckets]
             return shapes
         for t in self.token_buckets:
             prev = 0
             for s in self.seq_buckets:
                 if prev + 1 > t:  # needs more rows than tokens: unreachable
                     break
-                shapes.append(StepShape(t, s, self.max_blocks, self.max_ckpt, False))
+                shapes.append(self._shape(t, s, False))
                 prev = s
         return shapes
 

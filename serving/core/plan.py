@@ -42,6 +42,9 @@ class StepShape:
     max_blocks: int  # block table columns per sequence
     max_ckpt: int  # checkpoint writes per sequence in one step
     decode_only: bool  # every live sequence has exactly one new token (T == S)
+    # P: prompt positions whose next-token log-probabilities one step may report (requests
+    # with ``prompt_logprobs``); the same in every bucket, so it adds no compile.
+    max_prompt_logprobs: int = 0
 
 
 def _per_row(dtype: type, pad: float) -> Any:
@@ -67,6 +70,7 @@ class TableInit:
     prompt_len: int
     stop_ids: tuple[int, ...]  # banned while min_tokens are not generated
     bias: tuple[tuple[int, float], ...]  # (token id, bias); bad words at -inf
+    bad_seqs: tuple[tuple[int, ...], ...] = ()  # multi-token bad words
 
     @classmethod
     def of(cls, req: Request) -> TableInit:
@@ -82,6 +86,7 @@ class TableInit:
             req.num_prompt_tokens,
             stop if sp.min_tokens else (),
             tuple(bias.items()),
+            sp.bad_word_sequences,
         )
 
 
@@ -195,6 +200,16 @@ class StepPlan:
     # when no row has a grammar (the runner passes a resident all-ones mask instead). Not
     # part of ``packed``: its own transfer, only in steps that have one.
     token_mask: np.ndarray | None = None
+    # Prompt log-probabilities: the logits at token index ``prompt_lp_indices[j]`` score the
+    # prompt token ``prompt_lp_targets[j]`` (the next one); target -1 = padding. A step whose
+    # targets are all -1 computes none of them (``lax.cond`` in the runner).
+    prompt_lp_indices: np.ndarray = None  # i32[P]
+    prompt_lp_targets: np.ndarray = None  # i32[P]
+
+    @property
+    def num_prompt_logprobs(self) -> int:
+        """Prompt positions this step scores (they come first in the P arrays)."""
+        return int((self.prompt_lp_targets >= 0).sum())
 
     @classmethod
     def empty(cls, shape: StepShape) -> StepPlan:
@@ -215,6 +230,8 @@ class StepPlan:
             ckpt_slots=np.zeros((s, shape.max_ckpt), np.int32),
             logits_indices=np.zeros(s, np.int32),
             sampling=SamplingArrays.empty(s),
+            prompt_lp_indices=np.zeros(shape.max_prompt_logprobs, np.int32),
+            prompt_lp_targets=np.full(shape.max_prompt_logprobs, -1, np.int32),
         )
 
     @classmethod

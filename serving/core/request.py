@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from serving.structured.spec import StructuredOutput
 
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
+# Multi-token bad words: the sampler's per-row table holds this many, each this long at most.
+MAX_BAD_WORD_SEQUENCES = 16
+MAX_BAD_WORD_TOKENS = 8
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -56,6 +59,11 @@ class SamplingParams:
     # The output must match this (JSON schema, regex, choice, grammar): the engine compiles
     # it into the request's ``Request.grammar``.
     structured: StructuredOutput | None = None
+    # Multi-token bad words: the last token of each is banned where the tokens generated just
+    # before it equal the rest (vLLM's semantics: the prompt is not looked at).
+    bad_word_sequences: tuple[tuple[int, ...], ...] = ()
+    # Report each prompt token's logprob (given the tokens before it) and this many top ones.
+    prompt_logprobs: int | None = None
 
     @property
     def uses_token_tables(self) -> bool:
@@ -69,6 +77,7 @@ class SamplingParams:
             or self.min_tokens
             or self.logit_bias
             or self.bad_words_token_ids
+            or self.bad_word_sequences
         )
 
     def validate_token_ids(self, vocab_size: int) -> None:
@@ -77,6 +86,7 @@ class SamplingParams:
             ("logit_bias", tuple(self.logit_bias or ())),
             ("stop_token_ids", self.stop_token_ids),
             ("bad_words", self.bad_words_token_ids),
+            ("bad_words", tuple(t for w in self.bad_word_sequences for t in w)),
         ):
             for t in ids:
                 if not 0 <= t < vocab_size:
@@ -98,6 +108,8 @@ class SamplingParams:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs={self.logprobs} must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs={self.prompt_logprobs} must be in [0, 20]")
         if not -2 <= self.presence_penalty <= 2:
             raise ValueError(f"presence_penalty={self.presence_penalty} must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
@@ -120,6 +132,16 @@ class SamplingParams:
             raise ValueError(f"seed={self.seed} must be >= 0")
         self.stop_token_ids = tuple(self.stop_token_ids)
         self.bad_words_token_ids = tuple(self.bad_words_token_ids)
+        self.bad_word_sequences = tuple(tuple(w) for w in self.bad_word_sequences)
+        if any(len(w) < 2 for w in self.bad_word_sequences):
+            raise ValueError("bad_words: a bad word sequence has at least two tokens")
+        if len(self.bad_word_sequences) > MAX_BAD_WORD_SEQUENCES:
+            raise ValueError(
+                f"bad_words={len(self.bad_word_sequences)} multi-token variants: at most "
+                f"{MAX_BAD_WORD_SEQUENCES}"
+            )
+        if any(len(w) > MAX_BAD_WORD_TOKENS for w in self.bad_word_sequences):
+            raise ValueError(f"bad_words: a bad word is at most {MAX_BAD_WORD_TOKENS} tokens")
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
@@ -199,6 +221,9 @@ class Request:
     seed: int = 0  # uint32 actually used (the params' seed or a random one)
     max_tokens: int = 0  # resolved: the params' max_tokens, or what max_model_len leaves
     grammar: Grammar | None = None  # compiled from ``sampling_params.structured`` by the engine
+    # Prompt logprobs: the next prompt position whose logits score the token after it; they
+    # are done at ``num_prompt_tokens - 1`` (the last position's logits sample the output).
+    prompt_logprobs_next: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -231,6 +256,14 @@ class Request:
     def num_tokens(self) -> int:
         """Known tokens: prompt plus outputs."""
         return len(self.all_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether some prompt position still has to be scored (``prompt_logprobs``)."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and self.prompt_logprobs_next < self.num_prompt_tokens - 1
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -48,6 +48,12 @@ when the pending token certainly ends the request (``max_tokens``, ``max_model_l
 request that finishes (EOS, stop, abort) while a later step still has its row keeps its
 blocks and slot until that step's ``update``, which discards the row's token.
 
+Prompt logprobs: a request that asks for them is scored in its prefill chunks (up to
+``prompt_logprob_capacity`` positions a step, which caps its chunks). Its prefill reads no
+cached prefix (a hit's positions ran in another request and left no logits), so every position
+is computed; it still writes its blocks and checkpoints for others. A request preempted after
+its prompt was scored resumes through the lookup like any other.
+
 When the KV pool runs dry, the most recently admitted running request is preempted (by
 recompute): its blocks and running slot are freed and it goes back to the front of the
 waiting queue with every known token to prefill again, through the same lookup.
@@ -63,7 +69,7 @@ import random
 import numpy as np
 
 from serving.core.block_pool import NULL_ID
-from serving.core.cache_manager import CacheManager, CacheMetrics
+from serving.core.cache_manager import NO_HIT, CacheManager, CacheMetrics
 from serving.core.config import CacheConfig, SchedulerConfig
 from serving.core.plan import SamplingArrays
 from serving.core.request import FinishReason, Request, RequestStatus
@@ -151,6 +157,8 @@ class Scheduler:
         if min(req.prompt_token_ids) < 0:
             raise ValueError(f"prompt token ids must be >= 0, got {min(req.prompt_token_ids)}")
         req.sampling_params.validate()
+        if req.sampling_params.prompt_logprobs is not None and not self.cfg.max_prompt_logprobs:
+            raise ValueError("prompt_logprobs=... is off on this server (max_prompt_logprobs=0)")
         max_len = self.cfg.max_model_len
         max_tokens = req.sampling_params.max_tokens
         if max_tokens is None:
@@ -240,7 +248,7 @@ class Scheduler:
         blocks registered, checkpoints registered as pending until ``update``).
         """
         self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
-        b = _StepBuilder(self._step_id)
+        b = _StepBuilder(self._step_id, plp_left=self.cfg.prompt_logprob_capacity)
         budget = self.cfg.max_num_batched_tokens
         preempted = False
 
@@ -249,7 +257,7 @@ class Scheduler:
             req = self.running[i]
             start = req.num_computed_tokens
             ahead = self._ahead_row(req)
-            n = 1 if ahead is not None else self._chunk_len(req, start, budget)
+            n = 1 if ahead is not None else self._chunk_len(req, start, budget, b.plp_left)
             if n == 0:
                 i += 1
                 continue
@@ -274,11 +282,11 @@ class Scheduler:
                 break
             if self.cache.num_running >= self.cfg.max_num_seqs:
                 break
-            hit = self.cache.lookup(req)
+            hit = NO_HIT if req.needs_prompt_logprobs else self.cache.lookup(req)
             if hit is None:  # its best checkpoint is written by a step not yet updated
                 self.cache.metrics.deferred_same_step += 1
                 break
-            n = self._chunk_len(req, hit.num_tokens, budget)
+            n = self._chunk_len(req, hit.num_tokens, budget, b.plp_left)
             if n == 0 or not self.cache.can_admit(hit, hit.num_tokens + n):
                 break
             self.waiting.popleft()
@@ -311,6 +319,7 @@ class Scheduler:
             b.src,
             b.dst,
             b.ckpts,
+            b.prompt_lp,
         )
         self._fill_token_mask(plan, b)
         self._last_plan_step = b.step_id
@@ -325,6 +334,7 @@ class Scheduler:
             ckpt_written=b.ckpt_written,
             slots_held=b.slots_held,
             from_prev=b.from_prev,
+            prompt_logprobs=b.prompt_logprobs,
         )
 
     def update(self, output: SchedulerOutput, sampled: np.ndarray) -> list[RequestUpdate]:
@@ -375,9 +385,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ helpers
 
-    def _chunk_len(self, req: Request, start: int, budget: int) -> int:
-        """Tokens of ``req`` to compute from ``start`` within ``budget`` (align mode)."""
+    def _chunk_len(self, req: Request, start: int, budget: int, plp_left: int = 0) -> int:
+        """Tokens of ``req`` to compute from ``start`` within ``budget`` (align mode), and,
+        for a request scoring its prompt, with at most ``plp_left`` positions to score."""
         remaining = req.num_tokens - start
+        if req.needs_prompt_logprobs:
+            scored = req.num_prompt_tokens - 1 - max(start, req.prompt_logprobs_next)
+            if not (remaining <= budget and scored <= plp_left):
+                budget = min(budget, plp_left)
         if remaining <= budget:
             return max(remaining, 0)
         g = self.cfg.granularity
@@ -464,6 +479,7 @@ class Scheduler:
             assert n == 1 and start == len(req.all_token_ids), (req.request_id, start, n)
             b.from_prev.append((len(b.input_ids), ahead))
             b.input_ids.append(0)  # a placeholder: the device reads the previous step's token
+        self._score_prompt(b, req, start, end, len(b.input_ids) - n)
         b.src.append(src)
         b.dst.append(alloc.running_slot)
         samples = end >= len(req.all_token_ids)
@@ -476,6 +492,28 @@ class Scheduler:
             req.awaiting_token = True
             self._tokens_in_flight[rid] += 1
             self._sampling_row[rid] = (b.step_id, len(b.requests) - 1)
+
+    def _score_prompt(self, b: _StepBuilder, req: Request, start: int, end: int, base: int) -> None:
+        """Prompt logprobs: the row's positions ``p`` in ``[start, end)`` not scored yet and
+        below the prompt's last; the logits at token index ``base + p - start`` score token
+        ``p + 1``::
+
+            prompt      t0 t1 t2 t3 t4 t5        P = 6: positions 0..4 score t1..t5
+            chunk 1     [t0 t1 t2 t3)            scores t1 t2 t3 t4 (positions 0..3)
+            chunk 2                 [t4 t5)      scores t5 (position 4); 5 samples
+        """
+        if not req.needs_prompt_logprobs:
+            return
+        first = max(start, req.prompt_logprobs_next)
+        last = min(end, req.num_prompt_tokens - 1)
+        if first >= last:
+            return
+        assert last - first <= b.plp_left, (req.request_id, first, last, b.plp_left)
+        b.prompt_logprobs.append((req.request_id, first, len(b.prompt_lp), last - first))
+        ids = req.prompt_token_ids
+        b.prompt_lp += [(base + p - start, ids[p + 1]) for p in range(first, last)]
+        b.plp_left -= last - first
+        req.prompt_logprobs_next = last
 
     def _checkpoint_positions(self, req: Request, start: int, end: int) -> list[tuple[int, bool]]:
         """Boundaries in ``(start, end]`` to checkpoint, each with "is the latest" flag.
@@ -570,3 +608,6 @@ class _StepBuilder:
     ckpt_written: list[int] = dataclasses.field(default_factory=list)
     slots_held: list[int] = dataclasses.field(default_factory=list)
     from_prev: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    plp_left: int = 0  # prompt positions this step may still score
+    prompt_lp: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (index, target)
+    prompt_logprobs: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)

@@ -54,6 +54,10 @@ class SchedulerOutput:
     # Async scheduling: ``(token index in the plan's input_ids, row of the previous plan)``
     # for each token whose id that previous step samples (the runner splices it on device).
     from_prev: list[tuple[int, int]] = dataclasses.field(default_factory=list, repr=False)
+    # Prompt logprobs: ``(request id, first position, offset, count)``: the step scores that
+    # request's prompt positions ``first .. first + count - 1`` in entries ``offset ..`` of its
+    # ``prompt_lp_*`` arrays (``StepResult.prompt_*``).
+    prompt_logprobs: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
     updated: bool = dataclasses.field(default=False, repr=False)
 
     @property
@@ -80,6 +84,7 @@ def build_plan(
     src: list[int],
     dst: list[int],
     ckpts: list[tuple[int, int, int]],  # (plan row, token offset, slot)
+    prompt_lp: list[tuple[int, int]] = (),  # (token index, prompt token its logits score)
 ) -> StepPlan:
     """A fresh ``StepPlan`` in the smallest bucket that holds these rows.
 
@@ -127,4 +132,9 @@ def build_plan(
         col[s] += 1
     plan.logits_indices[:n_seqs] = qsl[1 : n_seqs + 1] - 1
     sampling.take(rows, plan.sampling)
+    if prompt_lp:
+        assert not decode_only and len(prompt_lp) <= plan.shape.max_prompt_logprobs
+        plan.prompt_lp_indices[: len(prompt_lp)], plan.prompt_lp_targets[: len(prompt_lp)] = zip(
+            *prompt_lp, strict=True
+        )
     return plan

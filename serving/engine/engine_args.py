@@ -66,6 +66,12 @@ class EngineArgs:
         "min(tokens, --max-num-seqs); default: off on CPU (a quarter of the compiles and their "
         "memory), on elsewhere",
     )
+    max_prompt_logprobs: int = _flag(
+        256,
+        "prompt positions one step may score for requests with prompt_logprobs or echo + "
+        "logprobs (0: refused); the step holds that many rows of vocabulary logits meanwhile",
+        type=int,
+    )
     enable_prefix_caching: bool = _flag(
         True, "reuse cached KV blocks and recurrent-state checkpoints of repeated prefixes"
     )

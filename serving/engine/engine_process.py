@@ -164,6 +164,12 @@ class EngineLoop:
                     logprobs=[(t.token_id, t.logprob, t.top) for t in o.delta_logprobs]
                     if o.delta_logprobs
                     else None,
+                    prompt_logprobs=[
+                        None if e is None else (e.token_id, e.logprob, e.rank, e.top)
+                        for e in o.prompt_logprobs
+                    ]
+                    if o.prompt_logprobs is not None
+                    else None,
                 )
             )
 

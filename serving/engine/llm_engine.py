@@ -55,6 +55,17 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptLogprob:
+    """A prompt token's logprob given the tokens before it, its rank (1 = the model's most
+    likely token there) and the ``n`` most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
 @dataclasses.dataclass
 class RequestOutput:
     """A request's progress after a step (cumulative fields plus this step's deltas)."""
@@ -70,6 +81,8 @@ class RequestOutput:
     num_cached_tokens: int
     error: str | None = None
     delta_logprobs: list[TokenLogprob] | None = None  # per new token, if the request asked
+    # Every prompt token's (None for the first), in the request's first output, if it asked.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclasses.dataclass
@@ -79,6 +92,8 @@ class _Tracked:
     text: str = ""  # text decoded so far (stop strings searched here)
     sent: int = 0  # characters of ``text`` already reported
     output_ids: list[int] = dataclasses.field(default_factory=list)
+    # Prompt logprobs gathered over the prefill chunks; None once reported (or not asked).
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclasses.dataclass
@@ -161,6 +176,7 @@ class LLMEngine:
             retention_interval=args.retention_interval,
             min_token_bucket=args.min_token_bucket,
             mixed_row_buckets=_mixed_row_buckets(args.mixed_row_buckets),
+            max_prompt_logprobs=args.max_prompt_logprobs,
         )
         memory = size_pools(
             self.model_config,
@@ -236,7 +252,9 @@ class LLMEngine:
             req.grammar = self._compile_grammar(params.structured)
         self.scheduler.add_request(req)  # raises ValueError for what the scheduler rejects
         detok = self.tokenizer.detokenizer(context_ids=ids) if self.tokenizer else None
-        self._tracked[req.request_id] = _Tracked(req, detok)
+        tracked = self._tracked[req.request_id] = _Tracked(req, detok)
+        if params.prompt_logprobs is not None:
+            tracked.prompt_logprobs = [None]  # the first token has no context
         self.prompt_tokens += len(ids)
         return req.request_id
 
@@ -274,6 +292,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         result = self.runner.execute(out.plan) if out.plan is not None else None
         t2 = time.perf_counter()
+        self._take_prompt_logprobs(out, result)
         updates = self.scheduler.update(out, result.tokens if result else np.empty(0))
         rows = {rid: i for i, rid in enumerate(out.request_ids)}
         outputs = [o for o in (self._process(u, result, rows) for u in updates) if o is not None]
@@ -322,9 +341,26 @@ class LLMEngine:
         self._in_flight.append((out, handle))
 
     def _report(self, out: SchedulerOutput, result) -> list[RequestOutput]:
+        self._take_prompt_logprobs(out, result)
         updates = self.scheduler.update(out, result.tokens if result else np.empty(0))
         rows = {rid: i for i, rid in enumerate(out.request_ids)}
         return [o for o in (self._process(u, result, rows) for u in updates) if o is not None]
+
+    def _take_prompt_logprobs(self, out: SchedulerOutput, result) -> None:
+        """Appends the prompt positions the step scored to their requests' lists."""
+        for rid, first, offset, count in out.prompt_logprobs:
+            tr = self._tracked.get(rid)
+            if tr is None or tr.prompt_logprobs is None:  # aborted meanwhile
+                continue
+            n, ids = tr.req.sampling_params.prompt_logprobs, tr.req.prompt_token_ids
+            sl = slice(offset, offset + count)
+            lps, ranks = result.prompt_logprobs[sl].tolist(), result.prompt_ranks[sl].tolist()
+            top_ids = result.prompt_top_ids[sl, :n].tolist()
+            top_lps = result.prompt_top_logprobs[sl, :n].tolist()
+            assert len(tr.prompt_logprobs) == first + 1, (rid, first, len(tr.prompt_logprobs))
+            for j in range(count):
+                top = list(zip(top_ids[j], top_lps[j], strict=True))
+                tr.prompt_logprobs.append(PromptLogprob(ids[first + j + 1], lps[j], ranks[j], top))
 
     def _process(self, u, result, rows: dict[str, int]) -> RequestOutput | None:
         tr = self._tracked.get(u.request_id)
@@ -364,6 +400,11 @@ class LLMEngine:
         tr.sent = max(tr.sent, visible)
         if finished:
             del self._tracked[u.request_id]
+        prompt_logprobs = tr.prompt_logprobs
+        if prompt_logprobs is not None and len(prompt_logprobs) == tr.req.num_prompt_tokens:
+            tr.prompt_logprobs = None  # reported once, complete
+        else:
+            prompt_logprobs = None
         return RequestOutput(
             request_id=u.request_id,
             prompt_token_ids=tr.req.prompt_token_ids,
@@ -376,6 +417,7 @@ class LLMEngine:
             num_cached_tokens=max(u.num_cached_tokens, 0),
             error=u.error,
             delta_logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ observability

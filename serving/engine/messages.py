@@ -101,6 +101,9 @@ class Delta:
     client_error: bool = False
     # per new token, when asked: (token id, logprob, [(top id, logprob), ...])
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # once, in a request's first delta, when asked: per prompt token (None for the first),
+    # (token id, logprob, rank, [(top id, logprob), ...])
+    prompt_logprobs: list[tuple[int, float, int, list[tuple[int, float]]] | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

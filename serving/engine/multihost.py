@@ -162,9 +162,10 @@ def encode_plan(plan: StepPlan) -> bytes:
 
 def decode_plan(header: dict, arrays: dict[str, np.ndarray]) -> StepPlan:
     plan = StepPlan.from_arrays(StepShape(**header["shape"]), arrays)
-    for row, ids, prompt_len, stop, bias in header.get("table_inits", ()):
+    for row, ids, prompt_len, stop, bias, bad_seqs in header.get("table_inits", ()):
         bias = tuple((int(t), float(b)) for t, b in bias)
-        init = TableInit(tuple(ids), int(prompt_len), tuple(stop), bias)
+        bad = tuple(tuple(int(t) for t in w) for w in bad_seqs)
+        init = TableInit(tuple(ids), int(prompt_len), tuple(stop), bias, bad)
         plan.sampling.table_inits[int(row)] = init
     return plan
 

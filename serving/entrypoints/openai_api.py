@@ -93,6 +93,7 @@ class _Choice:
     first_token_at: float | None = None
     last_token_at: float | None = None
     logprobs: list = dataclasses.field(default_factory=list)
+    prompt_logprobs: list | None = None  # (Delta.prompt_logprobs), when asked
 
 
 class _Group:
@@ -184,6 +185,8 @@ class _Group:
             c.text.append(d.text)
         if d.logprobs:
             c.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            c.prompt_logprobs = d.prompt_logprobs
         if d.finished:
             c.finish_reason = d.finish_reason
             self.metrics.finished(d.finish_reason)
@@ -270,14 +273,20 @@ class OpenAIServing:
             )
 
     def sampling_params(
-        self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None = None
+        self,
+        req: _SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         encode = None
         if self.tokenizer is not None:
             tok = self.tokenizer
             encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
         try:
-            return req.to_sampling_params(max_tokens, logprobs, encode=encode)
+            return req.to_sampling_params(
+                max_tokens, logprobs, prompt_logprobs=prompt_logprobs, encode=encode
+            )
         except ValueError as e:
             raise ApiError(400, str(e), param=_param_of(str(e))) from None
 
@@ -416,33 +425,68 @@ class OpenAIServing:
     # ------------------------------------------------------------------ endpoints
 
     async def completions(self, req: CompletionRequest, raw: Request):
+        """``echo``: each choice's text (and logprobs) starts with the prompt's (the first
+        prompt token has no logprob: null). ``max_tokens: 0`` with ``echo``: only that (the
+        engine samples one token, as the prompt's last logits are computed anyway, and it is
+        dropped here)."""
         self.check_model(req)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        nothing_new = req.returns_nothing_new
+        plp = req.prompt_logprobs
+        if req.echo and req.logprobs is not None and (plp is None or 0 <= plp < req.logprobs):
+            plp = req.logprobs  # the echoed prompt's logprobs, with as many top ones
+        max_tokens = 1 if nothing_new else req.max_tokens
+        params = self.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs=plp)
         prompts = await self.completion_prompts(req)
+        texts = self._prompt_texts(req, prompts) if req.echo else None
         group = await self._start("cmpl", req, prompts, params)
         wants = params.logprobs is not None
+        echoed: set[int] = set()  # streamed choices whose prompt went out
+
+        def new_part(c: _Choice, text: str, entries: list | None) -> tuple[str, dict | None]:
+            """A choice's text and logprobs object, the echoed prompt first where it goes."""
+            if nothing_new:
+                text, entries, c.num_tokens = "", [], 0
+            prompt_entries = None
+            if texts is not None and c.index not in echoed:
+                echoed.add(c.index)
+                text = texts[c.index // group.n] + text
+                if wants:
+                    prompt_entries = (prompts[c.index // group.n], c.prompt_logprobs)
+            if not wants:
+                return text, None
+            return text, self._completion_logprobs(entries or [], prompt_entries)
+
+        def plp_field(c: _Choice, d: Delta | None = None) -> list | None:
+            if req.prompt_logprobs is None:
+                return None
+            entries = c.prompt_logprobs if d is None else d.prompt_logprobs
+            return self._vllm_prompt_logprobs(entries, req.prompt_logprobs)
 
         def chunk(c: _Choice | None, d: Delta | None) -> dict:
             choices = []
             if c is not None and d is not None:
-                logprobs = self._completion_logprobs(d.logprobs)
+                text, logprobs = new_part(c, d.text, d.logprobs)
                 reason = d.finish_reason if d.finished else None
-                choices.append(CompletionChoice(index=c.index, text=d.text, logprobs=logprobs,
-                                                finish_reason=reason))  # fmt: skip
+                if nothing_new and d.finished:
+                    reason = "length"
+                choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs,
+                                                finish_reason=reason,
+                                                prompt_logprobs=plp_field(c, d)))  # fmt: skip
             body = CompletionResponse(id=group.id, created=group.created, model=self.model_name,
                                       choices=choices)  # fmt: skip
             return body.model_dump(exclude={"usage"})  # streamed: usage only where asked
 
         def final() -> dict:
-            choices = [
-                CompletionChoice(
+            choices = []
+            for c in group.choices:
+                text, logprobs = new_part(c, "".join(c.text), c.logprobs)
+                choices.append(CompletionChoice(
                     index=c.index,
-                    text="".join(c.text),
-                    logprobs=self._completion_logprobs(c.logprobs if wants else None),
-                    finish_reason=c.finish_reason,
-                )
-                for c in group.choices
-            ]
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason="length" if nothing_new else c.finish_reason,
+                    prompt_logprobs=plp_field(c),
+                ))  # fmt: skip
             return CompletionResponse(
                 id=group.id, created=group.created, model=self.model_name, choices=choices,
                 usage=group.usage(),
@@ -452,6 +496,11 @@ class OpenAIServing:
 
     async def chat_completions(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req)
+        if req.prompt_logprobs is not None and req.stream:
+            raise ApiError(
+                400, "prompt_logprobs is not supported with stream in chat completions yet",
+                param="prompt_logprobs", code="unsupported_parameter",
+            )  # fmt: skip
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
@@ -541,9 +590,14 @@ class OpenAIServing:
                     logprobs=self._chat_logprobs(c.logprobs if wants else None),
                     finish_reason=finish_reason(c, c.finish_reason),
                 ))  # fmt: skip
+            plp = None
+            if req.prompt_logprobs is not None:
+                plp = self._vllm_prompt_logprobs(
+                    group.choices[0].prompt_logprobs, req.prompt_logprobs
+                )
             return ChatCompletionResponse(
                 id=group.id, created=group.created, model=self.model_name, choices=choices,
-                usage=group.usage(),
+                usage=group.usage(), prompt_logprobs=plp,
             ).model_dump()  # fmt: skip
 
         return await self._respond(req, raw, group, chunk, final, first=first)
@@ -555,21 +609,76 @@ class OpenAIServing:
             self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else ""
         )
 
-    def _completion_logprobs(self, entries: list | None) -> dict | None:
-        """The completions ``logprobs`` object: tokens, token_logprobs, top_logprobs."""
-        if not entries:
+    def _prompt_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """What ``echo`` prepends: each prompt as sent (text), or its ids decoded."""
+        p = req.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], str):
+            return list(p)
+        if self.tokenizer is None:
+            return ["" for _ in prompts]
+        return [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+
+    def _completion_logprobs(
+        self, entries: list | None, prompt: tuple[list[int], list | None] | None = None
+    ) -> dict | None:
+        """The completions ``logprobs`` object: tokens, token_logprobs, top_logprobs,
+        text_offset. ``prompt``: the echoed prompt's ids and ``Delta.prompt_logprobs``, put
+        first (the first token's logprob and top ones null; a prompt token's top ones hold
+        itself, as vLLM's do)."""
+        if not entries and prompt is None:
             return None
-        tokens = [self._piece(t) for t, _, _ in entries]
+        tokens, lps, tops = [], [], []
+        if prompt is not None:
+            ids, plp = prompt
+            for j, t in enumerate(ids):
+                tokens.append(self._piece(t))
+                e = plp[j] if plp is not None and j < len(plp) else None
+                if e is None:
+                    lps.append(None)
+                    tops.append(None)
+                    continue
+                top = self._top_by_text(e[3])
+                top.setdefault(tokens[-1], e[1])
+                lps.append(e[1])
+                tops.append(top)
+        for t, lp, top in entries or ():
+            tokens.append(self._piece(t))
+            lps.append(lp)
+            tops.append(self._top_by_text(top))
         offsets, pos = [], 0
         for piece in tokens:
             offsets.append(pos)
             pos += len(piece)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [{self._piece(i): v for i, v in top} for _, _, top in entries],
-            "text_offset": offsets,
-        }
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+                "text_offset": offsets}  # fmt: skip
+
+    def _top_by_text(self, top: list[tuple[int, float]]) -> dict[str, float]:
+        """Top tokens keyed by their text, best first; tokens of one text (bytes of a split
+        character) keep the best one's logprob."""
+        out: dict[str, float] = {}
+        for i, v in top:
+            out.setdefault(self._piece(i), v)
+        return out
+
+    def _vllm_prompt_logprobs(self, entries: list | None, n: int) -> list | None:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or a mapping token id
+        -> ``{logprob, rank, decoded_token}`` of the token itself and the ``n`` top ones."""
+        if entries is None:
+            return None
+        out: list[dict | None] = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            token, lp, rank, top = e
+            d = {str(token): {"logprob": lp, "rank": rank, "decoded_token": self._piece(token)}}
+            for j, (i, v) in enumerate(top[:n]):
+                d.setdefault(str(i), {"logprob": v, "rank": j + 1,
+                                      "decoded_token": self._piece(i)})  # fmt: skip
+            out.append(d)
+        return out
 
     def _chat_logprobs(self, entries: list | None) -> dict | None:
         """The chat ``logprobs`` object: one entry per content token, with its top tokens."""

@@ -2,10 +2,10 @@
 
 Requests accept the OpenAI fields hyjax implements plus vLLM-style extras (``top_k``,
 ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``min_tokens``,
-``bad_words``); unknown fields are ignored, as the OpenAI clients send new fields before servers
-know them. Fields that would change the output in a way hyjax does not implement yet
-(``echo``, ``length_penalty``, ``allowed_token_ids`` ...) are rejected with a 400 naming the
-field rather than silently dropped (``unsupported_fields``). Structured outputs
+``bad_words``, ``prompt_logprobs``); unknown fields are ignored, as the OpenAI clients send
+new fields before servers know them. Fields that would change the output in a way hyjax does
+not implement yet (``length_penalty``, ``allowed_token_ids`` ...) are rejected with a 400
+naming the field rather than silently dropped (``unsupported_fields``). Structured outputs
 (``response_format``, vLLM's ``structured_outputs`` and older ``guided_*`` fields) become one
 ``StructuredOutput`` in the sampling parameters (``serving/structured/spec.py``).
 """
@@ -123,14 +123,16 @@ class _SamplingFields(BaseModel):
         max_tokens: int | None,
         logprobs: int | None = None,
         *,
+        prompt_logprobs: int | None = None,
         default_temperature: float = 1.0,
         encode: Callable[[str], list[int]] | None = None,
     ) -> SamplingParams:
         """The engine's ``SamplingParams``; raises ValueError naming the first bad field.
 
         ``encode`` tokenizes ``bad_words`` (each word as is and after a space, as it reads
-        mid-text); a variant of one token is banned, and a word with no one-token variant is
-        rejected (multi-token bad words are not implemented yet)."""
+        mid-text, as vLLM does); a one-token variant is banned everywhere, a longer one where
+        the tokens generated just before equal all of it but its last token.
+        ``prompt_logprobs``: overrides the field (completions' ``echo`` with ``logprobs``)."""
         stop = self.stop if self.stop is not None else ()
         bias = {}
         for key, value in (self.logit_bias or {}).items():
@@ -139,16 +141,16 @@ class _SamplingFields(BaseModel):
             except ValueError:
                 raise ValueError(f"logit_bias={key!r}: keys must be token ids") from None
         bad_ids: list[int] = []
+        bad_seqs: list[tuple[int, ...]] = []
         for word in self.bad_words or ():
             if encode is None:
                 raise ValueError("bad_words=... needs the model's tokenizer")
-            single = [ids[0] for ids in (encode(word), encode(" " + word)) if len(ids) == 1]
-            if not single:
-                raise ValueError(
-                    f"bad_words={word!r} is more than one token: only one-token words are "
-                    "supported yet"
-                )
-            bad_ids.extend(t for t in single if t not in bad_ids)
+            word = word.lstrip()
+            for ids in (encode(word), encode(" " + word)):
+                if len(ids) == 1 and ids[0] not in bad_ids:
+                    bad_ids.append(ids[0])
+                elif len(ids) > 1 and tuple(ids) not in bad_seqs:
+                    bad_seqs.append(tuple(ids))
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=default_temperature if self.temperature is None else self.temperature,
@@ -169,6 +171,10 @@ class _SamplingFields(BaseModel):
             min_tokens=self.min_tokens or 0,
             bad_words_token_ids=tuple(bad_ids),
             structured=self.structured_output(),
+            bad_word_sequences=tuple(bad_seqs),
+            prompt_logprobs=prompt_logprobs
+            if prompt_logprobs is not None
+            else self.prompt_logprobs,
         )
         params.validate()
         if any(s == "" for s in params.stop):
@@ -189,7 +195,6 @@ class _SamplingFields(BaseModel):
             "allowed_token_ids": self.allowed_token_ids is not None,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": not self.skip_special_tokens,
-            "prompt_logprobs": self.prompt_logprobs is not None,
             "use_beam_search": self.use_beam_search,
             "logits_processors": self.logits_processors is not None,
         }
@@ -208,10 +213,13 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
+    @property
+    def returns_nothing_new(self) -> bool:
+        """``max_tokens: 0`` with ``echo``: the prompt (and its logprobs) back, no tokens."""
+        return self.echo and self.max_tokens == 0
+
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
-        if self.echo:
-            bad.append("echo")
         if self.best_of is not None and self.best_of != self.n:
             bad.append("best_of")
         if self.suffix:
@@ -239,6 +247,8 @@ class GenerateRow(_SamplingFields):
         bad = super().unsupported_fields()
         if self.n != 1:
             bad.append("n")  # one completion a row
+        if self.prompt_logprobs is not None:
+            bad.append("prompt_logprobs")  # not written to the output rows
         return bad
 
 
@@ -359,10 +369,20 @@ class Usage(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    """``prompt_logprobs`` (vLLM's extra) is left out unless the request asked for it."""
+
     index: int
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unasked(self, handler) -> dict:
+        d = handler(self)
+        if d.get("prompt_logprobs") is None:
+            d.pop("prompt_logprobs", None)
+        return d
 
 
 class CompletionResponse(BaseModel):
@@ -396,12 +416,23 @@ class ChatChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
+    """``prompt_logprobs`` (vLLM's extra, the prompt's: one list for every choice) is left
+    out unless the request asked for it."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unasked(self, handler) -> dict:
+        d = handler(self)
+        if d.get("prompt_logprobs") is None:
+            d.pop("prompt_logprobs", None)
+        return d
 
 
 class DeltaMessage(BaseModel):

@@ -37,6 +37,7 @@ from serving.worker.sampler import (
     MAX_LOGPROBS,
     count_inputs,
     init_token_tables,
+    prompt_token_logprobs,
     sample,
     set_table_row,
     table_row_values,
@@ -111,7 +112,8 @@ def _step(
     # kernels') gets the ops' one: "highest" (IEEE f32) for float32 models, else the default.
     precision = ops.matmul_precision
     with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
-        caches, logits = model(batch, caches, ops, decode_only=decode_only)
+        caches, h = model.hidden_states(batch, caches, ops, decode_only=decode_only)
+        logits = model.head(h[batch.logits_indices])  # f32[S, V]
     # Under TP the logits stay split by vocab where XLA partitions the work well (argmax, max,
     # the Gumbel draw); the sampler's sort and the log-probs gather them whole first.
     sampling = SamplingArrays.from_arrays(arrays)
@@ -142,9 +144,24 @@ def _step(
         lambda: token_logprobs(ops.gather_logits(logits), tokens),
         lambda: none,
     )
+    # Prompt logprobs: the LM head over the P gathered rows only, in steps that score some.
+    targets = arrays["prompt_lp_targets"]  # i32[P]  -1: padding
+    p = targets.shape[0]
+    if p and not decode_only:
+        none = (jnp.zeros(p, jnp.float32), jnp.zeros(p, jnp.int32),
+                jnp.zeros((p, k), jnp.int32), jnp.zeros((p, k), jnp.float32))  # fmt: skip
+
+        def score():
+            with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+                rows = model.head(h[arrays["prompt_lp_indices"]])  # f32[P, V]
+            return prompt_token_logprobs(ops.gather_logits(rows), jnp.maximum(targets, 0))
+
+        prompt = jax.lax.cond(jnp.any(targets >= 0), score, lambda: none)
+    else:
+        prompt = ()
     assert s <= r, f"{s=} rows exceed the splice's {r=}"
     next_prev = jnp.zeros(r, jnp.int32).at[:s].set(tokens)
-    return caches, tables, (tokens, *logprobs), next_prev
+    return caches, tables, (tokens, *logprobs, *prompt), next_prev
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +173,11 @@ class StepResult:
     logprobs: np.ndarray | None = None  # f32[S]   the sampled token's logprob
     top_ids: np.ndarray | None = None  # i32[S, K] the K most likely tokens (K = MAX_LOGPROBS)
     top_logprobs: np.ndarray | None = None  # f32[S, K]
+    # None unless the plan scores prompt positions (``StepPlan.prompt_lp_*``), one entry each.
+    prompt_logprobs: np.ndarray | None = None  # f32[P]   the prompt token's logprob
+    prompt_ranks: np.ndarray | None = None  # i32[P]   its rank (1 = most likely)
+    prompt_top_ids: np.ndarray | None = None  # i32[P, K]
+    prompt_top_logprobs: np.ndarray | None = None  # f32[P, K]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +186,11 @@ class InFlightStep:
 
     out: tuple[jax.Array, ...]  # what ``fetch`` copies to the host
     tokens: jax.Array  # i32[R]: the sampled tokens padded to max_num_seqs, for the next step
+    names: tuple[str, ...] = ("tokens",)  # the ``StepResult`` field of each entry of ``out``
+
+
+# ``_step``'s results in order (a step without prompt scoring stops after the fourth).
+_RESULT_NAMES = tuple(f.name for f in dataclasses.fields(StepResult))
 
 
 class ModelRunner:
@@ -352,14 +379,19 @@ class ModelRunner:
             values = table_row_values(init, self.cfg.vocab_size)
             self.tables = set_table_row(self.tables, np.int32(row), values)
         self.caches, self.tables, out, tokens = _step(*self.step_args(plan, from_prev, prev))
-        if not (plan.sampling.logprobs >= 0).any():
-            out = out[:1]  # one device-to-host copy: the tokens
-        return InFlightStep(out, tokens)
+        # Copied to the host: the tokens, and what some row of the plan asked for.
+        names = _RESULT_NAMES[:1]
+        if (plan.sampling.logprobs >= 0).any():
+            names += _RESULT_NAMES[1:4]
+        if plan.num_prompt_logprobs:
+            names += _RESULT_NAMES[4:]
+        keep = [_RESULT_NAMES.index(n) for n in names]
+        return InFlightStep(tuple(out[i] for i in keep), tokens, names)
 
     @staticmethod
     def fetch(step: InFlightStep) -> StepResult:
         """Waits for ``step`` and copies its results to the host."""
-        return StepResult(*_fetch(step.out))
+        return StepResult(**dict(zip(step.names, _fetch(step.out), strict=True)))
 
     def step_args(
         self,

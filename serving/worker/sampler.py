@@ -24,18 +24,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.core.plan import SamplingArrays, TableInit
+from serving.core.request import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS
 
 # A pytree, so that a jitted function takes the rows' parameters whole.
 jax.tree_util.register_dataclass(SamplingArrays)
 
 
-TokenTables = dict[str, jax.Array]  # the four tables below, by name
+TokenTables = dict[str, jax.Array]  # the tables below, by name
+
+# Multi-token bad words, per row: W words of up to L + 1 tokens, and the row's last L
+# generated tokens. A word's last token is banned where the L tokens generated before the
+# sampled position end with the rest of the word (vLLM's rule: generated tokens only)::
+#
+#     word       a b c          prefix [-1 ... -1 a b] (right-aligned, -1 = any), last c
+#     generated  ... x a b      -> c banned at the next position
+W, L = MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS - 1
 
 
 def token_table_bytes(num_rows: int, vocab: int) -> int:
     """Device bytes of :func:`init_token_tables` (10 a row and vocabulary entry: 0.38 GB for
     256 rows of a 151k vocabulary), which the pools' default budget leaves free."""
-    return num_rows * vocab * (4 + 1 + 1 + 4)
+    return num_rows * vocab * (4 + 1 + 1 + 4) + num_rows * 4 * (L + W * L + W)
 
 
 def init_token_tables(num_rows: int, vocab: int) -> TokenTables:
@@ -47,6 +56,9 @@ def init_token_tables(num_rows: int, vocab: int) -> TokenTables:
         "prompt": jnp.zeros((num_rows, vocab), jnp.int8),
         "stop": jnp.zeros((num_rows, vocab), jnp.int8),
         "bias": jnp.zeros((num_rows, vocab), jnp.float32),
+        "recent": jnp.full((num_rows, L), -1, jnp.int32),
+        "bad_prefix": jnp.full((num_rows, W, L), -1, jnp.int32),
+        "bad_last": jnp.full((num_rows, W), -1, jnp.int32),
     }
 
 
@@ -61,11 +73,22 @@ def table_row_values(init: TableInit, vocab: int) -> dict[str, np.ndarray]:
     bias = np.zeros(vocab, np.float32)
     for t, b in init.bias:
         bias[t] = b
+    recent = np.full(L, -1, np.int32)
+    for g, t in enumerate(ids[p:].tolist()):  # generated token g sits at g % L
+        recent[g % L] = t
+    bad_prefix = np.full((W, L), -1, np.int32)
+    bad_last = np.full(W, -1, np.int32)
+    for w, word in enumerate(init.bad_seqs):
+        bad_prefix[w, L - len(word) + 1 :] = word[:-1]
+        bad_last[w] = word[-1]
     return {
         "counts": np.bincount(ids[p:], minlength=vocab).astype(np.int32),
         "prompt": prompt,
         "stop": stop,
         "bias": bias,
+        "recent": recent,
+        "bad_prefix": bad_prefix,
+        "bad_last": bad_last,
     }
 
 
@@ -97,7 +120,13 @@ def count_inputs(
     in_prompt = positions < sampling.prompt_len[s]
     counts = tables["counts"].at[row, input_ids].add((~in_prompt).astype(jnp.int32), mode="drop")
     prompt = tables["prompt"].at[jnp.where(in_prompt, row, num_rows), input_ids].set(1, mode="drop")
-    return {**tables, "counts": counts, "prompt": prompt}
+    # The last L generated tokens, a ring indexed by generated-token number: only each row's
+    # last L tokens of the step write, so no two writes of a step hit one entry.
+    g = positions - sampling.prompt_len[s]
+    tail = jnp.arange(t) >= query_start_loc[s + 1] - L
+    ring = jnp.where(~in_prompt & tail, row, num_rows)
+    recent = tables["recent"].at[ring, jnp.maximum(g, 0) % L].set(input_ids, mode="drop")
+    return {**tables, "counts": counts, "prompt": prompt, "recent": recent}
 
 
 def process_logits(
@@ -123,6 +152,7 @@ def process_logits(
         x = x + tables["bias"][row]
         ban = (positions < sampling.min_tokens_until)[:, None] & (tables["stop"][row] > 0)
         x = jnp.where(ban, -jnp.inf, x)
+        x = _ban_bad_word_ends(x, tables, row, positions - sampling.prompt_len)
         return jnp.where(on, x, logits)
 
     return jax.lax.cond(jnp.any(sampling.uses_tables > 0), apply, lambda: logits)
@@ -147,6 +177,22 @@ def apply_token_mask(
         return jnp.where(on & ~allowed, -jnp.inf, logits)
 
     return jax.lax.cond(jnp.any(uses_grammar > 0), apply, lambda: logits)
+
+
+def _ban_bad_word_ends(
+    x: jax.Array,  # f32[S, V]
+    tables: TokenTables,
+    row: jax.Array,  # i32[S]  table row
+    generated: jax.Array,  # i32[S]  tokens generated before the sampled position
+) -> jax.Array:
+    """Bans each multi-token bad word's last token where the generated tokens just before
+    end with the rest of it (``hist[j]``: generated token ``n - L + j``; -2 before the first)."""
+    g = generated[:, None] - L + jnp.arange(L)  # [S, L]
+    hist = jnp.where(g >= 0, tables["recent"][row[:, None], jnp.maximum(g, 0) % L], -2)
+    prefix, last = tables["bad_prefix"][row], tables["bad_last"][row]  # [S, W, L], [S, W]
+    match = jnp.all((prefix == -1) | (prefix == hist[:, None, :]), axis=-1) & (last >= 0)
+    s = jnp.arange(x.shape[0])[:, None]
+    return x.at[s, jnp.where(match, last, x.shape[1])].set(-jnp.inf, mode="drop")
 
 
 def sample(
@@ -237,3 +283,16 @@ def token_logprobs(
     k = min(MAX_LOGPROBS, logits.shape[-1])
     top_lp, top_ids = jax.lax.top_k(lp, k)
     return chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def prompt_token_logprobs(
+    logits: jax.Array,  # f32[P, V]  raw model logits at prompt positions
+    targets: jax.Array,  # i32[P]     the prompt token after each position
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Prompt log-probabilities: each target's logprob f32[P] and rank i32[P] (1 = the most
+    likely token; ties with it do not push it down), and the ``MAX_LOGPROBS`` most likely
+    tokens (i32[P, K], f32[P, K])."""
+    chosen, top_ids, top_lp = token_logprobs(logits, targets)
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    rank = 1 + jnp.sum(lp > chosen[:, None], axis=-1, dtype=jnp.int32)
+    return chosen, rank, top_ids, top_lp

@@ -240,3 +240,31 @@ def test_table_inits_reach_multihost_followers():
         a.sendall(multihost.encode_plan(plan))
         header, arrays = multihost._recv_frame(b, 1 << 20)
     assert multihost.decode_plan(header, arrays).sampling.table_inits == {3: init}
+
+
+def _has(seq, word):
+    n = len(word)
+    return any(tuple(seq[i : i + n]) == tuple(word) for i in range(len(seq) - n + 1))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_multi_token_bad_words_are_never_generated(model_dir, async_scheduling):
+    """A bias makes three tokens nearly all the model may pick (sampled): the two- and
+    three-token words appear without the ban; with it they never do, and their last tokens
+    still appear elsewhere (only the word's end after its prefix is banned)."""
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
+
+    eng = LLMEngine(EngineArgs(model=model_dir, async_scheduling=async_scheduling, **ENGINE))
+    a, b, c = 21, 22, 23
+    kw = dict(logit_bias={a: 100.0, b: 100.0, c: 100.0}, temperature=1.0, max_tokens=96)
+    words = ((a, b), (b, c, a))
+    seeds = range(3)
+    free = [_generate(eng, [REPETITIVE], seed=s, **kw)[0] for s in seeds]
+    assert all(_has(out, w) for out in free for w in words)
+    banned = [
+        _generate(eng, [REPETITIVE], seed=s, bad_word_sequences=words, **kw)[0] for s in seeds
+    ]
+    for out in banned:
+        assert set(out) <= {a, b, c}
+        assert not any(_has(out, w) for w in words), out
+        assert b in out and a in out  # banned only as a word's end

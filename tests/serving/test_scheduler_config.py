@@ -55,7 +55,7 @@ def test_max_ckpt(retention, expected):
 
 def test_step_shape_picks_the_smallest_bucket():
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100)
-    assert cfg.step_shape(9, 3, False) == StepShape(16, 4, 256, 4, False)
+    assert cfg.step_shape(9, 3, False) == StepShape(16, 4, 256, 4, False, 256)
     assert cfg.step_shape(3, 3, True) == StepShape(4, 4, 256, 4, True)
     assert cfg.step_shape(100, 8, False).num_tokens == 100
 
@@ -69,7 +69,7 @@ def test_step_shapes_cover_every_reachable_step(row_buckets):
         assert cfg.step_shape(rows, rows, True) in shapes
         for tokens in range(rows, 101):
             assert cfg.step_shape(tokens, rows, False) in shapes
-    assert StepShape(8, 8, 256, 4, False) in shapes  # 5..8 rows with 5..8 tokens
+    assert StepShape(8, 8, 256, 4, False, 256) in shapes  # 5..8 rows with 5..8 tokens
     assert not any(s.num_seqs > 8 for s in shapes if s.num_tokens == 4 and not s.decode_only)
 
 
@@ -79,7 +79,7 @@ def test_without_mixed_row_buckets_a_token_count_is_one_bucket():
     assert (
         rows.step_shape(9, 1, False)
         == rows.step_shape(16, 16, False)
-        == StepShape(16, 16, 256, 4, False)
+        == StepShape(16, 16, 256, 4, False, 256)
     )
     assert rows.step_shape(300, 2, False).num_seqs == 32  # min(T, max_num_seqs)
     assert rows.step_shape(3, 3, True) == StepShape(4, 4, 256, 4, True)  # decode: as before
