@@ -70,10 +70,16 @@ class SchedulerConfig:
     retention_interval: int = 0
     min_token_bucket: int = 8  # the smallest token bucket of mixed steps (fewer compiles)
     mixed_row_buckets: bool = True
+    # K: draft tokens a decoding row may verify in one step (speculative decoding; 0 = off).
+    # Mixed steps then carry K + 1 logits rows per sequence (``StepShape.num_spec``).
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             _check_positive(name, getattr(self, name))
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or k < 0:
+            raise ValueError(f"num_speculative_tokens={k!r} must be a non-negative integer")
         base = math.lcm(KERNEL_CHUNK, self.block_size)
         g = self.checkpoint_interval
         if g is not None and (not isinstance(g, int) or g < 1 or g % base):
@@ -127,11 +133,12 @@ class SchedulerConfig:
 
         A chunk of at most ``max_num_batched_tokens`` tokens crosses at most
         ``cdiv(budget, R)`` multiples of R, plus the prompt-end boundary, two shared-prefix
-        junctions and the latest boundary of a resumed request's replay.
+        junctions and the latest boundary of a resumed request's replay. A verify row
+        (speculative decoding) adds one write per draft token: its per-token slots.
         """
         r = self.retention_interval
         extra = -(-self.max_num_batched_tokens // r) if r else 0
-        return extra + 4
+        return extra + 4 + self.num_speculative_tokens
 
     def step_shape(self, num_tokens: int, num_seqs: int, decode_only: bool) -> StepShape:
         """The bucket of a step with ``num_tokens`` tokens over ``num_seqs`` rows."""
@@ -139,7 +146,11 @@ class SchedulerConfig:
         t = s if decode_only else _smallest_at_least(self.token_buckets, num_tokens)
         if not decode_only and not self.mixed_row_buckets:
             s = self._mixed_rows(t)
-        return StepShape(t, s, self.max_blocks, self.max_ckpt, decode_only)
+        return StepShape(t, s, self.max_blocks, self.max_ckpt, decode_only, self._spec(decode_only))
+
+    def _spec(self, decode_only: bool) -> int:
+        """``StepShape.num_spec``: mixed steps carry the verify rows of speculative decoding."""
+        return 0 if decode_only else self.num_speculative_tokens
 
     def _mixed_rows(self, t: int) -> int:
         """The rows of a mixed step of ``t`` tokens without row buckets: as many as fit."""
@@ -147,10 +158,11 @@ class SchedulerConfig:
 
     def step_shapes(self) -> list[StepShape]:
         """Every shape ``schedule()`` can produce: what the runner compiles at start-up."""
+        k = self._spec(False)
         shapes = [StepShape(s, s, self.max_blocks, self.max_ckpt, True) for s in self.seq_buckets]
         if not self.mixed_row_buckets:
             shapes += [
-                StepShape(t, self._mixed_rows(t), self.max_blocks, self.max_ckpt, False)
+                StepShape(t, self._mixed_rows(t), self.max_blocks, self.max_ckpt, False, k)
                 for t in self.token_buckets
             ]
             return shapes
@@ -159,7 +171,7 @@ class SchedulerConfig:
             for s in self.seq_buckets:
                 if prev + 1 > t:  # needs more rows than tokens: unreachable
                     break
-                shapes.append(StepShape(t, s, self.max_blocks, self.max_ckpt, False))
+                shapes.append(StepShape(t, s, self.max_blocks, self.max_ckpt, False, k))
                 prev = s
         return shapes
 

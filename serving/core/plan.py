@@ -42,6 +42,9 @@ class StepShape:
     max_blocks: int  # block table columns per sequence
     max_ckpt: int  # checkpoint writes per sequence in one step
     decode_only: bool  # every live sequence has exactly one new token (T == S)
+    # K: draft tokens a row may verify (speculative decoding); the step then returns logits
+    # and tokens for K + 1 positions of every row. 0 in decode-only steps and without drafts.
+    num_spec: int = 0
 
 
 def _per_row(dtype: type, pad: float) -> Any:
@@ -184,8 +187,12 @@ class StepPlan:
     dst_slot: np.ndarray  # i32[S]   state slot written at the end; 0 = not written
     ckpt_offsets: np.ndarray  # i32[S, max_ckpt]
     ckpt_slots: np.ndarray  # i32[S, max_ckpt]   0 = no write
-    logits_indices: np.ndarray  # i32[S]   token index whose logits are sampled
+    # i32[S * (K + 1)]: row s's logits at [s * (K + 1) + j]; entry j of a verify row is its
+    # token j, a row without drafts repeats its last token (K = shape.num_spec, usually 0)
+    logits_indices: np.ndarray
     sampling: SamplingArrays  # [S] each
+    draft_ids: np.ndarray  # i32[S, K]   the draft tokens a verify row checks
+    num_drafts: np.ndarray  # i32[S]   0: an ordinary row
 
     @classmethod
     def empty(cls, shape: StepShape) -> StepPlan:
@@ -204,8 +211,10 @@ class StepPlan:
             dst_slot=np.zeros(s, np.int32),
             ckpt_offsets=np.zeros((s, shape.max_ckpt), np.int32),
             ckpt_slots=np.zeros((s, shape.max_ckpt), np.int32),
-            logits_indices=np.zeros(s, np.int32),
+            logits_indices=np.zeros(s * (shape.num_spec + 1), np.int32),
             sampling=SamplingArrays.empty(s),
+            draft_ids=np.zeros((s, shape.num_spec), np.int32),
+            num_drafts=np.zeros(s, np.int32),
         )
 
     @classmethod

@@ -172,6 +172,9 @@ class Request:
     junctions: tuple[int, ...] = ()  # shared-prefix boundaries to checkpoint in prefill
     seed: int = 0  # uint32 actually used (the params' seed or a random one)
     max_tokens: int = 0  # resolved: the params' max_tokens, or what max_model_len leaves
+    # Speculative decoding: tokens a drafter proposes after the known ones (the next decode
+    # row verifies them); replaced after every step that gives the request tokens.
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
