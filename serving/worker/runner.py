@@ -42,6 +42,7 @@ from serving.worker.sampler import (
     table_row_values,
     token_logprobs,
 )
+from serving.worker.spec_decode import verify_sample
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,23 @@ def _step(
         lambda: tables,
     )
     positions = arrays["seq_lens"]  # of the tokens sampled
-    tokens = sample(logits, sampling, positions, gather=ops.gather_logits, tables=tables)
+    num_spec = arrays["draft_ids"].shape[1]  # static: K of a step with verify rows, else 0
+    if num_spec:  # logits at K + 1 positions a row; every row's new tokens, -1 after them
+        all_tokens = verify_sample(
+            logits,
+            sampling,
+            positions,
+            arrays["draft_ids"],
+            arrays["num_drafts"],
+            gather=ops.gather_logits,
+            tables=tables,
+        )
+        # a row without drafts has its one logits row at every position: the first one
+        logits = logits.reshape(all_tokens.shape[0], num_spec + 1, -1)[:, 0]
+        tokens = all_tokens[:, 0]
+    else:
+        tokens = sample(logits, sampling, positions, gather=ops.gather_logits, tables=tables)
+        all_tokens = tokens
     # Log-probabilities (a log-softmax and a top-k over the vocabulary) only in steps where
     # some row reports them; elsewhere zeros the host never reads.
     k = min(MAX_LOGPROBS, logits.shape[-1])
@@ -141,14 +158,15 @@ def _step(
     )
     assert s <= r, f"{s=} rows exceed the splice's {r=}"
     next_prev = jnp.zeros(r, jnp.int32).at[:s].set(tokens)
-    return caches, tables, (tokens, *logprobs), next_prev
+    return caches, tables, (all_tokens, *logprobs), next_prev
 
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     """What a step sends back to the host, per row."""
 
-    tokens: np.ndarray  # i32[S]
+    # i32[S], or i32[S, K + 1] in a step with verify rows (each row's tokens, then -1)
+    tokens: np.ndarray
     # None when no row of the step asked for log-probabilities (nothing computed or fetched).
     logprobs: np.ndarray | None = None  # f32[S]   the sampled token's logprob
     top_ids: np.ndarray | None = None  # i32[S, K] the K most likely tokens (K = MAX_LOGPROBS)
