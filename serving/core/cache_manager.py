@@ -108,6 +108,10 @@ class CacheManager:
     def alloc(self, request_id: str) -> _Alloc:
         return self._allocs[request_id]
 
+    def holds(self, req: Request, alloc: _Alloc) -> bool:
+        """Whether ``req`` still holds ``alloc`` (not freed or preempted since)."""
+        return self._allocs.get(req.request_id) is alloc
+
     def spare_state_slots(self) -> int:
         """Free slots beyond those reserved for requests that could still be admitted."""
         return self.state.num_free - (self.cfg.max_num_seqs - len(self._allocs))
@@ -255,6 +259,37 @@ class CacheManager:
         if a.latest_ckpt != NULL_ID:
             self.state.free([a.latest_ckpt])
         a.latest_ckpt = slot
+
+    # ---------------------------------------------------------------- speculative decoding
+
+    def allocate_spec_slots(self, k: int) -> list[int]:
+        """Up to ``k`` private slots for a verify row's per-token states (fewer when the
+        spare slots run short; never a running request's reserve). The scheduling step holds
+        them until :meth:`accept_spec`."""
+        n = min(k, max(self.spare_state_slots(), 0))
+        return self.state.allocate(n) if n else []
+
+    def accept_spec(self, req: Request, alloc: _Alloc, slots: list[int], accepted: int) -> None:
+        """At the verify step's ``update``: the request's state is now the one after its
+        ``accepted`` drafts, and the step's per-token slots go back. No state is copied: slot
+        ``slots[j]`` holds the state after ``j + 1`` of the row's tokens and ``dst`` (the
+        running slot) the state after all ``k + 1``, so ownership rotates::
+
+            row tokens     t  d1 d2 d3          k = 3, src = dst = R
+            written        P1 P2 P3 R           state after 1, 2, 3, 4 tokens
+            accepted = 1   running <- P2; R, P1, P3 freed
+            accepted = 3   running stays R; P1, P2, P3 freed
+
+        ``alloc`` is what the request held when the row was scheduled: if it is freed or
+        preempted since, every slot just goes back.
+        """
+        assert 0 <= accepted <= len(slots)
+        if not self.holds(req, alloc) or accepted == len(slots):
+            self.state.free(slots)
+            return
+        keep = slots[accepted]
+        self.state.free([alloc.running_slot] + [s for s in slots if s != keep])
+        alloc.running_slot = keep
 
     # ---------------------------------------------------------------- freeing
 

@@ -75,10 +75,16 @@ class SchedulerConfig:
     min_token_bucket: int = 8  # the smallest token bucket of mixed steps (fewer compiles)
     mixed_row_buckets: bool = True
     max_prompt_logprobs: int = 256
+    # K: draft tokens a decoding row may verify in one step (speculative decoding; 0 = off).
+    # Mixed steps then carry K + 1 logits rows per sequence (``StepShape.num_spec``).
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             _check_positive(name, getattr(self, name))
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or k < 0:
+            raise ValueError(f"num_speculative_tokens={k!r} must be a non-negative integer")
         base = math.lcm(KERNEL_CHUNK, self.block_size)
         g = self.checkpoint_interval
         if g is not None and (not isinstance(g, int) or g < 1 or g % base):
@@ -140,11 +146,12 @@ class SchedulerConfig:
 
         A chunk of at most ``max_num_batched_tokens`` tokens crosses at most
         ``cdiv(budget, R)`` multiples of R, plus the prompt-end boundary, two shared-prefix
-        junctions and the latest boundary of a resumed request's replay.
+        junctions and the latest boundary of a resumed request's replay. A verify row
+        (speculative decoding) adds one write per draft token: its per-token slots.
         """
         r = self.retention_interval
         extra = -(-self.max_num_batched_tokens // r) if r else 0
-        return extra + 4
+        return extra + 4 + self.num_speculative_tokens
 
     def step_shape(self, num_tokens: int, num_seqs: int, decode_only: bool) -> StepShape:
         """The bucket of a step with ``num_tokens`` tokens over ``num_seqs`` rows."""
@@ -156,7 +163,12 @@ class SchedulerConfig:
 
     def _shape(self, t: int, s: int, decode_only: bool) -> StepShape:
         p = 0 if decode_only else self.prompt_logprob_capacity  # decode rows score no prompt
-        return StepShape(t, s, self.max_blocks, self.max_ckpt, decode_only, p)
+        k = self._spec(decode_only)
+        return StepShape(t, s, self.max_blocks, self.max_ckpt, decode_only, p, k)
+
+    def _spec(self, decode_only: bool) -> int:
+        """``StepShape.num_spec``: mixed steps carry the verify rows of speculative decoding."""
+        return 0 if decode_only else self.num_speculative_tokens
 
     def _mixed_rows(self, t: int) -> int:
         """The rows of a mixed step of ``t`` tokens without row buckets: as many as fit."""

@@ -45,6 +45,9 @@ class StepShape:
     # P: prompt positions whose next-token log-probabilities one step may report (requests
     # with ``prompt_logprobs``); the same in every bucket, so it adds no compile.
     max_prompt_logprobs: int = 0
+    # K: draft tokens a row may verify (speculative decoding); the step then returns logits
+    # and tokens for K + 1 positions of every row. 0 in decode-only steps and without drafts.
+    num_spec: int = 0
 
 
 def _per_row(dtype: type, pad: float) -> Any:
@@ -193,8 +196,12 @@ class StepPlan:
     dst_slot: np.ndarray  # i32[S]   state slot written at the end; 0 = not written
     ckpt_offsets: np.ndarray  # i32[S, max_ckpt]
     ckpt_slots: np.ndarray  # i32[S, max_ckpt]   0 = no write
-    logits_indices: np.ndarray  # i32[S]   token index whose logits are sampled
+    # i32[S * (K + 1)]: row s's logits at [s * (K + 1) + j]; entry j of a verify row is its
+    # token j, a row without drafts repeats its last token (K = shape.num_spec, usually 0)
+    logits_indices: np.ndarray
     sampling: SamplingArrays  # [S] each
+    draft_ids: np.ndarray  # i32[S, K]   the draft tokens a verify row checks
+    num_drafts: np.ndarray  # i32[S]   0: an ordinary row
     # Structured outputs: i32[S, ceil(V / 32)] packed bitmask of the tokens each row may
     # sample (bit t % 32 of word t // 32), read for rows with ``sampling.uses_grammar``; None
     # when no row has a grammar (the runner passes a resident all-ones mask instead). Not
@@ -228,10 +235,12 @@ class StepPlan:
             dst_slot=np.zeros(s, np.int32),
             ckpt_offsets=np.zeros((s, shape.max_ckpt), np.int32),
             ckpt_slots=np.zeros((s, shape.max_ckpt), np.int32),
-            logits_indices=np.zeros(s, np.int32),
+            logits_indices=np.zeros(s * (shape.num_spec + 1), np.int32),
             sampling=SamplingArrays.empty(s),
             prompt_lp_indices=np.zeros(shape.max_prompt_logprobs, np.int32),
             prompt_lp_targets=np.full(shape.max_prompt_logprobs, -1, np.int32),
+            draft_ids=np.zeros((s, shape.num_spec), np.int32),
+            num_drafts=np.zeros(s, np.int32),
         )
 
     @classmethod

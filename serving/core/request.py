@@ -224,6 +224,9 @@ class Request:
     # Prompt logprobs: the next prompt position whose logits score the token after it; they
     # are done at ``num_prompt_tokens - 1`` (the last position's logits sample the output).
     prompt_logprobs_next: int = 0
+    # Speculative decoding: tokens a drafter proposes after the known ones (the next decode
+    # row verifies them); replaced after every step that gives the request tokens.
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -73,7 +73,8 @@ from serving.core.cache_manager import NO_HIT, CacheManager, CacheMetrics
 from serving.core.config import CacheConfig, SchedulerConfig
 from serving.core.plan import SamplingArrays
 from serving.core.request import FinishReason, Request, RequestStatus
-from serving.core.scheduler_output import RequestUpdate, SchedulerOutput, build_plan
+from serving.core.scheduler_output import RequestUpdate, SchedulerOutput, SpecRow, build_plan
+from serving.core.speculative import Drafter, SpecMetrics
 
 JUNCTION_LOOKAHEAD = 32  # waiting requests compared with each admitted one
 
@@ -100,6 +101,7 @@ class SchedulerStats:
     state_usage: float  # fraction of state slots held (running slots and held checkpoints)
     num_preemptions: int
     cache: CacheMetrics
+    spec: SpecMetrics = dataclasses.field(default_factory=SpecMetrics)
 
 
 class Scheduler:
@@ -109,6 +111,8 @@ class Scheduler:
       sched_cfg: budgets and caching knobs.
       cache_cfg: pool sizes.
       rng_seed: seeds the generator of per-request sampling seeds (for requests without one).
+      drafter: speculative decoding's host-side drafter (``sched_cfg.num_speculative_tokens``
+        > 0): asked for drafts after every ``update`` that gives a request tokens.
     """
 
     def __init__(
@@ -118,8 +122,11 @@ class Scheduler:
         *,
         rng_seed: int | None = None,
         async_scheduling: bool = False,
+        drafter: Drafter | None = None,
     ) -> None:
         self.cfg = sched_cfg
+        self.drafter = drafter
+        self.spec_metrics = SpecMetrics(accepted_per_pos=[0] * sched_cfg.num_speculative_tokens)
         self.cache = CacheManager(sched_cfg, cache_cfg)
         self.running: list[Request] = []  # admission order; finished ones dropped lazily
         self.waiting: collections.deque[Request] = collections.deque()
@@ -236,6 +243,7 @@ class Scheduler:
             self.state_usage,
             self._num_preemptions,
             dataclasses.replace(self.cache.metrics),
+            self.spec_metrics.copy(),
         )
 
     # ------------------------------------------------------------------ one step
@@ -261,7 +269,11 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            while not self.cache.allocate_blocks(req, start + n):
+            drafts = self._drafts(req, start, n, budget)
+            while not self.cache.allocate_blocks(req, start + n + len(drafts)):
+                if drafts:  # the pool is short: verify nothing rather than preempt
+                    drafts = []
+                    continue
                 preempted = True
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -269,8 +281,8 @@ class Scheduler:
                     break
             else:
                 slot = self.cache.alloc(req.request_id).running_slot
-                self._add_row(b, req, start, n, src=slot, ahead=ahead)
-                budget -= n
+                self._add_row(b, req, start, n, src=slot, ahead=ahead, drafts=drafts)
+                budget -= b.q_lens[-1]
                 i += 1
 
         while self.waiting and budget > 0 and not preempted:
@@ -320,6 +332,7 @@ class Scheduler:
             b.dst,
             b.ckpts,
             b.prompt_lp,
+            b.drafts,
         )
         self._fill_token_mask(plan, b)
         self._last_plan_step = b.step_id
@@ -335,15 +348,20 @@ class Scheduler:
             slots_held=b.slots_held,
             from_prev=b.from_prev,
             prompt_logprobs=b.prompt_logprobs,
+            spec=b.spec,
         )
 
     def update(self, output: SchedulerOutput, sampled: np.ndarray) -> list[RequestUpdate]:
-        """Takes a step's sampled tokens (``i32[S]``, row order; padding rows ignored).
+        """Takes a step's sampled tokens (``i32[S]``, or ``i32[S, K + 1]`` in a step with
+        verify rows: each row's tokens, then -1; row order; padding rows ignored).
 
-        Mutates: appends each sampling row's token to its request, finishes and frees requests
-        that hit EOS, a stop token id, ``max_tokens`` or ``max_model_len``, and makes the
-        step's checkpoints usable. Returns one ``RequestUpdate`` per request that got a token
-        or finished (rows of requests finished meanwhile, e.g. aborted, are skipped).
+        Mutates: appends each sampling row's tokens to its request (a verify row's accepted
+        drafts and the target's next token: its state and ``num_computed_tokens`` move back to
+        the accepted prefix), finishes and frees requests that hit EOS, a stop token id,
+        ``max_tokens`` or ``max_model_len`` (later tokens of the row are dropped), makes the
+        step's checkpoints usable, and asks the drafter for the next drafts. Returns one
+        ``RequestUpdate`` per request that got tokens or finished (rows of requests finished
+        meanwhile, e.g. aborted, are skipped).
         """
         assert not output.updated, f"step {output.step_id} was already updated"
         output.updated = True
@@ -352,6 +370,11 @@ class Scheduler:
         tokens = np.asarray(sampled).tolist()
         for s, req in enumerate(output.requests):
             rid = req.request_id
+            row = tokens[s] if isinstance(tokens[s], list) else [tokens[s]]
+            run = list(itertools.takewhile(lambda t: t >= 0, row))
+            spec = output.spec.get(s)
+            if spec is not None:
+                self._accept(req, spec, len(run) - 1)
             self._rows_in_flight[rid] -= 1
             if not self._rows_in_flight[rid]:
                 del self._rows_in_flight[rid]
@@ -366,22 +389,44 @@ class Scheduler:
                 del self._sampling_row[rid]
             if req.is_finished:  # the token of a row scheduled before it finished: dropped
                 continue
-            tok = int(tokens[s])
-            req.output_token_ids.append(tok)
-            req.all_token_ids.append(tok)
-            if len(req.all_token_ids) % self.cfg.block_size == 0:
+            assert run, f"row {s} ({rid}) sampled no token"
+            new, reason = [], None
+            blocks = len(req.all_token_ids) // self.cfg.block_size
+            for tok in map(int, run):
+                new.append(tok)
+                req.output_token_ids.append(tok)
+                req.all_token_ids.append(tok)
+                reason = self._stop_reason(req, tok)
+                if req.grammar is not None and not req.grammar.accept(tok):  # masked: never
+                    req.error = f"sampled token {tok} breaks the grammar: {req.grammar.error}"
+                    reason = "error"
+                elif req.grammar is not None and reason is None and req.grammar.is_terminated:
+                    reason = "stop"  # the output is complete: nothing but EOS may follow
+                if reason is not None:  # a stop inside a verified run: the rest is dropped
+                    break
+            if len(req.all_token_ids) // self.cfg.block_size > blocks:
                 self.cache.hash_new_blocks(req)
-            reason = self._stop_reason(req, tok)
-            if req.grammar is not None and not req.grammar.accept(tok):  # masked: never
-                req.error = f"sampled token {tok} breaks the grammar: {req.grammar.error}"
-                reason = "error"
-            elif req.grammar is not None and reason is None and req.grammar.is_terminated:
-                reason = "stop"  # the output is complete: nothing but EOS may follow
+            req.draft_token_ids = []
             if reason is not None:
                 self._set_finished(req, reason)
                 self._free(req)
-            updates.append(self._report(req, [tok], reason))
+            elif self.drafter is not None:
+                req.draft_token_ids = self.drafter.propose(req, self.cfg.num_speculative_tokens)
+            updates.append(self._report(req, new, reason))
         return updates
+
+    def _accept(self, req: Request, spec: SpecRow, accepted: int) -> None:
+        """A verify row's outcome: ``accepted`` of its drafts. The request's state becomes the
+        per-token slot after them (``CacheManager.accept_spec``) and ``num_computed_tokens``
+        moves back to the accepted prefix: the rejected drafts' K/V stays in their blocks (the
+        request keeps the blocks) and is overwritten by later rows; no block or checkpoint
+        was registered past the known tokens."""
+        if not req.is_finished:
+            self.spec_metrics.add(len(spec.slots), accepted)
+        if self.cache.holds(req, spec.alloc):
+            assert req.num_computed_tokens == spec.start + 1 + len(spec.slots), req.request_id
+            req.num_computed_tokens = spec.start + 1 + accepted
+        self.cache.accept_spec(req, spec.alloc, spec.slots, accepted)
 
     # ------------------------------------------------------------------ helpers
 
@@ -399,6 +444,39 @@ class Scheduler:
         assert start % g == 0, f"a partial prefill chunk must start on a multiple of {g=}"
         return budget // g * g
 
+    def _drafts(self, req: Request, start: int, n: int, budget: int) -> list[int]:
+        """The drafts a decode row of ``req`` verifies this step (maybe none).
+
+        Only a plain decode row (its one new token the last known one) speculates, and not a
+        request whose sampling reads the token tables or reports logprobs (their per-position
+        histories are not kept apart). ``k`` is capped by K, ``max_tokens`` and
+        ``max_model_len`` (a verify row yields up to k + 1 tokens), the token budget, and,
+        with prefix caching, the next checkpoint boundary: a row never feeds a draft at or
+        past it, so a boundary is only ever reached at offset 1 of a row, by a known token::
+
+            G = 64          62  63 | 64                 start = 62: boundary p = 64
+            row k = 0       [t]                         (62 + 1 + k <= p - 1)
+            next row            [t  d1 d2 ...]          boundary at offset 1: checkpointed
+        """
+        k_max = self.cfg.num_speculative_tokens
+        drafts = req.draft_token_ids
+        if not k_max or not drafts or n != 1 or start != req.num_tokens - 1:
+            return []
+        sp = req.sampling_params
+        if sp.uses_token_tables or sp.logprobs is not None or req.grammar is not None:
+            return []  # their processors / masks / logprobs see one position a step
+        k = min(
+            k_max,
+            len(drafts),
+            req.max_tokens - len(req.output_token_ids) - 1,
+            self.cfg.max_model_len - start - 2,
+            budget - 1,
+        )
+        if self.cfg.enable_prefix_caching:
+            g = self.cfg.granularity
+            k = min(k, ((start + 1) // g + 1) * g - start - 2)
+        return drafts[: max(k, 0)]
+
     def _ahead_row(self, req: Request) -> int | None:
         """Async scheduling: the previous plan's row that samples ``req``'s one missing token,
         if ``req`` decodes it in this step without knowing its id; else None.
@@ -412,6 +490,8 @@ class Scheduler:
         if not self.async_scheduling or self._tokens_in_flight[rid] != 1:
             return None
         if req.grammar is not None:  # its mask needs the pending token: it waits for it
+            return None
+        if self.cfg.num_speculative_tokens:  # drafts come after update: verify rows instead
             return None
         step, row = self._sampling_row[rid]
         known = len(req.all_token_ids)
@@ -451,11 +531,20 @@ class Scheduler:
             self.cache.free(req)
 
     def _add_row(
-        self, b: _StepBuilder, req: Request, start: int, n: int, src: int, ahead: int | None = None
+        self,
+        b: _StepBuilder,
+        req: Request,
+        start: int,
+        n: int,
+        src: int,
+        ahead: int | None = None,
+        drafts: list[int] = (),
     ) -> None:
         """Schedules tokens ``[start, start + n)`` of running ``req`` (blocks already held).
         ``ahead``: the previous plan's row that samples the one token ``[start, start + 1)``
-        (async scheduling; its id is spliced in on device)."""
+        (async scheduling; its id is spliced in on device). ``drafts``: a decode row's draft
+        tokens after them (a verify row; their blocks held too, per-token slots taken here
+        or fewer drafts)."""
         alloc = self.cache.alloc(req.request_id)
         end = start + n
         if self.cfg.enable_prefix_caching:
@@ -482,6 +571,18 @@ class Scheduler:
         self._score_prompt(b, req, start, end, len(b.input_ids) - n)
         b.src.append(src)
         b.dst.append(alloc.running_slot)
+        if drafts:
+            slots = self.cache.allocate_spec_slots(len(drafts))
+            drafts = list(drafts[: len(slots)])
+        if drafts:
+            row = len(b.requests) - 1
+            b.ckpts += [(row, j + 1, slot) for j, slot in enumerate(slots)]
+            b.input_ids += drafts
+            b.q_lens[-1] += len(drafts)
+            b.spec[row] = SpecRow(alloc, slots, start)
+            req.draft_token_ids = []
+            end += len(drafts)
+        b.drafts.append(list(drafts))
         samples = end >= len(req.all_token_ids)
         b.samples.append(samples)
         req.num_computed_tokens = end
@@ -611,3 +712,5 @@ class _StepBuilder:
     plp_left: int = 0  # prompt positions this step may still score
     prompt_lp: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (index, target)
     prompt_logprobs: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
+    drafts: list[list[int]] = dataclasses.field(default_factory=list)
+    spec: dict[int, SpecRow] = dataclasses.field(default_factory=dict)

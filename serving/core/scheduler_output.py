@@ -31,6 +31,17 @@ class RequestUpdate:
     error: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class SpecRow:
+    """A verify row's bookkeeping until its step's ``update``: what the request held when it
+    was scheduled (``CacheManager``'s allocation), the per-token slots the step writes (slot
+    ``j`` after ``j + 1`` of the row's tokens), and the row's first position."""
+
+    alloc: object
+    slots: list[int]
+    start: int
+
+
 @dataclasses.dataclass
 class SchedulerOutput:
     """One scheduled step: the plan for the runner plus per-row bookkeeping.
@@ -58,6 +69,8 @@ class SchedulerOutput:
     # request's prompt positions ``first .. first + count - 1`` in entries ``offset ..`` of its
     # ``prompt_lp_*`` arrays (``StepResult.prompt_*``).
     prompt_logprobs: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
+    # Speculative decoding: plan row -> its verify row's bookkeeping (it holds the slots).
+    spec: dict[int, SpecRow] = dataclasses.field(default_factory=dict, repr=False)
     updated: bool = dataclasses.field(default=False, repr=False)
 
     @property
@@ -85,6 +98,7 @@ def build_plan(
     dst: list[int],
     ckpts: list[tuple[int, int, int]],  # (plan row, token offset, slot)
     prompt_lp: list[tuple[int, int]] = (),  # (token index, prompt token its logits score)
+    drafts: list[list[int]] | None = None,  # each row's draft tokens (its last q_len tokens)
 ) -> StepPlan:
     """A fresh ``StepPlan`` in the smallest bucket that holds these rows.
 
@@ -95,6 +109,13 @@ def build_plan(
         tok_row        0  0  0  0    1    2  2
         positions     s_a ... s_a+3  s_b  s_c s_c+1   0 ...
         slot_mapping  block_table[row_a, pos // B] * B + pos % B, ...  0 (null block) ...
+
+    Speculative decoding (``cfg.num_speculative_tokens`` = K > 0): mixed steps take logits
+    at K + 1 positions of every row, ``logits_indices[s * (K + 1) + j]``: a verify row's token
+    ``j`` (its last one past its drafts), another row's last token at every ``j``::
+
+        row b = [t d1 d2] (K = 3)   b's entries  qsl[b] + 0, 1, 2, 2
+        row c = prefill chunk        c's entries  qsl[c + 1] - 1 (4 times)
     """
     n_seqs, n_tok = len(q_lens), len(input_ids)
     assert n_seqs > 0 and n_tok == sum(q_lens)
@@ -130,7 +151,20 @@ def build_plan(
         plan.ckpt_offsets[s, col[s]] = offset
         plan.ckpt_slots[s, col[s]] = slot
         col[s] += 1
-    plan.logits_indices[:n_seqs] = qsl[1 : n_seqs + 1] - 1
+    last = qsl[1 : n_seqs + 1] - 1
+    k_max = plan.shape.num_spec
+    if k_max == 0:
+        assert not any(drafts or ()), "drafts in a step without verify rows"
+        plan.logits_indices[:n_seqs] = last
+    else:
+        nd = np.asarray([len(d) for d in drafts] if drafts else [0] * n_seqs, np.int32)
+        assert (nd <= k_max).all(), (nd, k_max)
+        j = np.arange(k_max + 1, dtype=np.int32)
+        idx = (last - nd)[:, None] + np.minimum(j[None, :], nd[:, None])
+        plan.logits_indices[: n_seqs * (k_max + 1)] = idx.reshape(-1)
+        plan.num_drafts[:n_seqs] = nd
+        for s, d in enumerate(drafts or ()):
+            plan.draft_ids[s, : len(d)] = d
     sampling.take(rows, plan.sampling)
     if prompt_lp:
         assert not decode_only and len(prompt_lp) <= plan.shape.max_prompt_logprobs

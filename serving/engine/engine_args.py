@@ -33,6 +33,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _speculative_config(text: str) -> str:
+    """``--speculative-config``'s check at parse time (the engine parses it again)."""
+    from serving.core.speculative import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineArgs:
     """The engine's configuration. Fields with a help text are the CLI's engine flags."""
@@ -122,6 +133,15 @@ class EngineArgs:
         "schedule step N+1 while step N runs on the device (its decode rows read step N's "
         "tokens on the device): the host's scheduling, detokenizing and output overlap the "
         "device; outputs are the same as without it (single-process engines)",
+    )
+    speculative_config: str | None = _flag(
+        None,
+        'speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": '
+        'K, "prompt_lookup_min": m, "prompt_lookup_max": M}\' (prompt lookup: drafts are the K '
+        "tokens that followed the last m..M tokens earlier in the request); greedy outputs are "
+        "the same as without it, sampled ones have the same distribution. Rows that use "
+        "penalties, logit bias, min_tokens or logprobs do not speculate",
+        type=lambda text: _speculative_config(text),
     )
     scan_layers: bool = _flag(
         False,

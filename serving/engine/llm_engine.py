@@ -38,6 +38,7 @@ from serving.core.config import CacheConfig, SchedulerConfig
 from serving.core.request import EngineRequest, Request
 from serving.core.scheduler import Scheduler
 from serving.core.scheduler_output import SchedulerOutput
+from serving.core.speculative import SpeculativeConfig, describe, make_drafter
 from serving.engine.engine_args import EngineArgs
 from serving.engine.messages import EngineStats
 from serving.worker.pool_sizing import size_pools
@@ -166,6 +167,8 @@ class LLMEngine:
             self.tokenizer = None
             log.warning("no tokenizer in %s: only token-id prompts are accepted", args.model)
         max_len = args.max_model_len or min(self.model_config.max_position_embeddings, 4096)
+        self.spec_config = SpeculativeConfig.parse(args.speculative_config)
+        num_spec = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self.sched_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -177,6 +180,7 @@ class LLMEngine:
             min_token_bucket=args.min_token_bucket,
             mixed_row_buckets=_mixed_row_buckets(args.mixed_row_buckets),
             max_prompt_logprobs=args.max_prompt_logprobs,
+            num_speculative_tokens=num_spec,
         )
         memory = size_pools(
             self.model_config,
@@ -206,7 +210,10 @@ class LLMEngine:
             cache_cfg,
             rng_seed=args.seed,
             async_scheduling=args.async_scheduling,
+            drafter=make_drafter(self.spec_config) if self.spec_config else None,
         )
+        if self.spec_config is not None:
+            log.info("speculative decoding: %s", self.spec_config)
         # Async scheduling: dispatched steps not yet updated, oldest first (at most two).
         self._in_flight: collections.deque[tuple[SchedulerOutput, InFlightStep]] = (
             collections.deque()
@@ -374,12 +381,22 @@ class LLMEngine:
             logprobs = [TokenLogprob(u.new_token_ids[-1], float(result.logprobs[r]), top)]
         finished, reason = u.finished, u.finish_reason
         new_ids = list(u.new_token_ids)
-        self.generation_tokens += len(new_ids)
         visible_ids = new_ids
         if finished and reason == "stop" and new_ids and not params.ignore_eos:
             # The stop token itself is not part of the output text.
             if new_ids[-1] == tr.req.eos_token_id or new_ids[-1] in params.stop_token_ids:
                 visible_ids = new_ids[:-1]
+        if params.stop and tr.detok is not None and len(visible_ids) > 1:
+            # A verified run may complete a stop string before its last token: cut it there.
+            for i, tok in enumerate(visible_ids):
+                tr.text += tr.detok.step(tok)
+                if check_stop_strings(tr.text, params.stop).stopped:
+                    if i + 1 < len(visible_ids):
+                        new_ids = new_ids[: i + 1]
+                        finished, reason = False, None  # finished below, by the stop string
+                    break
+            visible_ids = []
+        self.generation_tokens += len(new_ids)
         tr.output_ids.extend(new_ids)
         if tr.detok is not None:
             tr.text += tr.detok.extend(visible_ids)
@@ -438,7 +455,17 @@ class LLMEngine:
             state_query_tokens=c.state_query_tokens,
             state_hit_tokens=c.state_hit_tokens,
             effective_hit_tokens=c.effective_hit_tokens,
+            spec_num_drafts=st.spec.num_drafts,
+            spec_num_draft_tokens=st.spec.num_draft_tokens,
+            spec_num_accepted_tokens=st.spec.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(st.spec.accepted_per_pos),
         )
+
+    def spec_summary(self) -> str | None:
+        """A line on speculative decoding's acceptance so far (None when it is off)."""
+        if self.spec_config is None:
+            return None
+        return describe(self.scheduler.stats().spec)
 
     def run_to_completion(self) -> dict[str, RequestOutput]:
         """Steps until every request has finished; returns each request's final output."""

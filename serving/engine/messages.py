@@ -122,6 +122,12 @@ class EngineStats:
     state_query_tokens: int
     state_hit_tokens: int
     effective_hit_tokens: int
+    # speculative decoding (zeros when off): verify rows, drafts, accepted drafts in all and
+    # at each draft position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -73,6 +73,28 @@ class _EngineCollector(Collector):
             "Prompt tokens skipped (KV hit intersected with a state checkpoint).",
             s.effective_hit_tokens,
         )
+        yield from _spec_metrics(s, labels, lv)
+
+
+def _spec_metrics(s: EngineStats, labels: list[str], lv: list[str]) -> Iterator:
+    """Speculative decoding's counters (vLLM's names); the mean acceptance length is
+    ``1 + accepted / drafts`` (``rate(...)`` of both in a query)."""
+    for name, doc, value in (
+        ("spec_decode_num_drafts", "Verify rows (requests' steps with drafts).", s.spec_num_drafts),
+        ("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens),
+    ):
+        c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+        c.add_metric(lv, value)
+        yield c
+    per_pos = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft (0 = first).",
+        labels=[*labels, "position"],
+    )
+    for j, n in enumerate(s.spec_accepted_per_pos):
+        per_pos.add_metric([*lv, str(j)], n)
+    yield per_pos
 
 
 class ServerMetrics:

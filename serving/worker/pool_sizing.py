@@ -70,6 +70,10 @@ def size_pools(
         )  # fmt: skip
         if jax.devices()[0].platform == "cpu" and num_checkpoint_slots is None:
             num_checkpoint_slots = 4 * sched_cfg.max_num_seqs
+    if num_checkpoint_slots is not None and sched_cfg.num_speculative_tokens:
+        # Verify rows take their per-token states (K a running request, for one step) from
+        # the slots beyond the running ones: K a sequence more, so checkpoints keep theirs.
+        num_checkpoint_slots += sched_cfg.num_speculative_tokens * sched_cfg.max_num_seqs
     if jax.process_count() > 1:
         from serving.worker.distributed import smallest_cache_bytes
 

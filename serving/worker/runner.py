@@ -35,6 +35,7 @@ from serving.core.memory_planner import MemoryPlan
 from serving.core.plan import PlanLayout, SamplingArrays, StepPlan, StepShape, mask_words
 from serving.worker.sampler import (
     MAX_LOGPROBS,
+    apply_token_mask,
     count_inputs,
     init_token_tables,
     prompt_token_logprobs,
@@ -43,6 +44,7 @@ from serving.worker.sampler import (
     table_row_values,
     token_logprobs,
 )
+from serving.worker.spec_decode import verify_sample
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +133,33 @@ def _step(
         lambda: tables,
     )
     positions = arrays["seq_lens"]  # of the tokens sampled
-    tokens = sample(
-        logits, sampling, positions, gather=ops.gather_logits, tables=tables, token_mask=token_mask
-    )
+    num_spec = arrays["draft_ids"].shape[1]  # static: K of a step with verify rows, else 0
+    if num_spec:  # logits at K + 1 positions a row; every row's new tokens, -1 after them
+        # Rows with a grammar verify no drafts; their K + 1 logits rows are their one row
+        # repeated, each masked like the row.
+        logits = apply_token_mask(
+            logits,
+            jnp.repeat(sampling.uses_grammar, num_spec + 1),
+            jnp.repeat(token_mask, num_spec + 1, axis=0),
+        )
+        all_tokens = verify_sample(
+            logits,
+            sampling,
+            positions,
+            arrays["draft_ids"],
+            arrays["num_drafts"],
+            gather=ops.gather_logits,
+            tables=tables,
+        )
+        # a row without drafts has its one logits row at every position: the first one
+        logits = logits.reshape(all_tokens.shape[0], num_spec + 1, -1)[:, 0]
+        tokens = all_tokens[:, 0]
+    else:
+        tokens = sample(
+            logits, sampling, positions, gather=ops.gather_logits, tables=tables,
+            token_mask=token_mask,
+        )  # fmt: skip
+        all_tokens = tokens
     # Log-probabilities (a log-softmax and a top-k over the vocabulary) only in steps where
     # some row reports them; elsewhere zeros the host never reads.
     k = min(MAX_LOGPROBS, logits.shape[-1])
@@ -161,14 +187,15 @@ def _step(
         prompt = ()
     assert s <= r, f"{s=} rows exceed the splice's {r=}"
     next_prev = jnp.zeros(r, jnp.int32).at[:s].set(tokens)
-    return caches, tables, (tokens, *logprobs, *prompt), next_prev
+    return caches, tables, (all_tokens, *logprobs, *prompt), next_prev
 
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     """What a step sends back to the host, per row."""
 
-    tokens: np.ndarray  # i32[S]
+    # i32[S], or i32[S, K + 1] in a step with verify rows (each row's tokens, then -1)
+    tokens: np.ndarray
     # None when no row of the step asked for log-probabilities (nothing computed or fetched).
     logprobs: np.ndarray | None = None  # f32[S]   the sampled token's logprob
     top_ids: np.ndarray | None = None  # i32[S, K] the K most likely tokens (K = MAX_LOGPROBS)

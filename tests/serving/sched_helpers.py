@@ -29,6 +29,9 @@ def make_scheduler(
     num_kv_blocks: int = 64,
     num_state_slots: int = 16,
     caching: bool = True,
+    num_spec: int = 0,
+    drafter=None,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -38,8 +41,15 @@ def make_scheduler(
         enable_prefix_caching=caching,
         checkpoint_interval=granularity,
         retention_interval=retention,
+        num_speculative_tokens=num_spec,
     )
-    return Scheduler(cfg, CacheConfig(num_kv_blocks, num_state_slots), rng_seed=0)
+    return Scheduler(
+        cfg,
+        CacheConfig(num_kv_blocks, num_state_slots),
+        rng_seed=0,
+        drafter=drafter,
+        async_scheduling=async_scheduling,
+    )
 
 
 def make_request(
@@ -58,6 +68,26 @@ def fake_token(seq: list[int], vocab: int = 50_000) -> int:
     return (sum((i + 1) * t for i, t in enumerate(seq)) * 2654435761) % vocab
 
 
+class FakeDrafter:
+    """Proposes the fake model's true continuation with a wrong token from a position that
+    depends on the sequence (so 0..k drafts are accepted, all of them sometimes)."""
+
+    def __init__(self, wrong_every: int = 3) -> None:
+        self.wrong_every = wrong_every
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        seq = list(req.all_token_ids)
+        out = []
+        wrong_at = fake_token(seq, 7) % (k + self.wrong_every)
+        for j in range(k):
+            t = fake_token(seq)
+            if j >= wrong_at:
+                t = (t + 1) % 50_000
+            out.append(t)
+            seq.append(t)
+        return out
+
+
 class FakeRunner:
     def __init__(self, block_size: int, vocab: int = 50_000) -> None:
         self.block_size = block_size
@@ -67,7 +97,10 @@ class FakeRunner:
         self.reads: list[tuple[str, int, int]] = []  # (request id, src slot, start)
 
     def execute(self, out: SchedulerOutput) -> np.ndarray:
+        """Sampled tokens: i32[S], or i32[S, K + 1] (-1 after each row's run) in a step
+        with verify rows (greedy acceptance of the drafts against the fake model)."""
         plan = out.plan
+        k_max = plan.shape.num_spec
         bs = self.block_size
         n, qsl = int(plan.num_seqs), plan.query_start_loc
         t_live = int(qsl[n])
@@ -85,7 +118,8 @@ class FakeRunner:
         dsts = plan.dst_slot[:n].tolist()
         assert len(set(dsts)) == n and 0 not in dsts
         assert not set(written) & set(dsts) and not set(written) & set(plan.src_slot[:n].tolist())
-        sampled = np.zeros(plan.shape.num_seqs, np.int32)
+        sampled = np.full((plan.shape.num_seqs, k_max + 1), -1, np.int32)
+        sampled[:, 0] = 0
         # The kernels read every row's src state before any row's writes land.
         srcs = [self.state[int(x)] if x else () for x in plan.src_slot[:n]]
         for s, req in enumerate(out.requests):
@@ -100,7 +134,16 @@ class FakeRunner:
                 p, tok = self.kv[blk * bs + pos % bs]
                 assert p == pos, f"{req.request_id}: block {blk} holds {p=}, expected {pos}"
                 seq.append(tok)
-            assert seq == req.all_token_ids[:seq_len], f"{req.request_id}: KV mismatch"
+            nd = int(plan.num_drafts[s])
+            drafts = plan.draft_ids[s, :nd].tolist()
+            assert (
+                seq[seq_len - nd :] == drafts
+                and seq_len - nd == len(req.all_token_ids)
+                or (nd == 0)
+            ), f"{req.request_id}: a verify row's tokens are not the known ones and the drafts"
+            assert seq[: seq_len - nd] == req.all_token_ids[: seq_len - nd], (
+                f"{req.request_id}: KV mismatch"
+            )
             src = int(plan.src_slot[s])
             assert srcs[s] == tuple(seq[:start]), (
                 f"{req.request_id}: src slot {src} holds {len(srcs[s])} tokens, start={start}"
@@ -111,9 +154,14 @@ class FakeRunner:
                     assert 1 <= off <= q
                     self.state[int(slot)] = tuple(seq[: start + int(off)])
             self.state[int(plan.dst_slot[s])] = tuple(seq)
-            assert plan.logits_indices[s] == qsl[s + 1] - 1
-            sampled[s] = fake_token(seq, self.vocab)
-        return sampled
+            idx = plan.logits_indices.reshape(plan.shape.num_seqs, k_max + 1)[s]
+            last = int(qsl[s + 1]) - 1
+            assert idx.tolist() == [last - nd + min(j, nd) for j in range(k_max + 1)]
+            a = 0
+            while a < nd and drafts[a] == fake_token(seq[: seq_len - nd + a], self.vocab):
+                a += 1
+            sampled[s, : a + 1] = [*drafts[:a], fake_token(seq[: seq_len - nd + a], self.vocab)]
+        return sampled if k_max else sampled[:, 0]
 
 
 def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[RequestUpdate]]:

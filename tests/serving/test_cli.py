@@ -137,6 +137,17 @@ def test_every_flag_says_what_it_does():
         assert "(default: 32)" in parser.format_help() or name not in ("generate", "serve")
 
 
+def test_speculative_config_flag_is_checked_at_parse_time(capsys):
+    from serving.entrypoints.cli import build_parser
+
+    argv = ["generate", "--prompt", "x", "--speculative-config"]
+    for bad, msg in (("{", "not valid JSON"), ('{"method": "mtp", "num_speculative_tokens": 1}',
+                     "MTP drafter")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv + [bad])
+        assert msg in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_every_engine_flag_reaches_engine_args(command):
     """Each ``EngineArgs`` flag field is a flag of both commands, and its value arrives."""
@@ -154,6 +165,8 @@ def test_every_engine_flag_reaches_engine_args(command):
             value = choices[-1] if choices else ("/m" if f.name == "model" else 7)
             if f.name == "compilation_cache_dir":
                 value = "/cache"
+            if f.name == "speculative_config":
+                value = '{"method": "ngram", "num_speculative_tokens": 2}'
             argv += [flag, str(value)]
         want[f.name] = value
     got = engine_kwargs(build_parser().parse_args(argv))

@@ -14,7 +14,14 @@ import os
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from sched_helpers import FakeRunner, expected_output, make_request, make_scheduler, prompt
+from sched_helpers import (
+    FakeDrafter,
+    FakeRunner,
+    expected_output,
+    make_request,
+    make_scheduler,
+    prompt,
+)
 
 from serving.core.request import RequestStatus
 
@@ -31,6 +38,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_kv_blocks=st.integers(6, 60),
         spare_slots=st.integers(0, 6),
         caching=st.sampled_from([True, True, True, False]),
+        num_spec=st.sampled_from([0, 0, 1, 3]),
+        async_sched=st.booleans(),
     )
     def setup(
         self,
@@ -42,6 +51,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_kv_blocks,
         spare_slots,
         caching,
+        num_spec,
+        async_sched,
     ):
         g = 64 * g_mult
         self.s = make_scheduler(
@@ -54,6 +65,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             num_kv_blocks=num_kv_blocks,
             num_state_slots=1 + max_num_seqs + spare_slots,
             caching=caching,
+            num_spec=num_spec,
+            drafter=FakeDrafter() if num_spec else None,
+            # async scheduling's ahead rows need the runner's splice, which the fake runner
+            # does not play; with speculation there are none (verify rows instead)
+            async_scheduling=async_sched and num_spec > 0,
         )
         self.runner = FakeRunner(block_size)
         self.inflight = collections.deque()
@@ -115,9 +131,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         for out, _ in self.inflight:
             for slot in out.slots_held:
                 refs[slot] += 1
+            for spec in out.spec.values():  # a verify row's per-token slots
+                for slot in spec.slots:
+                    refs[slot] += 1
         assert refs[1:] == cache.state.ref_cnt[1:], "a state slot reference has no owner"
         running = [r for r in self.s.running if r.status is RequestStatus.RUNNING]
-        assert sorted(r.request_id for r in running) == sorted(cache._allocs)
+        # async scheduling: a finished request keeps what it holds until its rows are done
+        holders = [r.request_id for r in running] + list(self.s._free_after)
+        assert sorted(holders) == sorted(cache._allocs)
         assert self.s.num_running + self.s.num_waiting == sum(
             not r.is_finished for r in self.requests
         )

@@ -103,7 +103,9 @@ def test_metrics_during_a_long_step_show_the_newest_stats(monkeypatch):
 
     class BusyClient:
         alive, info = True, None
-        last_stats = EngineStats(**{f.name: 3 for f in dataclasses.fields(EngineStats)})
+        last_stats = EngineStats(
+            **{f.name: 3 for f in dataclasses.fields(EngineStats)} | {"spec_accepted_per_pos": (3,)}
+        )
 
         def attach(self, loop): ...
 

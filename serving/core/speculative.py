@@ -1,0 +1,185 @@
+"""Speculative decoding on the host: its configuration, the drafter interface, the n-gram
+drafter, and the acceptance counters. Plain Python and numpy (no jax).
+
+A *drafter* proposes up to K tokens that may follow a decoding request's known tokens; the
+scheduler turns the request's next decode row into a *verify row* of ``1 + k`` tokens (the
+last sampled token and the drafts), the step samples the target model at every position, and
+``Scheduler.update`` takes the accepted prefix plus the target's own next token::
+
+    known      ... t_n                       (t_n sampled, not yet fed)
+    drafts              d1 d2 d3             (k = 3)
+    verify row [t_n d1 d2 d3]                positions n .. n+3, logits at each
+    target          y0 y1 y2 y3              y_j: the target's token after the row's token j
+    accept     d1 == y0? d2 == y1? ...       greedy; sampled rows: rejection sampling
+    tokens     d1 .. d_a, then y_a (or the rejection's residual draw): a + 1 new tokens
+
+Drafters plug in through :class:`Drafter` and the ``DRAFTERS`` table: host-side ones (n-gram)
+propose after each ``update``; a model-side one (MTP) would return its drafts with the step's
+tokens and store them the same way (``Request.draft_token_ids``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from serving.core.request import Request
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config``: ``{"method": "ngram", "num_speculative_tokens": K,
+    "prompt_lookup_min": m, "prompt_lookup_max": M}``."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative method={self.method!r} is not supported (one of {sorted(METHODS)})"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"num_speculative_tokens={k!r} must be a positive integer")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(
+                f"prompt_lookup_min={lo!r} and prompt_lookup_max={hi!r} must be integers with "
+                "1 <= prompt_lookup_min <= prompt_lookup_max"
+            )
+
+    @classmethod
+    def parse(
+        cls, value: str | Mapping[str, Any] | SpeculativeConfig | None
+    ) -> SpeculativeConfig | None:
+        """From the flag's JSON text, a dict, or itself; None stays None.
+
+        Raises ValueError for bad JSON, unknown keys or values, and for ``"mtp"`` (recognised,
+        but its drafter is not in this build yet).
+        """
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"--speculative-config must be a JSON object, got {value!r}")
+        d = dict(value)
+        if "method" not in d or "num_speculative_tokens" not in d:
+            raise ValueError("--speculative-config needs 'method' and 'num_speculative_tokens'")
+        if d["method"] == "mtp":
+            raise ValueError(
+                "speculative method 'mtp' needs the model's MTP drafter, which this build does "
+                'not have yet; use {"method": "ngram", ...}'
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(
+                f"--speculative-config: unknown keys {unknown} (known: {sorted(names)})"
+            )
+        return cls(**d)
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens for decoding requests (host side)."""
+
+    def propose(self, req: Request, max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` tokens likely to follow ``req.all_token_ids``; may be empty."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramDrafter:
+    """Prompt lookup: the last ``n`` tokens (``n`` from ``max_n`` down to ``min_n``) are
+    searched earlier in the request's tokens (prompt and output); the tokens that followed
+    the most recent earlier match are the drafts::
+
+        tokens   a b c x y z ... a b c | ?        n = 3: "a b c" seen at 0
+        drafts                           x y z    (up to K)
+    """
+
+    min_n: int
+    max_n: int
+
+    def propose(self, req: Request, max_tokens: int) -> list[int]:
+        return ngram_propose(req.all_token_ids, self.min_n, self.max_n, max_tokens)
+
+
+def ngram_propose(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The ``k`` (or fewer) tokens after the most recent earlier occurrence of the longest
+    suffix of ``tokens`` of ``min_n..max_n`` tokens; ``[]`` when none occurs."""
+    n_tok = len(tokens)
+    if k < 1 or n_tok < min_n + 1:
+        return []
+    a = np.asarray(tokens, np.int64)
+    for n in range(min(max_n, n_tok - 1), min_n - 1, -1):
+        suffix = a[n_tok - n :]
+        # windows starting at i < n_tok - n, i.e. matches that end before the suffix starts
+        # and have at least one token after them
+        win = np.lib.stride_tricks.sliding_window_view(a[: n_tok - 1], n)
+        hits = np.flatnonzero((win == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return a[start : start + k].tolist()
+    return []
+
+
+def _ngram(cfg: SpeculativeConfig) -> Drafter:
+    return NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+
+# method -> the host drafter it builds (a model-side drafter registers None: the runner drafts)
+METHODS: dict[str, Callable[[SpeculativeConfig], Drafter] | None] = {"ngram": _ngram}
+
+
+def make_drafter(cfg: SpeculativeConfig) -> Drafter | None:
+    factory = METHODS[cfg.method]
+    return factory(cfg) if factory is not None else None
+
+
+@dataclasses.dataclass
+class SpecMetrics:
+    """Acceptance counters (vLLM's names): over verify rows since start-up."""
+
+    num_drafts: int = 0  # verify rows
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0  # of them accepted
+    accepted_per_pos: list[int] = dataclasses.field(default_factory=list)  # [K]
+
+    def add(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft:
+            self.accepted_per_pos += [0] * (num_draft - len(self.accepted_per_pos))
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verify row yields on average: 1 + accepted drafts per row (1 = nothing
+        accepted; K + 1 = every draft)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def copy(self) -> SpecMetrics:
+        return dataclasses.replace(self, accepted_per_pos=list(self.accepted_per_pos))
+
+
+def describe(metrics: SpecMetrics, per_pos: Iterable[int] | None = None) -> str:
+    rate = metrics.num_accepted_tokens / max(metrics.num_draft_tokens, 1)
+    pos = ", ".join(str(n) for n in (per_pos or metrics.accepted_per_pos))
+    return (
+        f"speculative: {metrics.num_drafts} verify rows, {metrics.num_draft_tokens} drafts, "
+        f"{metrics.num_accepted_tokens} accepted ({rate:.0%}), mean acceptance length "
+        f"{metrics.mean_acceptance_length:.2f}, accepted per position [{pos}]"
+    )
