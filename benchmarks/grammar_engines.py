@@ -175,13 +175,13 @@ def run_llguidance(hf_tok, schema, tokens):
 
 
 def run_hyjax(hf_tok, schema, tokens):
-    """llguidance through hyjax's integration (``serving.structured.grammar``): the server's
+    """llguidance through hyjax's integration (``serving.core.structured.grammar``): the server's
     ``GrammarCompiler`` over a ``hyjax.tokenizer.Tokenizer`` of the same vocabulary, the
     scheduler's per-row ``fill_mask`` into a step mask row, then ``accept``."""
     from hyjax.tokenizer import Tokenizer
     from serving.core.plan import mask_words
-    from serving.structured import StructuredOutput
-    from serving.structured.grammar import GrammarCompiler
+    from serving.core.structured import StructuredOutput
+    from serving.core.structured.grammar import GrammarCompiler
 
     tok = Tokenizer(hf_tok.backend_tokenizer, special_tokens={"eos_token": "<|endoftext|>"})
     compiler = GrammarCompiler(tok, len(hf_tok), [hf_tok.eos_token_id])

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 if TYPE_CHECKING:
     import numpy as np
 
-    from serving.structured.spec import StructuredOutput
+    from serving.core.structured.spec import StructuredOutput
 
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 # Multi-token bad words: the sampler's per-row table holds this many, each this long at most.
@@ -147,7 +147,7 @@ class SamplingParams:
 
 class Grammar(Protocol):
     """A request's grammar state, as the scheduler drives it (host only;
-    ``serving.structured.grammar.GrammarMatcher``): before a step that samples for the request,
+    ``serving.core.structured.grammar.GrammarMatcher``): before a step that samples for the request,
     ``fill_mask`` writes the tokens it may sample; ``accept`` then takes the sampled one."""
 
     mask_words: int  # int32 words of the bitmask (ceil(V / 32))

@@ -273,7 +273,7 @@ class LLMEngine:
         if self.runner.on_execute is not None:
             raise ValueError(f"{spec.param}=...: structured outputs with several hosts")
         if self._grammars is None:
-            from serving.structured.grammar import GrammarCompiler
+            from serving.core.structured.grammar import GrammarCompiler
 
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammars.compile(spec)

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from hyjax.chat_template import template_variables
 from hyjax.tokenizer import ChatTemplateError, Tokenizer
 from serving.core.request import SamplingParams
+from serving.core.structured import StructuredOutput, tool_call_grammar
 from serving.engine.engine_client import EngineClient, EngineDeadError, RequestRejected
 from serving.engine.messages import Delta
 from serving.entrypoints.chat_output import ChatOutputParser, ChatParsing
@@ -44,7 +45,6 @@ from serving.entrypoints.protocol import (
 )
 from serving.entrypoints.reasoning_parsers import REASONING_PARSERS
 from serving.entrypoints.tool_parsers import TOOL_PARSERS, ToolCall, ToolParser
-from serving.structured import StructuredOutput, tool_call_grammar
 
 MAX_CHOICES = 256  # engine requests per HTTP request (prompts x n)
 SEED_STRIDE = 0x9E3779B9  # sample j of n gets seed + j * stride (mod 2**32)

@@ -7,7 +7,7 @@ new fields before servers know them. Fields that would change the output in a wa
 not implement yet (``length_penalty``, ``allowed_token_ids`` ...) are rejected with a 400
 naming the field rather than silently dropped (``unsupported_fields``). Structured outputs
 (``response_format``, vLLM's ``structured_outputs`` and older ``guided_*`` fields) become one
-``StructuredOutput`` in the sampling parameters (``serving/structured/spec.py``).
+``StructuredOutput`` in the sampling parameters (``serving/core/structured/spec.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from serving.core.request import EngineRequest, SamplingParams
-from serving.structured.spec import StructuredOutput, from_fields, from_response_format
+from serving.core.structured.spec import StructuredOutput, from_fields, from_response_format
 
 MAX_N = 16  # choices per prompt
 MAX_STOP = 16  # stop strings per request

@@ -93,7 +93,7 @@ def test_plan_arrays_are_one_flat_namespace_and_round_trip():
     plan = StepPlan.empty(StepShape(8, 2, 4, 1, False))
     plan.sampling.seeds[:] = [2**32 - 1, 5]
     arrays = plan.arrays()
-    n_plan = len(dataclasses.fields(StepPlan)) - 2  # shape, sampling
+    n_plan = len(dataclasses.fields(StepPlan)) - 3  # shape, sampling, token_mask (own transfer)
     assert len(arrays) == n_plan + len(dataclasses.fields(SamplingArrays))
     back = StepPlan.from_arrays(plan.shape, arrays)
     assert back.sampling.seeds.tolist() == [2**32 - 1, 5]

@@ -21,7 +21,7 @@ import pytest
 from hyjax.tiny import make_tiny_model
 from serving.core.plan import SamplingArrays, mask_words
 from serving.core.request import EngineRequest, SamplingParams
-from serving.structured import StructuredOutput
+from serving.core.structured import StructuredOutput
 from serving.worker.sampler import apply_token_mask
 from tests.serving.server_helpers import ServerProcess
 from tests.serving.test_chat_tools import TEMPLATE, write_tokenizer

@@ -26,7 +26,7 @@ import numpy as np
 
 from hyjax.tokenizer import Tokenizer
 from serving.core.plan import mask_words
-from serving.structured.spec import StructuredOutput
+from serving.core.structured.spec import StructuredOutput
 
 
 def _lark_literal(text: str) -> str:

@@ -1,5 +1,5 @@
 """What a request's output must match, as plain data: the API's constraint fields read into
-one ``StructuredOutput`` (no llguidance here; ``serving.structured.grammar`` compiles it).
+one ``StructuredOutput`` (no llguidance here; ``serving.core.structured.grammar`` compiles it).
 
 Where each API field lands::
 

@@ -7,8 +7,8 @@ process); ``tool_grammar`` writes the grammar of enforced tool calls; ``grammar`
 ``StructuredOutput`` into a ``GrammarMatcher`` (imports llguidance; the engine process only).
 """
 
-from serving.structured.spec import StructuredOutput, from_fields, from_response_format
-from serving.structured.tool_grammar import SUPPORTED_PARSERS, tool_call_grammar
+from serving.core.structured.spec import StructuredOutput, from_fields, from_response_format
+from serving.core.structured.tool_grammar import SUPPORTED_PARSERS, tool_call_grammar
 
 __all__ = [
     "SUPPORTED_PARSERS",
