@@ -82,13 +82,14 @@ def summarize(events: list[dict], top: int) -> dict:
 
 def copy_bandwidth() -> float:
     """Bytes per second of a 1 GiB f32 copy (read + write), median of 5 unrolled programs of
-    10 chained copies (a fresh input each call, so XLA cannot fuse the chain away)."""
+    10 chained copies. An optimization barrier after each copy keeps XLA from fusing the chain
+    into one pass (which read 6x the card's bandwidth in a first run)."""
     x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
 
     @jax.jit
     def chain(x):
         for i in range(10):
-            x = x * (1.0 + 1e-7 * (i + 1))
+            x = jax.lax.optimization_barrier(x * (1.0 + 1e-7 * (i + 1)))
         return x
 
     jax.block_until_ready(chain(x))
