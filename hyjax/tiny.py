@@ -6,6 +6,7 @@ the whole stack run anywhere, offline, in seconds. Its outputs are random text.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -65,9 +66,12 @@ def tiny_config(vocab_size: int) -> Qwen3NextConfig:
     )
 
 
-def make_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0, long_memory: bool = False) -> str:
+def make_tiny_model(
+    out_dir: str | os.PathLike, *, seed: int = 0, long_memory: bool = False, mtp: bool = False
+) -> str:
     """Writes the tiny model and its tokenizer to ``out_dir``; returns the path.
 
+    ``mtp``: with one multi-token prediction layer of random weights (``load_model(mtp=True)``).
     ``long_memory``: the Gated DeltaNet gates keep the state for hundreds of tokens (filled from
     numpy, :func:`hyjax.testing._numpy_init`): what prefix-caching tests need, since the default
     initialisation forgets the state within a few tokens and cannot show a wrong resumed state.
@@ -75,6 +79,8 @@ def make_tiny_model(out_dir: str | os.PathLike, *, seed: int = 0, long_memory: b
     out_dir = os.fspath(out_dir)
     tok = byte_level_tokenizer()
     cfg = tiny_config(vocab_size=tok.get_vocab_size())
+    if mtp:  # one random MTP layer (``mtp.*``), for the MTP drafter's tests
+        cfg = dataclasses.replace(cfg, num_mtp_layers=1)
     if long_memory:
         from hyjax.testing import _numpy_init
 

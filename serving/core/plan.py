@@ -212,6 +212,9 @@ class StepPlan:
     # targets are all -1 computes none of them (``lax.cond`` in the runner).
     prompt_lp_indices: np.ndarray = None  # i32[P]
     prompt_lp_targets: np.ndarray = None  # i32[P]
+    # A device-side drafter (MTP) reads, for each row, the token after its last one: -1 when
+    # the row samples it, else the next known token (a prefill chunk short of the prompt's end).
+    next_ids: np.ndarray = None  # i32[S]
 
     @property
     def num_prompt_logprobs(self) -> int:
@@ -241,6 +244,7 @@ class StepPlan:
             prompt_lp_targets=np.full(shape.max_prompt_logprobs, -1, np.int32),
             draft_ids=np.zeros((s, shape.num_spec), np.int32),
             num_drafts=np.zeros(s, np.int32),
+            next_ids=np.full(s, -1, np.int32),
         )
 
     @classmethod

@@ -333,6 +333,7 @@ class Scheduler:
             b.ckpts,
             b.prompt_lp,
             b.drafts,
+            b.next_ids,
         )
         self._fill_token_mask(plan, b)
         self._last_plan_step = b.step_id
@@ -351,9 +352,13 @@ class Scheduler:
             spec=b.spec,
         )
 
-    def update(self, output: SchedulerOutput, sampled: np.ndarray) -> list[RequestUpdate]:
+    def update(
+        self, output: SchedulerOutput, sampled: np.ndarray, drafts: np.ndarray | None = None
+    ) -> list[RequestUpdate]:
         """Takes a step's sampled tokens (``i32[S]``, or ``i32[S, K + 1]`` in a step with
-        verify rows: each row's tokens, then -1; row order; padding rows ignored).
+        verify rows: each row's tokens, then -1; row order; padding rows ignored), and, from a
+        device-side drafter (MTP), each row's next drafts (``i32[S, K]``: drafted after the
+        row's last new token; read for rows that sample and go on).
 
         Mutates: appends each sampling row's tokens to its request (a verify row's accepted
         drafts and the target's next token: its state and ``num_computed_tokens`` move back to
@@ -410,6 +415,8 @@ class Scheduler:
             if reason is not None:
                 self._set_finished(req, reason)
                 self._free(req)
+            elif drafts is not None:
+                req.draft_token_ids = drafts[s].tolist()
             elif self.drafter is not None:
                 req.draft_token_ids = self.drafter.propose(req, self.cfg.num_speculative_tokens)
             updates.append(self._report(req, new, reason))
@@ -571,6 +578,7 @@ class Scheduler:
         self._score_prompt(b, req, start, end, len(b.input_ids) - n)
         b.src.append(src)
         b.dst.append(alloc.running_slot)
+        b.next_ids.append(req.all_token_ids[end] if end < len(req.all_token_ids) else -1)
         if drafts:
             slots = self.cache.allocate_spec_slots(len(drafts))
             drafts = list(drafts[: len(slots)])
@@ -713,4 +721,5 @@ class _StepBuilder:
     prompt_lp: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (index, target)
     prompt_logprobs: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
     drafts: list[list[int]] = dataclasses.field(default_factory=list)
+    next_ids: list[int] = dataclasses.field(default_factory=list)  # -1: the row samples it
     spec: dict[int, SpecRow] = dataclasses.field(default_factory=dict)

@@ -99,6 +99,7 @@ def build_plan(
     ckpts: list[tuple[int, int, int]],  # (plan row, token offset, slot)
     prompt_lp: list[tuple[int, int]] = (),  # (token index, prompt token its logits score)
     drafts: list[list[int]] | None = None,  # each row's draft tokens (its last q_len tokens)
+    next_ids: list[int] | None = None,  # the known token after each row's, -1: it samples it
 ) -> StepPlan:
     """A fresh ``StepPlan`` in the smallest bucket that holds these rows.
 
@@ -165,6 +166,8 @@ def build_plan(
         plan.num_drafts[:n_seqs] = nd
         for s, d in enumerate(drafts or ()):
             plan.draft_ids[s, : len(d)] = d
+    if next_ids is not None:
+        plan.next_ids[:n_seqs] = next_ids
     sampling.take(rows, plan.sampling)
     if prompt_lp:
         assert not decode_only and len(prompt_lp) <= plan.shape.max_prompt_logprobs

@@ -13,9 +13,28 @@ last sampled token and the drafts), the step samples the target model at every p
     accept     d1 == y0? d2 == y1? ...       greedy; sampled rows: rejection sampling
     tokens     d1 .. d_a, then y_a (or the rejection's residual draw): a + 1 new tokens
 
-Drafters plug in through :class:`Drafter` and the ``DRAFTERS`` table: host-side ones (n-gram)
-propose after each ``update``; a model-side one (MTP) would return its drafts with the step's
-tokens and store them the same way (``Request.draft_token_ids``).
+Drafters plug in through :class:`Drafter` and the ``METHODS`` table: host-side ones (n-gram)
+propose after each ``update``; a device-side one (MTP: ``METHODS`` holds None for it,
+``SpeculativeConfig.device_drafts``) drafts inside the jitted step, which returns the drafts
+with the step's tokens, and ``Scheduler.update`` stores them the same way
+(``Request.draft_token_ids``).
+
+The MTP drafter (``serving/worker/runner.py`` ``_mtp_drafts``) keeps its KV in a pool per MTP
+layer beside the target's, in the same block ids: the MTP entry of position ``t`` is written
+by the step that computes ``t``, from the target's hidden state at ``t`` and the token at
+``t + 1`` (the next prompt token of a prefill chunk, the token sampled at ``t``, or, in a
+verify row, the next draft: rewritten by a later step where the draft was rejected). Prefix
+caching therefore shares it with the target's blocks, exactly but for one position::
+
+    writer A   ... x_{h-2} x_{h-1} | a_h ...     hit of h tokens (a checkpoint boundary)
+    reader B   ... x_{h-2} x_{h-1} | b_h ...     block hashes cover tokens < h only
+    MTP entry at h - 1 = f(hidden_{h-1}, a_h): B's would use b_h
+
+B reads A's entry at ``h - 1`` (B never computes ``h - 1``; rebuilding it would need the
+target's hidden state there). Only where B branches from A exactly at ``h`` (a junction
+checkpoint at a branch point, a decode checkpoint) do the two differ; the entry is read by
+B's drafts only, so B's tokens are unchanged (greedy output is the same with caching on and
+off) and at worst some drafts are rejected.
 """
 
 from __future__ import annotations
@@ -55,14 +74,18 @@ class SpeculativeConfig:
                 "1 <= prompt_lookup_min <= prompt_lookup_max"
             )
 
+    @property
+    def device_drafts(self) -> bool:
+        """The drafts come from the runner's step (a model-side drafter), not the host."""
+        return METHODS[self.method] is None
+
     @classmethod
     def parse(
         cls, value: str | Mapping[str, Any] | SpeculativeConfig | None
     ) -> SpeculativeConfig | None:
         """From the flag's JSON text, a dict, or itself; None stays None.
 
-        Raises ValueError for bad JSON, unknown keys or values, and for ``"mtp"`` (recognised,
-        but its drafter is not in this build yet).
+        Raises ValueError for bad JSON, unknown keys or values.
         """
         if value is None or isinstance(value, SpeculativeConfig):
             return value
@@ -76,11 +99,6 @@ class SpeculativeConfig:
         d = dict(value)
         if "method" not in d or "num_speculative_tokens" not in d:
             raise ValueError("--speculative-config needs 'method' and 'num_speculative_tokens'")
-        if d["method"] == "mtp":
-            raise ValueError(
-                "speculative method 'mtp' needs the model's MTP drafter, which this build does "
-                'not have yet; use {"method": "ngram", ...}'
-            )
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -138,8 +156,9 @@ def _ngram(cfg: SpeculativeConfig) -> Drafter:
     return NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
 
-# method -> the host drafter it builds (a model-side drafter registers None: the runner drafts)
-METHODS: dict[str, Callable[[SpeculativeConfig], Drafter] | None] = {"ngram": _ngram}
+# method -> the host drafter it builds; None: the runner drafts on device (the model's MTP
+# layers, hyjax.models.qwen3_next.mtp, loaded with the model).
+METHODS: dict[str, Callable[[SpeculativeConfig], Drafter] | None] = {"ngram": _ngram, "mtp": None}
 
 
 def make_drafter(cfg: SpeculativeConfig) -> Drafter | None:

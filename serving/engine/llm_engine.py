@@ -151,10 +151,12 @@ class LLMEngine:
         mesh = None
         if args.tensor_parallel_size > 1 or args.enable_expert_parallel:
             mesh = make_mesh(args.tensor_parallel_size)
+        self.spec_config = SpeculativeConfig.parse(args.speculative_config)
+        mtp = self.spec_config is not None and self.spec_config.device_drafts
         if preloaded is None:
             model, self.model_config = load_model(
                 args.model, dtype=args.dtype, mesh=mesh,
-                expert_parallel=args.enable_expert_parallel,
+                expert_parallel=args.enable_expert_parallel, mtp=mtp,
             )  # fmt: skip
         else:
             model, self.model_config = preloaded
@@ -167,7 +169,6 @@ class LLMEngine:
             self.tokenizer = None
             log.warning("no tokenizer in %s: only token-id prompts are accepted", args.model)
         max_len = args.max_model_len or min(self.model_config.max_position_embeddings, 4096)
-        self.spec_config = SpeculativeConfig.parse(args.speculative_config)
         num_spec = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self.sched_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -190,6 +191,7 @@ class LLMEngine:
             num_checkpoint_slots=args.num_checkpoint_slots,
             sharding=sharding,
             state_dtype=args.state_dtype,
+            mtp_layers=getattr(self.model_config, "num_mtp_layers", 0) if mtp else 0,
         )
         self.runner = ModelRunner(
             model,
@@ -201,6 +203,7 @@ class LLMEngine:
             allow_tf32=args.allow_tf32,
             state_dtype=args.state_dtype,
             scan_layers=args.scan_layers,
+            num_mtp_drafts=num_spec if mtp else 0,
         )
         cache_cfg = CacheConfig(
             self.runner.memory.num_kv_blocks, self.runner.memory.num_state_slots
@@ -300,7 +303,7 @@ class LLMEngine:
         result = self.runner.execute(out.plan) if out.plan is not None else None
         t2 = time.perf_counter()
         self._take_prompt_logprobs(out, result)
-        updates = self.scheduler.update(out, result.tokens if result else np.empty(0))
+        updates = self._update(out, result)
         rows = {rid: i for i, rid in enumerate(out.request_ids)}
         outputs = [o for o in (self._process(u, result, rows) for u in updates) if o is not None]
         self.timing.add(
@@ -349,9 +352,15 @@ class LLMEngine:
 
     def _report(self, out: SchedulerOutput, result) -> list[RequestOutput]:
         self._take_prompt_logprobs(out, result)
-        updates = self.scheduler.update(out, result.tokens if result else np.empty(0))
+        updates = self._update(out, result)
         rows = {rid: i for i, rid in enumerate(out.request_ids)}
         return [o for o in (self._process(u, result, rows) for u in updates) if o is not None]
+
+    def _update(self, out: SchedulerOutput, result) -> list:
+        """The scheduler takes the step's tokens (and the MTP drafter's drafts, if any)."""
+        if result is None:
+            return self.scheduler.update(out, np.empty(0))
+        return self.scheduler.update(out, result.tokens, result.draft_tokens)
 
     def _take_prompt_logprobs(self, out: SchedulerOutput, result) -> None:
         """Appends the prompt positions the step scored to their requests' lists."""

@@ -33,6 +33,7 @@ def size_pools(
     num_checkpoint_slots: int | None = None,
     sharding: ShardingPlan | None = None,
     state_dtype: str | jnp.dtype = "float32",
+    mtp_layers: int = 0,
 ) -> MemoryPlan:
     """The pool sizes for ``cfg`` in ``dtype`` under ``sched_cfg``'s flags.
 
@@ -46,11 +47,14 @@ def size_pools(
         a device's share.
       state_dtype: the recurrent states' dtype (``--state-dtype``): bfloat16 halves their
         bytes, so about twice the slots fit the same budget.
+      mtp_layers: the MTP drafter's layers (``--speculative-config`` method ``mtp``): each
+        keeps a KV pool of the target's block geometry, one more attention layer a block.
 
     In a multi-process job every process must call this (it is a collective): all size their
     pools from the smallest budget and the fewest checkpoint slots any of them planned.
     """
     if sharding is not None:
+        assert not mtp_layers, "the MTP drafter with tensor parallelism"
         kv_bytes, slot_bytes = sharding.pool_bytes(sched_cfg.block_size, dtype, state_dtype)
         kv_split, slot_split = sharding.pool_splits()
         max_blocks, max_slots = pool_limits(
@@ -58,6 +62,8 @@ def size_pools(
         )
     else:
         kv_bytes = kv_block_bytes(cfg, sched_cfg.block_size, dtype)
+        num_attention = cfg.cache_spec.num_attention_layers
+        kv_bytes += kv_bytes // num_attention * mtp_layers
         slot_bytes = state_slot_bytes(cfg, dtype, state_dtype)
         max_blocks, max_slots = pool_limits(cfg, sched_cfg.block_size)
     if cache_bytes is None:
@@ -68,6 +74,9 @@ def size_pools(
             sched_cfg, kv_bytes, slot_bytes, num_checkpoint_slots, devices,
             reserved=token_table_bytes(sched_cfg.max_num_seqs, cfg.vocab_size),
         )  # fmt: skip
+        if jax.devices()[0].platform == "cpu":  # the verify rows' slots (below) on top
+            spec_slots = sched_cfg.num_speculative_tokens * sched_cfg.max_num_seqs
+            cache_bytes += spec_slots * slot_bytes
         if jax.devices()[0].platform == "cpu" and num_checkpoint_slots is None:
             num_checkpoint_slots = 4 * sched_cfg.max_num_seqs
     if num_checkpoint_slots is not None and sched_cfg.num_speculative_tokens:

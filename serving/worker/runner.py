@@ -81,7 +81,7 @@ def _unpack(buf: jax.Array, layout: PlanLayout) -> dict[str, jax.Array]:
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6))
 def _step(
     static: _Static,
     ops: Ops,
@@ -89,6 +89,7 @@ def _step(
     state_leaves: list,
     caches: Caches,
     tables,
+    mtp_caches: tuple,  # the MTP drafter's KV pools (``init_mtp_caches``), () without it
     buf,  # i32[plan + 2R]: the packed plan, then the splice (token index [R], prev row [R])
     prev,  # i32[R]: the previous step's sampled tokens, padded to R = max_num_seqs
     token_mask,  # i32[S, ceil(V / 32)]: structured outputs' bitmask (rows with uses_grammar)
@@ -102,8 +103,11 @@ def _step(
     ``static`` holds the model's graphdef, its state's treedef and the plan's layout: the state
     travels as a flat list of arrays and the plan as one packed int32 buffer, so a dispatch
     flattens no nnx pytree and the host makes one transfer (the Python side of a step's
-    dispatch was ~2 ms on a CPU host with 19 plan arrays and an nnx State)."""
-    graphdef, treedef, layout = static.value
+    dispatch was ~2 ms on a CPU host with 19 plan arrays and an nnx State).
+
+    With the MTP drafter (``static``'s ``num_mtp_drafts`` = K > 0) the step then drafts each
+    row's next K tokens on device (:func:`_mtp_drafts`), returned as a fifth output."""
+    graphdef, treedef, layout, num_mtp_drafts = static.value
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
     arrays = _unpack(buf, layout)
     (r,) = prev.shape
@@ -187,7 +191,63 @@ def _step(
         prompt = ()
     assert s <= r, f"{s=} rows exceed the splice's {r=}"
     next_prev = jnp.zeros(r, jnp.int32).at[:s].set(tokens)
-    return caches, tables, (all_tokens, *logprobs, *prompt), next_prev
+    drafts = None
+    if num_mtp_drafts:
+        with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+            mtp_caches, drafts = _mtp_drafts(
+                model, batch, h, all_tokens, arrays, mtp_caches, ops,
+                num_draft=num_mtp_drafts, decode_only=decode_only,
+            )  # fmt: skip
+    return caches, tables, mtp_caches, (all_tokens, *logprobs, *prompt), next_prev, drafts
+
+
+def _mtp_drafts(
+    model: nnx.Module,
+    batch: Batch,
+    h: jax.Array,  # [T, D]  the target's last hidden states, before the final norm
+    all_tokens: jax.Array,  # i32[S] or i32[S, K + 1] (verify rows: new tokens, then -1)
+    arrays: dict[str, jax.Array],
+    mtp_caches: tuple,
+    ops: Ops,
+    *,
+    num_draft: int,
+    decode_only: bool,
+) -> tuple[tuple, jax.Array]:
+    """The MTP drafter after the target's step: ``(mtp_caches, drafts i32[S, num_draft])``.
+
+    Each row drafts from its last accepted position ``r`` and the token after it (the token
+    this step sampled there, or the next prompt token of a prefill chunk short of the end)::
+
+        verify row    [t  d1 d2 d3]     accepted a = 1: y1 follows d1
+        token index    q  q+1 q+2 q+3   r = q + a = (q_end - 1) - num_drafts + a
+        MTP pass 1     every row of the step (its KV at every position computed);
+                       next ids: the row's own next tokens, y1 at r (junk after r:
+                       rejected positions, rewritten when they are computed again)
+        drafts         from r: d'1 = MTP(y1, hidden_r), d'2.. at positions p_r + 1 ..
+
+    ``propose`` (hyjax.models.qwen3_next.mtp) writes the MTP KV through the step's slot
+    mapping and block tables: the same block ids as the target's KV.
+    """
+    from hyjax.models.qwen3_next.mtp import next_token_ids, propose
+
+    qsl = arrays["query_start_loc"]
+    s = all_tokens.shape[0]
+    last = qsl[1 : s + 1] - 1  # i32[S]  each row's last token index
+    if all_tokens.ndim == 2:
+        accepted = jnp.sum(all_tokens >= 0, axis=1) - 1  # i32[S]  drafts accepted (0 if none)
+        rows = last - arrays["num_drafts"] + accepted
+        sampled = jnp.take_along_axis(all_tokens, jnp.maximum(accepted, 0)[:, None], 1)[:, 0]
+    else:
+        rows, sampled = last, all_tokens
+    known = arrays["next_ids"]  # i32[S]  -1: the row samples its next token
+    last_ids = jnp.where(known >= 0, known, sampled)
+    next_ids = next_token_ids(batch.input_ids, rows, batch.num_seqs, last_ids)
+    hidden = model.norm(h)  # [T, D] post-norm, what the MTP layer reads
+    mtp_caches, draft = propose(
+        model, batch, hidden, next_ids, rows, mtp_caches, ops,
+        num_draft=num_draft, decode_only=decode_only,
+    )  # fmt: skip
+    return mtp_caches, draft.tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +265,8 @@ class StepResult:
     prompt_ranks: np.ndarray | None = None  # i32[P]   its rank (1 = most likely)
     prompt_top_ids: np.ndarray | None = None  # i32[P, K]
     prompt_top_logprobs: np.ndarray | None = None  # f32[P, K]
+    # The MTP drafter's next drafts of every row (None without it): i32[S, K] (K = its drafts)
+    draft_tokens: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +278,8 @@ class InFlightStep:
     names: tuple[str, ...] = ("tokens",)  # the ``StepResult`` field of each entry of ``out``
 
 
-# ``_step``'s results in order (a step without prompt scoring stops after the fourth).
+# ``_step``'s results in order (a step without prompt scoring stops after the fourth; the
+# drafts are its own output).
 _RESULT_NAMES = tuple(f.name for f in dataclasses.fields(StepResult))
 
 
@@ -238,6 +301,10 @@ class ModelRunner:
         are then per device.
       state_dtype: the recurrent-state pool's dtype (``float32`` or ``bfloat16``); ``memory``
         must have been sized for it.
+      num_mtp_drafts: K > 0: every step drafts K tokens a row with the model's MTP layers
+        (``model.mtp``; their KV pools are allocated here, beside the target's, with as many
+        blocks) and returns them (``StepResult.draft_tokens``). ``memory`` must have been
+        sized with them (``size_pools(mtp_layers=)``).
     """
 
     def __init__(
@@ -252,8 +319,12 @@ class ModelRunner:
         allow_tf32: bool = False,
         state_dtype: str = "float32",
         scan_layers: bool = False,
+        num_mtp_drafts: int = 0,
     ):
         self.cfg = cfg
+        self.num_mtp_drafts = num_mtp_drafts
+        if num_mtp_drafts:
+            check_mtp_drafter(model, cfg, sharding)
         self.sched_cfg = sched_cfg
         self.sharding = sharding
         # Multi-host serve: the leader ships each plan to the followers before running it, so
@@ -318,6 +389,15 @@ class ModelRunner:
             if self.scan_layers:  # allocated in the scan's layout, in one jitted fill
                 make = jax.jit(lambda: stack_caches(cfg, init_caches(cfg, **pools)))
             self.caches = jax.device_put(make(), jax.devices()[0])
+        self.mtp_caches: tuple = ()
+        if num_mtp_drafts:
+            from hyjax.models.qwen3_next.mtp import init_mtp_caches
+
+            mtp = functools.partial(
+                init_mtp_caches, cfg, num_blocks=self.memory.num_kv_blocks,
+                block_size=sched_cfg.block_size, dtype=self.dtype,
+            )  # fmt: skip
+            self.mtp_caches = jax.device_put(jax.jit(mtp)(), jax.devices()[0])
         tables = init_token_tables(sched_cfg.max_num_seqs, cfg.vocab_size)
         if sharding is not None:
             self.tables = replicate_tree(tables, sharding.mesh)
@@ -344,7 +424,9 @@ class ModelRunner:
             self.sched_cfg.step_shapes(), key=lambda s: (not s.decode_only, s.num_tokens)
         )
         sds = functools.partial(jax.tree.map, _shape_of)
-        avals = (sds(self._state_leaves), sds(self.caches), sds(self.tables))
+        avals = (
+            sds(self._state_leaves), sds(self.caches), sds(self.tables), sds(self.mtp_caches)
+        )  # fmt: skip
         pool = ThreadPoolExecutor(1, thread_name_prefix="hyjax-warmup")
         start = time.perf_counter()
         self._warming = {s: pool.submit(self._compile_ahead, s, avals) for s in shapes}
@@ -376,7 +458,7 @@ class ModelRunner:
                 fut.result()
 
     def _compile_ahead(self, shape: StepShape, avals: tuple) -> None:
-        static, ops, decode_only, _, _, _, buf, prev, mask = self.step_args(StepPlan.empty(shape))
+        static, ops, decode_only, *_, buf, prev, mask = self.step_args(StepPlan.empty(shape))
         _step.lower(static, ops, decode_only, *avals, buf, prev, mask).compile()
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -405,15 +487,19 @@ class ModelRunner:
         for row, init in plan.sampling.table_inits.items():
             values = table_row_values(init, self.cfg.vocab_size)
             self.tables = set_table_row(self.tables, np.int32(row), values)
-        self.caches, self.tables, out, tokens = _step(*self.step_args(plan, from_prev, prev))
+        self.caches, self.tables, self.mtp_caches, out, tokens, drafts = _step(
+            *self.step_args(plan, from_prev, prev)
+        )
         # Copied to the host: the tokens, and what some row of the plan asked for.
         names = _RESULT_NAMES[:1]
         if (plan.sampling.logprobs >= 0).any():
             names += _RESULT_NAMES[1:4]
         if plan.num_prompt_logprobs:
-            names += _RESULT_NAMES[4:]
-        keep = [_RESULT_NAMES.index(n) for n in names]
-        return InFlightStep(tuple(out[i] for i in keep), tokens, names)
+            names += _RESULT_NAMES[4:8]
+        kept = tuple(out[_RESULT_NAMES.index(n)] for n in names)
+        if drafts is not None:
+            kept, names = kept + (drafts,), names + ("draft_tokens",)
+        return InFlightStep(kept, tokens, names)
 
     @staticmethod
     def fetch(step: InFlightStep) -> StepResult:
@@ -441,7 +527,9 @@ class ModelRunner:
             buf = jax.device_put(buf)
         static = self._static.get(layout)
         if static is None:  # one per bucket
-            static = self._static[layout] = _Static((self.graphdef, self._treedef, layout))
+            static = self._static[layout] = _Static(
+                (self.graphdef, self._treedef, layout, self.num_mtp_drafts)
+            )
         if prev is not None:
             tokens = prev.tokens
         else:
@@ -455,8 +543,8 @@ class ModelRunner:
             tokens = self._no_prev
         leaves = self._state_leaves
         return (
-            static, self.ops, plan.shape.decode_only, leaves, self.caches, self.tables, buf, tokens,
-            self._token_mask(plan),
+            static, self.ops, plan.shape.decode_only, leaves, self.caches, self.tables,
+            self.mtp_caches, buf, tokens, self._token_mask(plan),
         )  # fmt: skip
 
     def _token_mask(self, plan: StepPlan) -> jax.Array:
@@ -489,6 +577,22 @@ class ModelRunner:
     def compile_count() -> int:
         """Executables compiled so far for the step function (all runners of this process)."""
         return _step._cache_size()
+
+
+def check_mtp_drafter(model: nnx.Module, cfg: ModelConfig, sharding: ShardingPlan | None) -> None:
+    """Raises ValueError unless ``model`` can draft with MTP layers in this runner."""
+    if getattr(cfg, "num_mtp_layers", None) is None:
+        raise ValueError(
+            f"speculative method 'mtp': {cfg.model_type} models have no multi-token prediction "
+            "layers in hyjax (Qwen3-Next only); use the 'ngram' method"
+        )
+    if not cfg.num_mtp_layers or getattr(model, "mtp", None) is None:
+        raise ValueError(
+            "speculative method 'mtp': the model was loaded without its MTP layers "
+            "(load_model(..., mtp=True)), or its checkpoint has none"
+        )
+    if sharding is not None:
+        raise ValueError("speculative method 'mtp' with tensor/expert parallelism")
 
 
 def _log_failure(shape: StepShape, fut: Future) -> None:

@@ -141,8 +141,8 @@ def test_speculative_config_flag_is_checked_at_parse_time(capsys):
     from serving.entrypoints.cli import build_parser
 
     argv = ["generate", "--prompt", "x", "--speculative-config"]
-    for bad, msg in (("{", "not valid JSON"), ('{"method": "mtp", "num_speculative_tokens": 1}',
-                     "MTP drafter")):  # fmt: skip
+    for bad, msg in (("{", "not valid JSON"), ('{"method": "eagle", "num_speculative_tokens": 1}',
+                     "not supported")):  # fmt: skip
         with pytest.raises(SystemExit):
             build_parser().parse_args(argv + [bad])
         assert msg in capsys.readouterr().err

@@ -199,14 +199,3 @@ def test_kimi_greedy_speculation_is_token_identical(tmp_path_factory):
     _assert_same(got, want)
     assert e.metrics().spec_num_accepted_tokens > 0
     assert got["nested_260"].num_cached_tokens > 0
-
-
-def test_mtp_is_rejected_with_a_clear_error(model_dir):
-    with pytest.raises(ValueError, match="MTP drafter"):
-        LLMEngine(
-            EngineArgs(
-                model=model_dir,
-                speculative_config='{"method": "mtp", "num_speculative_tokens": 1}',
-                **BASE,
-            )
-        )
