@@ -73,6 +73,8 @@ WEATHER = {
 TOOLS = [WEATHER]
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+QWEN3_CODER_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "</function>\n</tool_call>")  # fmt: skip
 OUTPUT = "I should call the tool.\n</think>\n\nChecking. " + CALL
 PARSING = ChatParsing("hermes", enable_auto_tool_choice=True, reasoning_parser="qwen3")
 
@@ -259,11 +261,13 @@ def test_required_and_named_send_the_grammar_of_the_calls(serve):
         client.chat.completions.create(model="m", messages=USER, tools=TOOLS,
                                        tool_choice="required",
                                        response_format={"type": "json_object"})  # fmt: skip
-    client, _ = serve(parsing=ChatParsing("qwen3_coder"))
-    with pytest.raises(openai.BadRequestError, match="not enforced") as e:
-        client.chat.completions.create(model="m", messages=USER, tools=TOOLS,
+    client, engine = serve(output=QWEN3_CODER_CALL, parsing=ChatParsing("qwen3_coder"))
+    r = client.chat.completions.create(model="m", messages=USER, tools=TOOLS,
                                        tool_choice="required")  # fmt: skip
-    assert e.value.body["param"] == "tool_choice"
+    spec = engine.requests[-1].sampling_params.structured
+    assert "<function=get_weather>" in spec.value
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
 
 
 def test_tool_choice_none_leaves_calls_as_text(serve):
