@@ -1,5 +1,6 @@
 """The grammar matcher on the tiny byte-level vocabulary, without a model: random walks through
-its masks (what any model could sample) always give outputs the parsers read."""
+its masks (what any model could sample) always give outputs the parsers read, and a grammar
+that starts after the reasoning leaves the output free until the end marker."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from serving.core.structured import StructuredOutput, tool_call_grammar
 from serving.core.structured.grammar import GrammarCompiler
 from serving.entrypoints.tool_parsers import TOOL_PARSERS
 from tests.serving.test_chat_tools import TEMPLATE, write_tokenizer
-from tests.serving.test_structured_outputs import TOOLS
+from tests.serving.test_structured_outputs import SCHEMA, TOOLS
 
 VOCAB = 259  # the tiny model's: 256 bytes and 3 special tokens
 
@@ -95,3 +96,23 @@ def test_qwen3_coder_optional_and_free_parameters(tok, compiler):
             else:
                 assert all(isinstance(v, str) for v in args.values()), args
     assert seen == {"s", "n", "b", "o"}  # each optional parameter shows up in some walk
+
+
+def test_grammar_starts_after_the_reasoning_end(tok, compiler):
+    end = tuple(tok.encode("</think>", False))
+    assert len(end) > 1  # several tokens here (one special token in Qwen3's vocabulary)
+    spec = StructuredOutput("json", json.dumps(SCHEMA), start_after=end)
+    m = compiler.compile(spec)
+    reasoning = tok.encode("Hmm </thin> </think", False) + tok.encode("<|im_start|>", False)
+    for t in reasoning:  # every token allowed (a partial end marker does not start it)
+        assert not m.started and len(_allowed(m)) == VOCAB
+        assert m.accept(t) and not m.is_terminated
+    for t in end:
+        assert not m.started and len(_allowed(m)) == VOCAB
+        assert m.accept(t)
+    assert m.started and len(_allowed(m)) < VOCAB
+    prefer = tok.encode('"}],0', False)
+    out = tok.decode(_walk(m, np.random.default_rng(0), prefer))
+    jsonschema.validate(json.loads(out), SCHEMA)
+    at_once = compiler.compile(StructuredOutput("json", json.dumps(SCHEMA)))
+    assert at_once.started and tok.decode(_allowed(at_once).tolist()).strip() == "{"

@@ -7,6 +7,7 @@ HTTP layer cannot show (a constrained row beside a free one, async scheduling)."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -245,3 +246,27 @@ def test_mask_applies_only_to_grammar_rows():
     none = apply_token_mask(jnp.asarray(logits), jnp.zeros(s, jnp.int32), jnp.asarray(mask))
     np.testing.assert_array_equal(np.asarray(none), logits)
     assert SamplingArrays.empty(2).uses_grammar.tolist() == [0, 0]
+
+
+def test_grammar_after_the_reasoning_end_under_sync_and_async(model_dir):
+    """``start_after`` (a reasoning model thinking first): the tokens before the end marker
+    are free (a random model writes anything, not the ``{`` the schema needs first), the ones
+    after it follow the schema; async scheduling samples exactly the sync tokens. The marker
+    is one token here, made likely by a ``logit_bias``, as ``</think>`` is in Qwen3's
+    vocabulary (EOS is kept out of the reasoning by another)."""
+    sync = _engine(model_dir)
+    (end,) = sync.tokenizer.encode("|", False)
+    spec = dataclasses.replace(JSON, start_after=(end,))
+    bias = {end: 2.0, sync.eos_token_ids[0]: -100.0}
+    jobs = [("A person:", SamplingParams(max_tokens=400, temperature=1.0, seed=s, structured=spec,
+                                         logit_bias=bias))
+            for s in range(8)]  # fmt: skip
+    outs = _run(sync, jobs)
+    reasoned = 0
+    for toks in outs:
+        i = toks.index(end)
+        reasoned += i > 0 and sync.tokenizer.decode(toks[:1]).strip() not in ("", "{")
+        jsonschema.validate(json.loads(sync.tokenizer.decode(toks[i + 1 :])), SCHEMA)
+    assert reasoned >= 6, outs  # free text came first
+    async_ = _engine(model_dir, async_scheduling=True)
+    assert _run(async_, jobs) == outs
