@@ -172,6 +172,40 @@ def test_enforced_tool_choice_always_parses(client, choice, stream):
         _check_calls([tuple(v) for v in out["calls"].values()], names)
 
 
+@pytest.fixture(scope="module")
+def coder_client(model_dir, tmp_path_factory):
+    """A server with Qwen3-Coder's tool-call format and a reasoning parser."""
+    args = [*SERVE[:4], "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3"]
+    srv = ServerProcess(model_dir, tmp_path_factory.mktemp("log") / "coder.log", *args)
+    try:
+        srv.wait_ready()
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_enforced_qwen3_coder_calls_always_parse(coder_client, choice):
+    """Thinking off (the template closes the block): constrained from the first token, every
+    sample is one Qwen3-Coder call that the parser reads and the tool's schema accepts."""
+    tool_choice = choice if choice == "required" else {"type": "function",
+                                                        "function": {"name": choice}}  # fmt: skip
+    names = {"get_weather", "get_time"} if choice == "required" else {choice}
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    r = coder_client.chat.completions.create(model="m", messages=USER, tools=TOOLS,
+                                             tool_choice=tool_choice, max_tokens=500, n=6,
+                                             temperature=1.0, seed=5, extra_body=off,
+                                             parallel_tool_calls=False)  # fmt: skip
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls", c
+        assert not c.message.content and not getattr(c.message, "reasoning_content", None)
+        calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+        _check_calls(calls, names)
+        assert len(calls) == 1
+    if choice == "required":
+        assert {c.message.tool_calls[0].function.name for c in r.choices} == names
+
+
 @pytest.mark.parametrize(
     "kw,param",
     [
