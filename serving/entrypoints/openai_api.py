@@ -391,11 +391,24 @@ class OpenAIServing:
             raise ApiError(400, str(e), param="tool_choice") from None
         return StructuredOutput("grammar", text, param="tool_choice")
 
+    def after_reasoning(
+        self, req: ChatCompletionRequest, spec: StructuredOutput, prompt: str
+    ) -> StructuredOutput:
+        """``spec`` starting after the reasoning block, as vLLM does, when the server parses
+        reasoning and the request thinks (``start_after``: the end marker's token ids, one
+        special token in Qwen3's and Kimi's tokenizers); ``spec`` itself otherwise."""
+        name = self.chat_parsing.reasoning_parser
+        if name is None or not REASONING_PARSERS[name].may_reason(prompt, req.chat_template_kwargs):
+            return spec
+        end = self._require_tokenizer().encode(REASONING_PARSERS[name].end, False)
+        return dataclasses.replace(spec, start_after=tuple(end))
+
     def chat_output_parser(
         self, req: ChatCompletionRequest, tools: ToolParser | None, prompt: str, constrained: bool
     ) -> ChatOutputParser:
         """``constrained``: a grammar owns the output from its first token, so it is read as
-        content (and calls), not as the reasoning a prompt may have opened."""
+        content (and calls), not as the reasoning a prompt may have opened (a grammar that
+        starts after the reasoning is not ``constrained``: the reasoning comes first)."""
         name = self.chat_parsing.reasoning_parser
         reasoning = REASONING_PARSERS[name] if name is not None else None
         return ChatOutputParser(
@@ -521,9 +534,12 @@ class OpenAIServing:
                 )
             params.structured = forced
         prompt_text, prompt = await self.chat_prompt(req)
+        if params.structured is not None:
+            params.structured = self.after_reasoning(req, params.structured, prompt_text)
         group = await self._start("chatcmpl", req, [prompt], params)
         wants = params.logprobs is not None
-        constrained = params.structured is not None
+        # Constrained from the first token: no reasoning to parse out of the output.
+        constrained = params.structured is not None and not params.structured.start_after
         parsers = {
             c.index: self.chat_output_parser(req, tools, prompt_text, constrained)
             for c in group.choices

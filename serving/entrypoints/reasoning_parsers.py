@@ -31,6 +31,14 @@ class ThinkReasoningParser:
         """Whether the prompt leaves a reasoning block open (its last ``<think>`` unclosed)."""
         return prompt.rfind(self.start) > prompt.rfind(self.end)
 
+    def may_reason(self, prompt: str, template_kwargs: dict | None) -> bool:
+        """Whether the output may start with reasoning: thinking is not switched off
+        (``enable_thinking=False``) and the prompt does not end with a closed block (the
+        ``<think>\\n\\n</think>`` a template writes for no thinking)."""
+        if (template_kwargs or {}).get("enable_thinking", True) is False:
+            return False
+        return not prompt.rstrip().endswith(self.end)
+
     def parse(self, text: str, in_reasoning: bool) -> tuple[str, str]:
         """(reasoning, content) of a whole output."""
         stream = ReasoningStream(self, in_reasoning)

@@ -73,6 +73,8 @@ WEATHER = {
 TOOLS = [WEATHER]
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+QWEN3_CODER_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "</function>\n</tool_call>")  # fmt: skip
 OUTPUT = "I should call the tool.\n</think>\n\nChecking. " + CALL
 PARSING = ChatParsing("hermes", enable_auto_tool_choice=True, reasoning_parser="qwen3")
 
@@ -243,27 +245,68 @@ def test_history_with_calls_and_results(serve):
 
 def test_required_and_named_send_the_grammar_of_the_calls(serve):
     """``required`` / a named tool reach the engine as the grammar of the calls (decoding
-    enforces it: test_structured_outputs.py); the output is read from its first token as
-    content and calls, not as the reasoning the prompt opened."""
-    client, engine = serve(output=CALL)
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        r = client.chat.completions.create(model="m", messages=USER, tools=TOOLS,
-                                           tool_choice=choice)  # fmt: skip
-        spec = engine.requests[-1].sampling_params.structured
-        assert spec.kind == "grammar" and spec.param == "tool_choice"
-        assert "<tool_call>" in spec.value and '"const": "get_weather"' in spec.value
-        (call,) = r.choices[0].message.tool_calls
-        assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
-        assert not getattr(r.choices[0].message, "reasoning_content", None)
+    enforces it: test_structured_outputs.py). With thinking on (the prompt opens ``<think>``)
+    the grammar starts after the reasoning's end marker, and the reasoning stays reasoning;
+    with thinking off it starts at once and the output is read as content and calls."""
+    on = {}
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    for thinking, output in ((on, "I will call it.\n</think>\n\n" + CALL), (off, CALL)):
+        client, engine = serve(output=output)
+        marker = tuple(engine.tokenizer.encode("</think>", False))
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            r = client.chat.completions.create(model="m", messages=USER, tools=TOOLS,
+                                               tool_choice=choice, extra_body=thinking)  # fmt: skip
+            spec = engine.requests[-1].sampling_params.structured
+            assert spec.kind == "grammar" and spec.param == "tool_choice"
+            assert "<tool_call>" in spec.value and '"const": "get_weather"' in spec.value
+            assert spec.start_after == (marker if thinking is on else ())
+            (call,) = r.choices[0].message.tool_calls
+            assert call.function.name == "get_weather"
+            assert r.choices[0].finish_reason == "tool_calls"
+            reasoning = getattr(r.choices[0].message, "reasoning_content", None)
+            assert reasoning == ("I will call it.\n" if thinking is on else None)
     with pytest.raises(openai.BadRequestError, match="cannot be combined"):
         client.chat.completions.create(model="m", messages=USER, tools=TOOLS,
                                        tool_choice="required",
                                        response_format={"type": "json_object"})  # fmt: skip
-    client, _ = serve(parsing=ChatParsing("qwen3_coder"))
-    with pytest.raises(openai.BadRequestError, match="not enforced") as e:
-        client.chat.completions.create(model="m", messages=USER, tools=TOOLS,
+    client, engine = serve(output=QWEN3_CODER_CALL, parsing=ChatParsing("qwen3_coder"))
+    r = client.chat.completions.create(model="m", messages=USER, tools=TOOLS,
                                        tool_choice="required")  # fmt: skip
-    assert e.value.body["param"] == "tool_choice"
+    spec = engine.requests[-1].sampling_params.structured
+    assert "<function=get_weather>" in spec.value and spec.start_after == ()
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+
+
+def test_json_schema_after_the_reasoning(serve):
+    """A ``response_format`` with a reasoning parser: thinking on, the grammar starts after
+    ``</think>`` and the reasoning goes to ``reasoning_content``, the JSON to ``content``
+    (streamed the same); thinking off (the template closes the block), it starts at once."""
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}
+    client, engine = serve(output='Let me see.\n</think>\n\n{"a": 1}')
+    marker = tuple(engine.tokenizer.encode("</think>", False))
+    r = client.chat.completions.create(model="m", messages=USER, response_format=rf)
+    assert engine.requests[-1].sampling_params.structured.start_after == marker
+    m = r.choices[0].message
+    assert m.reasoning_content == "Let me see.\n" and json.loads(m.content) == {"a": 1}
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(model="m", messages=USER, response_format=rf,
+                                                stream=True):  # fmt: skip
+        for ch in chunk.choices:
+            reasoning += getattr(ch.delta, "reasoning_content", None) or ""
+            content += ch.delta.content or ""
+    assert (reasoning, json.loads(content)) == ("Let me see.\n", {"a": 1})
+    client, engine = serve(output='{"a": 1}')
+    r = client.chat.completions.create(model="m", messages=USER, response_format=rf,
+                                       extra_body={"chat_template_kwargs":
+                                                   {"enable_thinking": False}})  # fmt: skip
+    assert engine.requests[-1].sampling_params.structured.start_after == ()
+    assert json.loads(r.choices[0].message.content) == {"a": 1}
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None
+    client, engine = serve(output='{"a": 1}', parsing=ChatParsing("hermes"))  # no reasoning
+    r = client.chat.completions.create(model="m", messages=USER, response_format=rf)
+    assert engine.requests[-1].sampling_params.structured.start_after == ()
+    assert json.loads(r.choices[0].message.content) == {"a": 1}
 
 
 def test_tool_choice_none_leaves_calls_as_text(serve):

@@ -7,6 +7,7 @@ HTTP layer cannot show (a constrained row beside a free one, async scheduling)."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -171,6 +172,40 @@ def test_enforced_tool_choice_always_parses(client, choice, stream):
         _check_calls([tuple(v) for v in out["calls"].values()], names)
 
 
+@pytest.fixture(scope="module")
+def coder_client(model_dir, tmp_path_factory):
+    """A server with Qwen3-Coder's tool-call format and a reasoning parser."""
+    args = [*SERVE[:4], "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3"]
+    srv = ServerProcess(model_dir, tmp_path_factory.mktemp("log") / "coder.log", *args)
+    try:
+        srv.wait_ready()
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_enforced_qwen3_coder_calls_always_parse(coder_client, choice):
+    """Thinking off (the template closes the block): constrained from the first token, every
+    sample is one Qwen3-Coder call that the parser reads and the tool's schema accepts."""
+    tool_choice = choice if choice == "required" else {"type": "function",
+                                                        "function": {"name": choice}}  # fmt: skip
+    names = {"get_weather", "get_time"} if choice == "required" else {choice}
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    r = coder_client.chat.completions.create(model="m", messages=USER, tools=TOOLS,
+                                             tool_choice=tool_choice, max_tokens=500, n=6,
+                                             temperature=1.0, seed=5, extra_body=off,
+                                             parallel_tool_calls=False)  # fmt: skip
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls", c
+        assert not c.message.content and not getattr(c.message, "reasoning_content", None)
+        calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls]
+        _check_calls(calls, names)
+        assert len(calls) == 1
+    if choice == "required":
+        assert {c.message.tool_calls[0].function.name for c in r.choices} == names
+
+
 @pytest.mark.parametrize(
     "kw,param",
     [
@@ -245,3 +280,27 @@ def test_mask_applies_only_to_grammar_rows():
     none = apply_token_mask(jnp.asarray(logits), jnp.zeros(s, jnp.int32), jnp.asarray(mask))
     np.testing.assert_array_equal(np.asarray(none), logits)
     assert SamplingArrays.empty(2).uses_grammar.tolist() == [0, 0]
+
+
+def test_grammar_after_the_reasoning_end_under_sync_and_async(model_dir):
+    """``start_after`` (a reasoning model thinking first): the tokens before the end marker
+    are free (a random model writes anything, not the ``{`` the schema needs first), the ones
+    after it follow the schema; async scheduling samples exactly the sync tokens. The marker
+    is one token here, made likely by a ``logit_bias``, as ``</think>`` is in Qwen3's
+    vocabulary (EOS is kept out of the reasoning by another)."""
+    sync = _engine(model_dir)
+    (end,) = sync.tokenizer.encode("|", False)
+    spec = dataclasses.replace(JSON, start_after=(end,))
+    bias = {end: 2.0, sync.eos_token_ids[0]: -100.0}
+    jobs = [("A person:", SamplingParams(max_tokens=400, temperature=1.0, seed=s, structured=spec,
+                                         logit_bias=bias))
+            for s in range(8)]  # fmt: skip
+    outs = _run(sync, jobs)
+    reasoned = 0
+    for toks in outs:
+        i = toks.index(end)
+        reasoned += i > 0 and sync.tokenizer.decode(toks[:1]).strip() not in ("", "{")
+        jsonschema.validate(json.loads(sync.tokenizer.decode(toks[i + 1 :])), SCHEMA)
+    assert reasoned >= 6, outs  # free text came first
+    async_ = _engine(model_dir, async_scheduling=True)
+    assert _run(async_, jobs) == outs

@@ -55,31 +55,61 @@ def grammar_text(spec: StructuredOutput) -> str:
 
 class GrammarMatcher:
     """One request's grammar state (host only; the scheduler drives it, see
-    ``serving.core.request.Grammar``)."""
+    ``serving.core.request.Grammar``).
 
-    __slots__ = ("_m", "mask_words")
+    ``start_after`` (a reasoning model thinking first): until the sampled tokens end with
+    these ids the matcher is not started: every token is allowed and taken without touching
+    llguidance; the grammar constrains from the token after them::
 
-    def __init__(self, matcher: llg.LLMatcher, vocab_size: int) -> None:
+        output:  <think> I should ... </think> {"name": ...}
+                 |-- free (all bits) ---------|-- masked by the grammar --
+                                     ^ the sampled tail equals start_after
+    """
+
+    __slots__ = ("_m", "mask_words", "_start_after", "_tail")
+
+    def __init__(
+        self, matcher: llg.LLMatcher, vocab_size: int, start_after: Sequence[int] = ()
+    ) -> None:
         self._m = matcher
         self.mask_words = mask_words(vocab_size)
+        self._start_after = tuple(start_after)
+        self._tail: list[int] = []  # the last len(start_after) sampled tokens, while waiting
+
+    @property
+    def started(self) -> bool:
+        """Whether the grammar constrains the next token (the reasoning has ended)."""
+        return not self._start_after
 
     def fill_mask(self, out: np.ndarray) -> None:
-        """Writes the allowed next tokens into ``out`` (i32[ceil(V / 32)], C-contiguous)."""
+        """Writes the allowed next tokens into ``out`` (i32[ceil(V / 32)], C-contiguous):
+        all of them before the grammar has started."""
         assert out.dtype == np.int32 and out.flags["C_CONTIGUOUS"], out
+        if not self.started:
+            out.fill(-1)
+            return
         self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
 
     def accept(self, token: int) -> bool:
-        """Advances past ``token``; False (and ``error`` set) when the grammar forbids it."""
+        """Advances past ``token``; False (and ``error`` set) when the grammar forbids it.
+        Before the grammar has started: watches for the end of the reasoning instead."""
+        if not self.started:
+            end = self._start_after
+            self._tail.append(token)
+            del self._tail[: -len(end)]
+            if tuple(self._tail) == end:
+                self._start_after, self._tail = (), []
+            return True
         return self._m.consume_token(token)
 
     @property
     def is_terminated(self) -> bool:
         """Nothing may follow (EOS consumed, or the grammar cannot go on): the output is done."""
-        return self._m.is_stopped()
+        return self.started and self._m.is_stopped()
 
     @property
     def is_accepting(self) -> bool:
-        return self._m.is_accepting()
+        return self.started and self._m.is_accepting()
 
     @property
     def error(self) -> str | None:
@@ -126,7 +156,7 @@ class GrammarCompiler:
         m = llg.LLMatcher(self.ll_tokenizer, text, log_level=0)
         if m.is_error():
             raise ValueError(f"{spec.param}={spec.kind}: {_first_line(m.get_error())}")
-        return GrammarMatcher(m, self.vocab_size)
+        return GrammarMatcher(m, self.vocab_size, spec.start_after)
 
 
 def _first_line(e: object) -> str:

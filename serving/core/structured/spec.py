@@ -30,15 +30,20 @@ class StructuredOutput:
     ``value``: the JSON schema as JSON text (``json``), the regex, the choices as a JSON list
     of strings (``choice``), the Lark grammar (``grammar``), empty for ``json_object``.
     ``param``: the API field it came from, named in the 400 a compile error turns into.
+    ``start_after``: token ids that end a reasoning block (a reasoning model thinking first):
+    the output is free until its tokens end with them, and constrained from the next token
+    on; empty: constrained from the first token.
     """
 
     kind: Kind
     value: str = ""
     param: str = "structured_outputs"
+    start_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"{self.param}={self.kind!r}: not one of {', '.join(KINDS)}")
+        object.__setattr__(self, "start_after", tuple(int(t) for t in self.start_after))
 
 
 def from_response_format(rf: Mapping[str, Any] | None) -> StructuredOutput | None:
