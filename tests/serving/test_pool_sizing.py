@@ -88,8 +88,9 @@ def test_accelerator_default_leaves_the_sampler_token_tables_free(monkeypatch):
         def memory_stats(self):
             return {"bytes_limit": 10_000_000_000, "bytes_in_use": 0}
 
-    per_entry = sum(x.nbytes for x in init_token_tables(2, 300).values()) // (2 * 300)
-    assert token_table_bytes(256, 151_936) == 256 * 151_936 * per_entry
+    for rows, vocab in [(2, 300), (3, 1000)]:  # the tables' own bytes, per-row parts included
+        tables = init_token_tables(rows, vocab)
+        assert token_table_bytes(rows, vocab) == sum(x.nbytes for x in tables.values())
     got = pool_sizing.default_cache_bytes(SCHED, 1, 1, None, [Device()], reserved=12345)
     assert got == 9_000_000_000 - 12345
     seen = {}
