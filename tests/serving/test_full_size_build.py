@@ -2,7 +2,7 @@
 
 Every parameter must be created where the engine's sharding plan puts it, the engine must
 take the model as it is (no copy of a placed parameter), and a generation must run at
-TP=2 and TP=4 with expert parallel. A small model of the real structure; one fresh interpreter
+TP=4 with expert parallel (tensor and expert sharding in one build; the CI's budget). A small model of the real structure; one fresh interpreter
 with 4 CPU devices (this module run as a script), since JAX reads the device count once.
 """
 
@@ -33,19 +33,19 @@ def report() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["tp2", "tp4_ep"])
+@pytest.mark.parametrize("case", ["tp4_ep"])
 def test_every_parameter_is_built_in_its_engine_place(report, case):
     r = report[case]
     assert r["misplaced"] == []
     assert r["sharded_params"] > 0  # the rules did split something
 
 
-@pytest.mark.parametrize("case", ["tp2", "tp4_ep"])
+@pytest.mark.parametrize("case", ["tp4_ep"])
 def test_engine_takes_the_sharded_model_without_a_copy(report, case):
     assert report[case]["same_buffers"]
 
 
-@pytest.mark.parametrize("case", ["tp2", "tp4_ep"])
+@pytest.mark.parametrize("case", ["tp4_ep"])
 def test_generation_runs(report, case):
     assert report[case]["tokens"] == 3
 
@@ -61,7 +61,7 @@ def _worker() -> dict:
 
     cfg = model_config("tiny-qwen3-next", 4)  # GDN x 3, attention; MoE with a shared expert
     out = {}
-    for name, tp, ep in [("tp2", 2, False), ("tp4_ep", 4, True)]:
+    for name, tp, ep in [("tp4_ep", 4, True)]:  # TP and EP at once: one build, one engine
         plan = sharding_plan(cfg, tp, ep)
         model = random_sharded_model(cfg, plan, dtype=jnp.float32)
         params = nnx.to_flat_state(nnx.state(model))
