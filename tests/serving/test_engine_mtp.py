@@ -182,7 +182,7 @@ def tiny_workload():
     return [wave1, wave2]
 
 
-@pytest.mark.parametrize("caching", [True, False], ids=["caching", "no_caching"])
+@pytest.mark.parametrize("caching", [True], ids=["caching"])  # off: the embedded model's test
 def test_random_mtp_greedy_is_token_identical(random_mtp_dir, caching):
     want = run_waves(_engine(random_mtp_dir, False, spec=None), tiny_workload())
     e = _engine(random_mtp_dir, caching, spec='{"method": "mtp", "num_speculative_tokens": 3}')
