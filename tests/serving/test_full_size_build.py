@@ -1,9 +1,10 @@
 """The full-size benchmarks' random build (``benchmarks.full_size``) on simulated CPU devices.
 
 Every parameter must be created where the engine's sharding plan puts it, the engine must
-take the model as it is (no copy of a placed parameter), and a generation must run at
-TP=4 with expert parallel (tensor and expert sharding in one build; the CI's budget). A small model of the real structure; one fresh interpreter
-with 4 CPU devices (this module run as a script), since JAX reads the device count once.
+take the model as it is (no copy of a placed parameter), and a generation must run at TP=4
+with expert parallel (tensor and expert sharding in one build). A small model of the real
+structure; one fresh interpreter with 4 CPU devices (this module run as a script), since JAX
+reads the device count once.
 """
 
 from __future__ import annotations
