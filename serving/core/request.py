@@ -64,6 +64,8 @@ class SamplingParams:
     bad_word_sequences: tuple[tuple[int, ...], ...] = ()
     # Report each prompt token's logprob (given the tokens before it) and this many top ones.
     prompt_logprobs: int | None = None
+    # Keep special tokens in the output text (Kimi's tool-call section markers are special).
+    skip_special_tokens: bool = True
 
     @property
     def uses_token_tables(self) -> bool:

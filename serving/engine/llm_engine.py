@@ -261,7 +261,11 @@ class LLMEngine:
         if params.structured is not None:
             req.grammar = self._compile_grammar(params.structured)
         self.scheduler.add_request(req)  # raises ValueError for what the scheduler rejects
-        detok = self.tokenizer.detokenizer(context_ids=ids) if self.tokenizer else None
+        detok = None
+        if self.tokenizer is not None:
+            detok = self.tokenizer.detokenizer(
+                context_ids=ids, skip_special_tokens=params.skip_special_tokens
+            )
         tracked = self._tracked[req.request_id] = _Tracked(req, detok)
         if params.prompt_logprobs is not None:
             tracked.prompt_logprobs = [None]  # the first token has no context

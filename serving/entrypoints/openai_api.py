@@ -44,7 +44,12 @@ from serving.entrypoints.protocol import (
     error_body,
 )
 from serving.entrypoints.reasoning_parsers import REASONING_PARSERS
-from serving.entrypoints.tool_parsers import TOOL_PARSERS, ToolCall, ToolParser
+from serving.entrypoints.tool_parsers import (
+    KEEPS_SPECIAL_TOKENS,
+    TOOL_PARSERS,
+    ToolCall,
+    ToolParser,
+)
 
 MAX_CHOICES = 256  # engine requests per HTTP request (prompts x n)
 SEED_STRIDE = 0x9E3779B9  # sample j of n gets seed + j * stride (mod 2**32)
@@ -523,6 +528,8 @@ class OpenAIServing:
             raise ApiError(400, str(e), param="top_logprobs") from None
         params = self.sampling_params(req, max_tokens, n_logprobs)
         tools = self.tool_parser(req)
+        if tools is not None and self.chat_parsing.tool_call_parser in KEEPS_SPECIAL_TOKENS:
+            params.skip_special_tokens = False  # its call markers are special tokens
         forced = self.forced_tool_calls(req)
         if forced is not None:
             if params.structured is not None:

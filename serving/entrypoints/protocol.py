@@ -171,6 +171,7 @@ class _SamplingFields(BaseModel):
             min_tokens=self.min_tokens or 0,
             bad_words_token_ids=tuple(bad_ids),
             structured=self.structured_output(),
+            skip_special_tokens=self.skip_special_tokens,
             bad_word_sequences=tuple(bad_seqs),
             prompt_logprobs=prompt_logprobs
             if prompt_logprobs is not None
@@ -194,7 +195,6 @@ class _SamplingFields(BaseModel):
             "length_penalty": self.length_penalty not in (None, 1.0),
             "allowed_token_ids": self.allowed_token_ids is not None,
             "include_stop_str_in_output": self.include_stop_str_in_output,
-            "skip_special_tokens": not self.skip_special_tokens,
             "use_beam_search": self.use_beam_search,
             "logits_processors": self.logits_processors is not None,
         }

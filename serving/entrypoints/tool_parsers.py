@@ -188,6 +188,10 @@ class KimiK2ToolParser(ToolParser):
         return calls
 
 
+# Parsers whose call markers are special tokens of the model's tokenizer: a request with tools
+# keeps special tokens in its text (vLLM's Kimi parser does the same), else the markers vanish.
+KEEPS_SPECIAL_TOKENS = frozenset({"kimi_k2"})
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "qwen3": HermesToolParser,

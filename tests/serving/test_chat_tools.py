@@ -221,12 +221,16 @@ def test_thinking_off_and_no_tools(serve):
     ],
 )  # fmt: skip
 def test_other_formats(serve, parser, output):
-    client, _ = serve(output=output, parsing=ChatParsing(parser, enable_auto_tool_choice=True))
+    client, engine = serve(output=output, parsing=ChatParsing(parser, enable_auto_tool_choice=True))
     m = client.chat.completions.create(model="m", messages=USER, tools=TOOLS).choices[0].message
     assert m.content is None
     assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [
         ("get_weather", {"city": "Paris"})
     ]
+    # Kimi's markers are special tokens: a request with tools keeps them in its text.
+    assert engine.requests[-1].sampling_params.skip_special_tokens == (parser != "kimi_k2")
+    client.chat.completions.create(model="m", messages=USER)  # no tools: the default
+    assert engine.requests[-1].sampling_params.skip_special_tokens
 
 
 def test_history_with_calls_and_results(serve):

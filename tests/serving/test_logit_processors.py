@@ -268,3 +268,19 @@ def test_multi_token_bad_words_are_never_generated(model_dir, async_scheduling):
         assert set(out) <= {a, b, c}
         assert not any(_has(out, w) for w in words), out
         assert b in out and a in out  # banned only as a word's end
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(engine):
+    """Kimi's tool-call markers are special tokens: a request that keeps special tokens
+    (``skip_special_tokens=False``, set by the chat layer for the kimi_k2 parser) sees them
+    in its text; the default drops them. Token 257 is the tiny tokenizer's <|im_start|>."""
+    texts = {}
+    for skip in (True, False):
+        sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
+                            logit_bias={257: 100.0}, skip_special_tokens=skip)  # fmt: skip
+        rid = engine.add_request(EngineRequest(list(REPETITIVE), sp))
+        out = engine.run_to_completion()[rid]
+        assert out.output_token_ids == [257] * 3
+        texts[skip] = out.text
+    assert "<|im_start|>" not in texts[True]
+    assert texts[False].count("<|im_start|>") == 3
