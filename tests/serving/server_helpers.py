@@ -31,7 +31,9 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "serving.entrypoints.cli", "serve", "--model", model_dir]
         cmd += ["--port", str(self.port), "--quiet", *SMALL, *extra]
         env = dict(os.environ, JAX_PLATFORMS="cpu")
-        env.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+        env.setdefault(  # as tests/conftest.py
+            "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0"
+        )
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
