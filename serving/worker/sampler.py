@@ -195,6 +195,32 @@ def _ban_bad_word_ends(
     return x.at[s, jnp.where(match, last, x.shape[1])].set(-jnp.inf, mode="drop")
 
 
+def filtered_logits(
+    logits: jax.Array,  # f32[N, V]
+    sampling: SamplingArrays,  # [N] each
+    gather: Callable[[jax.Array], jax.Array] = lambda x: x,
+) -> jax.Array:
+    """f32[N, V]: the temperature-scaled logits with what top-k, top-p and min-p drop at
+    -inf (the distribution the sampler draws from; greedy rows at temperature 1). min-p drops
+    tokens below min_p times the top probability."""
+    temperature = sampling.temperature
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = logits / t
+    vocab = logits.shape[-1]
+    top_k = sampling.top_k
+    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    mth = top + jnp.log(jnp.maximum(sampling.min_p[:, None], 1e-30))
+    mth = jnp.where(sampling.min_p[:, None] > 0, mth, -jnp.inf)
+    needs_sort = jnp.any((temperature > 0) & ((k < vocab) | (sampling.top_p < 1)))
+    threshold = jax.lax.cond(
+        needs_sort,
+        lambda: jnp.maximum(_sorted_threshold(gather(scaled), k, sampling.top_p), mth),
+        lambda: mth,
+    )
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
 def sample(
     logits: jax.Array,  # f32[S, V]
     sampling: SamplingArrays,  # [S] each, as jax arrays
@@ -220,27 +246,11 @@ def sample(
         logits = process_logits(logits, sampling, positions, tables)
     if token_mask is not None:
         logits = apply_token_mask(logits, sampling.uses_grammar, token_mask)
-    temperature, top_p, min_p = sampling.temperature, sampling.top_p, sampling.min_p
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    vocab = logits.shape[-1]
-    sampled_rows = temperature > 0
-    top_k = sampling.top_k
-    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    needs_sort = jnp.any(sampled_rows & ((k < vocab) | (top_p < 1)))
+    sampled_rows = sampling.temperature > 0
 
     def draw_all():
-        t = jnp.where(sampled_rows, temperature, 1.0)[:, None]
-        scaled = logits / t
-        top = jnp.max(scaled, axis=-1, keepdims=True)
-        # min-p: drop tokens below min_p times the top probability.
-        mth = top + jnp.log(jnp.maximum(min_p[:, None], 1e-30))
-        mth = jnp.where(min_p[:, None] > 0, mth, -jnp.inf)
-        threshold = jax.lax.cond(
-            needs_sort,
-            lambda: jnp.maximum(_sorted_threshold(gather(scaled), k, top_p), mth),
-            lambda: mth,
-        )
-        masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+        masked = filtered_logits(logits, sampling, gather)
 
         def draw(seed, pos, row):
             key = jax.random.fold_in(jax.random.key(seed), pos)

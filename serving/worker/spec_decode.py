@@ -28,32 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from serving.core.plan import SamplingArrays
-from serving.worker.sampler import TokenTables, _sorted_threshold, sample
-
-
-def filtered_logits(
-    logits: jax.Array,  # f32[N, V]
-    sampling: SamplingArrays,  # [N] each
-    gather: Callable[[jax.Array], jax.Array] = lambda x: x,
-) -> jax.Array:
-    """f32[N, V]: the temperature-scaled logits with what top-k, top-p and min-p drop at
-    -inf (the distribution the plain sampler draws from; greedy rows at temperature 1)."""
-    temperature = sampling.temperature
-    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    scaled = logits / t
-    vocab = logits.shape[-1]
-    top_k = sampling.top_k
-    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    top = jnp.max(scaled, axis=-1, keepdims=True)
-    mth = top + jnp.log(jnp.maximum(sampling.min_p[:, None], 1e-30))
-    mth = jnp.where(sampling.min_p[:, None] > 0, mth, -jnp.inf)
-    needs_sort = jnp.any((temperature > 0) & ((k < vocab) | (sampling.top_p < 1)))
-    threshold = jax.lax.cond(
-        needs_sort,
-        lambda: jnp.maximum(_sorted_threshold(gather(scaled), k, sampling.top_p), mth),
-        lambda: mth,
-    )
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+from serving.worker.sampler import TokenTables, filtered_logits, sample
 
 
 def accept_drafts(
