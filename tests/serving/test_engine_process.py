@@ -31,6 +31,7 @@ class _Out:
     num_cached_tokens: int = 0
     error: str | None = None
     delta_logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class FakeEngine:
