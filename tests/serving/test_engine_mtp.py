@@ -9,6 +9,8 @@ equality must hold all the same, with prefix caching on and off, over nested pre
 follow-up turns.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -100,6 +102,12 @@ def _mutated(monkeypatch, wrap):
     jax.clear_caches()
 
 
+# The mutation check of the acceptance assertion above (each mutation keeps the tokens and
+# loses acceptance), kept runnable but out of the CI's budget (~3 min):
+# HYJAX_MUTATION_TESTS=1 python -m pytest tests/serving/test_engine_mtp.py
+@pytest.mark.skipif(
+    not os.environ.get("HYJAX_MUTATION_TESTS"), reason="mutation check: HYJAX_MUTATION_TESTS=1"
+)
 @pytest.mark.parametrize("mutation", ["hidden_row", "kv_write"])
 def test_mutated_drafter_keeps_tokens_but_loses_acceptance(want, monkeypatch, mutation):
     if mutation == "hidden_row":  # each row drafts from its predecessor's hidden state
