@@ -41,6 +41,7 @@ from hyjax.loader import load_model
 from hyjax.models.qwen3_next.mtp import MultiTokenPredictor
 from hyjax.training import data
 from hyjax.training.dense import dense_forward, dense_hidden, layer_dense, load_balancing_loss
+from hyjax.training.train import make_optimizer, resume
 
 log = logging.getLogger("hyjax.train_mtp")
 
@@ -202,30 +203,13 @@ def train(tc: MtpTrainConfig) -> dict:
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(mtp_params))
     log.info("MTP head: %d parameters", n_params)
 
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, tc.lr, tc.warmup_steps, max(tc.steps, tc.warmup_steps + 1), tc.lr * tc.min_lr_ratio
-    )
-    tx = optax.chain(
-        optax.clip_by_global_norm(tc.grad_clip),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay,
-                    mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
-    )  # fmt: skip
+    tx = make_optimizer(tc)  # the main model's: AdamW, warm-up + cosine
     opt_state = tx.init(mtp_params)
     step_fn = make_train_step(
         graphdef, tx, top_k=cfg.num_experts_per_tok, aux_coef=tc.router_aux_loss_coef
     )
-    mngr = ocp.CheckpointManager(
-        os.path.abspath(os.path.join(tc.out, "ckpt")),
-        options=ocp.CheckpointManagerOptions(max_to_keep=2),
-    )
-    start = 0
-    if mngr.latest_step() is not None:
-        start = mngr.latest_step()
-        target = {"mtp": mtp_params, "opt_state": opt_state}
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-        restored = mngr.restore(start, args=ocp.args.StandardRestore(abstract))
-        mtp_params, opt_state = restored["mtp"], restored["opt_state"]
-        log.info("resumed from the step-%d checkpoint", start)
+    mngr, start, restored = resume(tc.out, {"mtp": mtp_params, "opt_state": opt_state})
+    mtp_params, opt_state = restored["mtp"], restored["opt_state"]
 
     windows = data.eval_windows(heldout_stream, seq_len=tc.seq_len, max_tokens=tc.eval_tokens)
     hits_fn = make_eval_fn(graphdef)

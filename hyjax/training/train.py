@@ -132,7 +132,9 @@ def num_params(tree) -> int:
 # ----------------------------------------------------------------------------- training step
 
 
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(tc) -> optax.GradientTransformation:
+    """AdamW on a warm-up + cosine schedule (``tc``: a TrainConfig or anything with its
+    ``lr``, ``warmup_steps``, ``steps``, ``min_lr_ratio``, ``grad_clip``, ``weight_decay``)."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=tc.lr,
@@ -151,6 +153,25 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
             mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p),
         ),
     )
+
+
+def resume(out: str, target: dict):
+    """The run directory's orbax checkpoint manager, the step to start from, and ``target``
+    (a dict of pytrees) restored from the latest checkpoint under ``out/ckpt`` if there is one
+    (else as given)."""
+    import orbax.checkpoint as ocp  # as the training entry points: imported when run
+
+    mngr = ocp.CheckpointManager(
+        os.path.abspath(os.path.join(out, "ckpt")),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2),
+    )
+    start = mngr.latest_step()
+    if start is None:
+        return mngr, 0, target
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    restored = mngr.restore(start, args=ocp.args.StandardRestore(abstract))
+    log.info("resumed from the step-%d checkpoint", start)
+    return mngr, start, restored
 
 
 def make_loss_fn(graphdef, top_k: int, aux_coef: float):
@@ -289,18 +310,8 @@ def train(tc: TrainConfig) -> dict:
         graphdef, tx, top_k=cfg.num_experts_per_tok, aux_coef=tc.router_aux_loss_coef
     )
 
-    mngr = ocp.CheckpointManager(
-        os.path.abspath(os.path.join(tc.out, "ckpt")),
-        options=ocp.CheckpointManagerOptions(max_to_keep=2),
-    )
-    start = 0
-    if mngr.latest_step() is not None:
-        start = mngr.latest_step()
-        target = {"params": params, "opt_state": opt_state}
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-        restored = mngr.restore(start, args=ocp.args.StandardRestore(abstract))
-        params, opt_state = restored["params"], restored["opt_state"]
-        log.info("resumed from the step-%d checkpoint", start)
+    mngr, start, restored = resume(tc.out, {"params": params, "opt_state": opt_state})
+    params, opt_state = restored["params"], restored["opt_state"]
 
     # Held-out windows: the first ``eval_tokens`` report the final numbers; the ones after them
     # (disjoint) pick which step's parameters are exported, in case repeated epochs overfit.
