@@ -84,3 +84,15 @@ def assert_resumed_state_matters(
     assert len(changed) >= len(hits) - 1, sorted(set(hits) - set(changed))
     for name in first_wave_names:  # nothing cached was zeroed under the first wave
         assert zeroed[name].output_token_ids == want[name].output_token_ids, name
+
+
+# The speculative-decoding engine tests' engine (test_engine_spec.py, test_engine_mtp.py).
+SPEC_ENGINE = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=128,
+    min_token_bucket=128,  # one token bucket: few compiles
+    max_model_len=512,
+    num_checkpoint_slots=24,
+    progress=False,
+    warmup=False,
+)

@@ -16,19 +16,11 @@ from hyjax.testing import make_tiny_kimi_linear_model
 from hyjax.tiny import make_tiny_model
 from serving.core.request import EngineRequest, SamplingParams
 from serving.engine.llm_engine import EngineArgs, LLMEngine
-from tests.serving.engine_helpers import run_waves
+from tests.serving.engine_helpers import SPEC_ENGINE, run_waves
 
 K = 3
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
-BASE = dict(
-    max_num_seqs=4,
-    max_num_batched_tokens=128,
-    min_token_bucket=128,  # one token bucket: few compiles
-    max_model_len=512,
-    num_checkpoint_slots=24,
-    progress=False,
-    warmup=False,
-)
+BASE = SPEC_ENGINE
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 
