@@ -208,7 +208,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     # One process: answer as soon as the model is loaded, compiling the buckets in the
     # background. Several: every process warms up in step (the warm-up steps are collective).
     background = ns.warmup == "background" and multihost is None
-    kwargs = engine_kwargs(ns, progress=not ns.quiet, background_warmup=background)
+    lazy = ns.warmup == "none" and multihost is None  # each bucket compiles when first met
+    kwargs = engine_kwargs(ns, progress=not ns.quiet, background_warmup=background, warmup=not lazy)
     if multihost is not None and multihost.process_id > 0:
         import signal
 
@@ -297,10 +298,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--warmup",
         default="background",
-        choices=["background", "all"],
+        choices=["background", "all", "none"],
         help="background: answer once the model is loaded, compiling the step buckets in the "
         "background (a request may wait for its bucket); all: compile every bucket before "
-        "the port answers (always so with several processes)",
+        "the port answers (always so with several processes); none: compile each bucket when "
+        "a step first meets it (a short-lived or test server that meets few)",
     )
     p.add_argument(
         "--coordinator-address",

@@ -29,7 +29,10 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "serving.entrypoints.cli", "serve", "--model", model_dir]
-        cmd += ["--port", str(self.port), "--quiet", *SMALL, *extra]
+        # Buckets compile as requests meet them: a test server meets few of them, and a
+        # background warm-up of all of them would take a CI core from the tests (a test that
+        # needs another warm-up passes its own --warmup, which wins).
+        cmd += ["--port", str(self.port), "--quiet", "--warmup", "none", *SMALL, *extra]
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         env.setdefault(  # as tests/conftest.py
             "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0"

@@ -568,8 +568,8 @@ def test_dead_engine_fails_in_flight_and_exits_1(tmp_path_factory):
         srv.wait_ready()
         body = {"prompt": "Die", "max_tokens": 200, "ignore_eos": True, "stream": True}
         s = _raw_post(srv.port, body)
-        # The first tokens wait for both step shapes to compile (in the background since the
-        # server answered): ~10 s alone, past 30 s on a loaded 2-core host.
+        # The first tokens wait for both step shapes to compile (as the steps meet them):
+        # ~10 s alone, past 30 s on a loaded 2-core host.
         s.settimeout(240)
         got = b""
         while got.count(b"data: ") < 3:  # the stream is under way
