@@ -332,7 +332,10 @@ class Runner:
 
         @jax.jit
         def errors(acts, st):
-            want_o, want_s = REFERENCES[fam](*acts, st, slots)
+            # IEEE f32 products in the reference (a GPU's default for f32 dots is TF32, whose
+            # 1e-3 output error would fail every variant against it).
+            with jax.default_matmul_precision("highest"):
+                want_o, want_s = REFERENCES[fam](*acts, st, slots)
             got_o, got_s = kernel(*acts, to_layout(st, tiling.layout), slots)
             got_s = to_layout(got_s, tiling.layout)
 
@@ -349,11 +352,13 @@ class Runner:
             }
 
         out = {k: v.item() for k, v in errors(acts, st).items()}
-        # bf16 outputs round both sides; the f32 state must agree to f32 rounding of the sums
+        # bf16 outputs: one bf16 rounding step apart where the two sides round differently
+        # (every variant measured 1.6e-3 on an H200 against the reference, the exact ones too);
+        # the f32 state must agree to f32 rounding of the sums
         # (``dot3``, 3xTF32, a little looser).
         tol = 1e-5 if tiling.reduce != "dot3" else 1e-4
         out["ok"] = bool(
-            out["output_err_ratio"] < 1e-3
+            out["output_err_ratio"] < 4e-3
             and out["state_err_ratio"] < tol
             and out["slot0_untouched"]
             and out["output_finite"]
