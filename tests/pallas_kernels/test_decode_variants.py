@@ -35,10 +35,7 @@ TILINGS = [
     # variant A: the transposed pool
     DecodeTiling("vk", block_v=16),
     DecodeTiling("vk", block_v=8, fused_output=False),
-    DecodeTiling("vk", block_v=16, reduce="dot"),
-    DecodeTiling("vk", block_v=16, tiles=4, prefetch=True),
     # variant B: today's pool, several tiles a program (5 of 12: the last program's tail)
-    DecodeTiling("kv", block_v=16, tiles=5),
     DecodeTiling("kv", block_v=16, tiles=5, prefetch=True, num_stages=3),
     DecodeTiling("kv", block_v=16, tiles=2, reduce="dot", fused_output=False),
 ]
