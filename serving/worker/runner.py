@@ -417,10 +417,11 @@ class ModelRunner:
 
     def start_background_warmup(self) -> None:
         """Compiles every bucket in a background thread (decode and verify buckets first, then
-        prefill by size) while steps run. Compiling needs only the arguments' shapes, so the thread never
-        touches the caches the steps donate; XLA keeps what it compiles, and a step's first
-        call of a warmed bucket then only traces it again. A step that meets a bucket still
-        queued compiles it itself; one that meets the bucket being compiled waits for it."""
+        prefill by size) while steps run. Compiling needs only the arguments' shapes, so the
+        thread never touches the caches the steps donate; XLA keeps what it compiles, and a
+        step's first call of a warmed bucket then only traces it again. A step that meets a
+        bucket still queued compiles it itself; one that meets the bucket being compiled waits
+        for it."""
         shapes = sorted(
             self.sched_cfg.step_shapes(),
             key=lambda s: (not (s.decode_only or s.verify_only), s.num_tokens),
