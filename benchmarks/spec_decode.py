@@ -11,8 +11,10 @@ reports, per K:
 - ``decode_tok_s``: generated tokens over the wall time of the decode phase (the steps after
   every prompt's prefill), and ``equal_to_k0``: greedy tokens identical to K = 0.
 
-Acceptance does not depend on the hardware (greedy drafts and tokens, float32 model); the
-speed does. It prints one JSON object (and writes it to ``--out``)::
+Decode steps with drafts run in the verify-shaped buckets (the k-token decode kernels), as the
+engine does by default; ``--no-verify-buckets`` runs them in the prefill-shaped buckets instead,
+for comparison. Acceptance does not depend on the hardware (greedy drafts and tokens, float32
+model); the speed does. It prints one JSON object (and writes it to ``--out``)::
 
     python -m benchmarks.spec_decode --out benchmarks/results/spec_decode_cpu.json
 """
@@ -44,7 +46,7 @@ def run(k: int, args) -> dict:
         EngineArgs(
             model=args.model, speculative_config=spec, max_num_seqs=len(PROMPTS),
             max_num_batched_tokens=256, max_model_len=1024, progress=False, warmup=False,
-            enable_prefix_caching=False,
+            enable_prefix_caching=False, verify_buckets=args.verify_buckets,
         )
     )  # fmt: skip
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -89,6 +91,13 @@ def main() -> None:
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--ks", default="0,1,2,3")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--verify-buckets",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode steps with drafts in verify-shaped buckets (the engine's default); "
+        "--no-verify-buckets: in the prefill-shaped buckets, as before them",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = [run(int(k), args) for k in args.ks.split(",")]
@@ -103,6 +112,7 @@ def main() -> None:
         "cpu": platform.processor() or platform.machine(),
         "prompts": len(PROMPTS),
         "max_tokens": args.max_tokens,
+        "verify_buckets": args.verify_buckets,
         "results": results,
     }
     text = json.dumps(summary, indent=2)

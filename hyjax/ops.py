@@ -54,6 +54,7 @@ from pallas_kernels.attention.reference import (
     ragged_paged_attention_reference,
     write_kv_reference,
 )
+from pallas_kernels.common import multi_decode_gpu
 from pallas_kernels.conv1d import tpu as conv1d_tpu
 from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
@@ -86,6 +87,11 @@ class Ops:
     paged_attention_decode: Callable  # decode-only steps: every row is one token
     kda_prefill: Callable
     kda_decode: Callable
+    # Verify-shaped steps (every row at most ``max_tokens`` tokens: a decode row and its
+    # drafts): the prefills' signature plus the static ``max_tokens=``; the state after each
+    # token goes to the row's checkpoint slots, as in the prefill.
+    gdn_multi_decode: Callable
+    kda_multi_decode: Callable
     write_latent: Callable
     mla_prefill: Callable
     mla_decode: Callable
@@ -152,6 +158,19 @@ GPU_GDN_PREFILL = functools.partial(gdn_gpu.gdn_prefill, precision=None)
 # elementwise f32 either way).
 GPU_KDA_PREFILL = functools.partial(kda_gpu.kda_prefill, precision=None)
 
+
+def _prefill_as_multi_decode(prefill: Callable) -> Callable:
+    """A prefill op in a multi-decode cell: it takes rows of any length, so the static
+    ``max_tokens`` (the caller's promise that rows are short) is not needed."""
+
+    @functools.wraps(prefill)
+    def op(*args, max_tokens: int, **kwargs):
+        del max_tokens
+        return prefill(*args, **kwargs)
+
+    return op
+
+
 # The grid: one row per op (the fields of ``Ops``), columns reference | tpu | gpu.
 GRID: dict[str, Row] = {
     "conv1d_prefill": Row(
@@ -207,6 +226,19 @@ GRID: dict[str, Row] = {
         reference=kda_decode_reference,
         tpu=kda_tpu.kda_decode,
         gpu=kda_gpu.kda_decode,
+    ),
+    # Speculative verify steps: the decode recurrence token by token, a state store per token
+    # (pallas_kernels/common/multi_decode_gpu.py); elsewhere the chunked prefill, whose
+    # arguments they share. The oracle is the prefill reference.
+    "gdn_multi_decode": Row(
+        reference=_prefill_as_multi_decode(gdn_prefill_reference),
+        tpu=Composed(_prefill_as_multi_decode, (gdn_tpu.gdn_prefill,)),
+        gpu=multi_decode_gpu.gdn_multi_decode,
+    ),
+    "kda_multi_decode": Row(
+        reference=_prefill_as_multi_decode(kda_prefill_reference),
+        tpu=Composed(_prefill_as_multi_decode, (kda_tpu.kda_prefill,)),
+        gpu=multi_decode_gpu.kda_multi_decode,
     ),
     "write_latent": Row(
         reference=write_latent_reference,  # everywhere, as write_kv

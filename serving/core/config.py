@@ -78,6 +78,10 @@ class SchedulerConfig:
     # K: draft tokens a decoding row may verify in one step (speculative decoding; 0 = off).
     # Mixed steps then carry K + 1 logits rows per sequence (``StepShape.num_spec``).
     num_speculative_tokens: int = 0
+    # With K > 0: a step whose rows all have at most K + 1 tokens (decode rows and their
+    # drafts, no prefill chunk) runs in a verify-shaped bucket (``verify_shapes``); False
+    # runs it in a mixed bucket through the chunked prefill kernels, as before they existed.
+    verify_buckets: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -153,18 +157,47 @@ class SchedulerConfig:
         extra = -(-self.max_num_batched_tokens // r) if r else 0
         return extra + 4 + self.num_speculative_tokens
 
-    def step_shape(self, num_tokens: int, num_seqs: int, decode_only: bool) -> StepShape:
-        """The bucket of a step with ``num_tokens`` tokens over ``num_seqs`` rows."""
+    @property
+    def verify_shapes(self) -> bool:
+        """Whether steps of short rows only get verify-shaped buckets (speculative decoding)."""
+        return self.num_speculative_tokens > 0 and self.verify_buckets
+
+    def is_verify_step(self, max_q_len: int, decode_only: bool, scores_prompt: bool) -> bool:
+        """Whether a step runs in a verify bucket: speculation on, not decode-only, every row
+        at most K + 1 tokens, and no prompt position to score (verify buckets score none)."""
+        return (
+            self.verify_shapes
+            and not decode_only
+            and not scores_prompt
+            and max_q_len <= self.num_speculative_tokens + 1
+        )
+
+    def step_shape(
+        self, num_tokens: int, num_seqs: int, decode_only: bool, *, verify: bool = False
+    ) -> StepShape:
+        """The bucket of a step with ``num_tokens`` tokens over ``num_seqs`` rows; ``verify``:
+        every row has at most K + 1 tokens (:meth:`is_verify_step`)."""
         s = _smallest_at_least(self.seq_buckets, num_seqs)
+        if verify:
+            shape = self._shape(self._verify_tokens(s), s, False, verify=True)
+            assert num_tokens <= shape.num_tokens, (num_tokens, shape)
+            return shape
         t = s if decode_only else _smallest_at_least(self.token_buckets, num_tokens)
         if not decode_only and not self.mixed_row_buckets:
             s = self._mixed_rows(t)
         return self._shape(t, s, decode_only)
 
-    def _shape(self, t: int, s: int, decode_only: bool) -> StepShape:
-        p = 0 if decode_only else self.prompt_logprob_capacity  # decode rows score no prompt
+    def _verify_tokens(self, s: int) -> int:
+        """T of the verify bucket of ``s`` rows: K + 1 tokens a row, capped by the budget
+        (a step never has more tokens; the budget is at least ``max_num_seqs``)."""
+        return min(s * (self.num_speculative_tokens + 1), self.max_num_batched_tokens)
+
+    def _shape(self, t: int, s: int, decode_only: bool, *, verify: bool = False) -> StepShape:
+        # decode and verify rows score no prompt
+        p = 0 if decode_only or verify else self.prompt_logprob_capacity
         k = self._spec(decode_only)
-        return StepShape(t, s, self.max_blocks, self.max_ckpt, decode_only, p, k)
+        m = self.num_speculative_tokens + 1 if verify else 0
+        return StepShape(t, s, self.max_blocks, self.max_ckpt, decode_only, p, k, m)
 
     def _spec(self, decode_only: bool) -> int:
         """``StepShape.num_spec``: mixed steps carry the verify rows of speculative decoding."""
@@ -175,8 +208,17 @@ class SchedulerConfig:
         return min(t, self.max_num_seqs)
 
     def step_shapes(self) -> list[StepShape]:
-        """Every shape ``schedule()`` can produce: what the runner compiles at start-up."""
+        """Every shape ``schedule()`` can produce: what the runner compiles at start-up.
+
+        Decode buckets, one per row count (speculation on: steps whose rows found no draft,
+        e.g. the n-gram drafter's misses); verify buckets likewise when ``verify_shapes``;
+        then the mixed buckets (prefill chunks, and verify rows beside them).
+        """
         shapes = [self._shape(s, s, True) for s in self.seq_buckets]
+        if self.verify_shapes:
+            shapes += [
+                self._shape(self._verify_tokens(s), s, False, verify=True) for s in self.seq_buckets
+            ]
         if not self.mixed_row_buckets:
             shapes += [self._shape(t, self._mixed_rows(t), False) for t in self.token_buckets]
             return shapes

@@ -48,6 +48,16 @@ class StepShape:
     # K: draft tokens a row may verify (speculative decoding); the step then returns logits
     # and tokens for K + 1 positions of every row. 0 in decode-only steps and without drafts.
     num_spec: int = 0
+    # A verify-shaped step (speculative decoding, ``SchedulerConfig.verify_shapes``): every
+    # live row has at most this many tokens (K + 1: a decode row and its drafts), so the
+    # recurrent layers run the k-token decode kernels instead of the chunked prefill. 0: no
+    # bound (mixed steps; decode-only steps have their own, stronger marker).
+    max_row_tokens: int = 0
+
+    @property
+    def verify_only(self) -> bool:
+        """Every row is a decode row with at most K drafts (or as short): no prefill chunk."""
+        return self.max_row_tokens > 0
 
 
 def _per_row(dtype: type, pad: float) -> Any:

@@ -111,6 +111,10 @@ def build_plan(
         positions     s_a ... s_a+3  s_b  s_c s_c+1   0 ...
         slot_mapping  block_table[row_a, pos // B] * B + pos % B, ...  0 (null block) ...
 
+    A step whose rows all have at most K + 1 tokens (decode rows, verify rows, no prefill
+    chunk longer than that) and score no prompt goes to a verify bucket
+    (``StepShape.max_row_tokens``): its recurrent layers run the k-token decode kernels.
+
     Speculative decoding (``cfg.num_speculative_tokens`` = K > 0): mixed steps take logits
     at K + 1 positions of every row, ``logits_indices[s * (K + 1) + j]``: a verify row's token
     ``j`` (its last one past its drafts), another row's last token at every ``j``::
@@ -121,7 +125,8 @@ def build_plan(
     n_seqs, n_tok = len(q_lens), len(input_ids)
     assert n_seqs > 0 and n_tok == sum(q_lens)
     decode_only = n_tok == n_seqs
-    plan = StepPlan.empty(cfg.step_shape(n_tok, n_seqs, decode_only))
+    verify = cfg.is_verify_step(max(q_lens), decode_only, bool(prompt_lp))
+    plan = StepPlan.empty(cfg.step_shape(n_tok, n_seqs, decode_only, verify=verify))
     rows = np.asarray(table_rows, np.intp)
     start = np.asarray(starts, np.int32)
     qlen = np.asarray(q_lens, np.int32)

@@ -143,6 +143,12 @@ class EngineArgs:
         "penalties, logit bias, min_tokens or logprobs do not speculate",
         type=lambda text: _speculative_config(text),
     )
+    verify_buckets: bool = _flag(
+        True,
+        "speculative decoding: steps whose rows are all decode / verify rows (at most K + 1 "
+        "tokens each) run in verify-shaped buckets through the k-token decode kernels; "
+        "--no-verify-buckets runs them in the prefill-shaped buckets (fewer compiles)",
+    )
     scan_layers: bool = _flag(
         False,
         "run the repeating layer group as one lax.scan (parameters and pools stacked per group "

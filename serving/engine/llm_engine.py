@@ -182,6 +182,7 @@ class LLMEngine:
             mixed_row_buckets=_mixed_row_buckets(args.mixed_row_buckets),
             max_prompt_logprobs=args.max_prompt_logprobs,
             num_speculative_tokens=num_spec,
+            verify_buckets=args.verify_buckets,
         )
         memory = size_pools(
             self.model_config,

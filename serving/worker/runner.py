@@ -81,11 +81,12 @@ def _unpack(buf: jax.Array, layout: PlanLayout) -> dict[str, jax.Array]:
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6, 7))
 def _step(
     static: _Static,
     ops: Ops,
     decode_only: bool,
+    max_row_tokens: int,  # a verify-shaped step's K + 1 (``StepShape.max_row_tokens``), else 0
     state_leaves: list,
     caches: Caches,
     tables,
@@ -113,7 +114,7 @@ def _step(
     (r,) = prev.shape
     at, rows = buf[buf.shape[0] - 2 * r : buf.shape[0] - r], buf[buf.shape[0] - r :]
     arrays["input_ids"] = arrays["input_ids"].at[at].set(prev[rows], mode="drop")
-    batch = Batch.from_arrays(arrays)
+    batch = Batch.from_arrays(arrays, max_row_tokens=max_row_tokens)
     # Every matmul traced here that pins no precision of its own (XLA's and the Pallas GPU
     # kernels') gets the ops' one: "highest" (IEEE f32) for float32 models, else the default.
     precision = ops.matmul_precision
@@ -415,13 +416,15 @@ class ModelRunner:
         return seconds
 
     def start_background_warmup(self) -> None:
-        """Compiles every bucket in a background thread (decode buckets first, then prefill by
-        size) while steps run. Compiling needs only the arguments' shapes, so the thread never
-        touches the caches the steps donate; XLA keeps what it compiles, and a step's first
-        call of a warmed bucket then only traces it again. A step that meets a bucket still
-        queued compiles it itself; one that meets the bucket being compiled waits for it."""
+        """Compiles every bucket in a background thread (decode and verify buckets first, then
+        prefill by size) while steps run. Compiling needs only the arguments' shapes, so the
+        thread never touches the caches the steps donate; XLA keeps what it compiles, and a
+        step's first call of a warmed bucket then only traces it again. A step that meets a
+        bucket still queued compiles it itself; one that meets the bucket being compiled waits
+        for it."""
         shapes = sorted(
-            self.sched_cfg.step_shapes(), key=lambda s: (not s.decode_only, s.num_tokens)
+            self.sched_cfg.step_shapes(),
+            key=lambda s: (not (s.decode_only or s.verify_only), s.num_tokens),
         )
         sds = functools.partial(jax.tree.map, _shape_of)
         avals = (
@@ -458,8 +461,10 @@ class ModelRunner:
                 fut.result()
 
     def _compile_ahead(self, shape: StepShape, avals: tuple) -> None:
-        static, ops, decode_only, *_, buf, prev, mask = self.step_args(StepPlan.empty(shape))
-        _step.lower(static, ops, decode_only, *avals, buf, prev, mask).compile()
+        static, ops, decode_only, max_row_tokens, *_, buf, prev, mask = self.step_args(
+            StepPlan.empty(shape)
+        )
+        _step.lower(static, ops, decode_only, max_row_tokens, *avals, buf, prev, mask).compile()
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step. Returns every row's sampled token and logprobs (padding included)."""
@@ -543,7 +548,8 @@ class ModelRunner:
             tokens = self._no_prev
         leaves = self._state_leaves
         return (
-            static, self.ops, plan.shape.decode_only, leaves, self.caches, self.tables,
+            static, self.ops, plan.shape.decode_only, plan.shape.max_row_tokens, leaves,
+            self.caches, self.tables,
             self.mtp_caches, buf, tokens, self._token_mask(plan),
         )  # fmt: skip
 

@@ -96,3 +96,28 @@ SPEC_ENGINE = dict(
     progress=False,
     warmup=False,
 )
+
+
+class OracleDrafter:
+    """Proposes the continuation the plain run produced for this prompt, wrong from position
+    ``len(tokens) % (K + 2)`` on (so 0..K drafts are right): every number of accepted drafts
+    happens, and a wrong slot rotation or rollback resumes from a wrong state."""
+
+    def __init__(self, full: dict[tuple, list[int]]):
+        self.full = full  # prompt -> prompt + plain output
+
+    def propose(self, req, k):
+        seq = self.full[tuple(req.prompt_token_ids)]
+        n = len(req.all_token_ids)
+        assert seq[:n] == req.all_token_ids, "the speculating run left the plain tokens"
+        out = seq[n : n + k]
+        wrong = n % (k + 2)
+        return [t if j < wrong else (t + 1) % 256 for j, t in enumerate(out)]
+
+
+def oracle_drafter(engine: LLMEngine, want: dict) -> None:
+    """Makes ``engine``'s host drafter an :class:`OracleDrafter` of the plain outputs ``want``."""
+    full = {}
+    for o in want.values():
+        full[tuple(o.prompt_token_ids)] = o.prompt_token_ids + o.output_token_ids
+    engine.scheduler.drafter = OracleDrafter(full)

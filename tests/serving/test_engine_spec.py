@@ -16,28 +16,12 @@ from hyjax.testing import make_tiny_kimi_linear_model
 from hyjax.tiny import make_tiny_model
 from serving.core.request import EngineRequest, SamplingParams
 from serving.engine.llm_engine import EngineArgs, LLMEngine
-from tests.serving.engine_helpers import SPEC_ENGINE, run_waves
+from tests.serving.engine_helpers import SPEC_ENGINE, oracle_drafter, run_waves
 
 K = 3
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
 BASE = SPEC_ENGINE
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-
-
-class OracleDrafter:
-    """Proposes the continuation the plain run produced for this prompt, wrong from position
-    ``len(tokens) % (K + 2)`` on (so 0..K drafts are right)."""
-
-    def __init__(self, full: dict[tuple, list[int]]):
-        self.full = full  # prompt -> prompt + plain output
-
-    def propose(self, req, k):
-        seq = self.full[tuple(req.prompt_token_ids)]
-        n = len(req.all_token_ids)
-        assert seq[:n] == req.all_token_ids, "the speculating run left the plain tokens"
-        out = seq[n : n + k]
-        wrong = n % (k + 2)
-        return [t if j < wrong else (t + 1) % 256 for j, t in enumerate(out)]
 
 
 def workload(seed=0, max_tokens=40):
@@ -61,13 +45,6 @@ def workload(seed=0, max_tokens=40):
         ("turn2", lambda outs: turn + outs["turn1"].output_token_ids + pat, params),
     ]
     return [wave1, wave2]
-
-
-def _oracle(engine, want, waves):
-    full = {}
-    for o in want.values():
-        full[tuple(o.prompt_token_ids)] = o.prompt_token_ids + o.output_token_ids
-    engine.scheduler.drafter = OracleDrafter(full)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +77,7 @@ def test_greedy_speculation_is_token_identical(model_dir, want, caching, drafter
         EngineArgs(model=model_dir, enable_prefix_caching=caching, speculative_config=NGRAM, **BASE)
     )
     if drafter == "oracle":
-        _oracle(e, want, workload())
+        oracle_drafter(e, want)
     got = run_waves(e, workload())
     _assert_same(got, want)
     m = e.metrics()
@@ -117,7 +94,7 @@ def test_async_scheduling_with_speculation(model_dir, want):
     e = LLMEngine(
         EngineArgs(model=model_dir, speculative_config=NGRAM, async_scheduling=True, **BASE)
     )
-    _oracle(e, want, workload())
+    oracle_drafter(e, want)
     _assert_same(run_waves(e, workload()), want)
     assert e.metrics().spec_num_accepted_tokens > 0
 
@@ -134,7 +111,7 @@ def test_preemption_with_speculation(model_dir):
         )
     )
     want = run_waves(off, workload(seed=1, max_tokens=80))
-    _oracle(on, want, None)
+    oracle_drafter(on, want)
     got = run_waves(on, workload(seed=1, max_tokens=80))
     _assert_same(got, want)
     m = on.metrics()
@@ -189,7 +166,7 @@ def test_kimi_greedy_speculation_is_token_identical(tmp_path_factory):
     off = LLMEngine(EngineArgs(model=d, enable_prefix_caching=False, **BASE))
     want = run_waves(off, workload(max_tokens=30))
     e = LLMEngine(EngineArgs(model=d, speculative_config=NGRAM, **BASE))
-    _oracle(e, want, None)
+    oracle_drafter(e, want)
     got = run_waves(e, workload(max_tokens=30))
     _assert_same(got, want)
     assert e.metrics().spec_num_accepted_tokens > 0

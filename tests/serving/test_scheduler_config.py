@@ -87,6 +87,37 @@ def test_without_mixed_row_buckets_a_token_count_is_one_bucket():
     assert (len(rows.step_shapes()), len(SchedulerConfig(**kw).step_shapes())) == (13, 45)
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_buckets_only_with_speculation_one_per_row_bucket(k):
+    kw = dict(max_num_seqs=8, max_num_batched_tokens=100)
+    assert not any(s.verify_only for s in SchedulerConfig(**kw).step_shapes())
+    spec = SchedulerConfig(**kw, num_speculative_tokens=k)
+    shapes = spec.step_shapes()
+    verify = [s for s in shapes if s.verify_only]
+    assert [(s.num_tokens, s.num_seqs) for s in verify] == [(r * (k + 1), r) for r in (1, 2, 4, 8)]
+    for s in verify:  # K + 1 logits a row, no prompt scoring, the chunked kernels' marker
+        assert (s.max_row_tokens, s.num_spec, s.max_prompt_logprobs) == (k + 1, k, 0)
+        assert not s.decode_only
+    off = SchedulerConfig(**kw, num_speculative_tokens=k, verify_buckets=False)
+    assert len(off.step_shapes()) == len(shapes) - 4 and not off.verify_shapes
+    # every step whose rows have at most K + 1 tokens has its bucket among them
+    for rows in range(1, 9):
+        for tokens in range(rows + 1, rows * (k + 1) + 1):
+            assert spec.is_verify_step(-(-tokens // rows), False, False)
+            assert spec.step_shape(tokens, rows, False, verify=True) in shapes
+    # not verify-shaped: decode-only steps, longer rows, prompt scoring, or the flag off
+    assert not spec.is_verify_step(1, True, False)
+    assert not spec.is_verify_step(k + 2, False, False)
+    assert not spec.is_verify_step(2, False, True)
+    assert not off.is_verify_step(2, False, False)
+
+
+def test_verify_bucket_tokens_are_capped_by_the_budget():
+    cfg = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=64, num_speculative_tokens=3)
+    assert cfg.step_shape(40, 20, False, verify=True) == StepShape(64, 32, 256, 7, False, 0, 3, 4)
+    assert cfg.step_shape(5, 2, False, verify=True).num_tokens == 8
+
+
 def test_plan_arrays_are_one_flat_namespace_and_round_trip():
     """The sampling arrays travel beside the plan's own under their own names (the packed
     buffer, the multi-host frames): no name may be both."""

@@ -42,6 +42,11 @@ def test_verify_rows_give_the_plain_outputs(caching, k):
     assert m.num_accepted_tokens > 0 and m.num_draft_tokens > m.num_accepted_tokens
     assert len(m.accepted_per_pos) == k and m.accepted_per_pos[k - 1] > 0
     assert any(o.spec for o in outs)
+    # a step of short rows only (decode and verify rows) runs in a verify bucket, others not
+    for o in outs:
+        shape, lens = o.plan.shape, o.num_new_tokens
+        assert shape.verify_only == (max(lens) <= k + 1 and sum(lens) > len(lens)), (shape, lens)
+    assert any(o.plan.shape.verify_only for o in outs)
     # fewer steps than tokens: drafts were accepted
     assert len(outs) < 90 + 4
     _check_freed(s)
@@ -58,6 +63,7 @@ def test_verify_row_layout_and_slot_rotation():
     running = s.cache.alloc("a").running_slot
     out = s.schedule()
     assert out.num_new_tokens == [4] and out.plan.shape.num_spec == 3
+    assert out.plan.shape.max_row_tokens == 4  # a verify bucket
     plan = out.plan
     assert plan.input_ids[:4].tolist() == [true[0], true[1], true[2], true[3] + 1]
     assert plan.src_slot[0] == plan.dst_slot[0] == running

@@ -113,6 +113,10 @@ class KimiDeltaAttention(nnx.Module):
         q, k, v = unpack_conv_channels(mixed, (h, d), (h, d), shards)  # [T, H, D] each
         if decode_only:
             o, ssm_state = ops.kda_decode(q, k, v, g, b, *gates, ssm_state, slots)
+        elif batch.max_row_tokens:  # verify rows (a few tokens each): token by token
+            o, ssm_state = ops.kda_multi_decode(
+                q, k, v, g, b, *gates, ssm_state, qsl, slots, max_tokens=batch.max_row_tokens
+            )
         else:
             o, ssm_state = ops.kda_prefill(q, k, v, g, b, *gates, ssm_state, qsl, slots)
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(n, h, d)

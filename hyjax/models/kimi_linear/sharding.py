@@ -102,6 +102,7 @@ SHARDING = FamilySharding(
         **CONV1D_OPS,
         # q, k, v, g [T, H, D]; b [T, H]; A_log [H]; dt_bias [H, Dk]; state by head
         "kda_prefill": ((H3, H3, H3, H3, H2, H1, P(M, None), SSM, R, SLOTS), (H3, SSM)),
+        "kda_multi_decode": ((H3, H3, H3, H3, H2, H1, P(M, None), SSM, R, SLOTS), (H3, SSM)),
         "kda_decode": ((H3, H3, H3, H3, H2, H1, P(M, None), SSM, SLOTS), (H3, SSM)),
         # Every device writes the same latent into its own copy of the pool (no collective);
         # under shard_map so a Pallas writer would run per device too.

@@ -14,7 +14,7 @@ def gpu_kernel_rules(cfg: Qwen3NextConfig) -> list[KernelRule]:
     (each kernel module's ``unsupported_reason``: their tiles are powers of two)."""
     gdn = gdn_gpu.unsupported_reason(cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     return [
-        (("gdn_prefill", "gdn_decode", "conv_gdn_decode"), gdn),
+        (("gdn_prefill", "gdn_decode", "conv_gdn_decode", "gdn_multi_decode"), gdn),
         (("paged_attention", "paged_attention_decode"),
          attention_gpu.unsupported_reason(cfg.head_dim)),
     ]  # fmt: skip

@@ -96,7 +96,12 @@ class GatedDeltaNet(nnx.Module):
         else:
             mixed, conv_state = ops.conv1d_prefill(mixed, self.conv1d[...], conv_state, qsl, slots)
             q, k, v = unpack_conv_channels(mixed, (hk, dk), (hv, dv), self.conv_shards)
-            o, ssm_state = ops.gdn_prefill(q, k, v, a, b, *gates, ssm_state, qsl, slots)
+            if batch.max_row_tokens:  # verify rows (a few tokens each): token by token
+                o, ssm_state = ops.gdn_multi_decode(
+                    q, k, v, a, b, *gates, ssm_state, qsl, slots, max_tokens=batch.max_row_tokens
+                )
+            else:
+                o, ssm_state = ops.gdn_prefill(q, k, v, a, b, *gates, ssm_state, qsl, slots)
         o = self.norm(o, z).reshape(n, hv * dv)
         return (conv_state, ssm_state), self.out_proj(o)
 

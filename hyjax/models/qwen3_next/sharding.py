@@ -127,6 +127,7 @@ SHARDING = FamilySharding(
     ops={
         **CONV1D_OPS,
         "gdn_prefill": ((H3, H3, H3, H2, H2, H1, H1, SSM, R, SLOTS), (H3, SSM)),
+        "gdn_multi_decode": ((H3, H3, H3, H2, H2, H1, H1, SSM, R, SLOTS), (H3, SSM)),
         "gdn_decode": ((H3, H3, H3, H2, H2, H1, H1, SSM, SLOTS), (H3, SSM)),
         "conv_gdn_decode": (
             (H2, P(M, None), CONV_STATE, H2, H2, H1, H1, SSM, SLOTS),
