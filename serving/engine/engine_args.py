@@ -54,6 +54,14 @@ class EngineArgs:
         "trained on Python's standard library)",
         cli_default=None,
     )
+    load_format: str = _flag(
+        "auto",
+        "auto: the checkpoint's weights (safetensors, or a directory of hyjax convert); dummy: "
+        "random weights from --model's config.json alone, each drawn in its shard (no "
+        "checkpoint needed; without a tokenizer in the directory the embedded model's is used, "
+        "and generated ids past its vocabulary decode to nothing)",
+        choices=["auto", "dummy"],
+    )
     dtype: str = _flag(
         "auto",
         "the weights' and activations' type (auto: the checkpoint's; float32 for the embedded "
