@@ -16,8 +16,9 @@ Parameter paths (``embed_tokens``, ``layers/{i}/...``, ``norm``, ``lm_head``) ar
 loader, the saver and the sharding rules match on: the attribute names here are that contract.
 
 The scanned form (:meth:`HybridForCausalLM.stack_layers`, which the runner calls after loading,
-on one device or into a sharding plan's shards): the stack is cut into a prefix, ``G`` identical groups and a tail
-(:func:`layer_groups`; Qwen3-Next-80B: 12 groups of [GDN, GDN, GDN, attention])::
+on one device or into a sharding plan's shards): the stack is cut into a prefix, ``G``
+identical groups and a tail (:func:`layer_groups`; Qwen3-Next-80B: 12 groups of [GDN, GDN,
+GDN, attention])::
 
     layers/{i}        the prefix and tail layers, unrolled as before
     group_layers/{j}  position j of every group, each parameter stacked to [G, ...]
