@@ -18,6 +18,7 @@ A preset as a model directory for ``hyjax serve --load-format dummy`` (its ``con
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -177,11 +178,19 @@ def _fake_mesh(tp: int):
 def write_config(out_dir: str, name: str, num_layers: int | None = None) -> str:
     """Writes the preset's ``config.json`` (Hugging Face format) to ``out_dir``: a model
     directory for ``hyjax serve --model DIR --load-format dummy`` (random weights, no
-    checkpoint; the embedded model's tokenizer). Returns the file's path."""
+    checkpoint; the embedded model's tokenizer). A vocabulary smaller than that tokenizer's
+    (the tiny presets') is raised to it, so text prompts encode inside the model's. Returns
+    the file's path."""
     import json
     import os
 
+    from hyjax.assets import model_dir
+    from hyjax.tokenizer import Tokenizer
+
     cfg = model_config(name, num_layers)
+    vocab = Tokenizer.from_dir(model_dir()).vocab_size
+    if cfg.vocab_size < vocab:
+        cfg = dataclasses.replace(cfg, vocab_size=vocab)
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "config.json")
     with open(path, "w") as f:
