@@ -6,6 +6,11 @@ groups of [GDN, GDN, GDN, attention]; Kimi-Linear: a dense KDA layer 0, then gro
 tokens, 2 rows) and one decode step (2 rows), reference ops, no compilation cache::
 
     python -m benchmarks.compile_depth --out benchmarks/results/compile_depth_cpu_2core_epyc.json
+
+``--tp N``: the same under tensor parallel (parameters and pools placed by
+``hyjax.sharding.ShardingPlan``, the ops under ``shard_map``), e.g. on simulated CPU devices::
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m benchmarks.compile_depth --tp 2
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from hyjax.models.kimi_linear.model import KimiLinearForCausalLM
 from hyjax.models.qwen3_next.config import qwen3_next_tiny
 from hyjax.models.qwen3_next.model import Qwen3NextForCausalLM
 from hyjax.ops import get_ops
+from hyjax.sharding import ShardingPlan, make_mesh, replicate_tree
 from hyjax.testing import SeqChunk, make_batch
 
 BS = 16
@@ -51,14 +57,24 @@ FAMILIES = {
 }
 
 
-def compile_seconds(cfg, cls, *, scan: bool, decode_only: bool) -> float:
+def compile_seconds(cfg, cls, *, scan: bool, decode_only: bool, tp: int = 1) -> float:
     model = cls(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    caches = init_caches(cfg, num_blocks=16, block_size=BS, num_slots=4, dtype=jnp.float32)
-    if scan:
-        model.stack_layers()
-        caches = stack_caches(cfg, caches)
-    graphdef, state = nnx.split(model)
+    pools = dict(num_blocks=16, block_size=BS, num_slots=4, dtype=jnp.float32)
     ops = get_ops("reference")
+    plan = None
+    if tp > 1:
+        plan = ShardingPlan(make_mesh(tp), cfg)
+        model = plan.shard_model(model)
+        ops = plan.shard_ops(ops)
+        if scan:
+            model.stack_layers(plan.sharding)
+        caches = plan.init_caches(stacked=scan, **pools)
+    else:
+        caches = init_caches(cfg, **pools)
+        if scan:
+            model.stack_layers()
+            caches = stack_caches(cfg, caches)
+    graphdef, state = nnx.split(model)
 
     @functools.partial(jax.jit, donate_argnums=2)
     def step(state, batch, caches):
@@ -73,6 +89,8 @@ def compile_seconds(cfg, cls, *, scan: bool, decode_only: bool) -> float:
                 SeqChunk(list(range(3, 23)), 0, [4, 5], dst_slot=2)]  # fmt: skip
         shape = dict(num_tokens=64, num_seqs=2)
     batch, _ = make_batch(rows, block_size=BS, max_blocks=4, **shape)
+    if plan is not None:
+        batch = replicate_tree(batch, plan.mesh)
     start = time.perf_counter()
     step.lower(state, batch, caches).compile()
     return time.perf_counter() - start
@@ -82,6 +100,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--families", nargs="+", default=sorted(FAMILIES))
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--out", default=None)
     ns = p.parse_args()
     jax.config.update("jax_compilation_cache_dir", None)
@@ -98,12 +117,13 @@ def main() -> None:
                 for scan in (False, True):
                     key = "scan_s" if scan else "loop_s"
                     row[key] = round(
-                        compile_seconds(cfg, cls, scan=scan, decode_only=decode_only), 2
+                        compile_seconds(cfg, cls, scan=scan, decode_only=decode_only, tp=ns.tp),
+                        2,
                     )
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     report = {"machine": _cpu_name(), "backend": jax.default_backend(), "ops": "reference",
-              "jax": jax.__version__, "rows": rows}  # fmt: skip
+              "tp": ns.tp, "jax": jax.__version__, "rows": rows}  # fmt: skip
     if ns.out:
         with open(ns.out, "w") as f:
             json.dump(report, f, indent=2)

@@ -4,6 +4,10 @@ The model is first built abstractly (``nnx.eval_shape``: no memory), then every 
 filled from the checkpoint one tensor at a time through a memory map, converted on the host
 only as far as its layout needs (transpose, expert stacking), and put on the device. Remote
 code is never executed: only ``config.json`` and the tensors are read.
+
+``load_format="dummy"`` (vLLM's name) reads ``config.json`` only and draws random weights
+straight into their shards (:mod:`hyjax.random_init`): a full-size model's serving path, with
+no checkpoint on disk.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from hyjax.sharding import ShardingPlan
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# ``--load-format``: the checkpoint's tensors (safetensors, or a converted orbax directory), or
+# random weights from config.json alone.
+LOAD_FORMATS = ("auto", "dummy")
 # Checkpoint tensors loaded only when asked for (multi-token prediction: ``load_model(mtp=)``).
 IGNORED = re.compile(r"^mtp\.")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
@@ -101,8 +108,14 @@ def load_model(
     mesh: Mesh | None = None,
     expert_parallel: bool = False,
     mtp: bool = False,
+    load_format: str = "auto",
+    stacked: bool = False,
 ) -> tuple[nnx.Module, ModelConfig]:
     """Builds the model of ``model_dir/config.json`` and fills it from the checkpoint.
+
+    ``load_format``: ``auto`` (the checkpoint) or ``dummy`` (random weights, each drawn in
+    its shard; ``stacked`` then builds the layers in the ``--scan-layers`` form at once, so a
+    full-size model is never held in both forms).
 
     ``mtp`` builds and loads the multi-token prediction layers (``mtp.*``) too: as many as the
     config declares, else as many as the checkpoint holds (Qwen3-Next's config.json names
@@ -115,7 +128,11 @@ def load_model(
     (an orbax checkpoint in ``ORBAX_DIR``) is restored straight into the shards instead.
     """
     model_dir = os.fspath(model_dir)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; one of {', '.join(LOAD_FORMATS)}")
     cfg = load_config(model_dir)
+    if load_format == "dummy":
+        return _dummy_model(model_dir, cfg, dtype, mesh, expert_parallel, mtp, stacked)
     converted = os.path.isdir(os.path.join(model_dir, ORBAX_DIR))
     files = {} if converted else checkpoint_files(model_dir)
     cfg = _with_mtp_layers(cfg, files, mtp)
@@ -201,6 +218,32 @@ def load_model(
     if plan is not None:
         plan.configure(model)  # layers' static settings; permutes the (small) GDN conv rows
     log.info("loaded %s (%s) from %s", cfg.model_type, jnp.dtype(jdtype).name, model_dir)
+    return model, cfg
+
+
+def _dummy_model(
+    model_dir: str,
+    cfg: ModelConfig,
+    dtype: str,
+    mesh: Mesh | None,
+    expert_parallel: bool,
+    mtp: bool,
+    stacked: bool,
+) -> tuple[nnx.Module, ModelConfig]:
+    """Random weights for ``cfg`` (``load_format="dummy"``), each drawn in its shard."""
+    from hyjax.random_init import random_sharded_model
+
+    if mtp:
+        raise ValueError("load_format='dummy' builds no multi-token prediction layers")
+    if "num_mtp_layers" in {f.name for f in dataclasses.fields(cfg)}:
+        cfg = dataclasses.replace(cfg, num_mtp_layers=0)
+    jdtype = resolve_dtype(dtype, cfg)
+    plan = ShardingPlan(mesh, cfg, expert_parallel) if mesh is not None else None
+    model = random_sharded_model(cfg, plan, dtype=jdtype, stacked=stacked)
+    log.info(
+        "built %s (%s) with random weights from %s/config.json (--load-format dummy)",
+        cfg.model_type, jnp.dtype(jdtype).name, model_dir,
+    )  # fmt: skip
     return model, cfg
 
 

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from hyjax.cache import Caches, init_caches, kv_block_bytes, state_slot_bytes
 from hyjax.config import ModelConfig
 from hyjax.models import family_of
+from hyjax.models.hybrid import GROUP_LAYERS, stack_caches
 from hyjax.partition import MODEL_AXIS, FamilySharding, M, R
 
 
@@ -101,11 +102,19 @@ class ShardingPlan:
         return [(re.compile(pattern), spec) for pattern, spec in rules]
 
     def spec(self, path: tuple) -> P:
-        """The parameter's PartitionSpec: the first rule whose regex matches its whole path."""
+        """The parameter's PartitionSpec: the first rule whose regex matches its whole path.
+
+        A parameter of the scanned form (``group_layers/{j}/...``, stacked to ``[G, ...]`` by
+        ``HybridForCausalLM.stack_layers``) takes its layer's rule behind a leading unsplit
+        group axis: the scan slices one group's layer, placed as the loop's would be.
+        """
         if self.tp == 1:
             return R
         name = path_name(path)
-        return next((spec for rx, spec in self._rules if rx.fullmatch(name)), R)
+        spec = next((spec for rx, spec in self._rules if rx.fullmatch(name)), R)
+        if path and path[0] == GROUP_LAYERS and spec != R:
+            return P(None, *spec)
+        return spec
 
     def sharding(self, path: tuple) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(path))
@@ -167,10 +176,21 @@ class ShardingPlan:
             ssm=tuple(NamedSharding(mesh, f.ssm_spec) for _ in caches.ssm),
         )
 
-    def init_caches(self, **kwargs) -> Caches:
-        """:func:`hyjax.cache.init_caches`, each pool allocated straight into its shards."""
+    def init_caches(self, *, stacked: bool = False, **kwargs) -> Caches:
+        """:func:`hyjax.cache.init_caches`, each pool allocated straight into its shards.
+
+        ``stacked``: in the scanned forward's layout (:func:`hyjax.models.hybrid.stack_caches`:
+        a group position's pools end to end along the block / slot axis, which no spec splits),
+        so the same specs hold and every device keeps its heads of every group.
+        """
         cfg = self.cache_config()
         make = functools.partial(init_caches, cfg, **kwargs)
+        if stacked:
+            per_layer = make
+
+            def make():
+                return stack_caches(cfg, per_layer())
+
         shardings = self.cache_shardings(jax.eval_shape(make))
         return jax.jit(make, out_shardings=shardings)()
 

@@ -20,6 +20,7 @@ re-exported here. This module does not import jax.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -234,9 +235,17 @@ class Tokenizer:
             skip_special_tokens: Drop special tokens (``<|im_end|>`` ...) from the text.
 
         Returns:
-            The text; incomplete UTF-8 sequences decode to U+FFFD.
+            The text; incomplete UTF-8 sequences decode to U+FFFD. Ids the tokenizer does not
+            have (a model's padded vocabulary rows, random weights under another model's
+            tokenizer) decode to nothing.
         """
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        n = self._num_ids
+        ids = [i for i in ids if 0 <= i < n]
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def _num_ids(self) -> int:  # decode's bound, read once (the backend's count is a call)
+        return self.vocab_size
 
     def detokenizer(
         self, context_ids: Sequence[int] = (), skip_special_tokens: bool = True

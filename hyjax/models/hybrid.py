@@ -15,9 +15,10 @@ pools (``caches.conv``, ``caches.ssm``), each full-attention layer one entry of 
 Parameter paths (``embed_tokens``, ``layers/{i}/...``, ``norm``, ``lm_head``) are what the
 loader, the saver and the sharding rules match on: the attribute names here are that contract.
 
-The scanned form (:meth:`HybridForCausalLM.stack_layers`, which the runner calls after loading
-on one device): the stack is cut into a prefix, ``G`` identical groups and a tail
-(:func:`layer_groups`; Qwen3-Next-80B: 12 groups of [GDN, GDN, GDN, attention])::
+The scanned form (:meth:`HybridForCausalLM.stack_layers`, which the runner calls after loading,
+on one device or into a sharding plan's shards): the stack is cut into a prefix, ``G``
+identical groups and a tail (:func:`layer_groups`; Qwen3-Next-80B: 12 groups of [GDN, GDN,
+GDN, attention])::
 
     layers/{i}        the prefix and tail layers, unrolled as before
     group_layers/{j}  position j of every group, each parameter stacked to [G, ...]
@@ -32,6 +33,8 @@ the longer pool as they are and the scan carries it in place: no step copies a p
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import jax
@@ -45,10 +48,15 @@ from hyjax.layers.linear import Linear
 from hyjax.layers.norms import RMSNorm
 
 if TYPE_CHECKING:
+    from jax.sharding import Sharding
+
     from hyjax.ops import Ops
 
 # flax >= 0.12 wants lists of modules wrapped; older versions take plain lists.
 _ModuleList = getattr(nnx, "List", list)
+
+# The scanned form's attribute (and parameter path prefix): ``group_layers/{j}/...``.
+GROUP_LAYERS = "group_layers"
 
 # One layer's cache entry: its paged arrays (attention) or its (conv, ssm) slots (linear).
 LayerCache = tuple[jax.Array, ...]
@@ -120,7 +128,7 @@ class HybridForCausalLM(nnx.Module):
 
         self.groups: LayerGroups | None = None  # set by stack_layers: the scanned form
 
-    def stack_layers(self) -> None:
+    def stack_layers(self, place: Callable[[tuple], Sharding] | None = None) -> None:
         """Turns the layers into the scanned form, in place (once, after loading).
 
         The layers of each position of the repeating group (:func:`layer_groups`) become one
@@ -129,6 +137,10 @@ class HybridForCausalLM(nnx.Module):
         tail). The forward then runs one ``lax.scan`` over the groups, so XLA compiles a
         group once whatever the depth. The caches must then be in the stacked layout
         (:func:`stack_caches`). Does nothing when no group repeats.
+
+        ``place``: each stacked parameter's sharding by its new path (tensor parallel:
+        ``ShardingPlan.sharding``); the stack is built straight into it, so a sharded layer
+        is never gathered on one device. Default: where ``jnp.stack`` puts it.
         """
         groups = layer_groups(self.config)
         if groups is None or self.groups is not None:
@@ -139,8 +151,20 @@ class HybridForCausalLM(nnx.Module):
             members = [layers[i] for i in groups.members(j)]
             graphdef, state = nnx.split(members[0])
             states = [state] + [nnx.split(m)[1] for m in members[1:]]
-            stacked.append(nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states)))
-            del state, states
+            if place is None:
+                merged = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+            else:
+                flat = [dict(nnx.to_flat_state(st)) for st in states]
+                out = {}
+                for rel, var in flat[0].items():
+                    xs = [f[rel].get_value() for f in flat]
+                    to = place((GROUP_LAYERS, j, *rel))
+                    var = var.replace(value=_stack_into(to)(*xs))
+                    out[rel] = var
+                merged = nnx.from_flat_state(out)
+                del flat, out
+            stacked.append(nnx.merge(graphdef, merged))
+            del state, states, merged
             # Free each layer's own arrays now: the model is held twice only one position at
             # a time, not whole.
             for m in members:
@@ -148,7 +172,7 @@ class HybridForCausalLM(nnx.Module):
                     if isinstance(node, nnx.Variable):
                         node.set_value(jnp.zeros((0,), node.get_value().dtype))
         self.layers = _ModuleList(layers[: groups.prefix] + layers[groups.end :])
-        self.group_layers = _ModuleList(stacked)
+        setattr(self, GROUP_LAYERS, _ModuleList(stacked))
         self.groups = groups
 
     def __call__(
@@ -316,6 +340,12 @@ def layer_groups(cfg: ModelConfig, *, min_groups: int = 2) -> LayerGroups | None
             if g >= min_groups and (best is None or g * period > best.period * best.num_groups):
                 best = LayerGroups(prefix, period, g)
     return best
+
+
+@functools.cache
+def _stack_into(sharding: Sharding) -> Callable:
+    """``jnp.stack`` jitted to land in ``sharding`` (one per sharding, reused by shape)."""
+    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)
 
 
 def _state_batch(batch: Batch, g: jax.Array, num_slots: int) -> Batch:

@@ -54,6 +54,14 @@ class EngineArgs:
         "trained on Python's standard library)",
         cli_default=None,
     )
+    load_format: str = _flag(
+        "auto",
+        "auto: the checkpoint's weights (safetensors, or a directory of hyjax convert); dummy: "
+        "random weights from --model's config.json alone, each drawn in its shard (no "
+        "checkpoint needed; without a tokenizer in the directory the embedded model's is used, "
+        "and generated ids past its vocabulary decode to nothing)",
+        choices=["auto", "dummy"],
+    )
     dtype: str = _flag(
         "auto",
         "the weights' and activations' type (auto: the checkpoint's; float32 for the embedded "
@@ -152,8 +160,10 @@ class EngineArgs:
     scan_layers: bool = _flag(
         False,
         "run the repeating layer group as one lax.scan (parameters and pools stacked per group "
-        "position): compile time does not grow with depth; single device only, and a stacked "
-        "pool must stay under 2^31 elements (the GPU kernels' offsets)",
+        "position): compile time does not grow with depth; on one device and under tensor / "
+        "expert parallel (the stacked parameters keep their layer's split behind an unsplit "
+        "group axis); a stacked pool must stay under 2^31 elements per device (the GPU "
+        "kernels' offsets: the memory planner caps the pools)",
     )
     # Devices the model is split over (hyjax.sharding): heads of GDN / attention and the MoE
     # experts' intermediate dim, or (expert parallel) the experts themselves.

@@ -140,6 +140,22 @@ def use_compilation_cache(path: str) -> None:
     log.info("compilation cache: %s", path)
 
 
+def _load_tokenizer(model_dir: str, *, dummy: bool) -> Tokenizer | None:
+    """The model directory's tokenizer; with random weights (``--load-format dummy``) and no
+    tokenizer there, the embedded model's (its text is as random as the weights: generated ids
+    past its vocabulary decode to nothing, ``Tokenizer.decode``). None: token-id prompts only."""
+    try:
+        return Tokenizer.from_dir(model_dir)
+    except TokenizerFilesError:
+        if not dummy:
+            log.warning("no tokenizer in %s: only token-id prompts are accepted", model_dir)
+            return None
+    from hyjax.assets import model_dir as embedded_dir
+
+    log.info("no tokenizer in %s: random weights use the embedded model's tokenizer", model_dir)
+    return Tokenizer.from_dir(embedded_dir())
+
+
 class LLMEngine:
     """Args: ``args``; ``preloaded``: an already built ``(model, config)`` (benchmarks), in which
     case ``args.model`` is only searched for a tokenizer."""
@@ -157,17 +173,14 @@ class LLMEngine:
             model, self.model_config = load_model(
                 args.model, dtype=args.dtype, mesh=mesh,
                 expert_parallel=args.enable_expert_parallel, mtp=mtp,
+                load_format=args.load_format, stacked=args.scan_layers,
             )  # fmt: skip
         else:
             model, self.model_config = preloaded
         sharding = None
         if mesh is not None:
             sharding = ShardingPlan(mesh, self.model_config, args.enable_expert_parallel)
-        try:
-            self.tokenizer: Tokenizer | None = Tokenizer.from_dir(args.model)
-        except TokenizerFilesError:
-            self.tokenizer = None
-            log.warning("no tokenizer in %s: only token-id prompts are accepted", args.model)
+        self.tokenizer = _load_tokenizer(args.model, dummy=args.load_format == "dummy")
         max_len = args.max_model_len or min(self.model_config.max_position_embeddings, 4096)
         num_spec = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self.sched_config = SchedulerConfig(

@@ -348,21 +348,20 @@ class ModelRunner:
         if sharding is not None:
             model = sharding.shard_model(model)
             self.ops = sharding.shard_ops(self.ops)
-        # One lax.scan over the repeating layer group (compile time independent of depth);
-        # tensor parallel keeps the per-layer loop for now (its pool specs are per layer).
-        self.scan_layers = scan_layers and sharding is None and layer_groups(cfg) is not None
+        # One lax.scan over the repeating layer group (compile time independent of depth).
+        # Under TP the stacked parameters are built straight into their shards (a leading
+        # unsplit group axis, ShardingPlan.spec), and the pools keep their specs: the groups
+        # lie end to end along the block / slot axis, which no spec splits.
+        # (A model built stacked, ``load_model(stacked=True)``, runs scanned whatever the flag.)
+        prestacked = getattr(model, "groups", None) is not None
+        self.scan_layers = (scan_layers or prestacked) and layer_groups(cfg) is not None
         if self.scan_layers:
-            model.stack_layers()
+            model.stack_layers(sharding.sharding if sharding is not None else None)
             lg = layer_groups(cfg)
             log.info("layers: %d groups of %d scanned, %d unrolled", lg.num_groups, lg.period,
                      cfg.num_hidden_layers - lg.num_groups * lg.period)  # fmt: skip
         elif scan_layers:
-            log.warning(
-                "--scan-layers ignored: %s",
-                "tensor parallel keeps the per-layer loop"
-                if sharding is not None
-                else "the model has no repeating layer group",
-            )
+            log.info("--scan-layers: the model has no repeating layer group; per-layer loop")
         self.graphdef, self.state = nnx.split(model)
         self.dtype = model.dtype
         self.memory = memory
@@ -381,7 +380,7 @@ class ModelRunner:
             state_dtype=self.state_dtype,
         )
         if sharding is not None:
-            self.caches = sharding.init_caches(**pools)
+            self.caches = sharding.init_caches(stacked=self.scan_layers, **pools)
         else:
             # Committed to the device, as every step's donated outputs are: otherwise the first
             # bucket warmed up sees other argument types than the steps after it, and compiles

@@ -120,6 +120,18 @@ def test_missing_directory_and_files(tmp_path):
     assert "tokenizer.json" in message and "tiktoken.model" in message
 
 
+def test_ids_past_the_vocabulary_decode_to_nothing(tok):
+    """A model whose vocabulary is larger than its tokenizer's (random weights under the
+    embedded tokenizer, ``--load-format dummy``) emits ids the tokenizer lacks: no crash, and
+    no text for them, in one decode and in a stream."""
+    ids = tok.encode("hello world", add_special_tokens=False)
+    past = [tok.vocab_size, tok.vocab_size + 12345]
+    mixed = ids[:1] + past + ids[1:]
+    assert tok.decode(mixed) == tok.decode(ids)
+    stream = tok.detokenizer()
+    assert "".join(stream.step(i) for i in mixed) + stream.flush() == tok.decode(ids)
+
+
 def test_no_jax_import():
     code = "import sys, hyjax.tokenizer; assert 'jax' not in sys.modules, 'jax imported'"
     root = Path(__file__).resolve().parents[2]

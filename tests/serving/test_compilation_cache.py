@@ -3,7 +3,8 @@
 Two fresh processes build the same engine over one cache directory and serve the same request:
 the first compiles what it meets (cache misses, entries written), the second gets all of it from
 the cache (hits, no misses, no new entries) and generates the same tokens. JAX's own monitoring
-events are the witness.
+events are the witness. Also under tensor parallel with the scanned layers (two simulated
+devices): the ``shard_map`` of the ops inside the ``lax.scan`` is served from the cache too.
 """
 
 import json
@@ -24,8 +25,9 @@ from serving.engine.llm_engine import EngineArgs, LLMEngine
 from serving.core.request import EngineRequest, SamplingParams
 
 engine = LLMEngine(EngineArgs(
-    model=sys.argv[1], compilation_cache_dir=sys.argv[2], max_num_seqs=2,
-    max_num_batched_tokens=64, max_model_len=128, num_checkpoint_slots=4, progress=False,
+    **json.loads(sys.argv[3]), model=sys.argv[1], compilation_cache_dir=sys.argv[2],
+    max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128, num_checkpoint_slots=4,
+    progress=False,
     warmup=False,  # only the buckets this request meets: the same ones in both processes
 ))
 params = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -39,10 +41,13 @@ print(json.dumps({
 """
 
 
-def _run(model, cache):
+def _run(model, cache, devices: int = 1, **engine_args):
     env = dict(os.environ, HYJAX_COMPILATION_CACHE="")
+    if devices > 1:
+        flags = env.get("XLA_FLAGS", "")
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(model), str(cache)],
+        [sys.executable, "-c", SCRIPT, str(model), str(cache), json.dumps(engine_args)],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -58,4 +63,22 @@ def test_second_start_loads_its_compiled_buckets_from_the_cache(tmp_path):
     second = _run(model, cache)
     assert second["misses"] == 0 and second["hits"] >= first["misses"], (first, second)
     assert sorted(os.listdir(cache)) == entries  # nothing new compiled
+    assert second["tokens"] == first["tokens"]
+
+
+def test_tp_scanned_step_loads_from_the_cache_too(tmp_path):
+    """Random weights (``--load-format dummy``) of the tiny preset, 8 layers scanned as two
+    groups, on two devices: the second start compiles nothing (its random-weight builders,
+    its ``shard_map`` steps) and draws the same weights, so the same tokens."""
+    from benchmarks.full_size import write_config
+
+    model = tmp_path / "dummy"
+    write_config(str(model), "tiny-qwen3-next")
+    cache = tmp_path / "jax-cache"
+    kw = dict(devices=2, load_format="dummy", dtype="float32", tensor_parallel_size=2,
+              scan_layers=True, kernel_backend="reference")  # fmt: skip
+    first = _run(model, cache, **kw)
+    assert first["misses"] >= 2, first
+    second = _run(model, cache, **kw)
+    assert second["misses"] == 0 and second["hits"] >= first["misses"], (first, second)
     assert second["tokens"] == first["tokens"]

@@ -46,9 +46,17 @@ def test_engine_takes_the_sharded_model_without_a_copy(report, case):
     assert report[case]["same_buffers"]
 
 
-@pytest.mark.parametrize("case", ["tp4_ep"])
+@pytest.mark.parametrize("case", ["tp4_ep", "dummy_tp2_scan"])
 def test_generation_runs(report, case):
     assert report[case]["tokens"] == 3
+
+
+def test_dummy_load_format_builds_stacked_layers_in_their_shards(report):
+    """``--load-format dummy --tensor-parallel-size 2 --scan-layers`` on a preset's config.json:
+    every parameter (the stacked groups' included) drawn where the plan puts it."""
+    r = report["dummy_tp2_scan"]
+    assert r["scanned"] and r["misplaced"] == []
+    assert r["group_conv_spec"] == "P(None, 'model', None)"  # [G, C, K]: channels split
 
 
 def _worker() -> dict:
@@ -102,7 +110,41 @@ def _worker() -> dict:
         }
         del engine
         jax.clear_caches()
+    out["dummy_tp2_scan"] = _dummy_tp2_scan()
     return out
+
+
+def _dummy_tp2_scan() -> dict:
+    import tempfile
+
+    from flax import nnx
+
+    from benchmarks.full_size import misplaced, write_config
+    from serving.core.request import EngineRequest, SamplingParams
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_config(tmp, "tiny-qwen3-next")  # 8 layers: two groups of [GDN x 3, attention]
+        engine = LLMEngine(
+            EngineArgs(
+                model=tmp, load_format="dummy", dtype="float32", tensor_parallel_size=2,
+                scan_layers=True, max_num_seqs=2, max_num_batched_tokens=64,
+                min_token_bucket=64, max_model_len=64, kernel_backend="reference",
+                cache_bytes=8 << 20, warmup=False, progress=False,
+            )
+        )  # fmt: skip
+    runner = engine.runner
+    model = nnx.merge(runner.graphdef, runner.state)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request(EngineRequest(list(range(1, 11)), params))
+    done = engine.run_to_completion()
+    conv = runner.state["group_layers"][0]["linear_attn"]["conv1d"].get_value()
+    return {
+        "scanned": runner.scan_layers,
+        "misplaced": misplaced(model, runner.sharding),
+        "group_conv_spec": str(conv.sharding.spec),
+        "tokens": len(next(iter(done.values())).output_token_ids),
+    }
 
 
 if __name__ == "__main__":

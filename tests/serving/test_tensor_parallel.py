@@ -230,3 +230,30 @@ def test_two_processes_jax_distributed(reports):
         assert r["local_ssm_shards"] == ["(5, 2, 8, 8)"]  # 16 heads / 8 devices
         assert _rel_diff(r["prefill"], ref["prefill"]) < RTOL
         assert _rel_diff(r["decode"], ref["decode"]) < RTOL
+
+
+@pytest.fixture(scope="module")
+def scan_report() -> dict:
+    """``--scan-layers`` under TP (``tp_worker scan``): its own process, started when asked."""
+    return _result(_worker("scan"))["scan"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear"])
+def test_scanned_layers_under_tp_match_the_loop_and_one_device(scan_report, family):
+    """Three groups scanned (a prefix and, for Qwen3-Next, a tail layer unrolled) on TP = 2 and
+    TP = 4 with expert parallel: the greedy tokens of the per-layer loop on TP = 2 and on one
+    device, a prefix hit resumed from a checkpoint of the stacked state pool included."""
+    r = scan_report[family]
+    assert r["groups"][1:] == [2, 3]  # period 2, 3 groups
+    ref = r["tp1_loop"]
+    assert r["tp1_loop_cached"]["hit"] == 128
+    for run in ("tp2_loop", "tp2_scan", "tp4_ep_scan"):
+        assert r[run] == ref, run
+        assert r[f"{run}_cached"] == r["tp1_loop_cached"], run
+        assert r[f"{run}_scanned"] == run.endswith("scan"), run
+    # The stacked parameters keep their rule behind an unsplit group axis; the stacked
+    # pools are split by head as the loop's (3 groups end to end along the slot axis).
+    specs = r["tp2_scan_group_specs"]
+    assert "P()" in specs and all(s == "P()" or s.startswith("P(None,") for s in specs)
+    # The scanned TP step updates the donated stacked pools in place: no KV pool copied.
+    assert r["tp2_scan_pool_copies"] == []

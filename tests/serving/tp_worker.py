@@ -6,6 +6,7 @@ and asserts on the JSON it prints. Run by hand::
 
     python -m tests.serving.tp_worker all         # prints one JSON object
     python -m tests.serving.tp_worker kimi        # Kimi-Linear (run beside ``all``)
+    python -m tests.serving.tp_worker scan        # --scan-layers under TP, both families
     python -m tests.serving.tp_worker distributed PROCESS_ID PORT   (one of two processes)
 
 Every float comparison is reported as the largest absolute difference and the largest absolute
@@ -40,15 +41,16 @@ from hyjax.sharding import ShardingPlan, make_mesh, replicate_tree  # noqa: E402
 from hyjax.testing import _numpy_init  # noqa: E402
 
 
-def tp_config(vocab_size: int = 256) -> Qwen3NextConfig:
+def tp_config(vocab_size: int = 256, layer_types=None, **overrides) -> Qwen3NextConfig:
     """Tiny, with every head count divisible by 8 but 2 kv heads (so TP 4 / 8 repeat them)."""
+    layer_types = layer_types or ["linear_attention", "full_attention"]
     return Qwen3NextConfig.from_hf(
         {
             "model_type": "qwen3_next",
             "vocab_size": vocab_size,
             "hidden_size": 64,
-            "num_hidden_layers": 2,
-            "layer_types": ["linear_attention", "full_attention"],
+            "num_hidden_layers": len(layer_types),
+            "layer_types": layer_types,
             "num_attention_heads": 8,
             "num_key_value_heads": 2,
             "head_dim": 16,
@@ -63,6 +65,7 @@ def tp_config(vocab_size: int = 256) -> Qwen3NextConfig:
             "max_position_embeddings": 512,
             "eos_token_id": vocab_size - 1,
             "torch_dtype": "float32",
+            **overrides,
         }
     )
 
@@ -381,6 +384,104 @@ def check_engine(model_dir: str) -> dict:
     return out
 
 
+LIN, FULL = "linear_attention", "full_attention"
+
+
+def scan_tp_config() -> Qwen3NextConfig:
+    """``tp_config`` 8 layers deep: a dense GDN layer 0 (a prefix), 3 groups of [GDN,
+    attention], a GDN tail layer."""
+    types = [LIN] + [LIN, FULL] * 3 + [LIN]
+    return tp_config(layer_types=types, mlp_only_layers=[0], intermediate_size=32)
+
+
+def scan_kimi_config():
+    """``kimi_tp_config`` 7 layers deep: a dense KDA layer 0, then 3 groups of [KDA, MLA]."""
+    from hyjax.models.kimi_linear import KimiLinearConfig
+    from hyjax.testing import tiny_kimi_linear_config
+
+    attn = {"full_attn_layers": [3, 5, 7], "kda_layers": [1, 2, 4, 6], "num_heads": 8,
+            "head_dim": 8, "short_conv_kernel_size": 4}  # fmt: skip
+    return KimiLinearConfig.from_hf(
+        tiny_kimi_linear_config(
+            num_hidden_layers=7, linear_attn_config=attn, num_attention_heads=8,
+            num_key_value_heads=8, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+            v_head_dim=8, moe_intermediate_size=16, intermediate_size=32, vocab_size=256,
+            eos_token_id=255, torch_dtype="float32",
+        )
+    )  # fmt: skip
+
+
+def _scan_workload() -> list:
+    """A prompt that writes a state checkpoint at 128, one that hits it, and a cold one."""
+    from serving.core.request import SamplingParams
+
+    rng = np.random.default_rng(5)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    shared = rng.integers(0, 250, size=130).tolist()
+    return [
+        [("a", shared + [1, 2, 3], greedy), ("short", [5, 6, 7], greedy)],
+        [("hit", shared[:128] + [9, 8], greedy)],
+    ]
+
+
+def check_scan(families: str = "qwen3_next,kimi_linear") -> dict:
+    """``--scan-layers`` under TP: greedy tokens of the scanned TP = 2 and TP = 4 (expert
+    parallel) engines against the per-layer loop on TP = 2 and on one device, both families;
+    and the scanned TP step's compiled HLO (no KV pool copied: the stacked pools donated)."""
+    from hyjax.models.hybrid import layer_groups
+    from hyjax.models.kimi_linear import KimiLinearForCausalLM
+    from hyjax.saver import save_hf_checkpoint
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
+
+    out = {}
+    families = {
+        name: make()
+        for name, make in {
+            "qwen3_next": lambda: (scan_tp_config(), Qwen3NextForCausalLM),
+            "kimi_linear": lambda: (scan_kimi_config(), KimiLinearForCausalLM),
+        }.items()
+        if name in families.split(",")
+    }
+    runs = {
+        "tp1_loop": dict(max_num_seqs=1, cache_bytes=1 << 20),
+        "tp2_loop": dict(tensor_parallel_size=2),
+        "tp2_scan": dict(tensor_parallel_size=2, scan_layers=True),
+        "tp4_ep_scan": dict(tensor_parallel_size=4, enable_expert_parallel=True,
+                            scan_layers=True),
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        for family, (cfg, cls) in families.items():
+            groups = layer_groups(cfg)
+            model_dir = os.path.join(tmp, family)
+            save_hf_checkpoint(_numpy_init(cls, cfg, 2, long_memory=True), cfg, model_dir)
+            base = dict(
+                model=model_dir, max_num_seqs=2, max_num_batched_tokens=64, min_token_bucket=64,
+                max_model_len=256, num_checkpoint_slots=8, progress=False, warmup=False,
+                scan_layers=False,
+            )  # fmt: skip
+            report = {"groups": [groups.prefix, groups.period, groups.num_groups]}
+            for name, kw in runs.items():
+                start = time.perf_counter()
+                engine = LLMEngine(EngineArgs(**{**base, **kw}))
+                res = _run_waves(engine, _scan_workload())
+                report[name] = {k: v.output_token_ids for k, v in res.items()}
+                report[name + "_cached"] = {k: v.num_cached_tokens for k, v in res.items()}
+                report[name + "_s"] = round(time.perf_counter() - start, 1)
+                runner = engine.runner
+                report[name + "_scanned"] = runner.scan_layers
+                if name == "tp2_scan":
+                    report[name + "_pool_copies"] = compiled_step_findings(runner)["pool_copies"]
+                    report[name + "_ssm_shards"] = shard_shapes(runner.caches.ssm[-1])
+                    report[name + "_kv_shards"] = shard_shapes(runner.caches.kv[-1][0])
+                    layers = runner.state["group_layers"][0]
+                    report[name + "_group_specs"] = sorted(
+                        {str(v.get_value().sharding.spec) for _, v in nnx.to_flat_state(layers)}
+                    )
+                del engine, runner
+            out[family] = report
+    return out
+
+
 def compiled_step_findings(runner) -> dict[str, list[str]]:
     """What the compiled TP step (a decode and a prefill bucket) must not do, and must do.
 
@@ -557,6 +658,9 @@ def main() -> None:
             make_tiny_kimi_linear_model(kimi_dir, long_memory=True)  # 2 KDA + 2 MLA heads
             out["kimi_engine"] = check_engine(kimi_dir)
             lap("kimi engine")
+    if mode == "scan":  # a process of its own: scanned layers under TP, both families
+        out["scan"] = check_scan()
+        lap("scan")
     if mode in ("all", "errors"):
         out["errors"] = check_errors()
     if not out:

@@ -96,7 +96,8 @@ def _set_conv_shards(model: nnx.Module, shards: int) -> None:
             # current -> checkpoint order -> the new order
             to_ckpt = np.argsort(conv_channel_order(*heads, m.conv_shards))
             idx = to_ckpt[conv_channel_order(*heads, shards)]
-            m.conv1d.set_value(m.conv1d[...][idx])
+            # [C, K], or [G, C, K] in the scanned form: the channel axis is second to last
+            m.conv1d.set_value(m.conv1d[...][..., idx, :])
             m.conv_shards = shards
 
 

@@ -1,0 +1,72 @@
+"""``--load-format dummy``: random weights from a config.json alone, no checkpoint.
+
+A preset's directory (``benchmarks.full_size --write-config``) holds a config.json only; the
+engine builds the model with random weights (stacked at once with ``--scan-layers``) and takes
+the embedded model's tokenizer, whose vocabulary is smaller than the model's here: the ids past
+it decode to nothing. Under tensor parallel the build's placement is checked by
+``test_full_size_build.py`` (simulated devices).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.full_size import write_config
+from serving.core.request import EngineRequest, SamplingParams
+from serving.engine.engine_args import EngineArgs
+from serving.engine.llm_engine import LLMEngine
+
+SMALL = dict(
+    max_num_seqs=2, max_num_batched_tokens=64, min_token_bucket=64, max_model_len=128,
+    warmup=False, progress=False, kernel_backend="reference", dtype="float32",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dummy_dir(tmp_path_factory):
+    """The tiny Qwen3-Next preset (8 layers: two groups of [GDN x 3, attention]) with a
+    vocabulary twice the embedded tokenizer's 4096 ids."""
+    out = tmp_path_factory.mktemp("dummy")
+    path = write_config(str(out), "tiny-qwen3-next")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["vocab_size"] = 8192
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return str(out)
+
+
+def test_write_config_is_a_model_dir(tmp_path):
+    from hyjax.models import load_config
+
+    write_config(str(tmp_path), "qwen3-next-80b", 12)
+    cfg = load_config(str(tmp_path))
+    assert cfg.num_hidden_layers == 12 and cfg.num_experts == 512
+
+
+def test_dummy_engine_generates_with_the_embedded_tokenizer(dummy_dir):
+    engine = LLMEngine(EngineArgs(model=dummy_dir, load_format="dummy", scan_layers=True, **SMALL))
+    assert engine.runner.scan_layers  # built stacked: two groups of four layers
+    assert engine.tokenizer is not None and engine.tokenizer.vocab_size == 4096
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=0, ignore_eos=True)
+    engine.add_request(EngineRequest("def f(x):", params))
+    (out,) = engine.run_to_completion().values()
+    ids = out.output_token_ids
+    assert len(ids) == 12 and max(ids) < 8192
+    assert out.text == engine.tokenizer.decode([i for i in ids if i < 4096])
+
+
+def test_bad_load_format_is_named(tmp_path, capsys):
+    from hyjax.loader import load_model
+    from serving.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "x", "--load-format", "pt"])
+    assert "invalid choice: 'pt'" in capsys.readouterr().err
+    write_config(str(tmp_path), "tiny-qwen3-next")
+    with pytest.raises(ValueError, match="unknown load_format 'pt'; one of auto, dummy"):
+        load_model(tmp_path, load_format="pt")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        load_model(tmp_path)  # auto: the checkpoint is needed
