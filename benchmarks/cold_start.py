@@ -67,11 +67,14 @@ def one_start(
     prompt_ids: list[int] | None = None,
     env: dict | None = None,
     keep_log: bool = False,
+    wait_all: bool = True,
 ) -> dict:
     """One ``hyjax serve`` start, timed; the server is stopped after. ``sync_warmup``: None
     leaves ``--warmup`` to ``serve_args`` (or serve's default). ``prompt_ids``: the first
     request is a completion of these token ids (else a chat completion). ``keep_log``: the
-    server's log file is kept (its path in the result), else removed."""
+    server's log file is kept (its path in the result), else removed. ``wait_all`` False: the
+    server is stopped after the first reply (every bucket of a deep model takes many minutes;
+    ``all_buckets_s`` is then None)."""
     port = free_port()
     cmd = [sys.executable, "-m", "serving.entrypoints.cli", "serve", "--port", str(port),
            "--compilation-cache-dir", cache_dir]  # fmt: skip
@@ -108,11 +111,12 @@ def one_start(
         status, reply = request("POST", url + path, body, timeout=timeout)
         assert status == 200, reply
         out["first_reply_s"] = time.monotonic() - start
-        while not BUCKETS_DONE.search(text := open(log.name).read()):
+        while wait_all and not BUCKETS_DONE.search(text := open(log.name).read()):
             if time.monotonic() - start > timeout or proc.poll() is not None:
                 break
             time.sleep(0.5)
-        out["all_buckets_s"] = time.monotonic() - start
+        out["all_buckets_s"] = time.monotonic() - start if wait_all else None
+        text = open(log.name).read()
         out["log_tail"] = [line for line in text.splitlines() if BUCKETS_DONE.search(line)]
         out["compiles"] = compile_counts(text)
     finally:
@@ -143,7 +147,11 @@ def compile_counts(log_text: str) -> dict:
 
 
 def cache_runs(
-    model: str | None, serve_args: tuple[str, ...], timeout: float, keep_logs: bool = False
+    model: str | None,
+    serve_args: tuple[str, ...],
+    timeout: float,
+    keep_logs: bool = False,
+    wait_all: bool = True,
 ) -> list[dict]:
     """A cold start on an empty persistent compilation cache directory, then a warm start on
     it; the directory is removed after."""
@@ -155,7 +163,7 @@ def cache_runs(
         for name in ("cold", "warm"):
             r = one_start(model, sync_warmup=None, timeout=timeout, cache_dir=cache_dir,
                           serve_args=serve_args, prompt_ids=prompt, env=env,
-                          keep_log=keep_logs)  # fmt: skip
+                          keep_log=keep_logs, wait_all=wait_all)  # fmt: skip
             files = [os.path.join(d, f) for d, _, fs in os.walk(cache_dir) for f in fs]
             r["cache_entries"] = len(files)
             r["cache_mb"] = round(sum(os.path.getsize(f) for f in files) / 2**20, 1)
@@ -186,10 +194,17 @@ def main() -> None:
         '--tensor-parallel-size 2 --scan-layers")',
     )
     p.add_argument("--keep-logs", action="store_true", help="keep the servers' log files")
+    p.add_argument(
+        "--first-reply-only",
+        action="store_true",
+        help="stop each server after its first reply (do not wait for every bucket)",
+    )
     ns = p.parse_args()
     serve_args = tuple(shlex.split(ns.serve_args))
     if ns.cache_runs:
-        runs = cache_runs(ns.model, serve_args, ns.timeout, ns.keep_logs)
+        runs = cache_runs(
+            ns.model, serve_args, ns.timeout, ns.keep_logs, wait_all=not ns.first_reply_only
+        )
     else:
         runs = [
             one_start(
