@@ -7,17 +7,20 @@ script times, in one process and one chain discipline, at B = 64 and B = 256:
 * ``copy``: an XLA elementwise pass over a ``[B, H, Dk, Dv]`` f32 array (read + write, the
   same bytes as the state), an optimization barrier between calls so XLA cannot fuse the
   chain into one pass; ``copy_B1`` (one row) estimates the fixed cost of a call in the chain;
-* the kernels the engine has today: ``gdn_decode``, ``conv_gdn_decode`` (what the engine
-  calls: its bytes include the conv windows) and ``kda_decode``, at their defaults;
+* the engine's kernels: ``gdn_decode``, ``conv_gdn_decode`` (what the engine calls: its bytes
+  include the conv windows) and ``kda_decode``, at their defaults. Since the run recorded in
+  BENCHMARKS.md the engine's pool is stored ``[V, K]`` and ``gdn_decode`` / ``kda_decode`` are
+  that run's winner (``vk``, 16 rows, one warp): a rerun times them in the new layout;
 * the variants of :mod:`pallas_kernels.gdn.decode_variants` (``SWEEP``): GDN with the pool
-  transposed (``gdn_vk``, variant A), GDN on today's pool with several tiles a program,
+  transposed (``gdn_vk``, variant A), GDN on the earlier ``[K, V]`` pool with several tiles a
+  program,
   software pipelining and dot reductions (``gdn_kv``, variant B), KDA in both layouts
   (``kda_vk`` / ``kda_kv``, variant C). The full grid runs at B = 64; B = 256 times each
   group's first tiling (its control) and the ``--top`` fastest of B = 64.
 
 Every variant is first checked against the pure-JAX reference on the GPU at the timing shape
 (src 0, dst 0, a row written to another slot, a checkpoint at offset 1, a padding row, NaN in
-slot 0; a ``vk`` pool transposed in and out); one that fails is reported and not timed.
+slot 0; a ``kv`` pool transposed in and out); one that fails is reported and not timed.
 
 Timing (:func:`time_chain`): as :func:`benchmarks.common.time_stateful`, one jitted program of
 ``--iters`` unrolled calls with the state donated and every output consumed (one element of
@@ -95,9 +98,9 @@ SWEEP: dict[str, list[DecodeTiling]] = {
         T("vk", 32, 4, reduce="dot"),
         T("vk", 64, 4, reduce="dot"),
     ],
-    # Variant B: today's [slots, H, Dk, Dv] pool, several tiles a program, pipelined.
+    # Variant B: the earlier [slots, H, Dk, Dv] pool, several tiles a program, pipelined.
     "gdn_kv": [
-        T("kv", 64, 4, fused_output=False),  # today's gdn_decode but for the load order
+        T("kv", 64, 4, fused_output=False),  # the earlier gdn_decode but for the load order
         T("kv", 64, 4),
         T("kv", 64, 4, tiles=4, prefetch=True),
         T("kv", 64, 4, num_stages=3, tiles=4),

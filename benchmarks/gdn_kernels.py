@@ -96,6 +96,7 @@ def _running_slots(rows) -> StateSlots:
 
 
 def _pool(key, num_slots, dtype=jnp.float32):
+    """A state pool, ``[num_slots, Hv, Dv, Dk]`` (states stored transposed, ``hyjax.cache``)."""
     return (0.1 * jax.random.normal(key, (num_slots, HV, D, D), jnp.float32)).astype(dtype)
 
 

@@ -61,7 +61,13 @@ def _activations(key, n, dtype=jnp.bfloat16):
 
 
 def _pool(key, num_slots):
+    """A state pool, ``[num_slots, H, Dv, Dk]`` (states stored transposed, ``hyjax.cache``)."""
     return 0.1 * jax.random.normal(key, (num_slots, H, D, D), jnp.float32)
+
+
+def _kv(states):
+    """Pool-layout states ``[..., Dv, Dk]`` as FLA holds them, ``[..., Dk, Dv]`` (and back)."""
+    return jnp.swapaxes(jnp.asarray(states), -1, -2)
 
 
 def _err_ratio(got, want):
@@ -171,9 +177,9 @@ def check_against_fla(t: int = 300, rows: int = 8) -> dict:
     )
     q, k, v, g, b, A_log, dt_bias = (_to_torch(torch, x) for x in acts)
     o, s = _fla_call(chunk_kda, torch, q[None], k[None], v[None], g[None], b[None], A_log,
-                     dt_bias, _to_torch(torch, h0[1:2]))  # fmt: skip
+                     dt_bias, _to_torch(torch, _kv(h0[1:2])))  # fmt: skip
     out["chunk_kda_output_err_ratio"] = _err_ratio(o[0].float().cpu().numpy(), want_o)
-    out["chunk_kda_state_err_ratio"] = _err_ratio(s[0].float().cpu().numpy(), want_s[1])
+    out["chunk_kda_state_err_ratio"] = _err_ratio(s[0].float().cpu().numpy(), _kv(want_s[1]))
     acts = _activations(jax.random.PRNGKey(12), rows)
     pool = _pool(jax.random.PRNGKey(13), rows + 1)
     slots = jnp.arange(1, rows + 1, dtype=jnp.int32)
@@ -182,9 +188,9 @@ def check_against_fla(t: int = 300, rows: int = 8) -> dict:
     want_o, want_s = jax.jit(kda_decode_reference)(*acts, pool, running)
     q, k, v, g, b, A_log, dt_bias = (_to_torch(torch, x) for x in acts)
     o, s = _fla_call(fused_recurrent_kda, torch, q[:, None], k[:, None], v[:, None], g[:, None],
-                     b[:, None], A_log, dt_bias, _to_torch(torch, pool[1:]))  # fmt: skip
+                     b[:, None], A_log, dt_bias, _to_torch(torch, _kv(pool[1:])))  # fmt: skip
     out["fused_recurrent_output_err_ratio"] = _err_ratio(o[:, 0].float().cpu().numpy(), want_o)
-    out["fused_recurrent_state_err_ratio"] = _err_ratio(s.float().cpu().numpy(), want_s[1:])
+    out["fused_recurrent_state_err_ratio"] = _err_ratio(s.float().cpu().numpy(), _kv(want_s[1:]))
     return out
 
 

@@ -15,7 +15,7 @@ its running slot after the last (dst = src, in place). This script
 
 Bytes per launch (what the kernel moves, at least once each; f32 state, bf16 activations)::
 
-    state   B x (1 read + (k + 1) writes) x H x Dk x Dv x 4       (k checkpoints + dst)
+    state   B x (1 read + (k + 1) writes) x H x Dv x Dk x 4       (k checkpoints + dst)
     tokens  B k x (inputs read + output written)                   GDN: q, k [Hk, D], v [Hv, D],
                                                                    a, b [Hv]; o [Hv, D]
                                                                    KDA: q, k, g, v [H, D], b [H]
@@ -92,6 +92,7 @@ FAMILIES = {
 
 
 def _pool(key, num_slots, heads):
+    """A state pool, ``[num_slots, H, Dv, Dk]`` (states stored transposed, ``hyjax.cache``)."""
     return 0.1 * jax.random.normal(key, (num_slots, heads, D, D), jnp.float32)
 
 

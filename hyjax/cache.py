@@ -4,6 +4,12 @@ One state *slot* holds, for every linear-attention layer, the conv window (last 
 inputs, model dtype) and the recurrent state (``state_dtype``: float32, or bfloat16 at half the
 bytes, ``--state-dtype``; the kernels compute in float32 either way). Slot 0 is NULL; block 0 is
 null.
+
+The recurrent state of a head is stored transposed: ``S^T [Dv, Dk]``, the pool
+``[num_slots, H, Dv, Dk]`` (the head axis is axis 1, where tensor parallel splits it). A value
+channel's row over the key channels is then contiguous, which is what the GPU decode kernels
+stream (16 rows of V a program, both reductions over K inside a warp: BENCHMARKS.md, "Decode in
+the transposed state layout"). Every GDN / KDA op, reference and kernel, takes this layout.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ class Caches:
     # [NB, bs, Hkv, D]; Kimi-Linear's MLA one latent [NB, bs, kv_lora_rank + rope dims]
     kv: tuple[tuple[jax.Array, ...], ...]
     conv: tuple[jax.Array, ...]  # per linear layer: [num_slots, K-1, conv_dim]
-    ssm: tuple[jax.Array, ...]  # per linear layer: f32 | bf16[num_slots, H, Dk, Dv]
+    ssm: tuple[jax.Array, ...]  # per linear layer: f32 | bf16[num_slots, H, Dv, Dk]  (S^T)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +43,7 @@ class CacheSpec:
     kv_token_shapes: tuple[tuple[int, ...], ...]  # one attention layer's paged arrays, per token
     num_attention_layers: int
     conv_shape: tuple[int, int]  # [K-1, conv channels]
-    ssm_shape: tuple[int, int, int]  # [H, Dk, Dv]
+    ssm_shape: tuple[int, int, int]  # [H, Dv, Dk]: the state transposed (module docstring)
     num_linear_layers: int
 
 

@@ -28,7 +28,7 @@ Rules = list[tuple[str, P]]  # (path regex, spec): the first whose regex matches
 OpSpecs = dict[str, tuple[tuple, object]]
 
 # Shorthands of the op specs: split on the head axis (channels for conv) of a 1-, 2- or 3-D
-# array; the state pool's conv windows [slots, K-1, C] and recurrent states [slots, H, Dk, Dv].
+# array; the state pool's conv windows [slots, K-1, C] and recurrent states [slots, H, Dv, Dk].
 H1, H2, H3 = P(M), P(None, M), P(None, M, None)
 CONV_STATE, SSM = P(None, None, M), P(None, M, None, None)
 SLOTS = R  # the StateSlots pytree (one spec for its five arrays), the same on every device

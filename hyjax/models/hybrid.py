@@ -9,7 +9,8 @@ a model file says. Layer ``i``::
 
 and around the layers: embedding, the final norm of the rows the batch wants logits for, and
 the LM head (or the tied embedding). Each linear-attention layer owns one entry of the state
-pools (``caches.conv``, ``caches.ssm``), each full-attention layer one entry of the paged pools
+pools (``caches.conv``, ``caches.ssm``: ``[slots, H, Dv, Dk]``, the states transposed as
+:mod:`hyjax.cache` says), each full-attention layer one entry of the paged pools
 (``caches.kv``), both in layer order.
 
 Parameter paths (``embed_tokens``, ``layers/{i}/...``, ``norm``, ``lm_head``) are what the

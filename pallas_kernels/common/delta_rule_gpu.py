@@ -6,18 +6,27 @@ The chunk step's math is :mod:`pallas_kernels.common.delta_rule`; the families
 The kernels use ``jax.experimental.pallas.triton`` (masked loads/stores, ``tl.dot``);
 ``interpret=True`` runs them with Pallas' generic interpreter on CPU.
 
-Tiles: Triton tiles are powers of two. A program holds all of ``Dk`` (a power of two) and
-``BV`` columns of ``Dv`` (:func:`pick_block_v`: a power of two dividing ``Dv``), so a state block is
-``state[slot, h, :, v0:v0+BV]`` (``[Dk, BV]`` f32 in registers; the pool is f32 or bf16:
+Tiles and the pool layout: the pool stores each head's state transposed, ``S^T [Dv, Dk]``
+(``[num_slots, H, Dv, Dk]``, DESIGN.md §3). Triton tiles are powers of two. A program holds all
+of ``Dk`` (a power of two) and ``BV`` rows of ``Dv`` (:func:`pick_block_v`: a power of two
+dividing ``Dv``), so a state block ``state[slot, h, v0:v0+BV, :]`` is one contiguous run of
+``BV * Dk`` elements (``[BV, Dk]`` f32 in registers; the pool is f32 or bf16:
 :func:`load_state` widens, :func:`store_state` rounds); :func:`unsupported_reason` says which
 head dims ``hyjax.ops`` must leave to the reference.
 
-Decode (memory bound: one read of the source state, one write per destination)::
+Decode (memory bound: one read of the source state, one write per destination), on the
+``[BV, Dk]`` tile, both reductions over K along the contiguous axis (inside a warp)::
 
-    S  = src > 0 ? pool[src, h, :, vblk] : 0      (masked load: nothing read)
-    S  = decay S;  S += k (beta (v - S^T k))^T;  o = S^T q          (decode_update)
-    pool[dst, h, :, vblk] = S   (masked store: dst 0 writes nothing)
-    pool[ckpt_slots[m], ...] = S where ckpt_offsets[m] == 1
+    S^T = src > 0 ? pool[src, h, vblk, :] : 0     (masked load: nothing read)
+    S^T = S^T decay;  delta = beta (v - S^T k);  o = S^T q + delta (k . q)
+    S^T += delta k^T                                                (decode_update)
+    pool[dst, h, vblk, :] = S^T   (masked store: dst 0 writes nothing)
+    pool[ckpt_slots[m], ...] = S^T where ckpt_offsets[m] == 1
+
+grid = (S * Dv / BV, H): program ``i`` is row ``i // (Dv / BV)``, block ``i % (Dv / BV)``, so
+consecutive programs stream consecutive blocks of one slot's head. The tiling (16 rows of V,
+one warp) is the H200 winner of ``benchmarks/decode_variants.py`` (BENCHMARKS.md, "Decode in
+the transposed state layout": 0.89 of copy bandwidth for GDN, 0.86 for KDA).
 
 Prefill windows: the chunk plan of :mod:`pallas_kernels.common.chunking` cuts the ragged batch
 into chunks of at most ``C`` tokens that never straddle sequences or checkpoint offsets. A
@@ -29,8 +38,10 @@ rows contribute nothing)::
     rows:          0 ...  ^start-s0  ^end-s0    C-1     mask = start <= s0 + i < start + len
 
 The serial launches walk a row's chunks in order (:func:`scan_row_chunks`, grid
-``(S, H, Dv // BV)``): the state ``[Dk, BV]`` stays in registers, is stored to every
-checkpoint slot whose offset is the chunk's end and, after the row's last chunk, to ``dst``.
+``(S, H, Dv // BV)``): the chunk math works on ``S [Dk, BV]``, so the tile is transposed where
+it meets the pool (once when the row's source slot is read, once per chunk where it is stored);
+it stays in registers, is stored to every checkpoint slot whose offset is the chunk's end and,
+after the row's last chunk, to ``dst``.
 The chunks of a row are consecutive in the plan (:func:`row_plan`: first chunk and count).
 """
 
@@ -52,6 +63,10 @@ from pallas_kernels.common.slots import ROUND_EVERY, StateSlots
 # ones would run as Triton FMA loops nobody has compiled on a GPU: those models take the
 # reference ops instead (``unsupported_reason``).
 MIN_TILE = 8
+
+# The decode kernels' tiling (module docstring): 16 rows of V, one warp a program.
+DECODE_BLOCK_V = 16
+DECODE_NUM_WARPS = 1
 
 
 def is_pow2(n: int) -> bool:
@@ -100,25 +115,30 @@ def operand_dtype_for(dtype, requested=None):
 
 
 def load_state(pool_in, slot, h, vs, enabled):
-    """``pool_in[slot, h, :, vs]`` as ``[Dk, BV]`` f32 (a bf16 pool's state widened), zeros
-    where not ``enabled`` (no read)."""
-    mask = jnp.full((pool_in.shape[2], vs.size), enabled)
-    return pltr.load(pool_in.at[slot, h, :, vs], mask=mask, other=0.0).astype(jnp.float32)
+    """``pool_in[slot, h, vs, :]`` as ``[BV, Dk]`` f32 (``S^T``'s rows ``vs``; a bf16 pool's
+    state widened), zeros where not ``enabled`` (no read)."""
+    mask = jnp.full((vs.size, pool_in.shape[3]), enabled)
+    return pltr.load(pool_in.at[slot, h, vs, :], mask=mask, other=0.0).astype(jnp.float32)
 
 
 def store_state(pool_out, slot, h, vs, s, enabled):
-    """``pool_out[slot, h, :, vs] = s`` rounded to the pool's dtype, where ``enabled`` (a
-    masked store: nothing otherwise)."""
+    """``pool_out[slot, h, vs, :] = s`` (``[BV, Dk]``) rounded to the pool's dtype, where
+    ``enabled`` (a masked store: nothing otherwise)."""
     s = s.astype(pool_out.dtype)
-    pltr.store(pool_out.at[slot, h, :, vs], s, mask=jnp.full(s.shape, enabled))
+    pltr.store(pool_out.at[slot, h, vs, :], s, mask=jnp.full(s.shape, enabled))
 
 
 def decode_update(s, q, k, v, beta):
-    """One token on a decayed state ``s [Dk, BV]``: ``q, k [Dk]``, ``v [BV]``, ``beta`` a
-    scalar. Returns ``(o [BV], s)``."""
-    pred = jnp.sum(s * k[:, None], axis=0)  # [BV] = S^T k
-    s = s + k[:, None] * (beta * (v - pred))[None, :]
-    return jnp.sum(s * q[:, None], axis=0), s
+    """One token on a decayed state tile ``s = S^T [BV, Dk]``: ``q, k [Dk]``, ``v [BV]``,
+    ``beta`` a scalar. Returns ``(o [BV], s)``.
+
+    ``o = S'^T q`` with ``S' = S + k delta^T`` is ``S^T q + delta (k . q)``: both reductions
+    read the decayed tile (independent, one pass over it) and the update only feeds the store.
+    """
+    pred = jnp.sum(s * k[None, :], axis=1)  # [BV] = S^T k
+    sq = jnp.sum(s * q[None, :], axis=1)  # [BV] = S^T q
+    delta = beta * (v - pred)  # [BV]
+    return sq + delta * jnp.sum(k * q), s + delta[:, None] * k[None, :]
 
 
 class DecodeSlots(NamedTuple):
@@ -133,23 +153,27 @@ class DecodeSlots(NamedTuple):
 
 def decode_program(
     p: DecodeSlots,
-    pool_in,  # f32 | bf16[num_slots, H, Dk, Dv]
+    pool_in,  # f32 | bf16[num_slots, H, Dv, Dk]
     o_ref,  # [S, H, Dv]
     pool_out,  # aliased to pool_in
     *,
     bv: int,
     inputs: Callable,  # inputs(r, h, vs) -> (q, k [Dk], v [BV], beta, decay: exp(g))
 ):
-    """Program ``(r, h, vb)`` of a decode kernel: row ``r``'s state block of head ``h``,
-    decayed by the family's ``decay`` (a scalar, or ``[Dk, 1]`` per key channel), updated,
-    stored to ``dst`` and to the checkpoints at offset 1. Padding rows write zeros to ``o``."""
-    r, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    vs = pl.ds(vb * bv, bv)
+    """Program ``(i, h)`` of a decode kernel: row ``r = i // (Dv / BV)``'s state block
+    ``vs`` of head ``h`` (``[BV, Dk]``), decayed by the family's ``decay`` (a scalar, or
+    ``[1, Dk]`` per key channel), updated, stored to ``dst`` and to the checkpoints at offset 1.
+    Padding rows write zeros to ``o``."""
+    i, h = pl.program_id(0), pl.program_id(1)
+    nvb = pool_in.shape[2] // bv
+    r = i // nvb
+    vs = pl.ds((i % nvb) * bv, bv)
     live = r < p.num_seqs[0]
     src, dst = p.src[r], p.dst[r]
+    # The tile's load is issued first: the token's inputs (l2 norms, gates) run under it.
+    s = load_state(pool_in, src, h, vs, live & (src > 0))  # [BV, Dk]
     q, k, v, beta, decay = inputs(r, h, vs)
-    s = load_state(pool_in, src, h, vs, live & (src > 0)) * decay  # [Dk, BV]
-    o, s = decode_update(s, q, k, v, beta)
+    o, s = decode_update(s * decay, q, k, v, beta)
     o_ref[r, h, vs] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
     store_state(pool_out, dst, h, vs, s, live & (dst > 0))
     for m in range(p.ck_off.shape[1]):
@@ -163,7 +187,7 @@ def launch_decode(
     name: str,
     slots: StateSlots,
     inputs: Sequence[jax.Array],  # the gate parameters, then the row-major activations
-    state: jax.Array,  # f32 | bf16[num_slots, H, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  donated: updated in place
     out_dtype,
     bv: int,
     num_warps: int,
@@ -171,13 +195,13 @@ def launch_decode(
     interpret: bool,
     **params,
 ) -> tuple[jax.Array, jax.Array]:
-    """One ``pallas_call`` over grid ``(S, H, Dv // BV)``; returns ``(o [S, H, Dv], state)``."""
+    """One ``pallas_call`` over grid ``(S * Dv / BV, H)``; returns ``(o [S, H, Dv], state)``."""
     rows = slots.num_rows
-    _, h, _, dv = state.shape
+    _, h, dv, _ = state.shape
     args = (*slots.arrays(), *inputs, state)
     return pl.pallas_call(
         group_refs(kernel, DecodeSlots, bv=bv, **params),
-        grid=(rows, h, dv // bv),
+        grid=(rows * (dv // bv), h),
         out_shape=[
             jax.ShapeDtypeStruct((rows, h, dv), out_dtype),
             jax.ShapeDtypeStruct(state.shape, state.dtype),
@@ -249,7 +273,7 @@ def row_plan(plan: ChunkPlan, slots: StateSlots, num_chunks: int) -> RowPlan:
 
 def scan_row_chunks(
     p: RowPlan,
-    pool_in,  # f32 | bf16[num_slots, H, Dk, Dv]
+    pool_in,  # f32 | bf16[num_slots, H, Dv, Dk]
     pool_out,  # aliased to pool_in
     *,
     vs: pl.Slice,  # this program's Dv columns
@@ -257,14 +281,14 @@ def scan_row_chunks(
     chunk: int,
     step: Callable,  # step(ci, w: Window, s [Dk, BV]) -> s after chunk ci
 ):
-    """Program ``(r, h, vb)`` of a serial launch: ``S <- pool[src[r], h, :, vs]`` (zeros when
-    src == 0), then row ``r``'s chunks in order, storing the state where a checkpoint's offset
-    is the chunk's end and, after the last chunk, to ``dst``. A bf16 pool's state is rounded
-    every ``ROUND_EVERY`` tokens of the row (``pallas_kernels.common.slots``)."""
+    """Program ``(r, h, vb)`` of a serial launch: ``S <- pool[src[r], h, vs, :]^T`` (zeros
+    when src == 0), then row ``r``'s chunks in order, storing ``S^T`` where a checkpoint's
+    offset is the chunk's end and, after the last chunk, to ``dst``. A bf16 pool's state is
+    rounded every ``ROUND_EVERY`` tokens of the row (``pallas_kernels.common.slots``)."""
     r, h = pl.program_id(0), pl.program_id(1)
     n_chunks = p.row_chunks[r]
     src, dst = p.src[r], p.dst[r]
-    s0 = load_state(pool_in, src, h, vs, (n_chunks > 0) & (src > 0))  # [Dk, BV]
+    s0 = load_state(pool_in, src, h, vs, (n_chunks > 0) & (src > 0)).T  # [Dk, BV]
 
     def body(i, s):
         ci = p.row_first[r] + i
@@ -272,10 +296,11 @@ def scan_row_chunks(
         s = step(ci, window(start, length, num_tokens, chunk), s)
         if pool_out.dtype != jnp.float32:  # a bf16 pool: the carried state rounds too
             s = jnp.where(end % ROUND_EVERY == 0, s.astype(pool_out.dtype).astype(s.dtype), s)
+        s_t = s.T  # [BV, Dk]: the pool's layout, for every store of this chunk
         for m in range(p.ck_off.shape[1]):
             slot = p.ck_slot[r, m]
-            store_state(pool_out, slot, h, vs, s, (slot > 0) & (p.ck_off[r, m] == end))
-        store_state(pool_out, dst, h, vs, s, (i == n_chunks - 1) & (dst > 0))
+            store_state(pool_out, slot, h, vs, s_t, (slot > 0) & (p.ck_off[r, m] == end))
+        store_state(pool_out, dst, h, vs, s_t, (i == n_chunks - 1) & (dst > 0))
         return s
 
     jax.lax.fori_loop(0, n_chunks, body, s0)

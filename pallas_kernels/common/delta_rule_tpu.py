@@ -4,6 +4,12 @@ The chunk step itself is :mod:`pallas_kernels.common.delta_rule`; the families
 (:mod:`pallas_kernels.gdn.tpu`, :mod:`pallas_kernels.kda.tpu`) lay out their inputs, build the
 gate-specific operands and call the helpers below.
 
+The pool stores each state transposed, ``S^T``: ``[num_slots, H, Dv, Dk]`` (DESIGN.md §3; the
+GPU decode's layout). A DMA copies bytes, so the VMEM state keeps the pool's layout too, and the
+chunk and decode math (written on ``S [Dk, Dv]``) transposes a head's ``[Dv, Dk]`` tile where
+it takes it and back where it leaves it (2-D f32 transposes, on the XLU): per chunk in the
+prefill (:func:`for_each_head`), per row in the decode (:func:`decode_grid_step`).
+
 Prefill: right-aligned chunks, the state in VMEM
 ------------------------------------------------
 The wrapper cuts the ragged batch into chunks (:mod:`pallas_kernels.common.chunking`: a chunk
@@ -142,9 +148,9 @@ class StateScratch(NamedTuple):
     VMEM, the DMA semaphore and, for a pool that is not f32, the stage every slot DMA goes
     through (a DMA converts nothing)."""
 
-    state: Any  # VMEM f32[HB, Dk, Dv]
+    state: Any  # VMEM f32[HB, Dv, Dk]  (S^T, the pool's layout)
     sem: Any  # DMA semaphore
-    stage: Any | None  # VMEM [HB, Dk, Dv] in the pool's dtype; None for an f32 pool
+    stage: Any | None  # VMEM [HB, Dv, Dk] in the pool's dtype; None for an f32 pool
 
 
 def _load_state(src_ref, scr: StateScratch):
@@ -182,7 +188,7 @@ def _store_state(p, scr: StateScratch, pool_out, heads, *, row, offset, write_ds
 
 def prefill_grid_step(
     p: PrefillPrefetch,
-    pool_in,  # ANY f32 | bf16[num_slots, H, Dk, Dv]
+    pool_in,  # ANY f32 | bf16[num_slots, H, Dv, Dk]
     pool_out,  # ANY, aliased to pool_in
     scr: StateScratch,
     compute: Callable,  # compute(h0, length): the chunk step of every head of the block
@@ -227,11 +233,12 @@ def prefill_grid_step(
 
 def for_each_head(s_scr, o_ref, head: Callable):
     """``o, state = head(jh, state)`` for each head ``jh`` of the block (a loop, not unrolled:
-    one chunk step's code); the state stays in ``s_scr[jh]``, ``o`` goes to ``o_ref[jh, 0]``."""
+    one chunk step's code), ``state [Dk, Dv]``; it stays in ``s_scr[jh]`` as ``S^T [Dv, Dk]``
+    (the pool's layout), ``o`` goes to ``o_ref[jh, 0]``."""
 
     def body(jh, carry):
-        o, s_new = head(jh, s_scr[jh])
-        s_scr[jh] = s_new
+        o, s_new = head(jh, s_scr[jh].T)
+        s_scr[jh] = s_new.T
         o_ref[jh, 0] = o.astype(o_ref.dtype)
         return carry
 
@@ -240,7 +247,7 @@ def for_each_head(s_scr, o_ref, head: Callable):
 
 def decode_grid_step(
     p: DecodePrefetch,
-    s_in,  # [1, HB, Dk, Dv]  pool[src[r], heads], pipelined (the pool's dtype)
+    s_in,  # [1, HB, Dv, Dk]  pool[src[r], heads], pipelined (the pool's dtype)
     o_ref,  # [1, 1, HB, Dv]
     pool_out,  # ANY, aliased to the pool that s_in is read from
     scr: StateScratch,
@@ -261,10 +268,10 @@ def decode_grid_step(
     def _compute():
         for j in range(num_heads_blk):
             qc, kc, v, beta, decay = head(h0 + j, j)
-            s = jnp.where(has_src, s_in[0, j].astype(jnp.float32), 0.0) * decay  # [Dk, Dv]
-            o, s = decode_update(s, qc, kc, v, beta)
+            s_t = jnp.where(has_src, s_in[0, j].astype(jnp.float32), 0.0)  # [Dv, Dk]
+            o, s = decode_update(s_t.T * decay, qc, kc, v, beta)  # on S [Dk, Dv]
             o_ref[0, 0, j : j + 1, :] = o.astype(o_ref.dtype)
-            scr.state[j] = s
+            scr.state[j] = s.T
         _store_state(p, scr, pool_out, heads, row=r, offset=1, write_dst=None)
 
     @pl.when(~live)
@@ -283,14 +290,14 @@ def _launch(
     blocked inputs (``spec``), the pool (``state_spec``, aliased to the second output, which
     the kernel writes by DMA), and ``HB`` heads of state in VMEM (:class:`StateScratch`, the
     kernel's last argument)."""
-    _, _, dk, dv = state.shape
+    _, _, dv, dk = state.shape
     scratch = [
-        pltpu.VMEM((heads_per_block, dk, dv), jnp.float32),
+        pltpu.VMEM((heads_per_block, dv, dk), jnp.float32),
         pltpu.SemaphoreType.DMA(()),
     ]
     staged = state.dtype != jnp.float32
     if staged:
-        scratch.append(pltpu.VMEM((heads_per_block, dk, dv), state.dtype))
+        scratch.append(pltpu.VMEM((heads_per_block, dv, dk), state.dtype))
     grouped = group_refs(kernel, type(prefetch), **params)
 
     def body(*refs):
@@ -324,7 +331,7 @@ def launch_prefill(
     slots: StateSlots,
     smem: jax.Array,  # f32[...]  the gate parameters, whole in SMEM
     blocks: Sequence[jax.Array],  # [H', NC, R, D] chunked inputs, H' a multiple of the blocks
-    state: jax.Array,  # f32 | bf16[num_slots, H, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  donated: updated in place
     out: jax.ShapeDtypeStruct,  # [H, NC, C, Dv]
     heads_per_block: int,
     interpret,
@@ -362,7 +369,7 @@ def launch_decode(
     slots: StateSlots,
     smem: jax.Array,  # f32[...]  the gate parameters, whole in SMEM
     blocks: Sequence[jax.Array],  # [S, H // HB, R, D]  row r, head block h: block [R, D]
-    state: jax.Array,  # f32 | bf16[num_slots, H, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  donated: updated in place
     out: jax.ShapeDtypeStruct,  # [S, H // HB, HB, Dv]
     interpret,
     **params,
@@ -370,7 +377,7 @@ def launch_decode(
     """One ``pallas_call`` over grid ``(H // HB, S)``; returns ``(o [S, H // HB, HB, Dv],
     state)``. The kernel's ``s_in`` is ``pool[src[r], heads]`` through the pipeline."""
     rows, num_blocks, heads_per_block, _ = out.shape
-    _, _, dk, dv = state.shape
+    _, _, dv, dk = state.shape
 
     def row_map(h, r, *_):
         return (r, h, 0, 0)
@@ -385,7 +392,7 @@ def launch_decode(
     return _launch(
         kernel, DecodePrefetch(*slots.flat()), smem, blocks, state, out,
         grid=(num_blocks, rows), spec=spec,
-        state_spec=pl.BlockSpec((1, heads_per_block, dk, dv), state_map),
+        state_spec=pl.BlockSpec((1, heads_per_block, dv, dk), state_map),
         heads_per_block=heads_per_block, name=name, interpret=interpret, params=params,
     )  # fmt: skip
 

@@ -9,9 +9,11 @@ the same arguments as the families' prefill ops (:func:`gdn_multi_decode` ~ ``gd
 :func:`kda_multi_decode` ~ ``kda_prefill``), so the ops layer can route a verify step here,
 and run the decode recurrence token by token instead.
 
-grid = (S, H, Dv // BV); program ``(r, h, vb)`` owns ``state[:, h, :, v0:v0+BV]`` of row ``r``::
+grid = (S, H, Dv // BV); program ``(r, h, vb)`` owns ``state[slot, h, v0:v0+BV, :]`` of row
+``r``: a ``[BV, Dk]`` tile of ``S^T``, the pool's layout (``[num_slots, H, Dv, Dk]``), the
+reductions over K along its contiguous axis, as in the one-token decode::
 
-    S = src > 0 ? pool[src, h, :, vblk] : 0            one read (masked: nothing read if 0)
+    S^T = src > 0 ? pool[src, h, vblk, :] : 0          one read (masked: nothing read if 0)
     for t in 0 .. max_tokens-1 (static, unrolled):     the row's tokens qsl[r] + t
         valid = t < len(r)                             else a no-op (decay 1, beta 0)
         S = decay_t S;  S += k (beta (v - S^T k))^T;  o_t = S^T q        (decode_update)
@@ -28,7 +30,9 @@ and its ``dst`` state come out NaN (its checkpoints at offsets ``<= max_tokens``
 Tokens past ``qsl[num_seqs]`` and rows ``>= num_seqs`` read and write nothing; their outputs
 are 0, as in the references.
 
-Speed (H200, ``benchmarks/multi_decode.py``, a checkpoint per token, dst in place): at k = 1
+Speed (H200, ``benchmarks/multi_decode.py``, measured with the pool in the earlier ``[Dk, Dv]``
+layout, a ``[Dk, BV]`` tile; not re-measured in ``[Dv, Dk]``), a checkpoint per token, dst in
+place: at k = 1
 the one-token decode kernel's time (B=64 GDN 124 vs 119 us), 81-89 % of copy bandwidth;
 at k = 4, 354 us (B=64) and 1.32 ms (B=256) for GDN, 57-61 % of copy bandwidth, against
 86 ms for the chunked prefill on the same slots. ``block_v=128`` was 12-15 % faster than the
@@ -80,7 +84,7 @@ class MultiSlots(NamedTuple):
 
 def multi_decode_program(
     p: MultiSlots,
-    pool_in,  # f32[num_slots, H, Dk, Dv]
+    pool_in,  # f32 | bf16[num_slots, H, Dv, Dk]
     o_ref,  # [T, H, Dv]
     pool_out,  # aliased to pool_in
     *,
@@ -98,7 +102,7 @@ def multi_decode_program(
     length = jnp.where(live, p.qsl[r + 1] - start, 0)
     too_long = length > max_tokens  # the caller's guarantee broken: poison, don't truncate
     src, dst = p.src[r], p.dst[r]
-    s = load_state(pool_in, src, h, vs, (length > 0) & (src > 0))  # [Dk, BV]
+    s = load_state(pool_in, src, h, vs, (length > 0) & (src > 0))  # [BV, Dk]
     for t in range(max_tokens):
         valid = t < length
         # A token past the row reads a clamped (in-bounds, finite) row and changes nothing:
@@ -139,7 +143,7 @@ def launch_multi_decode(
     query_start_loc: jax.Array,  # i32[S+1]
     slots: StateSlots,
     inputs: tuple[jax.Array, ...],  # the gate parameters, then the token-major activations
-    state: jax.Array,  # f32[num_slots, H, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  donated: updated in place
     out_dtype,
     max_tokens: int,
     bv: int,
@@ -152,7 +156,7 @@ def launch_multi_decode(
     with the outputs of tokens past ``qsl[num_seqs]`` zeroed."""
     check_max_tokens(max_tokens, query_start_loc, slots.num_seqs)
     rows = slots.num_rows
-    _, h, _, dv = state.shape
+    _, h, dv, _ = state.shape
     num_tokens = inputs[-1].shape[0]
     qsl = query_start_loc.astype(jnp.int32)
     args = (qsl, *slots.arrays(), *inputs, state)
@@ -182,7 +186,7 @@ def _gdn_kernel(
     q_ref, k_ref,  # [T, Hk, Dk]
     v_ref,  # [T, Hv, Dv]
     a_ref, b_ref,  # [T, Hv]
-    pool_in,  # f32[num_slots, Hv, Dk, Dv]
+    pool_in,  # f32 | bf16[num_slots, Hv, Dv, Dk]
     o_ref,  # [T, Hv, Dv]
     pool_out,  # aliased to pool_in
     *, bv: int, max_tokens: int, ratio: int, scale: float,
@@ -200,7 +204,7 @@ def gdn_multi_decode(
     b: jax.Array,  # [T, Hv]
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
-    state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, Hv, Dv, Dk]  donated: updated in place
     query_start_loc: jax.Array,  # i32[S+1]
     slots: StateSlots,  # DESIGN.md §3
     *,
@@ -244,7 +248,7 @@ def _kda_kernel(
     q_ref, k_ref, g_ref,  # [T, H, Dk]
     v_ref,  # [T, H, Dv]
     b_ref,  # [T, H]
-    pool_in,  # f32[num_slots, H, Dk, Dv]
+    pool_in,  # f32 | bf16[num_slots, H, Dv, Dk]
     o_ref,  # [T, H, Dv]
     pool_out,  # aliased to pool_in
     *, bv: int, max_tokens: int, scale: float,
@@ -262,7 +266,7 @@ def kda_multi_decode(
     b: jax.Array,  # [T, H]
     A_log: jax.Array,  # f32[H]
     dt_bias: jax.Array,  # f32[H, Dk]
-    state: jax.Array,  # f32[num_slots, H, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  donated: updated in place
     query_start_loc: jax.Array,  # i32[S+1]
     slots: StateSlots,  # DESIGN.md §3
     *,

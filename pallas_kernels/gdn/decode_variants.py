@@ -1,17 +1,20 @@
 """Experimental GDN and KDA decode kernels (issue 19): layouts and tilings to time on a GPU.
 
-Not wired into ``hyjax.ops`` or the engine: ``benchmarks/decode_variants.py`` times them
+The benchmark of record for the decode layout: ``benchmarks/decode_variants.py`` times them
 against ``gdn_decode`` / ``conv_gdn_decode`` / ``kda_decode`` and an XLA copy of the same
-state bytes, to decide which one the engine should take. Same math, slot contract and
-argument order as :func:`pallas_kernels.gdn.gpu.gdn_decode` and
+state bytes. Its winner (``DecodeTiling("vk", block_v=16, num_warps=1)``) is what
+``gdn_decode`` and ``kda_decode`` now run, on the engine's pool, which is stored ``[V, K]``
+(DESIGN.md §3); the ``"kv"`` variants remain as the earlier layout's experiment. Same math,
+slot contract and argument order as :func:`pallas_kernels.gdn.gpu.gdn_decode` and
 :func:`pallas_kernels.kda.gpu.kda_decode` (DESIGN.md §3: ``src`` 0 reads a zero state, ``dst``
 0 writes nothing, checkpoints at offset 1 are written, padding rows write zeros to ``o``);
 what varies is described by a :class:`DecodeTiling`:
 
 ``layout``
-    ``"kv"``: today's pool, ``[slots, H, Dk, Dv]``; a program's tile ``[Dk, BV]`` and the two
-    reductions over Dk run down the non-contiguous axis (across warps, through shared memory).
-    ``"vk"`` (variant A): the pool stored transposed, ``[slots, H, Dv, Dk]``; the tile
+    ``"kv"``: the earlier pool, ``[slots, H, Dk, Dv]``; a program's tile ``[Dk, BV]`` and the
+    two reductions over Dk run down the non-contiguous axis (across warps, through shared
+    memory). ``"vk"`` (variant A): the pool stored transposed, ``[slots, H, Dv, Dk]`` (the
+    engine's layout now); the tile
     ``[BV, Dk]`` is one contiguous ``BV * Dk`` run of the pool, and the reductions run along
     the contiguous axis, inside a warp (FlashInfer's "pretranspose" decode)::
 
@@ -35,7 +38,8 @@ what varies is described by a :class:`DecodeTiling`:
 ``fused_output``
     ``o = S'^T q`` with ``S' = S + k delta^T`` equals ``S^T q + delta (k . q)``: both
     reductions read the decayed state ``S`` (independent of each other, one pass), and the
-    update only feeds the store. Off: ``o`` is reduced from the updated state, as today.
+    update only feeds the store. Off: ``o`` is reduced from the updated state, as the earlier
+    kernels did.
 
 Every variant loads its state tile before computing the token's inputs (q, k l2-norms and
 gates), so that arithmetic runs under the load's latency.
@@ -112,9 +116,9 @@ class DecodeTiling:
 
 
 def to_layout(state: jax.Array, layout: str) -> jax.Array:
-    """A ``[slots, H, Dk, Dv]`` pool in ``layout`` (``"vk"`` swaps the last two axes; the
-    swap is its own inverse, so this also brings a ``vk`` pool back)."""
-    return state if layout == "kv" else jnp.swapaxes(state, -1, -2)
+    """The engine's ``[slots, H, Dv, Dk]`` pool in ``layout`` (``"kv"`` swaps the last two
+    axes; the swap is its own inverse, so this also brings a ``kv`` pool back)."""
+    return state if layout == "vk" else jnp.swapaxes(state, -1, -2)
 
 
 # ----------------------------------------------------------------------------- tile math
@@ -266,14 +270,14 @@ def _launch(
     )(*all_args)
 
 
-def _kv_view(state: jax.Array, tiling: DecodeTiling, v: jax.Array, dk: int):
-    """The pool as ``[slots, H, Dk, Dv]`` (shape and dtype only), for the references' argument
-    checks, after checking it against ``tiling.layout``."""
+def _engine_view(state: jax.Array, tiling: DecodeTiling, v: jax.Array, dk: int):
+    """The pool as the engine's ``[slots, H, Dv, Dk]`` (shape and dtype only), for the
+    references' argument checks, after checking it against ``tiling.layout``."""
     _, heads, dv = v.shape
     want = tiling.pool_shape(state.shape[0], heads, dk, dv)
     if state.ndim != 4 or state.shape != want:
         raise ValueError(f"state {state.shape} must be {want} in the {tiling.layout!r} layout")
-    return jax.ShapeDtypeStruct(DecodeTiling("kv").pool_shape(*want[:2], dk, dv), state.dtype)
+    return jax.ShapeDtypeStruct(DecodeTiling("vk").pool_shape(*want[:2], dk, dv), state.dtype)
 
 
 # ----------------------------------------------------------------------------- GDN
@@ -295,7 +299,7 @@ def gdn_decode_variant(
 ) -> tuple[jax.Array, jax.Array]:
     """``gdn_decode`` with the pool in ``tiling.layout``. Returns ``(o [S, Hv, Dv], state)``,
     the state in the same layout, updated in place."""
-    pool = _kv_view(state, tiling, v, q.shape[-1])
+    pool = _engine_view(state, tiling, v, q.shape[-1])
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, pool, slots)
     rows, hk, dk = q.shape
     hv = v.shape[1]
@@ -345,7 +349,7 @@ def kda_decode_variant(
 ) -> tuple[jax.Array, jax.Array]:
     """``kda_decode`` with the pool in ``tiling.layout``. Returns ``(o [S, H, Dv], state)``,
     the state in the same layout, updated in place."""
-    pool = _kv_view(state, tiling, v, q.shape[-1])
+    pool = _engine_view(state, tiling, v, q.shape[-1])
     check_kda_args(q, k, v, g, b, A_log, dt_bias, pool, slots)
     rows, _, dk = q.shape
     if rows != slots.num_rows:

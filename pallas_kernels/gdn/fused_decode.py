@@ -16,9 +16,19 @@ GPU kernel (Triton lowering), grid = (S, Hk)::
     recurrent states. No channel or state block is read by one program and written by
     another, so reading ``src`` and writing ``dst`` in place (src == dst) is race free.
 
-Inside a program, the value heads and their ``BV``-column blocks are a static loop: the state
-block ``[Dk, BV]`` is loaded, decayed, updated, stored; q and k (after the conv, l2-normed) are
-computed once per program.
+Inside a program, the value heads and their ``BV``-row blocks are a static loop: the state
+block ``ssm_state[slot, h, v0:v0+BV, :]`` (``[BV, Dk]``, a contiguous run of the pool's
+``[num_slots, Hv, Dv, Dk]`` layout, DESIGN.md §3) is loaded, decayed, updated with both
+reductions over K along its contiguous axis, stored; q and k (after the conv, l2-normed) are
+computed once per program, each block's v channels by the block itself.
+
+Why one program per key head and not per value block (the unfused decode's grid): q and k need
+the key head's conv window, which the program also rewrites (to ``dst``, in place when
+``src == dst``); a program per value block would read a window another program of the same
+head may already have shifted. Keeping the head in one program keeps the conv race free and
+computes its q / k convolution once; the price is fewer, longer programs (``Hk`` per row, each
+walking ``R * Dv / BV`` tiles). ``block_v`` 16 / 4 warps is a guess on the transposed layout,
+not yet timed on a GPU (the unfused kernel's 16 rows / 1 warp was, at 0.89 of copy).
 """
 
 from __future__ import annotations
@@ -69,8 +79,8 @@ def unpack_conv_channels(
 def check_conv_gdn_decode_args(mixed, conv_weight, conv_state, ssm_state, num_k_heads: int) -> None:
     """Raises ``ValueError`` naming the first inconsistent shape."""
     if ssm_state.ndim != 4:
-        raise ValueError(f"ssm_state {ssm_state.shape} must be [num_slots, Hv, Dk, Dv]")
-    _, hv, dk, dv = ssm_state.shape
+        raise ValueError(f"ssm_state {ssm_state.shape} must be [num_slots, Hv, Dv, Dk]")
+    _, hv, dv, dk = ssm_state.shape
     c = 2 * num_k_heads * dk + hv * dv
     if mixed.ndim != 2 or mixed.shape[1] != c:
         raise ValueError(f"mixed {mixed.shape} must be [S, 2*Hk*Dk + Hv*Dv = {c}]")
@@ -92,14 +102,14 @@ def composed_conv_gdn_decode(conv1d_update: Callable, gdn_decode: Callable) -> C
         b: jax.Array,  # [S, Hv]
         A_log: jax.Array,  # f32[Hv]
         dt_bias: jax.Array,  # f32[Hv]
-        ssm_state: jax.Array,  # f32 | bf16[num_slots, Hv, Dk, Dv]
+        ssm_state: jax.Array,  # f32 | bf16[num_slots, Hv, Dv, Dk]
         slots: StateSlots,  # DESIGN.md §3
         *,
         num_k_heads: int,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         check_conv_gdn_decode_args(mixed, conv_weight, conv_state, ssm_state, num_k_heads)
         y, conv_state = conv1d_update(mixed, conv_weight, conv_state, slots)
-        _, hv, dk, dv = ssm_state.shape
+        _, hv, dv, dk = ssm_state.shape
         q, k, v = unpack_conv_channels(y, (num_k_heads, dk), (hv, dv), 1)
         o, ssm_state = gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, slots)
         return o, conv_state, ssm_state
@@ -120,14 +130,14 @@ def _kernel(
     w_ref,  # [C, K]
     a_ref, b_ref,  # [S, Hv]
     conv_in,  # [num_slots, K-1, C]
-    ssm_in,  # f32[num_slots, Hv, Dk, Dv]
+    ssm_in,  # f32 | bf16[num_slots, Hv, Dv, Dk]
     o_ref,  # [S, Hv, Dv]
     conv_out,  # aliased to conv_in
     ssm_out,  # aliased to ssm_in
     *, hk: int, bv: int, scale: float,
 ):  # fmt: skip
     r, g = pl.program_id(0), pl.program_id(1)
-    _, hv, dk, dv = ssm_in.shape
+    _, hv, dv, dk = ssm_in.shape
     km1 = conv_in.shape[1]
     ratio = hv // hk
     live = r < n_ref[0]
@@ -162,9 +172,9 @@ def _kernel(
         decay = jnp.exp(g_h)
         for vb in range(dv // bv):
             vs = pl.ds(vb * bv, bv)
+            s = load_state(ssm_in, src, h, vs, live & (src > 0))  # [BV, Dk], issued first
             v = conv(2 * hk * dk + h * dv + vb * bv, bv)  # [BV]
-            s = load_state(ssm_in, src, h, vs, live & (src > 0)) * decay  # [Dk, BV]
-            o, s = decode_update(s, q, k, v, beta)
+            o, s = decode_update(s * decay, q, k, v, beta)
             o_ref[r, h, vs] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
             for slot, enabled in writes:
                 store_state(ssm_out, slot, h, vs, s, enabled)
@@ -178,7 +188,7 @@ def conv_gdn_decode(
     b: jax.Array,  # [S, Hv]
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
-    ssm_state: jax.Array,  # f32 | bf16[num_slots, Hv, Dk, Dv]  donated: updated in place
+    ssm_state: jax.Array,  # f32 | bf16[num_slots, Hv, Dv, Dk]  donated: updated in place
     slots: StateSlots,  # DESIGN.md §3
     *,
     num_k_heads: int,
@@ -197,21 +207,20 @@ def conv_gdn_decode(
     check_conv_gdn_decode_args(mixed, conv_weight, conv_state, ssm_state, num_k_heads)
     rows = mixed.shape[0]
     if rows < min_rows:
-        unfused = composed_conv_gdn_decode(
-            causal_conv1d_update_reference,
-            functools.partial(gdn_decode, num_warps=num_warps, interpret=interpret),
+        unfused = composed_conv_gdn_decode(  # gdn_decode in its own (measured) tiling
+            causal_conv1d_update_reference, functools.partial(gdn_decode, interpret=interpret)
         )
         return unfused(
             mixed, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slots,
             num_k_heads=num_k_heads,
         )  # fmt: skip
-    _, hv, dk, dv = ssm_state.shape
+    _, hv, dv, dk = ssm_state.shape
     q, k, v = unpack_conv_channels(mixed, (num_k_heads, dk), (hv, dv), 1)  # shapes, for checks
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, ssm_state, slots)
     if rows != slots.num_rows:
         raise ValueError(f"decode rows {rows} must equal {slots.num_rows=} (one token each)")
     check_key_dim(dk)
-    bv = pick_block_v(dv, block_v)
+    bv = pick_block_v(dv, block_v, default=16)
     args = (
         *slots.arrays(), gate_params(A_log, dt_bias),
         mixed, conv_weight, a, b, conv_state, ssm_state,

@@ -11,10 +11,14 @@ slot loads and stores, the decode program, the prefill windows and the row scan 
 decay), GVA (value head ``h`` reads key head ``h // (Hv // Hk)``), 64-token chunks, and a
 prefill split into a parallel and a serial launch.
 
+The pool holds each state transposed, ``[num_slots, Hv, Dv, Dk]`` (DESIGN.md §3).
+
 Decode
 ------
-grid = (S, Hv, Dv // BV); a program owns ``state[:, h, :, v0:v0+BV]`` of one row and decays it
-by ``exp(g)``, ``g = -exp(A_log) softplus(a + dt_bias)``.
+grid = (S * Dv / BV, Hv); a program owns ``state[slot, h, v0:v0+BV, :]`` of one row (a
+contiguous ``[BV, Dk]`` tile, by default 16 rows on one warp) and decays it by ``exp(g)``,
+``g = -exp(A_log) softplus(a + dt_bias)``
+(:func:`~pallas_kernels.common.delta_rule_gpu.decode_program`).
 
 Prefill (chunked WY/UT form, two or three launches)
 ---------------------------------------------------
@@ -29,7 +33,8 @@ shorter batches).
    ``e^gam_last``. Stored head-major (``[Hv, T, D]``: a chunk's rows are contiguous) in the
    *operand dtype*, valid rows only, so the scratch is proportional to the tokens.
 2. ``_serial_kernel``, grid = (S, Hv, Dv // BV): a program walks its row's chunks in order with
-   ``S [Dk, BV]`` (f32) in registers: ``V' = U - W S``, ``o = (q e^gam) S + Aqk V'``,
+   ``S [Dk, BV]`` (f32) in registers (transposed from and to the pool's ``[BV, Dk]`` rows):
+   ``V' = U - W S``, ``o = (q e^gam) S + Aqk V'``,
    ``S = e^gam_last S + (k e^(gam_last - gam))^T V'``, writing checkpoints and ``dst``. Two of
    the four products (``W S``, then the state update) are the serial chain; the other two hang
    off it.
@@ -70,6 +75,8 @@ from pallas_kernels.common.delta_rule import (
     unit_lower_inverse,
 )
 from pallas_kernels.common.delta_rule_gpu import (
+    DECODE_BLOCK_V,
+    DECODE_NUM_WARPS,
     DecodeSlots,
     RowPlan,
     check_key_dim,
@@ -119,7 +126,7 @@ def _decode_kernel(
     q_ref, k_ref,  # [S, Hk, Dk]
     v_ref,  # [S, Hv, Dv]
     a_ref, b_ref,  # [S, Hv]
-    pool_in,  # f32[num_slots, Hv, Dk, Dv]
+    pool_in,  # f32 | bf16[num_slots, Hv, Dv, Dk]
     o_ref,  # [S, Hv, Dv]
     pool_out,  # aliased to pool_in
     *, bv: int, ratio: int, scale: float,
@@ -137,11 +144,11 @@ def gdn_decode(
     b: jax.Array,  # [S, Hv]
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
-    state: jax.Array,  # f32[num_slots, Hv, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, Hv, Dv, Dk]  donated: updated in place
     slots: StateSlots,  # DESIGN.md §3
     *,
     block_v: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = DECODE_NUM_WARPS,
     num_stages: int = 1,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -159,7 +166,7 @@ def gdn_decode(
         inputs=(gate_params(A_log, dt_bias), q, k, v, a, b),
         state=state,
         out_dtype=v.dtype,
-        bv=pick_block_v(dv, block_v, default=64),  # H200 sweep at B=64: 64 columns, 4 warps
+        bv=pick_block_v(dv, block_v, default=DECODE_BLOCK_V),
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=interpret,
@@ -259,7 +266,7 @@ def _chunk_loads(x: ChunkRefs, ci, win, h, vs):
 def _serial_kernel(
     p: RowPlan,
     x: ChunkRefs,
-    pool_in,  # [num_slots, Hv, Dk, Dv]
+    pool_in,  # [num_slots, Hv, Dv, Dk]
     o_ref,  # [Tp, Hv, Dv]  (rows outside every chunk are left unwritten)
     pool_out,
     *, bv: int, precision,
@@ -283,7 +290,7 @@ def _serial_kernel(
 def _state_kernel(
     p: RowPlan,
     x: ChunkRefs,
-    pool_in,  # [num_slots, Hv, Dk, Dv]
+    pool_in,  # [num_slots, Hv, Dv, Dk]
     h_ref,  # [NC, Hv, Dk, Dv]  out: the state before each chunk (operand dtype)
     vnew_ref,  # [Hv, Tp, Dv]   out: V' = U - W S
     pool_out,
@@ -341,7 +348,7 @@ def gdn_prefill(
     b: jax.Array,  # [T, Hv]
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
-    state: jax.Array,  # [num_slots, Hv, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, Hv, Dv, Dk]  donated: updated in place
     query_start_loc: jax.Array,  # i32[S+1]
     slots: StateSlots,  # DESIGN.md §3
     *,

@@ -10,6 +10,10 @@ Per value head ``h`` (key head ``h // (Hv // Hk)``) and token ``t``, with state
     S     = S + k (beta * (v_t - S^T k))^T
     o_t   = Dk**-0.5 * S^T q
 
+The pool stores each state transposed, ``S^T: [Dv, Dk]`` (``[num_slots, Hv, Dv, Dk]``: a value
+channel's row over the key channels is contiguous, so a decode kernel reduces over K along the
+contiguous axis); the recurrence below is written on ``S^T`` directly.
+
 Slots follow DESIGN.md §3: ``src_slot`` 0 reads a zero state, ``dst_slot`` 0 writes nothing,
 and ``(ckpt_offsets, ckpt_slots)`` pairs write the state after that many of the step's tokens.
 The pool holds float32 or bfloat16 states (``--state-dtype``): a slot is read into float32, the
@@ -60,8 +64,8 @@ def check_gdn_args(
         raise ValueError(f"a {a.shape} and b {b.shape} must be [T, Hv] = {(n, hv)}")
     if A_log.shape != (hv,) or dt_bias.shape != (hv,):
         raise ValueError(f"A_log {A_log.shape} and dt_bias {dt_bias.shape} must be [{hv}]")
-    if state.ndim != 4 or state.shape[1:] != (hv, dk, dv):
-        raise ValueError(f"state {state.shape} must be [num_slots, {hv}, {dk}, {dv}]")
+    if state.ndim != 4 or state.shape[1:] != (hv, dv, dk):
+        raise ValueError(f"state {state.shape} must be [num_slots, Hv={hv}, Dv={dv}, Dk={dk}]")
     check_state_dtype(state)
     slots.check(query_start_loc)
 
@@ -100,12 +104,13 @@ def _prepare(q, k, v, a, b, A_log, dt_bias):
 
 
 def _step(state, q, k, v, g, beta):
-    """One token for every head: state [Hv, Dk, Dv]; q, k [Hv, Dk]; v [Hv, Dv]; g, beta [Hv]."""
+    """One token for every head: state S^T [Hv, Dv, Dk]; q, k [Hv, Dk]; v [Hv, Dv]; g, beta
+    [Hv]."""
     state = state * jnp.exp(g)[:, None, None]
-    pred = jnp.einsum("HKV,HK->HV", state, k, precision=EXACT)
+    pred = jnp.einsum("HVK,HK->HV", state, k, precision=EXACT)  # S^T k
     delta = beta[:, None] * (v - pred)
-    state = state + jnp.einsum("HK,HV->HKV", k, delta, precision=EXACT)
-    o = jnp.einsum("HKV,HK->HV", state, q, precision=EXACT)
+    state = state + jnp.einsum("HV,HK->HVK", delta, k, precision=EXACT)
+    o = jnp.einsum("HVK,HK->HV", state, q, precision=EXACT)  # S^T q
     return state, o
 
 
@@ -117,7 +122,7 @@ def gdn_prefill_reference(
     b: jax.Array,  # [T, Hv]  beta logits
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
-    state: jax.Array,  # f32 | bf16[num_slots, Hv, Dk, Dv]
+    state: jax.Array,  # f32 | bf16[num_slots, Hv, Dv, Dk]  (S^T)
     query_start_loc: jax.Array,  # i32[S+1]
     slots: StateSlots,  # DESIGN.md §3
 ) -> tuple[jax.Array, jax.Array]:
@@ -126,7 +131,7 @@ def gdn_prefill_reference(
     num_slots = state.shape[0]
     seq_id, local, live = token_seq_ids(query_start_loc, slots.num_seqs, num_tokens)
     q32, k32, v32, g, beta = _prepare(q, k, v, a, b, A_log, dt_bias)
-    # [S, Hv, Dk, Dv] f32, read before any write; the pool may be bf16 (--state-dtype)
+    # [S, Hv, Dv, Dk] f32, read before any write; the pool may be bf16 (--state-dtype)
     init = read_slots(state, slots.src_slot).astype(jnp.float32)
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     row_live = jnp.arange(slots.num_rows) < slots.num_seqs
@@ -164,7 +169,7 @@ def gdn_decode_reference(
     b: jax.Array,  # [S, Hv]
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
-    state: jax.Array,  # f32 | bf16[num_slots, Hv, Dk, Dv]
+    state: jax.Array,  # f32 | bf16[num_slots, Hv, Dv, Dk]  (S^T)
     slots: StateSlots,  # DESIGN.md §3
 ) -> tuple[jax.Array, jax.Array]:
     """One token per sequence. Returns ``(o [S, Hv, Dv] in v.dtype, state)``.

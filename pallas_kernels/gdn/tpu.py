@@ -112,7 +112,7 @@ def _prefill_kernel(
     q_ref, k_ref,  # [HKB, 1, C, Dk]
     v_ref,  # [HB, 1, C, Dv]
     a_ref, b_ref,  # [HB, 1, 1, C]
-    pool_in,  # ANY f32 | bf16[num_slots, Hv, Dk, Dv]
+    pool_in,  # ANY f32 | bf16[num_slots, Hv, Dv, Dk]
     o_ref,  # [HB, 1, C, Dv]
     pool_out,  # ANY, aliased to pool_in
     scr: StateScratch,  # VMEM f32 state of the head block, DMA semaphore, stage
@@ -149,7 +149,7 @@ def gdn_prefill(
     b: jax.Array,  # [T, Hv]
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
-    state: jax.Array,  # f32 | bf16[num_slots, Hv, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, Hv, Dv, Dk]  donated: updated in place
     query_start_loc: jax.Array,  # i32[S+1]
     slots: StateSlots,  # DESIGN.md §3
     *,
@@ -209,7 +209,7 @@ def _decode_kernel(
     q_ref, k_ref,  # [1, 1, Dk, HB]  columns
     v_ref,  # [1, 1, HB, Dv]
     a_ref, b_ref,  # [1, 1, 1, HB]
-    s_in,  # [1, HB, Dk, Dv]  pool[src[r], heads], pipelined
+    s_in,  # [1, HB, Dv, Dk]  pool[src[r], heads], pipelined
     o_ref,  # [1, 1, HB, Dv]
     pool_out,  # ANY, aliased to the pool that s_in is read from
     scr: StateScratch,  # VMEM f32 state of the head block, DMA semaphore, stage
@@ -237,7 +237,7 @@ def gdn_decode(
     b: jax.Array,  # [S, Hv]
     A_log: jax.Array,  # f32[Hv]
     dt_bias: jax.Array,  # f32[Hv]
-    state: jax.Array,  # f32 | bf16[num_slots, Hv, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, Hv, Dv, Dk]  donated: updated in place
     slots: StateSlots,  # DESIGN.md §3
     *,
     heads_per_block: int | None = None,

@@ -7,10 +7,13 @@ the chunk step :mod:`pallas_kernels.common.delta_rule`'s. The gate is computed i
 ``g = -exp(A_log[h]) * softplus(g_raw + dt_bias[h])``, one per key channel. ``interpret=True``
 runs them with Pallas' generic interpreter on CPU (how CI tests them).
 
+The pool holds each state transposed, ``[num_slots, H, Dv, Dk]`` (DESIGN.md §3).
+
 Decode
 ------
-grid = (S, H, Dv // BV); a program owns ``state[:, h, :, v0:v0+BV]`` of one row and decays its
-rows per key channel: ``S = diag(exp(g)) S``.
+grid = (S * Dv / BV, H); a program owns ``state[slot, h, v0:v0+BV, :]`` of one row (a
+contiguous ``[BV, Dk]`` tile of ``S^T``, by default 16 rows on one warp) and decays it per key
+channel: ``S = diag(exp(g)) S``, i.e. ``S^T``'s columns.
 
 Prefill (chunked WY/UT form, three launches)
 --------------------------------------------
@@ -38,7 +41,8 @@ chunk have ``g = beta = 0`` and zero q/k/v, so ``gam`` restarts at the chunk)::
    blocks above the diagonal are never written), and ``e^gam_last`` per chunk.
 2. ``_state_kernel``, grid = (S, H, Dv // BV): a program walks its row's chunks in order
    (:func:`~pallas_kernels.common.delta_rule_gpu.scan_row_chunks`: slot loads, checkpoint
-   and ``dst`` stores) with ``S [Dk, BV]`` in registers, storing each chunk's starting state
+   and ``dst`` stores, the tile transposed where it meets the pool) with ``S [Dk, BV]`` in
+   registers, storing each chunk's starting state
    ``h`` (``[NC, H, Dk, Dv]``) and ``Vnew = U - W S``; then
    ``S = diag(e^gam_last) S + (k e^(gam_last - gam))^T Vnew``. Two Dk x BV matmuls a chunk.
 3. ``_output_kernel``, grid = (NC, H, Dv // BV_out), in parallel:
@@ -76,6 +80,8 @@ from pallas_kernels.common.delta_rule import (
     unit_lower_inverse,
 )
 from pallas_kernels.common.delta_rule_gpu import (
+    DECODE_BLOCK_V,
+    DECODE_NUM_WARPS,
     DecodeSlots,
     RowPlan,
     check_key_dim,
@@ -113,13 +119,13 @@ def _check(q, k, v, g, b, A_log, dt_bias, state, slots, qsl=None):
 
 def token_inputs(neg_a_ref, dt_ref, q_ref, k_ref, g_ref, v_ref, b_ref, tok, h, vs, *, scale):
     """One token's decode inputs for head ``h`` and Dv columns ``vs`` (the decode and
-    multi-token decode kernels): ``(q, k [Dk], v [BV], beta, decay [Dk, 1])``."""
+    multi-token decode kernels): ``(q, k [Dk], v [BV], beta, decay [1, Dk])``."""
     q = l2norm(q_ref[tok, h, :].astype(jnp.float32)) * scale  # [Dk]
     k = l2norm(k_ref[tok, h, :].astype(jnp.float32))
     v = v_ref[tok, h, vs].astype(jnp.float32)  # [BV]
     g = neg_a_ref[h] * softplus(g_ref[tok, h, :].astype(jnp.float32) + dt_ref[h, :])  # [Dk]
     beta = jax.nn.sigmoid(b_ref[tok, h].astype(jnp.float32))
-    return q, k, v, beta, jnp.exp(g)[:, None]  # the state's rows, per key channel
+    return q, k, v, beta, jnp.exp(g)[None, :]  # S^T's columns (S's rows), per key channel
 
 
 # ----------------------------------------------------------------------------- decode
@@ -132,7 +138,7 @@ def _decode_kernel(
     q_ref, k_ref, g_ref,  # [S, H, Dk]
     v_ref,  # [S, H, Dv]
     b_ref,  # [S, H]
-    pool_in,  # f32[num_slots, H, Dk, Dv]
+    pool_in,  # f32 | bf16[num_slots, H, Dv, Dk]
     o_ref,  # [S, H, Dv]
     pool_out,  # aliased to pool_in
     *, bv: int, scale: float,
@@ -150,11 +156,11 @@ def kda_decode(
     b: jax.Array,  # [S, H]
     A_log: jax.Array,  # f32[H]
     dt_bias: jax.Array,  # f32[H, Dk]
-    state: jax.Array,  # f32[num_slots, H, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  donated: updated in place
     slots: StateSlots,  # DESIGN.md §3
     *,
     block_v: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = DECODE_NUM_WARPS,
     num_stages: int = 1,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -171,7 +177,7 @@ def kda_decode(
         inputs=(-jnp.exp(A_log.astype(jnp.float32)), dt_bias.astype(jnp.float32), q, k, g, v, b),
         state=state,
         out_dtype=v.dtype,
-        bv=pick_block_v(dv, block_v),
+        bv=pick_block_v(dv, block_v, default=DECODE_BLOCK_V),
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=interpret,
@@ -189,7 +195,7 @@ def _serial_kernel(
     q_ref, k_ref, g_ref,  # [Tp, H, Dk]
     v_ref,  # [Tp, H, Dv]
     b_ref,  # [Tp, H]
-    pool_in,  # f32[num_slots, H, Dk, Dv]
+    pool_in,  # f32 | bf16[num_slots, H, Dv, Dk]
     o_ref,  # [Tp, H, Dv]  (rows outside every chunk are left unwritten)
     pool_out,
     *, bv: int, scale: float, precision,
@@ -393,7 +399,7 @@ def _state_kernel(
     u_ref,  # [Tp, H, Dv]
     kd_ref,  # [Tp, H, Dk]
     decay_ref,  # f32[NC, H, Dk]
-    pool_in,  # f32[num_slots, H, Dk, Dv]
+    pool_in,  # f32 | bf16[num_slots, H, Dv, Dk]
     h_ref,  # [NC, H, Dk, Dv]  out: the state before each chunk
     vnew_ref,  # [Tp, H, Dv]    out: Vnew = U - W S, token-major
     pool_out,
@@ -463,7 +469,7 @@ def kda_prefill(
     b: jax.Array,  # [T, H]
     A_log: jax.Array,  # f32[H]
     dt_bias: jax.Array,  # f32[H, Dk]
-    state: jax.Array,  # f32[num_slots, H, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  donated: updated in place
     query_start_loc: jax.Array,  # i32[S+1]
     slots: StateSlots,  # DESIGN.md §3
     *,

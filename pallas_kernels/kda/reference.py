@@ -13,6 +13,9 @@ head ``h`` and token ``t``, with state ``S: [Dk, Dv]`` (float32)::
 The gate is computed inside the op (as FLA's ``use_gate_in_kernel``), so the layer hands
 over the raw low-rank projection ``g_t`` and the beta logits ``b_t``.
 
+The pool stores each state transposed, ``S^T: [Dv, Dk]`` (``[num_slots, H, Dv, Dk]``), as the
+GDN ops do; the recurrence below is written on ``S^T`` (the decay scales its columns).
+
 Slots follow DESIGN.md §3 exactly as the GDN ops do: ``src_slot`` 0 reads a zero state,
 ``dst_slot`` 0 writes nothing, and ``(ckpt_offsets, ckpt_slots)`` pairs write the state after
 that many of the step's tokens. The pool holds float32 or bfloat16 states (``--state-dtype``): a
@@ -77,8 +80,9 @@ def check_kda_args(
         raise ValueError(f"b {b.shape} must be [N={n}, H={h}]")
     if A_log.shape != (h,) or dt_bias.shape != (h, dk):
         raise ValueError(f"A_log {A_log.shape} must be [{h}], dt_bias {dt_bias.shape} [{h}, {dk}]")
-    if state.shape[1:] != (h, dk, v.shape[2]):
-        raise ValueError(f"state {state.shape} must be [num_slots, {h}, {dk}, {v.shape[2]}]")
+    if state.ndim != 4 or state.shape[1:] != (h, v.shape[2], dk):
+        want = f"[num_slots, H={h}, Dv={v.shape[2]}, Dk={dk}]"
+        raise ValueError(f"state {state.shape} must be {want}")
     check_state_dtype(state)
     slots.check(query_start_loc)
 
@@ -91,12 +95,13 @@ def _prepare(q, k, v, g, b, A_log, dt_bias):
 
 
 def _step(state, q, k, v, decay, beta):
-    """One token of every head: state [H, Dk, Dv]; q, k, decay [H, Dk]; v [H, Dv]; beta [H]."""
-    state = state * jnp.exp(decay)[:, :, None]
-    pred = jnp.einsum("HKV,HK->HV", state, k, precision=EXACT)
+    """One token of every head: state S^T [H, Dv, Dk]; q, k, decay [H, Dk]; v [H, Dv]; beta
+    [H]."""
+    state = state * jnp.exp(decay)[:, None, :]  # diag(exp(g)) S: S^T's columns
+    pred = jnp.einsum("HVK,HK->HV", state, k, precision=EXACT)  # S^T k
     delta = beta[:, None] * (v - pred)
-    state = state + jnp.einsum("HK,HV->HKV", k, delta, precision=EXACT)
-    o = jnp.einsum("HKV,HK->HV", state, q, precision=EXACT)
+    state = state + jnp.einsum("HV,HK->HVK", delta, k, precision=EXACT)
+    o = jnp.einsum("HVK,HK->HV", state, q, precision=EXACT)  # S^T q
     return state, o
 
 
@@ -108,7 +113,7 @@ def kda_prefill_reference(
     b: jax.Array,  # [T, H]      beta logits
     A_log: jax.Array,  # f32[H]
     dt_bias: jax.Array,  # f32[H, Dk]
-    state: jax.Array,  # f32 | bf16[num_slots, H, Dk, Dv]
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  (S^T)
     query_start_loc: jax.Array,  # i32[S+1]
     slots: StateSlots,  # DESIGN.md §3
 ) -> tuple[jax.Array, jax.Array]:
@@ -118,7 +123,7 @@ def kda_prefill_reference(
     num_slots = state.shape[0]
     seq_id, local, live = token_seq_ids(query_start_loc, slots.num_seqs, num_tokens)
     q32, k32, v32, decay, beta = _prepare(q, k, v, g, b, A_log, dt_bias)
-    # [S, H, Dk, Dv] f32, read before any write; the pool may be bf16 (--state-dtype)
+    # [S, H, Dv, Dk] f32, read before any write; the pool may be bf16 (--state-dtype)
     init = read_slots(state, slots.src_slot).astype(jnp.float32)
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     row_live = jnp.arange(slots.num_rows) < slots.num_seqs
@@ -156,7 +161,7 @@ def kda_decode_reference(
     b: jax.Array,  # [S, H]
     A_log: jax.Array,  # f32[H]
     dt_bias: jax.Array,  # f32[H, Dk]
-    state: jax.Array,  # f32 | bf16[num_slots, H, Dk, Dv]
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  (S^T)
     slots: StateSlots,  # DESIGN.md §3
 ) -> tuple[jax.Array, jax.Array]:
     """One token per sequence. Returns ``(o [S, H, Dv] in v.dtype, state)``.

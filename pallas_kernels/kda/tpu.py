@@ -104,7 +104,7 @@ def _prefill_kernel(
     q_ref, k_ref, g_ref,  # [HB, 1, C, Dk]  (g: raw gate + dt_bias)
     v_ref,  # [HB, 1, C, Dv]
     b_ref,  # [HB, 1, C, 1]
-    pool_in,  # ANY f32 | bf16[num_slots, H, Dk, Dv]
+    pool_in,  # ANY f32 | bf16[num_slots, H, Dv, Dk]
     o_ref,  # [HB, 1, C, Dv]
     pool_out,  # ANY, aliased to pool_in
     scr: StateScratch,  # VMEM f32 state of the head block, DMA semaphore, stage
@@ -137,7 +137,7 @@ def kda_prefill(
     b: jax.Array,  # [T, H]
     A_log: jax.Array,  # f32[H]
     dt_bias: jax.Array,  # f32[H, Dk]
-    state: jax.Array,  # f32 | bf16[num_slots, H, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  donated: updated in place
     query_start_loc: jax.Array,  # i32[S+1]
     slots: StateSlots,  # DESIGN.md §3
     *,
@@ -186,7 +186,7 @@ def _decode_kernel(
     q_ref, k_ref, g_ref,  # [1, 1, Dk, HB]  columns (g: raw gate + dt_bias)
     v_ref,  # [1, 1, HB, Dv]
     b_ref,  # [1, 1, 1, HB]
-    s_in,  # [1, HB, Dk, Dv]  pool[src[r], heads], pipelined
+    s_in,  # [1, HB, Dv, Dk]  pool[src[r], heads], pipelined
     o_ref,  # [1, 1, HB, Dv]
     pool_out,  # ANY, aliased to the pool that s_in is read from
     scr: StateScratch,  # VMEM f32 state of the head block, DMA semaphore, stage
@@ -211,7 +211,7 @@ def kda_decode(
     b: jax.Array,  # [S, H]
     A_log: jax.Array,  # f32[H]
     dt_bias: jax.Array,  # f32[H, Dk]
-    state: jax.Array,  # f32 | bf16[num_slots, H, Dk, Dv]  donated: updated in place
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  donated: updated in place
     slots: StateSlots,  # DESIGN.md §3
     *,
     heads_per_block: int | None = None,

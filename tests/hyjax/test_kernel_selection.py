@@ -106,7 +106,7 @@ def test_gdn_gpu_kernels_lower_to_triton_with_clamped_value_tiles():
     hk, hv, dk, dv, n, rows = 1, 2, 16, 24, 64, 2
     gates = [sd((hv,), f32)] * 2
     slots = abstract_slots(rows, 1)
-    pool = sd((4, hv, dk, dv), f32)
+    pool = sd((4, hv, dv, dk), f32)
     prefill = [sd((n, hk, dk), f32)] * 2 + [sd((n, hv, dv), f32)] + [sd((n, hv), f32)] * 2
     decode = [sd((rows, hk, dk), f32)] * 2 + [sd((rows, hv, dv), f32)] + [sd((rows, hv), f32)] * 2
     c = 2 * hk * dk + hv * dv

@@ -8,9 +8,11 @@ def softplus(x):
 
 
 def gdn_sequence(q, k, v, a, b, A_log, dt_bias, s0):
-    """One sequence: q, k [L, Hk, Dk]; v [L, Hv, Dv]; a, b [L, Hv]; s0 [Hv, Dk, Dv].
+    """One sequence: q, k [L, Hk, Dk]; v [L, Hv, Dv]; a, b [L, Hv]; s0 [Hv, Dv, Dk], a slot of
+    the pool (which stores each state transposed, S^T).
 
-    Returns the outputs [L, Hv, Dv] and the state after every token [L, Hv, Dk, Dv].
+    Returns the outputs [L, Hv, Dv] and the state after every token as the pool stores it,
+    [L, Hv, Dv, Dk]. The math below runs on S [Dk, Dv], as written in the papers.
     """
     r = v.shape[1] // q.shape[1]
     q = np.repeat(q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6), r, axis=1)
@@ -18,14 +20,14 @@ def gdn_sequence(q, k, v, a, b, A_log, dt_bias, s0):
     q = q * q.shape[-1] ** -0.5
     g = -np.exp(A_log) * softplus(a + dt_bias)
     beta = 1 / (1 + np.exp(-b))
-    s = s0.astype(np.float64).copy()
+    s = np.swapaxes(s0, -1, -2).astype(np.float64)  # S [Hv, Dk, Dv]
     outs, states = [], []
     for t in range(len(q)):
         s = s * np.exp(g[t])[:, None, None]
         pred = np.einsum("hkv,hk->hv", s, k[t])
         s = s + np.einsum("hk,hv->hkv", k[t], beta[t][:, None] * (v[t] - pred))
         outs.append(np.einsum("hkv,hk->hv", s, q[t]))
-        states.append(s.copy())
+        states.append(np.swapaxes(s, -1, -2).copy())  # the pool's S^T
     return np.array(outs), np.array(states)
 
 

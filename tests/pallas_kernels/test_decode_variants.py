@@ -1,7 +1,8 @@
 """The experimental GDN / KDA decode variants vs the references, in Pallas interpret mode.
 
-A ``vk`` variant keeps its pool transposed (``[slots, H, Dv, Dk]``): the test transposes the
-reference's pool in and the kernel's pool back out. Slots as in ``test_gdn_gpu``: rows that
+The references take the engine's pool, ``[slots, H, Dv, Dk]`` (what a ``vk`` variant takes
+too); a ``kv`` variant (the earlier ``[slots, H, Dk, Dv]`` layout) gets it transposed in and
+gives it back transposed. Slots as in ``test_gdn_gpu``: rows that
 start from zero, a row that writes nothing, one updated in place, checkpoints at offsets 1 and
 0, a padding row, and NaN in every slot nobody reads. Timing them is
 ``benchmarks/decode_variants.py`` on a GPU machine.
@@ -52,8 +53,8 @@ def _slots():
 
 
 def _pool(rng, src, heads, dtype):
-    pool = np.full((16, heads, DK, DV), np.nan, np.float32)
-    pool[src[src > 0]] = rng.normal(size=(4, heads, DK, DV))
+    pool = np.full((16, heads, DV, DK), np.nan, np.float32)
+    pool[src[src > 0]] = rng.normal(size=(4, heads, DV, DK))
     return jnp.asarray(pool, dtype)
 
 

@@ -27,10 +27,10 @@ def _case(rng, *, hk, hv, dk, dv, kernel, dtype):
     ck_off[3, 1], ck_slot[3, 1] = 0, 12  # offset 0: no write
     ck_off[4, 0], ck_slot[4, 0] = 1, 13
     conv = np.full((num_slots, kernel - 1, c), np.nan, np.float32)
-    ssm = np.full((num_slots, hv, dk, dv), np.nan, np.float32)
+    ssm = np.full((num_slots, hv, dv, dk), np.nan, np.float32)
     for s in (1, 2, 3):
         conv[s] = rng.normal(size=(kernel - 1, c))
-        ssm[s] = rng.normal(size=(hv, dk, dv))
+        ssm[s] = rng.normal(size=(hv, dv, dk))
     return (
         mixed, weight, jnp.asarray(conv, dtype), a, b, A_log, dt_bias, jnp.asarray(ssm),
         state_slots(src, dst, ck_off, ck_slot, num_seqs),

@@ -50,7 +50,7 @@ def test_prefill_matches_reference(lens, hk, hv, dk, dv, dtype, bv, three):
     rng = np.random.default_rng(sum(lens))
     case = ragged_case(lens)
     inputs = _inputs(rng, case.num_tokens, hk, hv, dk, dv, dtype)
-    pool = jnp.asarray(case.pool(rng, (hv, dk, dv), np.float32))
+    pool = jnp.asarray(case.pool(rng, (hv, dv, dk), np.float32))
     args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
     want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
     kernel = functools.partial(gpu.gdn_prefill, block_v=bv, three_launches=three, interpret=True)
@@ -68,9 +68,9 @@ def test_decode_matches_reference():
     rng = np.random.default_rng(2)
     rows, num_seqs, hk, hv, dk, dv, m = 6, 5, 2, 6, 16, 8, 2
     inputs = _inputs(rng, rows, hk, hv, dk, dv, jnp.float32)
-    pool = np.full((16, hv, dk, dv), np.nan, np.float32)
+    pool = np.full((16, hv, dv, dk), np.nan, np.float32)
     src = np.array([1, 2, 0, 3, 4, 0], np.int32)
-    pool[src[src > 0]] = rng.normal(size=(4, hv, dk, dv))
+    pool[src[src > 0]] = rng.normal(size=(4, hv, dv, dk))
     dst = np.array([1, 0, 7, 3, 8, 0], np.int32)
     ck_off = np.zeros((rows, m), np.int32)
     ck_slot = np.zeros((rows, m), np.int32)
@@ -90,7 +90,7 @@ def test_rejects_non_power_of_two_heads():
     with pytest.raises(ValueError, match="block_v=3 must be a power of two"):
         gpu.gdn_decode(
             z((2, 1, 16)), z((2, 1, 16)), z((2, 1, 12)), z((2, 1)), z((2, 1)), z(1), z(1),
-            z((3, 1, 16, 12)), zero_slots(2, 1), block_v=3, interpret=True,
+            z((3, 1, 12, 16)), zero_slots(2, 1), block_v=3, interpret=True,
         )  # fmt: skip
 
 

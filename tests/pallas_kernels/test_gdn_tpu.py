@@ -67,7 +67,7 @@ def test_prefill_matches_reference(lens, hk, hv, dk, dv, dtype, hb):
     rng = np.random.default_rng(sum(lens))
     case = ragged_case(lens)
     inputs = _inputs(rng, case.num_tokens, hk, hv, dk, dv, dtype)
-    pool = jnp.asarray(case.pool(rng, (hv, dk, dv), np.float32))
+    pool = jnp.asarray(case.pool(rng, (hv, dv, dk), np.float32))
     args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
     want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
     run = jax.jit(lambda *x: tpu.gdn_prefill(*x, heads_per_block=hb, interpret=INTERPRET))
@@ -88,7 +88,7 @@ def test_prefill_unaligned_checkpoints_and_empty_rows():
     case.ckpt_slots[0] = [case.num_slots - 1, case.num_slots - 2, 1]
     case.dst[1] = case.src[1]  # zero tokens: its slot is never written
     inputs = _inputs(rng, case.num_tokens, 2, 6, 16, 8, jnp.float32)
-    pool = jnp.asarray(case.pool(rng, (6, 16, 8), np.float32))
+    pool = jnp.asarray(case.pool(rng, (6, 8, 16), np.float32))
     args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
     want_o, want_s = gdn_prefill_reference(*args)
     got_o, got_s = tpu.gdn_prefill(*args, interpret=INTERPRET)
@@ -110,10 +110,10 @@ def test_decode_matches_reference(rows, num_seqs, dtype, hb):
     hk, hv, dk, dv, m = 2, 6, 16, 8, 2
     inputs = _inputs(rng, rows, hk, hv, dk, dv, dtype)
     num_slots = 2 * rows + 4
-    pool = np.full((num_slots, hv, dk, dv), np.nan, np.float32)
+    pool = np.full((num_slots, hv, dv, dk), np.nan, np.float32)
     src = np.where(np.arange(rows) % 3 == 2, 0, 1 + np.arange(rows)).astype(np.int32)
     src[num_seqs:] = 0
-    pool[src[src > 0]] = rng.normal(size=(int((src > 0).sum()), hv, dk, dv))
+    pool[src[src > 0]] = rng.normal(size=(int((src > 0).sum()), hv, dv, dk))
     dst = src.copy()  # in place, except: a fresh row writes a new slot, row 1 writes nothing
     dst[src == 0] = rows + 1 + np.arange(rows)[src == 0]
     dst[1] = 0
@@ -141,7 +141,7 @@ def test_decode_continues_prefill():
     rng = np.random.default_rng(5)
     hk, hv, dk, dv, n = 2, 6, 16, 8, 73
     q, k, v, a, b, A_log, dt = _inputs(rng, n, hk, hv, dk, dv, jnp.float32)
-    pool = jnp.full((4, hv, dk, dv), jnp.nan, jnp.float32)
+    pool = jnp.full((4, hv, dv, dk), jnp.nan, jnp.float32)
     z = np.zeros((1, 1), np.int32)
     qsl = jnp.array([0, 70], jnp.int32)
     fresh, running = state_slots([0], [1], z, z, 1), state_slots([1], [1], z, z, 1)
@@ -156,7 +156,7 @@ def test_decode_continues_prefill():
         )  # fmt: skip
         outs.append(o)
     full_o, full_s = gdn_prefill_reference(
-        q, k, v, a, b, A_log, dt, jnp.zeros((2, hv, dk, dv)), jnp.array([0, n], jnp.int32), fresh
+        q, k, v, a, b, A_log, dt, jnp.zeros((2, hv, dv, dk)), jnp.array([0, n], jnp.int32), fresh
     )
     assert_close(jnp.concatenate(outs), full_o, rtol=1e-4, atol=1e-4, what="outputs")
     assert_close(pool[1], full_s[1], rtol=1e-4, atol=1e-4, what="final state")
@@ -166,7 +166,7 @@ def _shape_args(hk=2, hv=6, dk=16, dv=8, n=10, rows=3, m=2, num_slots=4):
     z = jnp.zeros
     return dict(
         q=z((n, hk, dk)), k=z((n, hk, dk)), v=z((n, hv, dv)), a=z((n, hv)), b=z((n, hv)),
-        A_log=z(hv), dt_bias=z(hv), state=z((num_slots, hv, dk, dv)),
+        A_log=z(hv), dt_bias=z(hv), state=z((num_slots, hv, dv, dk)),
         query_start_loc=z(rows + 1, jnp.int32), slots=zero_slots(rows, m),
     )  # fmt: skip
 
@@ -176,8 +176,8 @@ BAD = {
     "heads_not_divisible": (dict(v=jnp.zeros((10, 5, 8))), "hv=5 value heads must be a multiple"),
     "gates_shape": (dict(a=jnp.zeros((10, 5))), r"a \(10, 5\) and b"),
     "A_log_shape": (dict(A_log=jnp.zeros(5)), "A_log .* must be"),
-    "state_shape": (dict(state=jnp.zeros((4, 6, 8, 16))), "state .* must be"),
-    "state_dtype": (dict(state=jnp.zeros((4, 6, 16, 8), jnp.float16)), "must be float32 or bf"),
+    "state_shape": (dict(state=jnp.zeros((4, 6, 16, 8))), "state .* must be"),  # [K, V]
+    "state_dtype": (dict(state=jnp.zeros((4, 6, 8, 16), jnp.float16)), "must be float32 or bf"),
     "ckpt_shape": (
         dict(slots=zero_slots(3, 2, ckpt_slots=jnp.zeros((3, 1), jnp.int32))),
         "ckpt_slots .* must match",

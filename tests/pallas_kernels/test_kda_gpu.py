@@ -69,7 +69,7 @@ def test_prefill_matches_reference(lens, h, dk, dv, dtype, bv, path):
     rng = np.random.default_rng(sum(lens))
     case = ragged_case(lens)
     inputs = _inputs(rng, case.num_tokens, h, dk, dv, dtype)
-    pool = jnp.asarray(case.pool(rng, (h, dk, dv), np.float32))
+    pool = jnp.asarray(case.pool(rng, (h, dv, dk), np.float32))
     args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
     want_o, want_s = jax.jit(kda_prefill_reference)(*args)
     kernel = functools.partial(gpu.kda_prefill, block_v=bv, interpret=True, **PATHS[path])
@@ -92,7 +92,7 @@ def test_prefill_strong_gates_stay_finite():
     q, k, v, g, b, _, dt_bias = _inputs(rng, case.num_tokens, h, dk, dv, jnp.float32)
     A_log = jnp.full((h,), np.log(16.0), jnp.float32)
     g = g + 6.0  # softplus ~ 6..12: g ~ -100..-200 per token and channel
-    pool = jnp.asarray(case.pool(rng, (h, dk, dv), np.float32))
+    pool = jnp.asarray(case.pool(rng, (h, dv, dk), np.float32))
     args = (q, k, v, g, b, A_log, dt_bias, pool, jnp.asarray(case.query_start_loc), case.slots())
     want_o, want_s = jax.jit(kda_prefill_reference)(*args)
     got_o, got_s = jax.jit(functools.partial(gpu.kda_prefill, interpret=True))(*args)
@@ -105,9 +105,9 @@ def test_decode_matches_reference():
     rng = np.random.default_rng(2)
     rows, num_seqs, h, dk, dv, m = 6, 5, 3, 16, 8, 2
     inputs = _inputs(rng, rows, h, dk, dv, jnp.float32)
-    pool = np.full((16, h, dk, dv), np.nan, np.float32)
+    pool = np.full((16, h, dv, dk), np.nan, np.float32)
     src = np.array([1, 2, 0, 3, 4, 0], np.int32)
-    pool[src[src > 0]] = rng.normal(size=(4, h, dk, dv))
+    pool[src[src > 0]] = rng.normal(size=(4, h, dv, dk))
     dst = np.array([1, 0, 7, 3, 8, 0], np.int32)
     ck_off = np.zeros((rows, m), np.int32)
     ck_slot = np.zeros((rows, m), np.int32)
@@ -127,7 +127,7 @@ def test_rejects_bad_blocks():
     with pytest.raises(ValueError, match="block_v=3 must be a power of two"):
         gpu.kda_decode(
             z((2, 1, 16)), z((2, 1, 16)), z((2, 1, 12)), z((2, 1, 16)), z((2, 1)), z(1),
-            z((1, 16)), z((3, 1, 16, 12)), zero_slots(2, 1), block_v=3, interpret=True,
+            z((1, 16)), z((3, 1, 12, 16)), zero_slots(2, 1), block_v=3, interpret=True,
         )  # fmt: skip
 
 

@@ -19,22 +19,24 @@ def softplus(x):
 
 
 def kda_sequence(q, k, v, g, b, A_log, dt_bias, s0):
-    """One sequence in float64: q, k, g [L, H, Dk]; v [L, H, Dv]; b [L, H]; s0 [H, Dk, Dv].
+    """One sequence in float64: q, k, g [L, H, Dk]; v [L, H, Dv]; b [L, H]; s0 [H, Dv, Dk], a
+    slot of the pool (each state stored transposed, S^T).
 
-    Returns the outputs [L, H, Dv] and the state after every token [L, H, Dk, Dv].
+    Returns the outputs [L, H, Dv] and the state after every token as the pool stores it,
+    [L, H, Dv, Dk]. The math runs on S [Dk, Dv].
     """
     q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) * q.shape[-1] ** -0.5
     k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
     decay = -np.exp(A_log)[:, None] * softplus(g + dt_bias)  # [L, H, Dk]
     beta = 1 / (1 + np.exp(-b))
-    s = s0.astype(np.float64).copy()
+    s = np.swapaxes(s0, -1, -2).astype(np.float64)  # S [H, Dk, Dv]
     outs, states = [], []
     for t in range(len(q)):
         s = s * np.exp(decay[t])[:, :, None]  # one decay per key channel: the state's rows
         pred = np.einsum("hkv,hk->hv", s, k[t])
         s = s + np.einsum("hk,hv->hkv", k[t], beta[t][:, None] * (v[t] - pred))
         outs.append(np.einsum("hkv,hk->hv", s, q[t]))
-        states.append(s.copy())
+        states.append(np.swapaxes(s, -1, -2).copy())  # the pool's S^T
     return np.array(outs), np.array(states)
 
 
@@ -59,7 +61,7 @@ def test_kda_prefill(lens):
     rng = np.random.default_rng(len(lens))
     case = ragged_case(lens, max_ckpt=2)
     x = _inputs(rng, case.num_tokens)
-    pool = case.pool(rng, (H, DK, DV), np.float32)
+    pool = case.pool(rng, (H, DV, DK), np.float32)
     qsl = case.query_start_loc
     out, new = kda_prefill_reference(
         *(jnp.asarray(a, jnp.float32) for a in x),
@@ -71,7 +73,7 @@ def test_kda_prefill(lens):
     written = set()
     for i in range(case.num_seqs):
         lo, hi = qsl[i], qsl[i + 1]
-        s0 = pool[case.src[i]] if case.src[i] else np.zeros((H, DK, DV))
+        s0 = pool[case.src[i]] if case.src[i] else np.zeros((H, DV, DK))
         o, states = kda_sequence(*(a[lo:hi] for a in x[:5]), *x[5:], s0)
         assert_close(out[lo:hi], o, rtol=1e-4, atol=1e-4)
         if case.dst[i]:
@@ -91,8 +93,8 @@ def test_kda_decode_continues_prefill():
     rng = np.random.default_rng(3)
     rows = 4
     q, k, v, g, b, A_log, dt_bias = _inputs(rng, rows)
-    pool = np.full((10, H, DK, DV), np.nan, np.float32)
-    pool[1:4] = rng.normal(size=(3, H, DK, DV))
+    pool = np.full((10, H, DV, DK), np.nan, np.float32)
+    pool[1:4] = rng.normal(size=(3, H, DV, DK))
     src = np.array([1, 2, 0, 0], np.int32)
     dst = np.array([1, 5, 6, 0], np.int32)  # row 3 is padding
     ck_off = np.array([[1, 0], [0, 0], [0, 1], [1, 0]], np.int32)
@@ -104,7 +106,7 @@ def test_kda_decode_continues_prefill():
     )
     out, new = np.asarray(out), np.asarray(new)
     for i in range(3):
-        s0 = pool[src[i]] if src[i] else np.zeros((H, DK, DV))
+        s0 = pool[src[i]] if src[i] else np.zeros((H, DV, DK))
         one = (a[i : i + 1] for a in (q, k, v, g, b))
         o, st = kda_sequence(*one, A_log, dt_bias, s0)
         assert_close(out[i], o[0], rtol=1e-5, atol=1e-5)
@@ -119,12 +121,14 @@ def test_kda_decode_continues_prefill():
 def test_kda_bad_shapes_name_the_argument():
     z = jnp.zeros
     args = [z((4, H, DK)), z((4, H, DK)), z((4, H, DV)), z((4, H)), z((4, H)), z(H), z((H, DK))]
-    state, slots = z((3, H, DK, DV)), zero_slots(2, 1)
+    state, slots = z((3, H, DV, DK)), zero_slots(2, 1)
     with pytest.raises(ValueError, match=r"g \(4, 3\) must be \[N=4, H=3, Dk=8\]"):
         kda_decode_reference(*args, state, slots)
     args[3] = z((4, H, DK))
-    with pytest.raises(ValueError, match=r"state \(3, 3, 4, 6\) must be"):
-        kda_decode_reference(*args, state[:, :, :4], slots)
+    # the pool in the [K, V] layout: rejected, the message names the layout it must have
+    want = r"state \(3, 3, 8, 6\) must be \[num_slots, H=3, Dv=6, Dk=8\]"
+    with pytest.raises(ValueError, match=want):
+        kda_decode_reference(*args, jnp.swapaxes(state, -1, -2), slots)
     with pytest.raises(ValueError, match="state dtype float16 must be float32 or bfloat16"):
         kda_decode_reference(*args, state.astype(jnp.float16), slots)
     with pytest.raises(ValueError, match="ckpt_slots .* must match"):

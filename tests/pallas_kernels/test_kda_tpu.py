@@ -62,7 +62,7 @@ def test_prefill_matches_reference(lens, h, dk, dv, dtype, hb, gs):
     rng = np.random.default_rng(sum(lens))
     case = ragged_case(lens)
     inputs = _inputs(rng, case.num_tokens, h, dk, dv, dtype, gs)
-    pool = jnp.asarray(case.pool(rng, (h, dk, dv), np.float32))
+    pool = jnp.asarray(case.pool(rng, (h, dv, dk), np.float32))
     args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
     want_o, want_s = jax.jit(kda_prefill_reference)(*args)
     kernel = lambda *x: tpu.kda_prefill(*x, heads_per_block=hb, interpret=INTERPRET)  # noqa: E731
@@ -80,9 +80,9 @@ def test_decode_matches_reference():
     rng = np.random.default_rng(2)
     rows, num_seqs, h, dk, dv, m = 6, 5, 4, 16, 8, 2
     inputs = _inputs(rng, rows, h, dk, dv, jnp.float32)
-    pool = np.full((16, h, dk, dv), np.nan, np.float32)
+    pool = np.full((16, h, dv, dk), np.nan, np.float32)
     src = np.array([1, 2, 0, 3, 4, 0], np.int32)
-    pool[src[src > 0]] = rng.normal(size=(4, h, dk, dv))
+    pool[src[src > 0]] = rng.normal(size=(4, h, dv, dk))
     dst = np.array([1, 0, 7, 3, 8, 0], np.int32)
     ck_off = np.zeros((rows, m), np.int32)
     ck_slot = np.zeros((rows, m), np.int32)
@@ -103,7 +103,7 @@ def test_rejects_bad_heads_per_block():
     with pytest.raises(ValueError, match="heads_per_block=3 must divide h=4"):
         tpu.kda_decode(
             z((2, 4, 16)), z((2, 4, 16)), z((2, 4, 8)), z((2, 4, 16)), z((2, 4)), z(4),
-            z((4, 16)), z((3, 4, 16, 8)), zero_slots(2, 1), heads_per_block=3,
+            z((4, 16)), z((3, 4, 8, 16)), zero_slots(2, 1), heads_per_block=3,
         )  # fmt: skip
 
 

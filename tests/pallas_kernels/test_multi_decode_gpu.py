@@ -98,7 +98,7 @@ def _gdn_inputs(rng, n, hk=2, hv=4, dk=16, dv=8):
     v = rng.normal(size=(n, hv, dv))
     a, b = rng.normal(size=(2, n, hv))
     A_log, dt_bias = rng.normal(size=(2, hv))
-    return [jnp.asarray(x, jnp.float32) for x in (q, k, v, a, b, A_log, dt_bias)], (hv, dk, dv)
+    return [jnp.asarray(x, jnp.float32) for x in (q, k, v, a, b, A_log, dt_bias)], (hv, dv, dk)
 
 
 def _kda_inputs(rng, n, h=3, dk=16, dv=16):
@@ -107,7 +107,7 @@ def _kda_inputs(rng, n, h=3, dk=16, dv=16):
     b = rng.normal(size=(n, h))
     A_log = rng.normal(size=(h,))
     dt_bias = rng.normal(size=(h, dk))
-    return [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, b, A_log, dt_bias)], (h, dk, dv)
+    return [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, b, A_log, dt_bias)], (h, dv, dk)
 
 
 FAMILIES = {

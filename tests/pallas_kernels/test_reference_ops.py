@@ -46,7 +46,7 @@ def test_gdn_prefill(lens):
     v = rng.normal(size=(t, HV, DV))
     a, b = rng.normal(size=(2, t, HV))
     A_log, dt_bias = rng.normal(size=(2, HV))
-    pool = np.full((NUM_SLOTS, HV, DK, DV), np.nan)
+    pool = np.full((NUM_SLOTS, HV, DV, DK), np.nan)
     n = len(lens)
     src = np.zeros(s, np.int32)
     dst = np.zeros(s, np.int32)
@@ -55,14 +55,14 @@ def test_gdn_prefill(lens):
     src[:n] = [1 + i if i % 2 else 0 for i in range(n)]  # odd rows read a slot, even rows zero
     for i in range(n):
         if src[i]:
-            pool[src[i]] = rng.normal(size=(HV, DK, DV))
+            pool[src[i]] = rng.normal(size=(HV, DV, DK))
     dst[:n] = [6 + i if i != 1 else 0 for i in range(n)]  # row 1 writes nothing
     writes = {}
     for i, length in enumerate(lens):
         offs = sorted({o for o in (1, 64, length // 2, length) if 1 <= o <= length})[:M]
         for j, o in enumerate(offs[:2]):
             ck_off[i, j], ck_slot[i, j] = o, 12 + 2 * i + j
-    pool = np.concatenate([pool, np.full((12, HV, DK, DV), np.nan)])  # checkpoint slots
+    pool = np.concatenate([pool, np.full((12, HV, DV, DK), np.nan)])  # checkpoint slots
     out, new = gdn_prefill_reference(
         *(jnp.asarray(x, jnp.float32) for x in (q, k, v, a, b, A_log, dt_bias, pool)),
         jnp.asarray(qsl),
@@ -71,7 +71,7 @@ def test_gdn_prefill(lens):
     out, new = np.asarray(out), np.asarray(new)
     for i in range(n):
         lo, hi = qsl[i], qsl[i + 1]
-        s0 = pool[src[i]] if src[i] else np.zeros((HV, DK, DV))
+        s0 = pool[src[i]] if src[i] else np.zeros((HV, DV, DK))
         o, states = gdn_sequence(
             q[lo:hi], k[lo:hi], v[lo:hi], a[lo:hi], b[lo:hi], A_log, dt_bias, s0
         )
@@ -98,8 +98,8 @@ def test_gdn_decode_matches_prefill_of_one_token():
     v = rng.normal(size=(s, HV, DV)).astype(np.float32)
     a, b = rng.normal(size=(2, s, HV)).astype(np.float32)
     A_log, dt_bias = rng.normal(size=(2, HV)).astype(np.float32)
-    pool = np.full((NUM_SLOTS, HV, DK, DV), np.nan, np.float32)
-    pool[1:4] = rng.normal(size=(3, HV, DK, DV))
+    pool = np.full((NUM_SLOTS, HV, DV, DK), np.nan, np.float32)
+    pool[1:4] = rng.normal(size=(3, HV, DV, DK))
     src = np.array([1, 2, 0, 3, 0], np.int32)
     dst = np.array([1, 5, 6, 0, 0], np.int32)  # row 4 is padding
     ck_off = np.zeros((s, M), np.int32)
@@ -110,7 +110,7 @@ def test_gdn_decode_matches_prefill_of_one_token():
     out, new = gdn_decode_reference(*args, state_slots(src, dst, ck_off, ck_slot, 4))
     out, new = np.asarray(out), np.asarray(new)
     for i in range(4):
-        s0 = pool[src[i]] if src[i] else np.zeros((HV, DK, DV))
+        s0 = pool[src[i]] if src[i] else np.zeros((HV, DV, DK))
         o, st = gdn_sequence(
             q[i : i + 1], k[i : i + 1], v[i : i + 1], a[i : i + 1], b[i : i + 1], A_log, dt_bias, s0
         )
@@ -243,8 +243,8 @@ def test_reference_ops_jit():
         z((t, HV)),
         z(HV),
         z(HV),
-        z((4, HV, DK, DV)),
+        z((4, HV, DV, DK)),
         jnp.array([0, 3, 8], jnp.int32),
         state_slots(np.zeros(s), [1, 2], np.zeros((s, M)), np.zeros((s, M)), 2),
     )
-    assert o.shape == (t, HV, DV) and st.shape == (4, HV, DK, DV)
+    assert o.shape == (t, HV, DV) and st.shape == (4, HV, DV, DK)

@@ -70,7 +70,7 @@ def _prefill(op, acts, heads):
         case = ragged_case(LENS)
         args = acts(rng, case.num_tokens)
         qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
-        pool = case.pool(rng, (heads, DK, DV), np.float32)
+        pool = case.pool(rng, (heads, DV, DK), np.float32)
         return jax.jit(lambda p: op(*args, p, qsl, slots)), pool
 
     return make
@@ -87,9 +87,9 @@ def _decode_slots():
 
 
 def _decode_pool(rng, heads):
-    pool = np.full((12, heads, DK, DV), np.nan, np.float32)
+    pool = np.full((12, heads, DV, DK), np.nan, np.float32)
     for s in (1, 2, 3):
-        pool[s] = rng.normal(size=(heads, DK, DV))
+        pool[s] = rng.normal(size=(heads, DV, DK))
     return pool
 
 
@@ -130,8 +130,8 @@ def _one_row_in_steps(op, acts, heads, n=150):
     run in the steps given (token counts) through slot 2, and the f32 pool."""
     rng = np.random.default_rng(1)
     args = acts(rng, n)
-    pool = np.full((3, heads, DK, DV), np.nan, np.float32)
-    pool[1] = rng.normal(size=(heads, DK, DV))
+    pool = np.full((3, heads, DV, DK), np.nan, np.float32)
+    pool[1] = rng.normal(size=(heads, DV, DK))
     no_ckpt = np.zeros((1, 1), np.int32)
     fn = jax.jit(op)
 

@@ -89,7 +89,7 @@ def test_chunked_rule_matches_token_scan():
     a = jax.random.normal(ks[3], (t, hv))
     b = jax.random.normal(ks[4], (t, hv))
     a_log, dt_bias = jnp.linspace(-1.0, 1.5, hv), jnp.linspace(-0.5, 0.5, hv)
-    state = jnp.full((2, hv, dk, dv), jnp.nan)
+    state = jnp.full((2, hv, dv, dk), jnp.nan)  # the pool: states stored transposed
     zeros = jnp.zeros((1, 1), jnp.int32)
     fresh = StateSlots(jnp.array([0]), jnp.array([1]), zeros, zeros, jnp.int32(1))
     want_o, want_s = gdn_prefill_reference(
@@ -100,7 +100,7 @@ def test_chunked_rule_matches_token_scan():
     q32, k32, v32, g, beta = _prepare(q, k, v, a, b, a_log, dt_bias)
     o, s = chunk_gated_delta_rule(q32[None], k32[None], v32[None], g[None], beta[None], chunk=chunk)
     assert_close(o[0], want_o, rtol=1e-4, atol=1e-4)
-    assert_close(s[0], want_s[1], rtol=1e-4, atol=1e-4)
+    assert_close(s[0], jnp.swapaxes(want_s[1], -1, -2), rtol=1e-4, atol=1e-4)
 
 
 def test_load_balancing_loss_is_top_k_when_balanced_and_grows_when_not():

@@ -110,7 +110,7 @@ class KimiLinearConfig(ModelConfig):
             kv_token_shapes=((self.latent_dim,),),
             num_attention_layers=len(self.attention_layers),
             conv_shape=(self.linear_conv_kernel_dim - 1, self.conv_dim),
-            ssm_shape=(self.linear_num_heads, d, d),
+            ssm_shape=(self.linear_num_heads, d, d),  # S^T: [H, Dv, Dk] (hyjax.cache)
             num_linear_layers=len(self.linear_layers),
         )
 

@@ -30,7 +30,8 @@ from pallas_kernels.gdn.fused_decode import unpack_conv_channels
 if TYPE_CHECKING:
     from hyjax.ops import Ops
 
-StateCache = tuple[jax.Array, jax.Array]  # conv [slots, K-1, 3P], ssm f32[slots, H, Dk, Dv]
+# conv [slots, K-1, 3P], ssm f32 | bf16[slots, H, Dv, Dk] (the states transposed: hyjax.cache)
+StateCache = tuple[jax.Array, jax.Array]
 
 
 class SigmoidGatedRMSNorm(nnx.Module):

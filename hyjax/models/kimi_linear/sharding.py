@@ -4,7 +4,7 @@ KDA   q_proj / k_proj / v_proj [D, H*Dk]  columns;  q_conv1d / k_conv1d / v_conv
       rows, packed at trace time to q_s|k_s|v_s per device;  f_b_proj / g_b_proj [Dk, H*Dk]
       and b_proj [D, H] columns (f_a_proj / g_a_proj, rank Dk, replicated);
       A_log [H], dt_bias [H*Dk] split;  o_proj [H*Dk, D] rows
-      state pool: conv [slots, K-1, 3*H*Dk] on channels, ssm [slots, H, Dk, Dk] on H
+      state pool: conv [slots, K-1, 3*H*Dk] on channels, ssm [slots, H, Dv, Dk] on H
 MLA   q_proj / q_b_proj [., H*(Dn+R)] columns (q_a_proj, q_a_layernorm replicated);
       kv_b_proj [L, H*(Dn+Dv)] columns (by head); o_proj [H*Dv, D] rows;
       kv_a_proj_with_mqa replicated. Latent pool [NB, bs, L+R] replicated: every head

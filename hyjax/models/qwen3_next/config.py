@@ -105,10 +105,10 @@ class Qwen3NextConfig(ModelConfig):
             kv_token_shapes=(kv, kv),
             num_attention_layers=len(self.attention_layers),
             conv_shape=(self.linear_conv_kernel_dim - 1, self.conv_dim),
-            ssm_shape=(
+            ssm_shape=(  # S^T: [H, Dv, Dk] (hyjax.cache)
                 self.linear_num_value_heads,
-                self.linear_key_head_dim,
                 self.linear_value_head_dim,
+                self.linear_key_head_dim,
             ),
             num_linear_layers=len(self.linear_layers),
         )

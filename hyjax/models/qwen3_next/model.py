@@ -31,7 +31,8 @@ from pallas_kernels.gdn.fused_decode import unpack_conv_channels
 if TYPE_CHECKING:
     from hyjax.ops import Ops
 
-StateCache = tuple[jax.Array, jax.Array]  # conv [slots, K-1, C], ssm f32[slots, Hv, Dk, Dv]
+# conv [slots, K-1, C], ssm f32 | bf16[slots, Hv, Dv, Dk] (the states transposed: hyjax.cache)
+StateCache = tuple[jax.Array, jax.Array]
 
 
 class GatedDeltaNet(nnx.Module):

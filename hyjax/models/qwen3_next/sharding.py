@@ -4,7 +4,7 @@ GDN   in_proj_qkvz [D, Hk*(2Dk+2rDv)]  columns: Hk/n key-head groups (q_g|k_g|v|
       in_proj_ba   [D, Hk*2r]          columns, same groups
       conv1d       [C, K]              rows, permuted to q_s|k_s|v_s per device
       A_log, dt_bias [Hv]              split;  out_proj [Hv*Dv, D]  rows
-      state pool: conv [slots, K-1, C] on C, ssm [slots, Hv, Dk, Dv] on Hv
+      state pool: conv [slots, K-1, C] on C, ssm [slots, Hv, Dv, Dk] on Hv
 attn  q_proj (rows [q_h | gate_h] per head) columns, o_proj rows; k_proj / v_proj columns
       when n divides Hkv, else replicated and each kv head repeated n/Hkv times;
       KV pool [NB, bs, Hkv', D] on Hkv'
