@@ -8,7 +8,8 @@ script times, in one process and one chain discipline, at B = 64 and B = 256:
   same bytes as the state), an optimization barrier between calls so XLA cannot fuse the
   chain into one pass; ``copy_B1`` (one row) estimates the fixed cost of a call in the chain;
 * the engine's kernels: ``gdn_decode``, ``conv_gdn_decode`` (what the engine calls: its bytes
-  include the conv windows) and ``kda_decode``, at their defaults. Since the run recorded in
+  include the conv windows), ``conv_then_gdn_decode`` (XLA's conv update, then
+  ``gdn_decode``: the unfused alternative) and ``kda_decode``, at their defaults. Since the run recorded in
   BENCHMARKS.md the engine's pool is stored ``[V, K]`` and ``gdn_decode`` / ``kda_decode`` are
   that run's winner (``vk``, 16 rows, one warp): a rerun times them in the new layout;
 * the variants of :mod:`pallas_kernels.gdn.decode_variants` (``SWEEP``): GDN with the pool
@@ -54,6 +55,7 @@ import numpy as np
 
 from benchmarks.common import device_name
 from pallas_kernels.common.slots import StateSlots
+from pallas_kernels.conv1d.reference import causal_conv1d_update_reference
 from pallas_kernels.gdn import fused_decode, gpu
 from pallas_kernels.gdn.decode_variants import (
     DecodeTiling,
@@ -302,16 +304,22 @@ class Runner:
         acts = INPUTS[fam](sh, rows, jax.random.PRNGKey(1))
         slots = running_slots(rows)
         st = pool(sh, rows + 1, jax.random.PRNGKey(2))
-        if name == "conv_gdn_decode":
+        if name in ("conv_gdn_decode", "conv_then_gdn_decode"):
             ks = jax.random.split(jax.random.PRNGKey(3), 3)
             mixed = jax.random.normal(ks[0], (rows, sh.conv_c), jnp.bfloat16)
             weight = 0.5 * jax.random.normal(ks[1], (sh.conv_c, sh.conv_k), jnp.bfloat16)
             conv = jax.random.normal(ks[2], (rows + 1, sh.conv_k - 1, sh.conv_c), jnp.bfloat16)
-            fused = jax.jit(
-                functools.partial(
-                    fused_decode.conv_gdn_decode, num_k_heads=sh.hk, interpret=self.interpret
+            # The fused kernel, or (``conv_then_gdn_decode``) XLA's conv update then the GPU
+            # decode kernel: two passes, the decode on its own many-program grid.
+            op = (
+                functools.partial(fused_decode.conv_gdn_decode, interpret=self.interpret)
+                if name == "conv_gdn_decode"
+                else fused_decode.composed_conv_gdn_decode(
+                    causal_conv1d_update_reference,
+                    functools.partial(gpu.gdn_decode, interpret=self.interpret),
                 )
             )
+            fused = jax.jit(functools.partial(op, num_k_heads=sh.hk))
 
             def step(state, mixed, weight, gates):
                 conv, ssm = state
@@ -444,7 +452,7 @@ def run_batch(run: Runner, sweep, rows: int, ranked_at: int | None, checked: dic
     each group's control and its ``--top`` fastest at that batch only; a tiling is checked
     once (``checked``: its verdict) and timed only if it passed."""
     copy_s = run.record(f"copy_B{rows}", lambda: run.copy(rows)).get("us", 0) * 1e-6
-    for name in ("gdn_decode", "conv_gdn_decode", "kda_decode"):
+    for name in ("gdn_decode", "conv_gdn_decode", "conv_then_gdn_decode", "kda_decode"):
         run.record(f"{name}_B{rows}", lambda name=name: run.baseline(name, rows, copy_s))
     for group, tilings in sweep.items():
         if ranked_at is not None:
