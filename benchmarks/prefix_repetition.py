@@ -41,11 +41,15 @@ def run(engine: LLMEngine, prompts: list[list[int]], args) -> dict:
     ttft: dict[str, float] = {}
     out_tokens = 0
     cached = 0
+    index: dict[str, int] = {}  # request id -> prompt index
+    tokens: list[list[int]] = [[] for _ in prompts]
     engine.timing.reset()
     start = time.perf_counter()
     while pending or engine.has_unfinished_requests():
         while pending and _in_flight(submitted) < args.concurrency:
-            rid = engine.add_request(EngineRequest(pending.pop(0), params))
+            index[rid := engine.add_request(EngineRequest(pending.pop(0), params))] = (
+                len(prompts) - len(pending) - 1
+            )
             submitted[rid] = time.perf_counter()
         for o in engine.step():
             now = time.perf_counter()
@@ -53,6 +57,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], args) -> dict:
                 ttft[o.request_id] = now - submitted[o.request_id]
             if o.finished:
                 out_tokens += len(o.output_token_ids)
+                tokens[index[o.request_id]] = list(o.output_token_ids)
                 cached += o.num_cached_tokens
                 submitted[o.request_id] = -1.0  # done: no longer in flight
     seconds = time.perf_counter() - start
@@ -67,6 +72,8 @@ def run(engine: LLMEngine, prompts: list[list[int]], args) -> dict:
         "cached_tokens": cached,
         "host_s_per_step": round(engine.timing.host / max(engine.timing.steps, 1), 6),
         "device_s_per_step": round(engine.timing.device / max(engine.timing.steps, 1), 6),
+        "spec": engine.spec_summary(),
+        "tokens": tokens,
     }
 
 
@@ -89,6 +96,13 @@ def main() -> None:
     p.add_argument("--kernel-backend", default="auto")
     p.add_argument("--cache-gib", type=float, default=16.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help="speculative decoding in both runs, as hyjax serve's flag (the bench model has no "
+        'MTP layer: \'{"method": "ngram", "num_speculative_tokens": 2}\'); greedy tokens with '
+        "caching on must equal those with it off",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -111,6 +125,7 @@ def main() -> None:
             mixed_row_buckets=False,
             cache_bytes=int(args.cache_gib * 2**30),  # the same pools (and buckets) both runs
             num_checkpoint_slots=4 * args.num_prefixes + 2 * args.concurrency,
+            speculative_config=args.speculative_config,
         )
         t0 = time.perf_counter()
         engine = LLMEngine(engine_args, preloaded=(model, cfg))
@@ -118,10 +133,12 @@ def main() -> None:
         r = run(engine, prompts, args)
         r["startup_s"] = round(compile_s, 1)
         results["on" if caching else "off"] = r
-        print(("on " if caching else "off"), json.dumps(r), flush=True)
+        shown = {k: v for k, v in r.items() if k != "tokens"}
+        print(("on " if caching else "off"), json.dumps(shown), flush=True)
         del engine
         gc.collect()
     on, off = results["on"], results["off"]
+    results["tokens_equal_on_off"] = on.pop("tokens") == off.pop("tokens")
     results["ttft_on_over_off"] = round(on["ttft_mean_s"] / off["ttft_mean_s"], 4)
     results["output_tps_on_over_off"] = round(on["output_tok_per_s"] / off["output_tok_per_s"], 3)
     print(json.dumps(results, indent=1))
