@@ -1,12 +1,10 @@
 import os
 
-# Tests run on CPU in float32; keep XLA from grabbing every core of the 2-core CI box twice.
-# LLVM at -O0: the tests' programs are small and compile-bound (an engine test runs ~35 %
-# faster); IEEE semantics are the same at every LLVM level (no fast-math), so are the results.
+from tests.xla_flags import TEST_XLA_FLAGS
+
+# Tests run on CPU in float32, with compile-time-lean XLA flags (tests/xla_flags.py).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0"
-)
+os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
 # The CLI keeps a persistent compilation cache under ~/.cache by default; tests start from a cold
 # one (tests/serving/test_compilation_cache.py checks the cache itself, in a temporary dir).
 # Not one cache shared by the run's processes either: tried, and a worker crashed reading an

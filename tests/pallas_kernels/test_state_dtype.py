@@ -152,9 +152,6 @@ CASES = {
     "gdn_prefill_reference": _prefill(gdn_prefill_reference, _gdn_acts, HV),
     "gdn_prefill_tpu": _prefill(functools.partial(gdn_tpu.gdn_prefill, **TPU), _gdn_acts, HV),
     "gdn_prefill_gpu": _prefill(functools.partial(gdn_gpu.gdn_prefill, **GPU), _gdn_acts, HV),
-    "gdn_prefill_gpu_three_launches": _prefill(
-        functools.partial(gdn_gpu.gdn_prefill, three_launches=True, **GPU), _gdn_acts, HV
-    ),
     "gdn_decode_reference": _decode(gdn_decode_reference, _gdn_acts, HV),
     "gdn_decode_tpu": _decode(functools.partial(gdn_tpu.gdn_decode, **TPU), _gdn_acts, HV),
     "gdn_decode_gpu": _decode(functools.partial(gdn_gpu.gdn_decode, **GPU), _gdn_acts, HV),

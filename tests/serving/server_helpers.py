@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.xla_flags import TEST_XLA_FLAGS
+
 SMALL = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "256"]
 
 
@@ -34,9 +36,7 @@ class ServerProcess:
         # needs another warm-up passes its own --warmup, which wins).
         cmd += ["--port", str(self.port), "--quiet", "--warmup", "none", *SMALL, *extra]
         env = dict(os.environ, JAX_PLATFORMS="cpu")
-        env.setdefault(  # as tests/conftest.py
-            "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0"
-        )
+        env.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)  # as tests/conftest.py
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 

@@ -16,16 +16,15 @@ import sys
 
 import pytest
 
+from tests.xla_flags import with_devices
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
 def report() -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    env["XLA_FLAGS"] = (
-        "--xla_force_host_platform_device_count=4 --xla_cpu_multi_thread_eigen=false "
-        "--xla_backend_optimization_level=0"
-    )
+    env["XLA_FLAGS"] = with_devices(4)
     proc = subprocess.run(
         [sys.executable, "-m", "tests.serving.test_full_size_build"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,

@@ -37,6 +37,7 @@ from serving.engine.multihost import (
 )
 from serving.worker.distributed import smallest_cache_bytes
 from tests.serving.server_helpers import free_port, request
+from tests.xla_flags import with_devices
 
 # Byte-level tokens: the first two share 70 tokens, past the 64-token checkpoint granularity.
 SHARED = "def fibonacci(n):\n    if n < 2:\n        return n\n    a, b = 0, 1\n    for _ in"
@@ -98,7 +99,7 @@ def job(tmp_path_factory):
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false",
+        XLA_FLAGS=with_devices(2),
     )
     # Not --quiet: the checks read the INFO lines (pool agreement, the follower's shutdown).
     base = [sys.executable, "-m", "serving.entrypoints.cli", "serve", "--model", model_dir]

@@ -62,16 +62,3 @@ def test_generate_without_model_uses_the_embedded_one():
     completion = proc.stdout[len("def read_text(path):") :]
     assert completion.strip(), proc.stdout
     assert "1 requests (0 rejected, 0 failed)" in proc.stderr
-
-
-def test_generate_with_scan_layers_matches_the_loop():
-    """``--scan-layers`` runs the embedded model's two groups of four layers as one scan: the
-    same greedy tokens as the per-layer loop."""
-    cmd = [sys.executable, "-m", "serving.entrypoints.cli", "generate", "--temperature", "0",
-           "--max-tokens", "16", "--prompt", "import os\n\ndef walk(root):"]  # fmt: skip
-    runs = [subprocess.run(cmd + flag, capture_output=True, text=True, timeout=600)
-            for flag in (["--quiet"], ["--scan-layers"])]  # fmt: skip
-    for proc in runs:
-        assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "layers: 2 groups of 4 scanned, 0 unrolled" in runs[1].stderr
-    assert runs[0].stdout == runs[1].stdout

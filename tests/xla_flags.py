@@ -1,0 +1,17 @@
+"""XLA flags of every test process (this one and the subprocesses tests start), on CPU.
+
+- one thread for Eigen: the 2-core CI box runs two test workers (and their servers) at once;
+- LLVM at -O0, its expensive passes off: the tests' programs are small and compile-bound (an
+  engine test runs ~35 % faster at -O0, ~8-10 % more without the expensive passes). IEEE
+  semantics are the same at every LLVM level (no fast-math), so are the results.
+"""
+
+TEST_XLA_FLAGS = (
+    "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 "
+    "--xla_llvm_disable_expensive_passes=true"
+)
+
+
+def with_devices(count: int) -> str:
+    """The test flags with ``count`` simulated CPU devices."""
+    return f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={count}"
