@@ -166,7 +166,9 @@ CASES = {
 }
 
 
-PREFILL = {name: make for name, make in CASES.items() if "_prefill_" in name}
+# The chunking check on the reference and GPU prefills (the TPU kernels' bf16 stores are held
+# to the f32 recurrence above; chunked, they are CI's slowest interpret cases).
+PREFILL = {name: make for name, make in CASES.items() if "_prefill_" in name and "tpu" not in name}
 
 
 def _f32(x) -> np.ndarray:
