@@ -63,6 +63,11 @@ def size_pools(
     else:
         kv_bytes = kv_block_bytes(cfg, sched_cfg.block_size, dtype)
         num_attention = cfg.cache_spec.num_attention_layers
+        if not num_attention:  # the prefix cache is keyed by KV blocks
+            raise ValueError(
+                f"{cfg.model_type} with {cfg.num_hidden_layers} layers has no attention layer: "
+                "the engine's pools need at least one (its KV blocks key the prefix cache)"
+            )
         kv_bytes += kv_bytes // num_attention * mtp_layers
         slot_bytes = state_slot_bytes(cfg, dtype, state_dtype)
         max_blocks, max_slots = pool_limits(cfg, sched_cfg.block_size)

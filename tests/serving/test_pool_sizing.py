@@ -102,3 +102,14 @@ def test_accelerator_default_leaves_the_sampler_token_tables_free(monkeypatch):
     monkeypatch.setattr(pool_sizing, "default_cache_bytes", fake)
     pool_sizing.size_pools(CFG, SCHED, jnp.float32)
     assert seen["reserved"] == token_table_bytes(SCHED.max_num_seqs, CFG.vocab_size)
+
+
+def test_a_model_without_attention_layers_is_named():
+    """A linear-attention-only model (the 80B's first layer alone) has no KV block to size:
+    a clear error, not a division by zero."""
+    from benchmarks.common import bench_config
+
+    cfg = bench_config(1, 16)
+    assert cfg.cache_spec.num_attention_layers == 0
+    with pytest.raises(ValueError, match="1 layers has no attention layer"):
+        size_pools(cfg, SCHED, jnp.float32)
