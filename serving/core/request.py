@@ -7,7 +7,7 @@ import dataclasses
 import enum
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
@@ -229,6 +229,9 @@ class Request:
     # Speculative decoding: tokens a drafter proposes after the known ones (the next decode
     # row verifies them); replaced after every step that gives the request tokens.
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # The n-gram drafter's numpy copy of ``all_token_ids`` (speculative.TokenArray), kept
+    # up to date by the drafter itself; freed with the request.
+    token_mirror: Any = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

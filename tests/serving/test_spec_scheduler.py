@@ -6,6 +6,7 @@ against the fake model; the next row's ``src`` check then proves that the slot r
 the state after the accepted prefix.
 """
 
+import numpy as np
 import pytest
 from sched_helpers import (
     FakeDrafter,
@@ -207,3 +208,33 @@ def test_sampled_array_of_a_plain_step_still_works():
     s.add_request(make_request("a", prompt(5), max_tokens=3))
     outs = run_all(s, runner)
     assert [o.plan.shape.num_spec for o in outs] == [2, 0, 0]
+
+
+def _ngram_oracle(tokens, min_n, max_n, k):
+    """Prompt lookup by brute force: for n from max_n down, the latest earlier window."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        for i in range(len(tokens) - n - 1, -1, -1):
+            if tokens[i : i + n] == suffix:
+                return tokens[i + n : i + n + k]
+    return []
+
+
+def test_ngram_propose_matches_brute_force_and_its_incremental_copy():
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        vocab = int(rng.integers(2, 6))  # small vocabularies: many, overlapping matches
+        toks = rng.integers(0, vocab, int(rng.integers(1, 40))).tolist()
+        min_n = int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 6))
+        k = int(rng.integers(1, 5))
+        assert ngram_propose(toks, min_n, max_n, k) == _ngram_oracle(toks, min_n, max_n, k), (
+            toks, min_n, max_n, k,
+        )  # fmt: skip
+    # the drafter's int32 copy of the request's tokens follows appends across steps
+    req = make_request("r", [1, 2, 3, 1, 2])
+    drafter = NgramDrafter(1, 3)
+    for tok in [3, 7, 1, 2, 3] * 30:
+        assert drafter.propose(req, 3) == _ngram_oracle(req.all_token_ids, 1, 3, 3)
+        req.all_token_ids.append(tok)
+    assert req.token_mirror.n == len(req.all_token_ids) - 1
