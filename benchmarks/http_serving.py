@@ -242,7 +242,9 @@ def main(argv: list[str] | None = None) -> dict:
     args, kwargs = parse_args(argv)
     out_dir = args.artifact_dir or tempfile.mkdtemp(prefix="hyjax-http-bench-")
     os.makedirs(out_dir, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     results: dict = {
+        "commit": commit.stdout.strip() or None,
         "cpu": f"{_cpu_name()}, {os.cpu_count()} cores",
         "gpus": _gpu_names(),
         "engine_args": kwargs,
