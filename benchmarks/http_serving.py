@@ -26,8 +26,11 @@ buckets), prefix caching off, ``--max-model-len`` input + output + 64. aiperf ma
 another environment (``--aiperf PATH``); with a local tokenizer directory it needs no network
 (``HF_HUB_OFFLINE`` is dropped from its environment: aiperf 0.13 then refuses local paths).
 
-    JAX_PLATFORMS=cpu python -m benchmarks.http_serving --aiperf /work/bench-venv/bin/aiperf \\
+    JAX_PLATFORMS=cpu python -m benchmarks.http_serving --aiperf VENV/bin/aiperf \\
         --num-prompts 16 --input-len 128 --output-len 64 --concurrency 4 --out RESULT.json
+    python -m benchmarks.http_serving --model /tmp/q80b24 --load-format dummy --dtype bfloat16 \\
+        --block-size 64 --max-num-batched-tokens 2048 --input-len 1000 --output-len 2000 \\
+        --concurrency 8 --num-prompts 8   # a GPU, aiperf's wheels on PYTHONPATH (BENCHMARKS.md)
 """
 
 from __future__ import annotations
