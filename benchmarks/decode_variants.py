@@ -9,9 +9,10 @@ script times, in one process and one chain discipline, at B = 64 and B = 256:
   chain into one pass; ``copy_B1`` (one row) estimates the fixed cost of a call in the chain;
 * the engine's kernels: ``gdn_decode``, ``conv_gdn_decode`` (what the engine calls: its bytes
   include the conv windows), ``conv_then_gdn_decode`` (XLA's conv update, then
-  ``gdn_decode``: the unfused alternative) and ``kda_decode``, at their defaults. Since the run recorded in
-  BENCHMARKS.md the engine's pool is stored ``[V, K]`` and ``gdn_decode`` / ``kda_decode`` are
-  that run's winner (``vk``, 16 rows, one warp): a rerun times them in the new layout;
+  ``gdn_decode``: the unfused alternative) and ``kda_decode``, at their defaults. Since the
+  run recorded in BENCHMARKS.md the engine's pool is stored ``[V, K]`` and ``gdn_decode`` /
+  ``kda_decode`` are that run's winner (``vk``, 16 rows, one warp): a rerun times them in the
+  new layout;
 * the variants of :mod:`pallas_kernels.gdn.decode_variants` (``SWEEP``): GDN with the pool
   transposed (``gdn_vk``, variant A), GDN on the earlier ``[K, V]`` pool with several tiles a
   program,

@@ -7,6 +7,15 @@ in flight (a new one is sent when one finishes). TTFT is from a request's submis
 first token; all times are host wall clock around the engine's synchronous steps.
 
     python -m benchmarks.prefix_repetition --out BENCH.json
+    python -m benchmarks.prefix_repetition --model qwen3-next-80b --tp 8 --out BENCH.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
+        python -m benchmarks.prefix_repetition --model tiny-qwen3-next --tp 8 --dtype float32 \\
+        --prefix-len 128 --suffix-len 16 --output-len 8 --num-prompts 8 --concurrency 4 \\
+        --block-size 16 --max-num-batched-tokens 128 --cache-gib 0.05   # a CPU dry run
+
+The model is one of ``benchmarks.full_size``'s (``--model``, default ``bench``: 80B layer
+shapes, 8 layers, 64 experts), built on the devices, sharded by ``--tp`` /
+``--expert-parallel``.
 """
 
 from __future__ import annotations
@@ -19,17 +28,19 @@ import time
 
 import numpy as np
 
-from benchmarks.common import bench_config, device_name, random_model
+from benchmarks.common import device_name
+from benchmarks.full_size import add_model_args, build_for_engine
 from serving.core.request import EngineRequest, SamplingParams
 from serving.engine.llm_engine import EngineArgs, LLMEngine
 
 
 def workload(args) -> list[list[int]]:
     rng = np.random.default_rng(args.seed)
-    prefixes = [rng.integers(0, 150000, args.prefix_len).tolist() for _ in range(args.num_prefixes)]
+    vocab = args.vocab
+    prefixes = [rng.integers(0, vocab, args.prefix_len).tolist() for _ in range(args.num_prefixes)]
     prompts = []
     for i in range(args.num_prompts):
-        suffix = rng.integers(0, 150000, args.suffix_len).tolist()
+        suffix = rng.integers(0, vocab, args.suffix_len).tolist()
         prompts.append(prefixes[i % args.num_prefixes] + suffix)
     return prompts
 
@@ -83,8 +94,9 @@ def _in_flight(submitted: dict[str, float]) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--experts", type=int, default=64)
+    add_model_args(p)
+    p.set_defaults(model="bench")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--prefix-len", type=int, default=4096)
     p.add_argument("--suffix-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=512)
@@ -95,7 +107,6 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kernel-backend", default="auto")
     p.add_argument("--cache-gib", type=float, default=16.0)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--speculative-config",
         default=None,
@@ -106,10 +117,10 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
-    cfg = bench_config(args.layers, args.experts)
-    model = random_model(cfg)
+    model, cfg, info = build_for_engine(args, dtype=args.dtype)
+    args.vocab = min(cfg.vocab_size, 150000)
     prompts = workload(args)
-    results = {"device": device_name(), "config": vars(args)}
+    results = {"device": device_name(), "config": vars(args), "model": info}
     for caching in (False, True):
         engine_args = EngineArgs(
             model=".",  # no tokenizer: token-id prompts
@@ -126,6 +137,10 @@ def main() -> None:
             cache_bytes=int(args.cache_gib * 2**30),  # the same pools (and buckets) both runs
             num_checkpoint_slots=4 * args.num_prefixes + 2 * args.concurrency,
             speculative_config=args.speculative_config,
+            tensor_parallel_size=args.tp,
+            enable_expert_parallel=args.expert_parallel,
+            scan_layers=args.scan_layers,
+            dtype=args.dtype,
         )
         t0 = time.perf_counter()
         engine = LLMEngine(engine_args, preloaded=(model, cfg))

@@ -11,8 +11,8 @@ rows padded to ``min(T, max_num_seqs)``, and the decode buckets of 1, 2, 4, ... 
 concurrency. All of them compile before the measured run (the run's tail meets the small
 decode buckets as requests finish), then a short pass of the same workload
 (``--warmup-output-len`` tokens out) runs; together timed and printed as ``compile``
-(``compiles_while_measured`` in the JSON should be 0). ``--max-seconds`` stops the run cleanly (every request aborted) and still writes
-the JSON, with ``"partial": true``.
+(``compiles_while_measured`` in the JSON should be 0). ``--max-seconds`` stops the run cleanly
+(every request aborted) and still writes the JSON, with ``"partial": true``.
 
     python -m benchmarks.serving_throughput --model qwen3-next-80b --tp 4 --concurrency 8 64 \\
         --out SERVE.json

@@ -73,6 +73,9 @@ class SchedulerConfig:
     checkpoint_interval: int | None = None
     retention_interval: int = 0
     min_token_bucket: int = 8  # the smallest token bucket of mixed steps (fewer compiles)
+    # The smallest row bucket of decode and verify steps: a step of fewer rows pads to it (one
+    # compile instead of log2(min_seq_bucket) + 1; free where a step is bound by its weights).
+    min_seq_bucket: int = 1
     mixed_row_buckets: bool = True
     max_prompt_logprobs: int = 256
     # K: draft tokens a decoding row may verify in one step (speculative decoding; 0 = off).
@@ -84,7 +87,10 @@ class SchedulerConfig:
     verify_buckets: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+        for name in (
+            "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+            "min_seq_bucket",
+        ):  # fmt: skip
             _check_positive(name, getattr(self, name))
         k = self.num_speculative_tokens
         if not isinstance(k, int) or k < 0:
@@ -137,7 +143,7 @@ class SchedulerConfig:
     @functools.cached_property
     def seq_buckets(self) -> tuple[int, ...]:
         """Sequence capacities S: 1, 2, 4, ... up to ``max_num_seqs``, cap included."""
-        return _powers_of_two(1, self.max_num_seqs)
+        return _powers_of_two(min(self.min_seq_bucket, self.max_num_seqs), self.max_num_seqs)
 
     @property
     def max_blocks(self) -> int:
@@ -183,8 +189,8 @@ class SchedulerConfig:
             assert num_tokens <= shape.num_tokens, (num_tokens, shape)
             return shape
         t = s if decode_only else _smallest_at_least(self.token_buckets, num_tokens)
-        if not decode_only and not self.mixed_row_buckets:
-            s = self._mixed_rows(t)
+        if not decode_only:  # a mixed step never has more rows than tokens
+            s = min(s, t) if self.mixed_row_buckets else self._mixed_rows(t)
         return self._shape(t, s, decode_only)
 
     def _verify_tokens(self, s: int) -> int:
@@ -227,7 +233,7 @@ class SchedulerConfig:
             for s in self.seq_buckets:
                 if prev + 1 > t:  # needs more rows than tokens: unreachable
                     break
-                shapes.append(self._shape(t, s, False))
+                shapes.append(self._shape(t, min(s, t), False))
                 prev = s
         return shapes
 

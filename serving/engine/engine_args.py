@@ -79,6 +79,12 @@ class EngineArgs:
     min_token_bucket: int = _flag(
         8, "the smallest token capacity of a prefill step: larger means fewer compiles", type=int
     )
+    min_seq_bucket: int = _flag(
+        1,
+        "the smallest row count of a decode step: fewer rows pad to it (one compile for all "
+        "counts up to it; a decode step reads all its weights however few rows it has)",
+        type=int,
+    )
     mixed_row_buckets: bool | None = _flag(
         None,
         "prefill steps pad their rows to a power of two (a bucket per row count) instead of to "

@@ -192,6 +192,7 @@ class LLMEngine:
             checkpoint_interval=args.checkpoint_interval,
             retention_interval=args.retention_interval,
             min_token_bucket=args.min_token_bucket,
+            min_seq_bucket=args.min_seq_bucket,
             mixed_row_buckets=_mixed_row_buckets(args.mixed_row_buckets),
             max_prompt_logprobs=args.max_prompt_logprobs,
             num_speculative_tokens=num_spec,

@@ -91,6 +91,7 @@ SPEC_ENGINE = dict(
     max_num_seqs=4,
     max_num_batched_tokens=128,
     min_token_bucket=128,  # one token bucket: few compiles
+    min_seq_bucket=4,  # one decode (and verify) bucket: padded rows cost nothing on CPU
     max_model_len=512,
     num_checkpoint_slots=24,
     progress=False,

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from tests.xla_flags import TEST_XLA_FLAGS
 
-SMALL = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "256"]
+SMALL = ["--max-num-seqs", "4", "--min-seq-bucket", "4", "--max-num-batched-tokens", "64",
+         "--max-model-len", "256"]  # fmt: skip
 
 
 def free_port() -> int:

@@ -22,6 +22,7 @@ from tests.serving.engine_helpers import (
 G = 64  # checkpoint granularity: lcm(64, block_size 16)
 BASE = dict(
     max_num_seqs=4,
+    min_seq_bucket=4,  # one decode bucket: padded rows cost nothing on CPU
     max_num_batched_tokens=128,
     min_token_bucket=64,  # token buckets 64 and 128: 9 shapes to compile instead of 18
     max_model_len=512,

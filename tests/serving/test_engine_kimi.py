@@ -21,6 +21,7 @@ from tests.serving.engine_helpers import (
 G = 64  # checkpoint granularity: lcm(64, block_size 16)
 BASE = dict(
     max_num_seqs=2,
+    min_seq_bucket=2,  # one decode bucket
     # One token bucket; 128 tokens leave a step room for a second prompt (the same-step rule).
     max_num_batched_tokens=128,
     min_token_bucket=128,

@@ -131,6 +131,7 @@ def test_rows_without_processors_are_untouched():
 
 ENGINE = dict(
     max_num_seqs=4,
+    min_seq_bucket=4,  # one decode bucket
     max_num_batched_tokens=128,
     min_token_bucket=128,
     max_model_len=512,

@@ -11,6 +11,7 @@ from serving.core.request import EngineRequest, SamplingParams
 
 ENGINE = dict(
     max_num_seqs=4,
+    min_seq_bucket=4,  # one decode bucket
     max_num_batched_tokens=128,
     min_token_bucket=128,
     max_model_len=512,

@@ -73,6 +73,33 @@ def test_step_shapes_cover_every_reachable_step(row_buckets):
     assert not any(s.num_seqs > 8 for s in shapes if s.num_tokens == 4 and not s.decode_only)
 
 
+@pytest.mark.parametrize("row_buckets", [True, False])
+@pytest.mark.parametrize("k", [0, 2])
+def test_min_seq_bucket_pads_small_steps_and_every_step_has_its_bucket(row_buckets, k):
+    cfg = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=100, mixed_row_buckets=row_buckets,
+        min_seq_bucket=4, num_speculative_tokens=k, min_token_bucket=2,
+    )  # fmt: skip
+    shapes = cfg.step_shapes()
+    assert len(set(shapes)) == len(shapes)
+    assert cfg.seq_buckets == (4, 8)
+    assert sorted(s.num_seqs for s in shapes if s.decode_only) == [4, 8]
+    assert sorted(s.num_seqs for s in shapes if s.verify_only) == ([4, 8] if k else [])
+    for rows in range(1, 9):
+        assert cfg.step_shape(rows, rows, True).num_seqs == (4 if rows <= 4 else 8)
+        assert cfg.step_shape(rows, rows, True) in shapes
+        if k:
+            verify = cfg.step_shape(rows * (k + 1), rows, False, verify=True)
+            assert verify in shapes and verify.num_seqs == (4 if rows <= 4 else 8)
+        for tokens in range(rows, 101):
+            mixed = cfg.step_shape(tokens, rows, False)
+            assert mixed in shapes and rows <= mixed.num_seqs <= mixed.num_tokens
+    # a 2-token prefill step: its rows pad to the token bucket, not past it
+    assert cfg.step_shape(2, 1, False).num_seqs <= cfg.step_shape(2, 1, False).num_tokens
+    with pytest.raises(ValueError, match="min_seq_bucket"):
+        SchedulerConfig(min_seq_bucket=0)
+
+
 def test_without_mixed_row_buckets_a_token_count_is_one_bucket():
     kw = dict(max_num_seqs=32, max_num_batched_tokens=512)
     rows = SchedulerConfig(**kw, mixed_row_buckets=False)

@@ -59,8 +59,8 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "required": ["zone"], "additionalProperties": False}}}  # fmt: skip
 TOOLS = [WEATHER, TIME]
 USER = [{"role": "user", "content": "Weather in Paris?"}]
-SERVE = ["--max-num-seqs", "8", "--max-model-len", "1280", "--tool-call-parser", "hermes",
-         "--enable-auto-tool-choice"]  # fmt: skip
+SERVE = ["--max-num-seqs", "8", "--min-seq-bucket", "8", "--max-model-len", "1280",  # [:6]: sizes
+         "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]  # fmt: skip
 pytestmark = pytest.mark.skipif(
     os.environ.get("HYJAX_SKIP_SERVER") == "1", reason="no server subprocess"
 )
@@ -175,7 +175,7 @@ def test_enforced_tool_choice_always_parses(client, choice, stream):
 @pytest.fixture(scope="module")
 def coder_client(model_dir, tmp_path_factory):
     """A server with Qwen3-Coder's tool-call format and a reasoning parser."""
-    args = [*SERVE[:4], "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3"]
+    args = [*SERVE[:6], "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3"]
     srv = ServerProcess(model_dir, tmp_path_factory.mktemp("log") / "coder.log", *args)
     try:
         srv.wait_ready()
@@ -234,7 +234,8 @@ def test_bad_constraints_are_400_and_the_server_goes_on(client, kw, param):
 def _engine(model_dir, **kw):
     from serving.engine.llm_engine import EngineArgs, LLMEngine
 
-    args = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=640, warmup=False)
+    args = dict(max_num_seqs=4, min_seq_bucket=4, max_num_batched_tokens=64, max_model_len=640,
+                warmup=False)  # fmt: skip
     return LLMEngine(EngineArgs(model=model_dir, **{**args, **kw}))
 
 
