@@ -547,3 +547,23 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def load_tokenizer(model_dir: str, *, dummy: bool = False) -> Tokenizer | None:
+    """The model directory's tokenizer; with random weights (``--load-format dummy``) and no
+    tokenizer there, the embedded model's (its text is as random as the weights: generated ids
+    past its vocabulary decode to nothing, ``Tokenizer.decode``). None: token-id prompts only.
+    The engine and the server's front end both take theirs from here, so they agree."""
+    import logging
+
+    log = logging.getLogger(__name__)
+    try:
+        return Tokenizer.from_dir(model_dir)
+    except TokenizerFilesError:
+        if not dummy:
+            log.warning("no tokenizer in %s: only token-id prompts are accepted", model_dir)
+            return None
+    from hyjax.assets import model_dir as embedded_dir
+
+    log.info("no tokenizer in %s: random weights use the embedded model's tokenizer", model_dir)
+    return Tokenizer.from_dir(embedded_dir())

@@ -33,7 +33,7 @@ import numpy as np
 from hyjax.detokenizer import DetokenizerStream, check_stop_strings
 from hyjax.loader import load_model
 from hyjax.sharding import ShardingPlan, make_mesh
-from hyjax.tokenizer import Tokenizer, TokenizerFilesError
+from hyjax.tokenizer import load_tokenizer
 from serving.core.config import CacheConfig, SchedulerConfig
 from serving.core.request import EngineRequest, Request
 from serving.core.scheduler import Scheduler
@@ -140,22 +140,6 @@ def use_compilation_cache(path: str) -> None:
     log.info("compilation cache: %s", path)
 
 
-def _load_tokenizer(model_dir: str, *, dummy: bool) -> Tokenizer | None:
-    """The model directory's tokenizer; with random weights (``--load-format dummy``) and no
-    tokenizer there, the embedded model's (its text is as random as the weights: generated ids
-    past its vocabulary decode to nothing, ``Tokenizer.decode``). None: token-id prompts only."""
-    try:
-        return Tokenizer.from_dir(model_dir)
-    except TokenizerFilesError:
-        if not dummy:
-            log.warning("no tokenizer in %s: only token-id prompts are accepted", model_dir)
-            return None
-    from hyjax.assets import model_dir as embedded_dir
-
-    log.info("no tokenizer in %s: random weights use the embedded model's tokenizer", model_dir)
-    return Tokenizer.from_dir(embedded_dir())
-
-
 class LLMEngine:
     """Args: ``args``; ``preloaded``: an already built ``(model, config)`` (benchmarks), in which
     case ``args.model`` is only searched for a tokenizer."""
@@ -180,7 +164,7 @@ class LLMEngine:
         sharding = None
         if mesh is not None:
             sharding = ShardingPlan(mesh, self.model_config, args.enable_expert_parallel)
-        self.tokenizer = _load_tokenizer(args.model, dummy=args.load_format == "dummy")
+        self.tokenizer = load_tokenizer(args.model, dummy=args.load_format == "dummy")
         max_len = args.max_model_len or min(self.model_config.max_position_embeddings, 4096)
         num_spec = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self.sched_config = SchedulerConfig(

@@ -37,7 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hyjax.tokenizer import Tokenizer, TokenizerFilesError
+from hyjax.tokenizer import Tokenizer, load_tokenizer
 from serving.engine.engine_client import EngineClient, EngineDeadError
 from serving.entrypoints.chat_output import ChatParsing
 from serving.entrypoints.http_metrics import CONTENT_TYPE, ServerMetrics
@@ -318,10 +318,7 @@ def serve(
     the exit code (1: the port is taken, the engine failed or died)."""
     model_dir = engine_kwargs["model"]
     name = served_model_name or os.path.basename(os.path.normpath(model_dir))
-    try:
-        tokenizer = Tokenizer.from_dir(model_dir)
-    except TokenizerFilesError:
-        tokenizer = None
+    tokenizer = load_tokenizer(model_dir, dummy=engine_kwargs.get("load_format") == "dummy")
     try:  # before the engine loads and compiles: a taken port is reported at once
         sock = bind_socket(host, port)
     except OSError as e:

@@ -70,3 +70,36 @@ def test_bad_load_format_is_named(tmp_path, capsys):
         load_model(tmp_path, load_format="pt")
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         load_model(tmp_path)  # auto: the checkpoint is needed
+
+
+def test_the_server_front_end_encodes_text_for_dummy_weights(dummy_dir, monkeypatch):
+    """hyjax serve --load-format dummy: the HTTP front end takes the engine's tokenizer (the
+    embedded one) and accepts text prompts; a real model directory without one accepts ids."""
+    from hyjax.tokenizer import load_tokenizer
+    from serving.entrypoints import server
+
+    class Started(Exception):
+        pass
+
+    class FakeClient:
+        def __init__(self, kwargs):
+            pass
+
+        def start(self):
+            return {}
+
+        def close(self):
+            pass
+
+    seen = {}
+
+    def state(*args, tokenizer=None, **kw):
+        seen["tokenizer"] = tokenizer
+        raise Started
+
+    monkeypatch.setattr(server, "EngineClient", FakeClient)
+    monkeypatch.setattr(server, "ServerState", state)
+    with pytest.raises(Started):
+        server.serve({"model": dummy_dir, "load_format": "dummy"}, port=0)
+    assert seen["tokenizer"] is not None and seen["tokenizer"].vocab_size == 4096
+    assert load_tokenizer(dummy_dir) is None  # real weights there: token ids only
