@@ -85,6 +85,9 @@ class SchedulerConfig:
     # drafts, no prefill chunk) runs in a verify-shaped bucket (``verify_shapes``); False
     # runs it in a mixed bucket through the chunked prefill kernels, as before they existed.
     verify_buckets: bool = True
+    # No row speculates in a step that starts with at least this many running requests
+    # (``SpeculativeConfig.disable_by_batch_size``); 0: no limit.
+    spec_disable_batch_size: int = 0
 
     def __post_init__(self) -> None:
         for name in (

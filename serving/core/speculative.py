@@ -52,12 +52,16 @@ from serving.core.request import Request
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's ``--speculative-config``: ``{"method": "ngram", "num_speculative_tokens": K,
-    "prompt_lookup_min": m, "prompt_lookup_max": M}``."""
+    "prompt_lookup_min": m, "prompt_lookup_max": M, "disable_by_batch_size": N}``."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    # vLLM's key: no row speculates in a step that starts with at least this many running
+    # requests (a verify step of many rows costs more than its accepted drafts give back:
+    # BENCHMARKS.md, the verify step at 256 rows). None: always speculate.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -67,6 +71,9 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"num_speculative_tokens={k!r} must be a positive integer")
+        n = self.disable_by_batch_size
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"disable_by_batch_size={n!r} must be a positive integer or null")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(

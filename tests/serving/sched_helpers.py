@@ -32,6 +32,7 @@ def make_scheduler(
     num_spec: int = 0,
     drafter=None,
     async_scheduling: bool = False,
+    spec_disable_batch_size: int = 0,
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -42,6 +43,7 @@ def make_scheduler(
         checkpoint_interval=granularity,
         retention_interval=retention,
         num_speculative_tokens=num_spec,
+        spec_disable_batch_size=spec_disable_batch_size,
     )
     return Scheduler(
         cfg,

@@ -238,3 +238,56 @@ def test_ngram_propose_matches_brute_force_and_its_incremental_copy():
         assert drafter.propose(req, 3) == _ngram_oracle(req.all_token_ids, 1, 3, 3)
         req.all_token_ids.append(tok)
     assert req.token_mirror.n == len(req.all_token_ids) - 1
+
+
+@pytest.mark.parametrize("cap", [3, 5])
+def test_no_row_speculates_while_the_batch_is_at_the_cap(cap):
+    """disable_by_batch_size: steps that start with >= cap running requests verify nothing
+    (plain decode buckets); as requests finish and the batch drops below it, rows speculate
+    again. Outputs stay the plain ones either way."""
+    s = make_scheduler(
+        caching=False, num_spec=2, drafter=FakeDrafter(), num_kv_blocks=128,
+        spec_disable_batch_size=cap,
+    )  # fmt: skip
+    runner = FakeRunner(16)
+    reqs = [make_request(f"r{i}", prompt(20, 1000 * i), max_tokens=10 + 30 * i) for i in range(4)]
+    for r in reqs:
+        s.add_request(r)
+    seen_full = seen_spec = False
+    while s.has_unfinished_requests():
+        running = len([r for r in s.running if not r.is_finished])
+        out, _ = step(s, runner)
+        if out is None:
+            continue
+        if running >= cap:
+            assert not out.spec and not out.plan.shape.verify_only, running
+            seen_full = True
+        elif out.spec:
+            seen_spec = True
+    for r in reqs:
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_tokens)
+    assert seen_full == (cap <= 4) and seen_spec
+    _check_freed(s)
+
+
+def test_disable_by_batch_size_is_checked():
+    cfg = SpeculativeConfig.parse(
+        '{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 8}'
+    )
+    assert cfg.disable_by_batch_size == 8
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="disable_by_batch_size"):
+            SpeculativeConfig("ngram", 2, disable_by_batch_size=bad)
+
+
+def test_the_engine_passes_disable_by_batch_size_to_its_scheduler():
+    from hyjax.assets import model_dir
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 3}'
+    engine = LLMEngine(
+        EngineArgs(model=model_dir(), speculative_config=spec, max_num_seqs=4,
+                   max_num_batched_tokens=64, max_model_len=256, warmup=False, progress=False)
+    )  # fmt: skip
+    assert engine.sched_config.spec_disable_batch_size == 3
+    assert engine.scheduler.cfg.spec_disable_batch_size == 3
