@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -554,8 +555,6 @@ def load_tokenizer(model_dir: str, *, dummy: bool = False) -> Tokenizer | None:
     tokenizer there, the embedded model's (its text is as random as the weights: generated ids
     past its vocabulary decode to nothing, ``Tokenizer.decode``). None: token-id prompts only.
     The engine and the server's front end both take theirs from here, so they agree."""
-    import logging
-
     log = logging.getLogger(__name__)
     try:
         return Tokenizer.from_dir(model_dir)

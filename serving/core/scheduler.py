@@ -127,7 +127,6 @@ class Scheduler:
         self.cfg = sched_cfg
         self.drafter = drafter
         self.spec_metrics = SpecMetrics(accepted_per_pos=[0] * sched_cfg.num_speculative_tokens)
-        self._spec_off = False  # set by each schedule(): too many running rows to speculate
         self.cache = CacheManager(sched_cfg, cache_cfg)
         self.running: list[Request] = []  # admission order; finished ones dropped lazily
         self.waiting: collections.deque[Request] = collections.deque()
@@ -258,7 +257,7 @@ class Scheduler:
         """
         self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         cap = self.cfg.spec_disable_batch_size
-        self._spec_off = bool(cap) and len(self.running) >= cap  # this step verifies nothing
+        may_speculate = not cap or len(self.running) < cap  # else this step verifies nothing
         b = _StepBuilder(self._step_id, plp_left=self.cfg.prompt_logprob_capacity)
         budget = self.cfg.max_num_batched_tokens
         preempted = False
@@ -272,7 +271,7 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            drafts = self._drafts(req, start, n, budget)
+            drafts = self._drafts(req, start, n, budget) if may_speculate else []
             while not self.cache.allocate_blocks(req, start + n + len(drafts)):
                 if drafts:  # the pool is short: verify nothing rather than preempt
                     drafts = []
@@ -470,7 +469,7 @@ class Scheduler:
         """
         k_max = self.cfg.num_speculative_tokens
         drafts = req.draft_token_ids
-        if not k_max or not drafts or n != 1 or start != req.num_tokens - 1 or self._spec_off:
+        if not k_max or not drafts or n != 1 or start != req.num_tokens - 1:
             return []
         sp = req.sampling_params
         if sp.uses_token_tables or sp.logprobs is not None or req.grammar is not None:

@@ -82,7 +82,7 @@ class EngineArgs:
     min_seq_bucket: int = _flag(
         1,
         "the smallest row count of a decode step: fewer rows pad to it (one compile for all "
-        "counts up to it; a decode step reads all its weights however few rows it has)",
+        "counts up to it; padded rows still cost compute)",
         type=int,
     )
     mixed_row_buckets: bool | None = _flag(

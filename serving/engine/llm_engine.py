@@ -181,9 +181,7 @@ class LLMEngine:
             max_prompt_logprobs=args.max_prompt_logprobs,
             num_speculative_tokens=num_spec,
             verify_buckets=args.verify_buckets,
-            spec_disable_batch_size=(
-                self.spec_config.disable_by_batch_size or 0 if self.spec_config else 0
-            ),
+            spec_disable_batch_size=getattr(self.spec_config, "disable_by_batch_size", None) or 0,
         )
         memory = size_pools(
             self.model_config,
