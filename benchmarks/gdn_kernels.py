@@ -249,6 +249,72 @@ def time_prefill(
     return out
 
 
+# The serial launch's variants: (Dv blocks on the fastest grid axis, Dv block, warps, stages).
+SERIAL_SWEEP = [
+    (False, 32, 4, 2),  # the default before the grid order was a parameter
+    (True, 32, 4, 2),
+    (True, 32, 4, 1),
+    (True, 32, 4, 3),
+    (True, 16, 2, 2),
+    (True, 64, 4, 2),
+    (True, 64, 8, 2),
+    (True, 64, 8, 3),
+    (True, 128, 8, 2),
+    (True, 128, 8, 1),
+    (False, 64, 8, 2),
+]
+INTRA_SWEEP = [(4, 2), (4, 1), (4, 3), (8, 2), (2, 2)]  # the intra launch's (warps, stages)
+
+
+def sweep_prefill(batch, seq_len) -> dict:
+    """The default prefill's two launches tuned apart: the intra launch timed alone at each
+    (warps, stages), then the whole prefill at each serial variant of ``SERIAL_SWEEP`` (its
+    outputs and state checked against the default's: a variant that miscompiles shows)."""
+    qsl, slots, num_slots = _prefill_batch(batch, seq_len)
+    acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
+    kernel = functools.partial(gpu.gdn_prefill, precision=None, interpret=INTERPRET)
+    want_o, want_s = jax.jit(kernel)(*acts, _pool(jax.random.PRNGKey(5), num_slots), qsl, slots)
+    n = batch * seq_len
+    out = {"tokens": n}
+
+    def intra(nw, ns):
+        def one(st, acts, qsl, slots):
+            q, k, v, a, b, A_log, dt_bias = acts
+            plan = gpu.plan_chunks(qsl, slots, num_tokens=n, chunk=gpu.CHUNK)
+            nc = gpu.max_chunks(n, slots.num_rows, slots.ckpt_offsets.shape[1], gpu.CHUNK)
+            (q, k, v, a, b), _ = gpu.pad_tokens((q, k, v, a, b), gpu.CHUNK)
+            x = gpu.intra_launch(
+                q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=v.dtype,
+                precision=None, num_warps=nw, num_stages=ns, interpret=INTERPRET,
+            )  # fmt: skip
+            return st, tuple(x)
+
+        return one
+
+    for nw, ns in INTRA_SWEEP:
+        t = _time_stateful(intra(nw, ns), _pool(jax.random.PRNGKey(5), num_slots),
+                           (acts, qsl, slots), iters=10)  # fmt: skip
+        out[f"intra_w{nw}_s{ns}_ms"] = 1e3 * t
+    for vb_first, bv, nw, ns in SERIAL_SWEEP:
+        name = f"{'vbfirst' if vb_first else 'rowsfirst'}_bv{bv}_w{nw}_s{ns}"
+        fn = functools.partial(kernel, vb_first=vb_first, block_v=bv, num_warps=nw, num_stages=ns)
+        try:
+            o, st = jax.jit(fn)(*acts, _pool(jax.random.PRNGKey(5), num_slots), qsl, slots)
+            errs = (_err_ratio(o, want_o), _err_ratio(st, want_s))
+
+            def one(st, acts, qsl, slots, fn=fn):
+                o, st = fn(*acts, st, qsl, slots)
+                return st, o
+
+            t = _time_stateful(one, _pool(jax.random.PRNGKey(5), num_slots),
+                               (acts, qsl, slots), iters=10)  # fmt: skip
+            out[name] = {"ms": 1e3 * t, "Mtok_per_s": n / t / 1e6, "err_vs_default": errs}
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
+            out[name] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(name, out[name], flush=True)
+    return out
+
+
 def time_decode(rows, state_dtype=jnp.float32, **tuning) -> dict:
     acts = _activations(jax.random.PRNGKey(6), rows)
     pool = _pool(jax.random.PRNGKey(7), rows + 1, state_dtype)
@@ -481,18 +547,9 @@ def main() -> None:
             f"prefill_B{b}_T{t}_ckpt{n_ckpt}",
             lambda n_ckpt=n_ckpt: time_prefill(b, t, None, reference=False, checkpoints=n_ckpt),
         )
-    if args.sweep:  # tuning: the serial launch's Dv block, warps and pipeline depth
-        b, t = prefill_shapes[0]
-        for three in (False,):
-            for nw, ns, bv in [(4, 3, 32), (8, 2, 64), (4, 2, 16)]:
-                guarded(
-                    f"sweep_prefill_B{b}_T{t}_bf16ops_{'three' if three else 'serial'}"
-                    f"_w{nw}_s{ns}_bv{bv}",
-                    lambda nw=nw, ns=ns, bv=bv, three=three: time_prefill(
-                        b, t, None, reference=False, num_warps=nw, num_stages=ns,
-                        block_v=bv, three_launches=three,
-                    ),
-                )  # fmt: skip
+    if args.sweep:  # tuning: each launch of the default (two-launch) prefill apart
+        for b, t in [(1, 256)] if args.quick else [(1, 4096), (8, 4096), (1, 32768)]:
+            guarded(f"sweep_prefill_B{b}_T{t}", lambda b=b, t=t: sweep_prefill(b, t))
         for rows in (64, 256):
             for bv, nw in [
                 (16, 1),

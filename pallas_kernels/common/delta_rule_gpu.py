@@ -37,11 +37,11 @@ rows contribute nothing)::
     tokens:   ... | x x x [c c c c c] x x ... |        window = C rows starting at s0
     rows:          0 ...  ^start-s0  ^end-s0    C-1     mask = start <= s0 + i < start + len
 
-The serial launches walk a row's chunks in order (:func:`scan_row_chunks`, grid
-``(S, H, Dv // BV)``): the chunk math works on ``S [Dk, BV]``, so the tile is transposed where
-it meets the pool (once when the row's source slot is read, once per chunk where it is stored);
-it stays in registers, is stored to every checkpoint slot whose offset is the chunk's end and,
-after the row's last chunk, to ``dst``.
+The serial launches walk a row's chunks in order (:func:`scan_row_chunks`, one program per
+row, head and Dv block: :func:`serial_grid`): the chunk math works on ``S [Dk, BV]``, so the
+tile is transposed where it meets the pool (once when the row's source slot is read, once per
+chunk where it is stored); it stays in registers, is stored to every checkpoint slot whose
+offset is the chunk's end and, after the row's last chunk, to ``dst``.
 The chunks of a row are consecutive in the plan (:func:`row_plan`: first chunk and count).
 """
 
@@ -271,21 +271,41 @@ def row_plan(plan: ChunkPlan, slots: StateSlots, num_chunks: int) -> RowPlan:
     return RowPlan(row_first, row_chunks, plan.start, plan.length, plan.end, *slots.arrays()[:4])
 
 
+# The serial launches' grid order on NVIDIA (:func:`serial_grid`; benchmarks.gdn_kernels --sweep).
+SERIAL_VB_FIRST = True
+
+
+def serial_grid(rows: int, heads: int, num_v_blocks: int, vb_first: bool) -> tuple[int, ...]:
+    """A serial launch's grid over (row, head, Dv block). ``vb_first`` puts the Dv blocks on
+    the fastest-launched axis, so the programs of one (row, head) run side by side and read
+    each chunk's shared operands (the rows over all of Dk) through L2 once, instead of once
+    per Dv block from memory when rows x heads x blocks outnumber the resident programs."""
+    return (num_v_blocks, rows, heads) if vb_first else (rows, heads, num_v_blocks)
+
+
+def serial_ids(vb_first: bool):
+    """This program's ``(row, head, Dv block)`` under :func:`serial_grid`'s layout."""
+    if vb_first:
+        return pl.program_id(1), pl.program_id(2), pl.program_id(0)
+    return pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+
 def scan_row_chunks(
     p: RowPlan,
     pool_in,  # f32 | bf16[num_slots, H, Dv, Dk]
     pool_out,  # aliased to pool_in
     *,
-    vs: pl.Slice,  # this program's Dv columns
+    r,  # this program's row
+    h,  # and head
+    vs: pl.Slice,  # and Dv columns
     num_tokens: int,
     chunk: int,
     step: Callable,  # step(ci, w: Window, s [Dk, BV]) -> s after chunk ci
 ):
-    """Program ``(r, h, vb)`` of a serial launch: ``S <- pool[src[r], h, vs, :]^T`` (zeros
+    """Program ``(r, h, vs)`` of a serial launch: ``S <- pool[src[r], h, vs, :]^T`` (zeros
     when src == 0), then row ``r``'s chunks in order, storing ``S^T`` where a checkpoint's
     offset is the chunk's end and, after the last chunk, to ``dst``. A bf16 pool's state is
     rounded every ``ROUND_EVERY`` tokens of the row (``pallas_kernels.common.slots``)."""
-    r, h = pl.program_id(0), pl.program_id(1)
     n_chunks = p.row_chunks[r]
     src, dst = p.src[r], p.dst[r]
     s0 = load_state(pool_in, src, h, vs, (n_chunks > 0) & (src > 0)).T  # [Dk, BV]

@@ -77,6 +77,7 @@ from pallas_kernels.common.delta_rule import (
 from pallas_kernels.common.delta_rule_gpu import (
     DECODE_BLOCK_V,
     DECODE_NUM_WARPS,
+    SERIAL_VB_FIRST,
     DecodeSlots,
     RowPlan,
     check_key_dim,
@@ -88,6 +89,8 @@ from pallas_kernels.common.delta_rule_gpu import (
     pick_block_v,
     row_plan,
     scan_row_chunks,
+    serial_grid,
+    serial_ids,
     window,
 )
 from pallas_kernels.common.delta_rule_gpu import unsupported_reason as unsupported_reason
@@ -269,12 +272,12 @@ def _serial_kernel(
     pool_in,  # [num_slots, Hv, Dv, Dk]
     o_ref,  # [Tp, Hv, Dv]  (rows outside every chunk are left unwritten)
     pool_out,
-    *, bv: int, precision,
+    *, bv: int, precision, vb_first: bool,
 ):  # fmt: skip
     """Kernel 2 of the two-launch path, one program per (row, value head, Dv block): the state
     walks the row's chunks and the chunk's output is finished on the way
     (``chunk_recurrence``; every operand but the state comes from the intra launch)."""
-    h, vb = pl.program_id(1), pl.program_id(2)
+    r, h, vb = serial_ids(vb_first)
     vs = pl.ds(vb * bv, bv)
 
     def step(ci, win, s):
@@ -283,8 +286,8 @@ def _serial_kernel(
         pltr.store(o_ref.at[win.rows, h, vs], o.astype(o_ref.dtype), mask=win.valid[:, None])
         return s
 
-    scan_row_chunks(p, pool_in, pool_out, vs=vs, num_tokens=o_ref.shape[0], chunk=CHUNK,
-                    step=step)  # fmt: skip
+    scan_row_chunks(p, pool_in, pool_out, r=r, h=h, vs=vs, num_tokens=o_ref.shape[0],
+                    chunk=CHUNK, step=step)  # fmt: skip
 
 
 def _state_kernel(
@@ -294,10 +297,10 @@ def _state_kernel(
     h_ref,  # [NC, Hv, Dk, Dv]  out: the state before each chunk (operand dtype)
     vnew_ref,  # [Hv, Tp, Dv]   out: V' = U - W S
     pool_out,
-    *, bv: int, precision,
+    *, bv: int, precision, vb_first: bool,
 ):  # fmt: skip
     """Kernel 2 of the three-launch path: only the state recurrence is serial."""
-    h, vb = pl.program_id(1), pl.program_id(2)
+    r, h, vb = serial_ids(vb_first)
     vs = pl.ds(vb * bv, bv)
     op = x.w.dtype
 
@@ -309,8 +312,8 @@ def _state_kernel(
         pltr.store(vnew_ref.at[h, win.rows, vs], vnew, mask=win.valid[:, None])
         return s * decay + mm(k_dec, vnew, TN, precision)
 
-    scan_row_chunks(p, pool_in, pool_out, vs=vs, num_tokens=vnew_ref.shape[1], chunk=CHUNK,
-                    step=step)  # fmt: skip
+    scan_row_chunks(p, pool_in, pool_out, r=r, h=h, vs=vs, num_tokens=vnew_ref.shape[1],
+                    chunk=CHUNK, step=step)  # fmt: skip
 
 
 def _output_kernel(
@@ -340,6 +343,37 @@ def _output_kernel(
         pltr.store(o_ref.at[win.rows, h, vs], o.astype(o_ref.dtype), mask=rows)
 
 
+def intra_launch(
+    q, k, v, a, b, A_log, dt_bias, plan, *, num_chunks: int, operand_dtype, precision,
+    num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
+) -> ChunkRefs:  # fmt: skip
+    """Launch 1 (:func:`_intra_kernel`) over grid ``(NC, Hv)`` on inputs padded to at least one
+    chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`)."""
+    tp, hk, dk = q.shape
+    _, hv, dv = v.shape
+    op = operand_dtype
+    sds = jax.ShapeDtypeStruct
+    return ChunkRefs(
+        *pl.pallas_call(
+            functools.partial(
+                _intra_kernel, ratio=hv // hk, scale=float(dk) ** -0.5, precision=precision
+            ),
+            grid=(num_chunks, hv),
+            out_shape=[
+                sds((hv, tp, dk), op),
+                sds((hv, tp, dv), op),
+                sds((hv, tp, dk), op),
+                sds((hv, tp, dk), op),
+                sds((hv, tp, CHUNK), op),
+                sds((num_chunks, hv), jnp.float32),
+            ],  # fmt: skip
+            compiler_params=compiler_params(num_warps, num_stages),
+            interpret=interpret,
+            name="gdn_prefill_intra_gpu",
+        )(plan.start, plan.length, gate_params(A_log, dt_bias), q, k, v, a, b)
+    )
+
+
 def gdn_prefill(
     q: jax.Array,  # [T, Hk, Dk]  post-conv, before l2norm
     k: jax.Array,  # [T, Hk, Dk]
@@ -357,6 +391,9 @@ def gdn_prefill(
     operand_dtype=None,
     num_warps: int = 4,
     num_stages: int = 2,
+    intra_num_warps: int = 4,
+    intra_num_stages: int = 2,
+    vb_first: bool = SERIAL_VB_FIRST,
     three_launches: bool = False,
     block_v_out: int | None = None,
     interpret: bool = False,
@@ -370,7 +407,9 @@ def gdn_prefill(
     activations, float32 for float32 ones); accumulation and the running state stay float32.
     ``three_launches`` moves the output out of the serial launch into a parallel one, at the
     cost of a scratch of every chunk's starting state (``[NC, Hv, Dk, Dv]`` in the operand
-    dtype); by default it is used when that scratch fits ``max_scratch_bytes``.
+    dtype). ``block_v``, ``num_warps`` and ``num_stages`` tune the serial launch,
+    ``intra_num_warps`` / ``intra_num_stages`` the intra launch, ``vb_first`` the serial
+    grid's order (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`).
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, hk, dk = q.shape
@@ -383,33 +422,21 @@ def gdn_prefill(
     nc = max_chunks(n, rows, max_ckpt, CHUNK)
     rp = row_plan(plan, slots, nc)
     (q, k, v, a, b), tp = pad_tokens((q, k, v, a, b), CHUNK)  # the 64-row window needs T >= 64
+    x = intra_launch(
+        q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=op,
+        precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
+        interpret=interpret,
+    )  # fmt: skip
     params = compiler_params(num_warps, num_stages)
     sds = jax.ShapeDtypeStruct
-    x = ChunkRefs(
-        *pl.pallas_call(
-            functools.partial(
-                _intra_kernel, ratio=hv // hk, scale=float(dk) ** -0.5, precision=precision
-            ),
-            grid=(nc, hv),
-            out_shape=[
-                sds((hv, tp, dk), op),
-                sds((hv, tp, dv), op),
-                sds((hv, tp, dk), op),
-                sds((hv, tp, dk), op),
-                sds((hv, tp, CHUNK), op),
-                sds((nc, hv), jnp.float32),
-            ],  # fmt: skip
-            compiler_params=params,
-            interpret=interpret,
-            name="gdn_prefill_intra_gpu",
-        )(plan.start, plan.length, gate_params(A_log, dt_bias), q, k, v, a, b)
-    )
     state_out = sds(state.shape, state.dtype)
+    grid = serial_grid(rows, hv, dv // bv, vb_first)
+    kw = dict(bv=bv, precision=precision, vb_first=vb_first)
     if not three_launches:
         args = (*rp, *x, state)
         o, state = pl.pallas_call(
-            group_refs(_rows_and_chunks(_serial_kernel), RowPlan, bv=bv, precision=precision),
-            grid=(rows, hv, dv // bv),
+            group_refs(_rows_and_chunks(_serial_kernel), RowPlan, **kw),
+            grid=grid,
             out_shape=[sds((tp, hv, dv), v.dtype), state_out],
             input_output_aliases={len(args) - 1: 1},
             compiler_params=params,
@@ -419,8 +446,8 @@ def gdn_prefill(
     else:
         args = (*rp, *x, state)
         h_all, vnew, state = pl.pallas_call(
-            group_refs(_rows_and_chunks(_state_kernel), RowPlan, bv=bv, precision=precision),
-            grid=(rows, hv, dv // bv),
+            group_refs(_rows_and_chunks(_state_kernel), RowPlan, **kw),
+            grid=grid,
             out_shape=[sds((nc, hv, dk, dv), op), sds((hv, tp, dv), op), state_out],
             input_output_aliases={len(args) - 1: 2},
             compiler_params=params,

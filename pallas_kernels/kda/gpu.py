@@ -82,6 +82,7 @@ from pallas_kernels.common.delta_rule import (
 from pallas_kernels.common.delta_rule_gpu import (
     DECODE_BLOCK_V,
     DECODE_NUM_WARPS,
+    SERIAL_VB_FIRST,
     DecodeSlots,
     RowPlan,
     check_key_dim,
@@ -93,6 +94,8 @@ from pallas_kernels.common.delta_rule_gpu import (
     pick_block_v,
     row_plan,
     scan_row_chunks,
+    serial_grid,
+    serial_ids,
     window,
 )
 from pallas_kernels.common.delta_rule_gpu import unsupported_reason as unsupported_reason
@@ -198,10 +201,10 @@ def _serial_kernel(
     pool_in,  # f32 | bf16[num_slots, H, Dv, Dk]
     o_ref,  # [Tp, H, Dv]  (rows outside every chunk are left unwritten)
     pool_out,
-    *, bv: int, scale: float, precision,
+    *, bv: int, scale: float, precision, vb_first: bool,
 ):  # fmt: skip
     """The single-launch path: the whole 16-token chunk step inside the serial scan."""
-    h, vb = pl.program_id(1), pl.program_id(2)
+    r, h, vb = serial_ids(vb_first)
     vs = pl.ds(vb * bv, bv)
     num_tokens = q_ref.shape[0]
     c = SERIAL_CHUNK
@@ -245,8 +248,9 @@ def _serial_kernel(
         return s
 
     scan_row_chunks(
-        p, pool_in, pool_out, vs=vs, num_tokens=num_tokens, chunk=SERIAL_CHUNK, step=step
-    )
+        p, pool_in, pool_out, r=r, h=h, vs=vs, num_tokens=num_tokens, chunk=SERIAL_CHUNK,
+        step=step,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- prefill: 3 launches
@@ -403,10 +407,10 @@ def _state_kernel(
     h_ref,  # [NC, H, Dk, Dv]  out: the state before each chunk
     vnew_ref,  # [Tp, H, Dv]    out: Vnew = U - W S, token-major
     pool_out,
-    *, bv: int, precision, operand_dtype,
+    *, bv: int, precision, operand_dtype, vb_first: bool,
 ):  # fmt: skip
     """Launch 2, one program per (row, head, Dv block): only the state recurrence is serial."""
-    h, vb = pl.program_id(1), pl.program_id(2)
+    r, h, vb = serial_ids(vb_first)
     vs = pl.ds(vb * bv, bv)
     num_tokens = w_ref.shape[0]
     op = operand_dtype
@@ -425,7 +429,9 @@ def _state_kernel(
         decay = decay_ref[ci, h, :]  # [Dk]
         return s * decay[:, None] + mm(k_dec.astype(op), vnew, TN, op_prec)
 
-    scan_row_chunks(p, pool_in, pool_out, vs=vs, num_tokens=num_tokens, chunk=CHUNK, step=step)
+    scan_row_chunks(
+        p, pool_in, pool_out, r=r, h=h, vs=vs, num_tokens=num_tokens, chunk=CHUNK, step=step
+    )
 
 
 def _output_kernel(
@@ -482,6 +488,7 @@ def kda_prefill(
     num_warps: int | None = None,
     num_stages: int | None = None,
     intra_num_warps: int = 8,
+    vb_first: bool = SERIAL_VB_FIRST,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, H, Dv], state)``.
@@ -497,7 +504,8 @@ def kda_prefill(
     ``block_v`` / ``block_v_out`` are the Dv tiles of the serial and output launches;
     ``num_warps`` / ``num_stages`` their launch parameters (default 4 / 2; the single launch:
     8 / 1), ``intra_num_warps`` the intra launch's (it holds a whole chunk: four 16-row
-    sub-blocks of q, k, gam and v). None of these is tuned on a GPU yet.
+    sub-blocks of q, k, gam and v). None of these is tuned on a GPU yet. ``vb_first``: the
+    serial launch's grid order (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`).
     """
     _check(q, k, v, g, b, A_log, dt_bias, state, slots, query_start_loc)
     n, h, dk = q.shape
@@ -512,7 +520,7 @@ def kda_prefill(
         return _prefill_serial(
             q, k, v, g, b, neg_a, dt, state, query_start_loc, slots, block_v=block_v,
             precision=precision, num_warps=num_warps or 8, num_stages=num_stages or 1,
-            interpret=interpret,
+            vb_first=vb_first, interpret=interpret,
         )  # fmt: skip
     bv = pick_block_v(dv, block_v)
     bo = pick_block_v(dv, block_v_out, default=64)
@@ -539,8 +547,8 @@ def kda_prefill(
     )(plan.start, plan.length, neg_a, dt, q, k, g, v, b)
     args = (*row_plan(plan, slots, nc), w, u, k_dec, decay, state)
     h_all, vnew, state = pl.pallas_call(
-        group_refs(_state_kernel, RowPlan, bv=bv, **kw),
-        grid=(rows, h, dv // bv),
+        group_refs(_state_kernel, RowPlan, bv=bv, vb_first=vb_first, **kw),
+        grid=serial_grid(rows, h, dv // bv, vb_first),
         out_shape=[sd((nc, h, dk, dv), op), sd((tp, h, dv), op), sd(state.shape, state.dtype)],
         input_output_aliases={len(args) - 1: 2},
         compiler_params=params,
@@ -560,7 +568,7 @@ def kda_prefill(
 
 def _prefill_serial(
     q, k, v, g, b, neg_a, dt, state, query_start_loc, slots, *, block_v, precision, num_warps,
-    num_stages, interpret,
+    num_stages, vb_first, interpret,
 ):  # fmt: skip
     """The single-launch path (``three_launches=False``): :func:`_serial_kernel`."""
     n, h, dk = q.shape
@@ -572,11 +580,12 @@ def _prefill_serial(
     tokens, tp = pad_tokens((q, k, g, v, b), SERIAL_CHUNK)  # the 16-row window needs T >= 16
     args = (*row_plan(plan, slots, nc), neg_a, dt, *tokens, state)
     kernel = group_refs(
-        _serial_kernel, RowPlan, bv=bv, scale=float(dk) ** -0.5, precision=precision
-    )
+        _serial_kernel, RowPlan, bv=bv, scale=float(dk) ** -0.5, precision=precision,
+        vb_first=vb_first,
+    )  # fmt: skip
     o, state = pl.pallas_call(
         kernel,
-        grid=(rows, h, dv // bv),
+        grid=serial_grid(rows, h, dv // bv, vb_first),
         out_shape=[
             jax.ShapeDtypeStruct((tp, h, dv), v.dtype),
             jax.ShapeDtypeStruct(state.shape, state.dtype),

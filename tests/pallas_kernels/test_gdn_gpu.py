@@ -37,23 +37,34 @@ PREFILL_CASES = [
     # (lens, hk, hv, dk, dv, dtype, block_v)
     ([1, 63, 64, 65, 130], 2, 6, 16, 8, jnp.float32, 4),
     ([5, 2], 2, 4, 16, 16, jnp.float32, None),  # T < 64: the wrapper pads
-    ([200, 7], 2, 4, 16, 16, jnp.bfloat16, 8),
+    ([200, 7], 2, 8, 16, 16, jnp.bfloat16, 8),  # rows != heads: the grid order shows
 ]
 PREFILL_IDS = [
     f"{lens=}_{hv=}_{jnp.dtype(dtype).name}_{bv=}" for lens, _, hv, _, _, dtype, bv in PREFILL_CASES
 ]
 
 
-@pytest.mark.parametrize("three", [False, True], ids=["scan_output", "three_launches"])
+# (three launches, the serial grid's Dv blocks on its fastest axis)
+PREFILL_PATHS = {
+    "scan_output": (False, True),
+    "three_launches": (True, True),
+    "scan_output_rows_first": (False, False),
+}
+
+
+@pytest.mark.parametrize("path", PREFILL_PATHS)
 @pytest.mark.parametrize("lens,hk,hv,dk,dv,dtype,bv", PREFILL_CASES, ids=PREFILL_IDS)
-def test_prefill_matches_reference(lens, hk, hv, dk, dv, dtype, bv, three):
+def test_prefill_matches_reference(lens, hk, hv, dk, dv, dtype, bv, path):
+    three, vb_first = PREFILL_PATHS[path]
     rng = np.random.default_rng(sum(lens))
     case = ragged_case(lens)
     inputs = _inputs(rng, case.num_tokens, hk, hv, dk, dv, dtype)
     pool = jnp.asarray(case.pool(rng, (hv, dv, dk), np.float32))
     args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
     want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
-    kernel = functools.partial(gpu.gdn_prefill, block_v=bv, three_launches=three, interpret=True)
+    kernel = functools.partial(
+        gpu.gdn_prefill, block_v=bv, three_launches=three, vb_first=vb_first, interpret=True
+    )
     got_o, got_s = jax.jit(kernel)(*args)
     assert not np.isnan(np.asarray(got_o, np.float32)).any(), "a poisoned slot was read"
     if dtype == jnp.float32:
