@@ -54,6 +54,9 @@ def run(engine: LLMEngine, prompts: list[list[int]], args) -> dict:
     cached = 0
     index: dict[str, int] = {}  # request id -> prompt index
     tokens: list[list[int]] = [[] for _ in prompts]
+    sent_step: dict[str, int] = {}  # request id -> engine steps taken before it was sent
+    ttft_steps: dict[str, int] = {}  # request id -> engine steps until its first token
+    steps = 0
     engine.timing.reset()
     start = time.perf_counter()
     while pending or engine.has_unfinished_requests():
@@ -62,10 +65,14 @@ def run(engine: LLMEngine, prompts: list[list[int]], args) -> dict:
             rid = engine.add_request(EngineRequest(pending.pop(0), params))
             index[rid] = i
             submitted[rid] = time.perf_counter()
-        for o in engine.step():
+            sent_step[rid] = steps
+        outputs = engine.step()
+        steps += 1
+        for o in outputs:
             now = time.perf_counter()
             if o.request_id not in ttft and o.delta_token_ids:
                 ttft[o.request_id] = now - submitted[o.request_id]
+                ttft_steps[o.request_id] = steps - sent_step[o.request_id]
             if o.finished:
                 out_tokens += len(o.output_token_ids)
                 tokens[index[o.request_id]] = list(o.output_token_ids)
@@ -77,6 +84,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], args) -> dict:
     # inside that wave can hit); the rest arrive one by one as earlier ones finish.
     first = [v for rid, v in ttft.items() if index[rid] < args.concurrency]
     later = [v for rid, v in ttft.items() if index[rid] >= args.concurrency]
+    later_steps = [v for rid, v in ttft_steps.items() if index[rid] >= args.concurrency]
     return {
         "requests": len(prompts),
         "seconds": round(seconds, 3),
@@ -86,6 +94,11 @@ def run(engine: LLMEngine, prompts: list[list[int]], args) -> dict:
         "ttft_p99_s": round(t[min(len(t) - 1, int(len(t) * 0.99))], 4),
         "ttft_first_wave_mean_s": round(statistics.mean(first), 4) if first else None,
         "ttft_later_mean_s": round(statistics.mean(later), 4) if later else None,
+        # Engine steps from a later request's sending to its first token (1: the next step
+        # gave it): many steps point at scheduling, few long ones at the step's cost.
+        "ttft_later_steps_mean": round(statistics.mean(later_steps), 2) if later_steps else None,
+        "ttft_later_steps_max": max(later_steps) if later_steps else None,
+        "steps": steps,
         "cached_tokens": cached,
         "host_s_per_step": round(engine.timing.host / max(engine.timing.steps, 1), 6),
         "device_s_per_step": round(engine.timing.device / max(engine.timing.steps, 1), 6),

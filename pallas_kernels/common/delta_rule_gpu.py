@@ -283,6 +283,24 @@ def serial_grid(rows: int, heads: int, num_v_blocks: int, vb_first: bool) -> tup
     return (num_v_blocks, rows, heads) if vb_first else (rows, heads, num_v_blocks)
 
 
+def resident_programs() -> int:
+    """How many programs of a serial launch run at once, one per SM: the first device's SM
+    count where JAX reports it (``core_count`` on CUDA devices), else an H100's / H200's 132."""
+    try:
+        return int(getattr(jax.devices()[0], "core_count", 0)) or 132
+    except RuntimeError:  # no backend initialised (tracing for a foreign platform)
+        return 132
+
+
+def serial_num_stages(num_programs: int) -> int:
+    """The serial launch's software-pipeline depth when not given: 2 while its programs fit
+    one wave on the SMs (each SM walks one program's chunks: prefetching the next chunk hides
+    its load latency; H200, B=1 T=4096: 0.271 ms vs 0.364 at 1 stage), 1 when they do not
+    (several programs share an SM and hide each other's latency; the smaller footprint wins:
+    B=8 T=4096, 1024 programs: 1.63 ms vs 1.76 at 2). ``benchmarks.gdn_kernels --sweep``."""
+    return 2 if num_programs <= resident_programs() else 1
+
+
 def serial_ids(vb_first: bool):
     """This program's ``(row, head, Dv block)`` under :func:`serial_grid`'s layout."""
     if vb_first:

@@ -91,6 +91,7 @@ from pallas_kernels.common.delta_rule_gpu import (
     scan_row_chunks,
     serial_grid,
     serial_ids,
+    serial_num_stages,
     window,
 )
 from pallas_kernels.common.delta_rule_gpu import unsupported_reason as unsupported_reason
@@ -390,7 +391,7 @@ def gdn_prefill(
     precision=jax.lax.Precision.HIGHEST,
     operand_dtype=None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     intra_num_warps: int = 4,
     intra_num_stages: int = 2,
     vb_first: bool = SERIAL_VB_FIRST,
@@ -407,7 +408,8 @@ def gdn_prefill(
     activations, float32 for float32 ones); accumulation and the running state stay float32.
     ``three_launches`` moves the output out of the serial launch into a parallel one, at the
     cost of a scratch of every chunk's starting state (``[NC, Hv, Dk, Dv]`` in the operand
-    dtype). ``block_v``, ``num_warps`` and ``num_stages`` tune the serial launch,
+    dtype). ``block_v``, ``num_warps`` and ``num_stages`` tune the serial launch (``None``
+    stages: :func:`~pallas_kernels.common.delta_rule_gpu.serial_num_stages` by its grid),
     ``intra_num_warps`` / ``intra_num_stages`` the intra launch, ``vb_first`` the serial
     grid's order (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`).
     """
@@ -427,10 +429,12 @@ def gdn_prefill(
         precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
         interpret=interpret,
     )  # fmt: skip
+    grid = serial_grid(rows, hv, dv // bv, vb_first)
+    if num_stages is None:
+        num_stages = serial_num_stages(rows * hv * (dv // bv))
     params = compiler_params(num_warps, num_stages)
     sds = jax.ShapeDtypeStruct
     state_out = sds(state.shape, state.dtype)
-    grid = serial_grid(rows, hv, dv // bv, vb_first)
     kw = dict(bv=bv, precision=precision, vb_first=vb_first)
     if not three_launches:
         args = (*rp, *x, state)
