@@ -292,13 +292,19 @@ def resident_programs() -> int:
         return 132
 
 
-def serial_num_stages(num_programs: int) -> int:
-    """The serial launch's software-pipeline depth when not given: 2 while its programs fit
-    one wave on the SMs (each SM walks one program's chunks: prefetching the next chunk hides
-    its load latency; H200, B=1 T=4096: 0.271 ms vs 0.364 at 1 stage), 1 when they do not
-    (several programs share an SM and hide each other's latency; the smaller footprint wins:
-    B=8 T=4096, 1024 programs: 1.63 ms vs 1.76 at 2). ``benchmarks.gdn_kernels --sweep``."""
-    return 2 if num_programs <= resident_programs() else 1
+def serial_block_v(rows: int, heads: int, dv: int, requested: int | None) -> int:
+    """The serial launch's Dv block when not given: 64 columns when the launch still fills the
+    SMs with them (one wave, within 10 %), else 32 (twice the programs). Wider blocks read each
+    chunk's shared operands (the rows over all of Dk) half as often; narrower ones give a short
+    batch the programs to spread over. ``rows`` is the launch's row count (padding rows'
+    programs exit at once). H200, ``benchmarks.gdn_kernels --sweep``: B=1 T=4096 (64 vs 128
+    programs) 0.31 vs 0.27 ms; B=2 0.375 vs 0.489; B=8 1.33 vs 1.78."""
+    if requested is not None:
+        return pick_block_v(dv, requested)
+    wide = pick_block_v(dv, None, default=64)
+    if rows * heads * (dv // wide) >= 0.9 * resident_programs():
+        return wide
+    return pick_block_v(dv, None, default=32)
 
 
 def serial_ids(vb_first: bool):

@@ -89,9 +89,9 @@ from pallas_kernels.common.delta_rule_gpu import (
     pick_block_v,
     row_plan,
     scan_row_chunks,
+    serial_block_v,
     serial_grid,
     serial_ids,
-    serial_num_stages,
     window,
 )
 from pallas_kernels.common.delta_rule_gpu import unsupported_reason as unsupported_reason
@@ -346,7 +346,7 @@ def _output_kernel(
 
 def intra_launch(
     q, k, v, a, b, A_log, dt_bias, plan, *, num_chunks: int, operand_dtype, precision,
-    num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
+    num_warps: int = 8, num_stages: int = 2, interpret: bool = False,
 ) -> ChunkRefs:  # fmt: skip
     """Launch 1 (:func:`_intra_kernel`) over grid ``(NC, Hv)`` on inputs padded to at least one
     chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`)."""
@@ -391,8 +391,8 @@ def gdn_prefill(
     precision=jax.lax.Precision.HIGHEST,
     operand_dtype=None,
     num_warps: int = 4,
-    num_stages: int | None = None,
-    intra_num_warps: int = 4,
+    num_stages: int = 2,
+    intra_num_warps: int = 8,
     intra_num_stages: int = 2,
     vb_first: bool = SERIAL_VB_FIRST,
     three_launches: bool = False,
@@ -408,8 +408,8 @@ def gdn_prefill(
     activations, float32 for float32 ones); accumulation and the running state stay float32.
     ``three_launches`` moves the output out of the serial launch into a parallel one, at the
     cost of a scratch of every chunk's starting state (``[NC, Hv, Dk, Dv]`` in the operand
-    dtype). ``block_v``, ``num_warps`` and ``num_stages`` tune the serial launch (``None``
-    stages: :func:`~pallas_kernels.common.delta_rule_gpu.serial_num_stages` by its grid),
+    dtype). ``block_v`` (default: :func:`~pallas_kernels.common.delta_rule_gpu.serial_block_v`
+    by the launch's size), ``num_warps`` and ``num_stages`` tune the serial launch,
     ``intra_num_warps`` / ``intra_num_stages`` the intra launch, ``vb_first`` the serial
     grid's order (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`).
     """
@@ -418,7 +418,7 @@ def gdn_prefill(
     _, hv, dv = v.shape
     rows, max_ckpt = slots.ckpt_offsets.shape
     check_key_dim(dk)
-    bv = pick_block_v(dv, block_v)
+    bv = serial_block_v(rows, hv, dv, block_v)
     op = operand_dtype_for(v.dtype, operand_dtype)
     plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK)
     nc = max_chunks(n, rows, max_ckpt, CHUNK)
@@ -430,8 +430,6 @@ def gdn_prefill(
         interpret=interpret,
     )  # fmt: skip
     grid = serial_grid(rows, hv, dv // bv, vb_first)
-    if num_stages is None:
-        num_stages = serial_num_stages(rows * hv * (dv // bv))
     params = compiler_params(num_warps, num_stages)
     sds = jax.ShapeDtypeStruct
     state_out = sds(state.shape, state.dtype)

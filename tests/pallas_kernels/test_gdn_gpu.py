@@ -116,3 +116,15 @@ def test_kernels_lower_to_triton_at_80b_shapes():
         acts = [sd((t, hk, d), bf)] * 2 + [sd((t, hv, d), bf)] + [sd((t, hv), bf)] * 2
         lowered = jax.jit(f).trace(*acts, *gates, pool, *extra, slots)
         assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_serial_block_v_widens_when_the_launch_fills_the_sms(monkeypatch):
+    from pallas_kernels.common import delta_rule_gpu
+
+    monkeypatch.setattr(delta_rule_gpu, "resident_programs", lambda: 132)
+    # 80B shapes (32 value heads, Dv 128): one row has 64 programs of 64 columns, two have 128.
+    assert delta_rule_gpu.serial_block_v(1, 32, 128, None) == 32
+    assert delta_rule_gpu.serial_block_v(2, 32, 128, None) == 64
+    assert delta_rule_gpu.serial_block_v(8, 32, 128, None) == 64
+    assert delta_rule_gpu.serial_block_v(8, 32, 48, None) == 16  # Dv's largest power-of-2 divisor
+    assert delta_rule_gpu.serial_block_v(8, 32, 128, 16) == 16  # a requested block is kept
