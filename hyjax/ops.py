@@ -102,6 +102,15 @@ class Ops:
     # lm_head leaves them split by vocab, and XLA then partitions the sampler's sort and cumsum:
     # on two H100s that cumsum became a 75 968-trip while loop, ~1.5 s a step.
     gather_logits: Callable
+    # The LM head's logits pinned where the head leaves them (identity on one device; split
+    # by vocab under TP). Unpinned, XLA's sharding propagation carries ``gather_logits``'
+    # "whole" back up to the LM head, which then gathers its [D, V] weight on every step
+    # instead of the [S, V] logits where the sampler asks (hyjax.sharding).
+    head_logits: Callable
+    # The sampler's token tables whole on every device, as the step takes them (identity on
+    # one device): pinned, so that propagation from the split logits does not split the
+    # tables the step returns (donated: another sharding out than in compiles again).
+    whole_tables: Callable
     # The precision of every matmul of the step that does not pin its own, XLA's and the
     # Pallas GPU kernels' alike (``jax_default_matmul_precision`` while the step is traced):
     # None is the platform's default (f32 products in TF32 on NVIDIA, in bf16 passes on TPU),
@@ -264,6 +273,12 @@ GRID: dict[str, Row] = {
     ),
     "gather_logits": Row(
         reference=_whole,  # hyjax.sharding swaps in the gather under tensor parallelism
+    ),
+    "head_logits": Row(
+        reference=_whole,  # hyjax.sharding swaps in the vocab split under tensor parallelism
+    ),
+    "whole_tables": Row(
+        reference=_whole,  # hyjax.sharding swaps in the constraint under tensor parallelism
     ),
 }
 

@@ -196,24 +196,39 @@ class ShardingPlan:
 
     # -- ops
 
+    def logits_spec(self) -> P:
+        """The LM head's logits ``[S, V]``: split by vocab where its weight's columns are."""
+        if self.cfg.tie_word_embeddings:  # the head is embed_tokens.T: vocab is its first axis
+            spec = self.spec(("embed_tokens",))
+            vocab = spec[0] if spec else None
+        else:  # lm_head/weight [D, V]
+            spec = self.spec(("lm_head", "weight"))
+            vocab = spec[1] if len(spec) > 1 else None
+        return P(None, vocab)
+
     def shard_ops(self, ops):
-        """``ops`` with this family's head-parallel ops wrapped in ``jax.shard_map``."""
+        """``ops`` with this family's head-parallel ops wrapped in ``jax.shard_map``, and the
+        logits pinned: split by vocab as the LM head leaves them, whole where gathered."""
         if self.tp == 1:
             return ops
-        return _sharded_ops(ops, self.mesh, self.family)
+        return _sharded_ops(ops, self.mesh, self.family, self.logits_spec())
 
 
 @functools.cache
-def _sharded_ops(ops, mesh: Mesh, family: FamilySharding):
-    """One wrapped ``Ops`` per (ops, mesh, family): equal static arguments of the jitted step,
-    so a second runner on the same mesh reuses the compiled executables."""
+def _sharded_ops(ops, mesh: Mesh, family: FamilySharding, logits_spec: P):
+    """One wrapped ``Ops`` per (ops, mesh, family, logits split): equal static arguments of the
+    jitted step, so a second runner on the same mesh reuses the compiled executables."""
     tp = mesh.shape[MODEL_AXIS]
     wrapped = {
         name: _shard_op(getattr(ops, name), mesh, in_specs, out_specs, tp)
         for name, (in_specs, out_specs) in family.ops.items()
     }
-    whole = NamedSharding(mesh, P())
+    whole, head = NamedSharding(mesh, P()), NamedSharding(mesh, logits_spec)
     wrapped["gather_logits"] = lambda x: jax.lax.with_sharding_constraint(x, whole)
+    wrapped["whole_tables"] = lambda tables: jax.lax.with_sharding_constraint(tables, whole)
+    # Without this pin, propagation runs the gather's "whole" back into the LM head's dot,
+    # which then all-gathers its [D, V] weight every step (bf16 151936 x 2048: 622 MB).
+    wrapped["head_logits"] = lambda x: jax.lax.with_sharding_constraint(x, head)
     return dataclasses.replace(ops, **wrapped)
 
 

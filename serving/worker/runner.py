@@ -120,9 +120,11 @@ def _step(
     precision = ops.matmul_precision
     with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
         caches, h = model.hidden_states(batch, caches, ops, decode_only=decode_only)
-        logits = model.head(h[batch.logits_indices])  # f32[S, V]
+        logits = ops.head_logits(model.head(h[batch.logits_indices]))  # f32[S, V]
     # Under TP the logits stay split by vocab where XLA partitions the work well (argmax, max,
-    # the Gumbel draw); the sampler's sort and the log-probs gather them whole first.
+    # the Gumbel draw); the sampler's sort and the log-probs gather them whole first. Both are
+    # pinned (``head_logits``, ``gather_logits``): left to propagation, the LM head gathered
+    # its weight instead.
     sampling = SamplingArrays.from_arrays(arrays)
     # The token tables see this step's inputs before its rows sample (sampler.TokenTables).
     tables = jax.lax.cond(
@@ -137,6 +139,7 @@ def _step(
         ),
         lambda: tables,
     )
+    tables = ops.whole_tables(tables)  # out as they came in (donated; no second compile)
     positions = arrays["seq_lens"]  # of the tokens sampled
     num_spec = arrays["draft_ids"].shape[1]  # static: K of a step with verify rows, else 0
     if num_spec:  # logits at K + 1 positions a row; every row's new tokens, -1 after them
@@ -184,7 +187,7 @@ def _step(
 
         def score():
             with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
-                rows = model.head(h[arrays["prompt_lp_indices"]])  # f32[P, V]
+                rows = ops.head_logits(model.head(h[arrays["prompt_lp_indices"]]))  # f32[P, V]
             return prompt_token_logprobs(ops.gather_logits(rows), jnp.maximum(targets, 0))
 
         prompt = jax.lax.cond(jnp.any(targets >= 0), score, lambda: none)

@@ -7,6 +7,7 @@ and asserts on the JSON it prints. Run by hand::
     python -m tests.serving.tp_worker all         # prints one JSON object
     python -m tests.serving.tp_worker kimi        # Kimi-Linear (run beside ``all``)
     python -m tests.serving.tp_worker scan        # --scan-layers under TP (Qwen3-Next)
+    python -m tests.serving.tp_worker collectives # the compiled TP 4 step's collectives
     python -m tests.serving.tp_worker distributed PROCESS_ID PORT   (one of two processes)
 
 Every float comparison is reported as the largest absolute difference and the largest absolute
@@ -26,7 +27,7 @@ import time
 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "all"
-    count = 4 if mode == "distributed" else 8
+    count = 4 if mode in ("distributed", "collectives") else 8
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -528,6 +529,72 @@ def compiled_step_findings(runner) -> dict[str, list[str]]:
     return found
 
 
+def step_collectives(hlo: str) -> list[dict]:
+    """Every collective of an optimized HLO module: ``op``, its operands' shapes (``[[T, D],
+    ...]``: XLA combines independent ones into one op) and ``where``: ``entry`` (runs every
+    step) or ``branch`` (in a ``conditional``'s branch, runs in the steps that take it)."""
+    import re
+
+    collective = re.compile(
+        r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\("
+    )
+    branches = set()
+    for m in re.finditer(r"branch_computations=\{([^}]*)\}", hlo):
+        branches.update(name.strip() for name in m.group(1).split(","))
+    found, where = [], None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            name = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+            where = "entry" if line.startswith("ENTRY") else name
+        m = collective.search(line)
+        if m is None:
+            continue
+        shapes = [[int(d) for d in dims.split(",") if d]
+                  for dims in re.findall(r"\w+\[([\d,]*)\]", m.group(1))]  # fmt: skip
+        if where != "entry":
+            where = "branch" if where in branches else where
+        found.append({"op": m.group(2), "shapes": shapes, "where": where})
+    return found
+
+
+def check_collectives() -> dict:
+    """The compiled TP = 4 step of ``tp_config``'s two layers (GDN + MoE, attention + MoE):
+    every collective of a decode and of a prefill bucket, the shapes of the parameters (none
+    may be gathered), and whether the token tables leave the step as they came in."""
+    from serving.core.config import SchedulerConfig
+    from serving.core.plan import StepPlan
+    from serving.worker.pool_sizing import size_pools
+    from serving.worker.runner import ModelRunner, _step
+
+    cfg = tp_config()
+    model = random_model(cfg, 0)
+    sched = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
+    plan = ShardingPlan(make_mesh(4), cfg)
+    memory = size_pools(cfg, sched, model.dtype, num_checkpoint_slots=2, sharding=plan)
+    runner = ModelRunner(model, cfg, sched, memory=memory, kernel_backend="reference",
+                         sharding=plan)  # fmt: skip
+    out = {
+        "hidden": cfg.hidden_size,
+        "vocab": cfg.vocab_size,
+        "layers": cfg.num_hidden_layers,
+        "params": sorted({tuple(x.shape) for x in jax.tree.leaves(runner.state)}),
+    }
+    shapes = sched.step_shapes()
+    for shape in [next(s for s in shapes if s.decode_only == d) for d in (True, False)]:
+        name = "decode" if shape.decode_only else "prefill"
+        args = runner.step_args(StepPlan.empty(shape))
+        compiled = _step.lower(*args).compile()
+        out[name] = {"rows": shape.num_seqs, "tokens": shape.num_tokens,
+                     "collectives": step_collectives(compiled.as_text())}  # fmt: skip
+        tables_out = jax.tree.leaves(compiled.output_shardings[1])
+        tables_in = jax.tree.leaves(runner.tables)
+        out[name]["tables_keep_sharding"] = all(
+            o.is_equivalent_to(i.sharding, i.ndim)
+            for o, i in zip(tables_out, tables_in, strict=True)
+        )
+    return out
+
+
 class _LogLines(logging.Handler):
     """Keeps the messages logged while attached (the runner's pool lines)."""
 
@@ -662,6 +729,8 @@ def main() -> None:
     if mode == "scan":  # a process of its own: scanned layers under TP (Qwen3-Next)
         out["scan"] = check_scan()
         lap("scan")
+    if mode == "collectives":  # a process of its own, on 4 devices
+        out["collectives"] = check_collectives()
     if mode in ("all", "errors"):
         out["errors"] = check_errors()
     if not out:

@@ -1,0 +1,69 @@
+"""The compiled tensor-parallel step moves what TP must move, and nothing else.
+
+Per layer: one all-reduce of the ``[T, D]`` mixer output (row-parallel ``out_proj`` /
+``o_proj``) and two of the MoE's (the routed experts' ``psum`` and the shared expert's
+row-parallel ``down_proj``; XLA may combine them into one op); the argmax of the vocab-split
+logits exchanges ``[S, devices]`` partial maxima; whole ``[S, V]`` logits rows are gathered only
+inside the branches that need them (the sort, the log-probs). No parameter is ever gathered:
+left to sharding propagation, the LM head all-gathered its ``[D, V]`` weight on every step
+(622 MB at Qwen3-Next-80B's 151936 x 2048 in bf16) to serve the sampler's gather.
+
+The step is compiled for 4 simulated CPU devices in a fresh interpreter
+(``tp_worker collectives``: JAX reads the device count once, when it starts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.xla_flags import TEST_XLA_FLAGS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEVICES = 4
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=TEST_XLA_FLAGS)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.serving.tp_worker", "collectives"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["collectives"]
+
+
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_tp_step_collectives_are_the_minimum(report, step):
+    r = report[step]
+    hidden, vocab, rows, tokens = report["hidden"], report["vocab"], r["rows"], r["tokens"]
+    found = r["collectives"]
+    params = {tuple(p) for p in report["params"]}
+    gathered = [c for c in found if any(tuple(s) in params for s in c["shapes"])]
+    assert gathered == [], f"a parameter crosses devices: {gathered}"
+    assert {c["op"] for c in found} <= {"all-reduce", "all-gather"}, found
+
+    every_step = [c for c in found if c["where"] == "entry"]
+    reduced = [s for c in every_step if c["op"] == "all-reduce" for s in c["shapes"]]
+    assert reduced == [[tokens, hidden]] * (3 * report["layers"]), every_step
+    # the argmax over the vocab shards: each device's best value and index per row
+    argmax = [c["shapes"] for c in every_step if c["op"] == "all-gather"]
+    assert argmax == [[[rows, DEVICES]]] * 2, every_step
+
+    in_branches = [c for c in found if c["where"] != "entry"]
+    assert in_branches, "the sort and the log-probs gather the logits"
+    for c in in_branches:
+        assert c["where"] == "branch" and c["op"] == "all-gather", c
+        assert [s[-1] for s in c["shapes"]] == [vocab], c
+
+
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_tp_step_returns_the_tables_as_it_takes_them(report, step):
+    """The token tables are donated: another sharding out than in would compile the step again
+    on its next call (and copy the tables)."""
+    assert report[step]["tables_keep_sharding"]
