@@ -144,6 +144,7 @@ def engine_args(args, concurrency: int, max_model_len: int, **overrides) -> Engi
         tensor_parallel_size=args.tp,
         enable_expert_parallel=args.expert_parallel,
         compilation_cache_dir=args.compilation_cache_dir,
+        min_seq_bucket=min(args.min_seq_bucket, concurrency),
         warmup=False,
         progress=False,
     )
@@ -209,6 +210,11 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         "--cache-gib", type=float, default=None, help="KV + state pools per device (default: 90%%)"
     )
     p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument(
+        "--min-seq-bucket", type=int, default=1,
+        help="decode steps pad to at least this many rows (fewer buckets to compile; the run's "
+        "tail pads)",
+    )  # fmt: skip
     p.add_argument("--compilation-cache-dir", default=None)
     p.add_argument(
         "--max-seconds", type=float, default=510.0, help="stop cleanly, JSON written, after this"
