@@ -57,6 +57,20 @@ def run(engine: LLMEngine, prompts: list[list[int]], args) -> dict:
     sent_step: dict[str, int] = {}  # request id -> engine steps taken before it was sent
     ttft_steps: dict[str, int] = {}  # request id -> engine steps until its first token
     steps = 0
+    # Each request's scheduled chunks: (step, tokens computed, samples) per step it ran in
+    # before its first token, and the cached tokens it was admitted with.
+    chunks: dict[str, list[tuple[int, int, bool]]] = {}
+    schedule = engine.scheduler.schedule
+
+    def traced_schedule():
+        out = schedule()
+        if out is not None:
+            for req, n, smp in zip(out.requests, out.num_new_tokens, out.samples, strict=True):
+                if req.request_id not in ttft:
+                    chunks.setdefault(req.request_id, []).append((steps, n, bool(smp)))
+        return out
+
+    engine.scheduler.schedule = traced_schedule
     engine.timing.reset()
     start = time.perf_counter()
     while pending or engine.has_unfinished_requests():
@@ -79,6 +93,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], args) -> dict:
                 cached += o.num_cached_tokens
                 submitted[o.request_id] = -1.0  # done: no longer in flight
     seconds = time.perf_counter() - start
+    engine.scheduler.schedule = schedule
     t = sorted(ttft.values())
     # The first ``concurrency`` requests are sent at once into an empty cache (only sharing
     # inside that wave can hit); the rest arrive one by one as earlier ones finish.
@@ -99,6 +114,12 @@ def run(engine: LLMEngine, prompts: list[list[int]], args) -> dict:
         "ttft_later_steps_mean": round(statistics.mean(later_steps), 2) if later_steps else None,
         "ttft_later_steps_max": max(later_steps) if later_steps else None,
         "steps": steps,
+        # The later requests' first chunks: [sent at step, [(step, tokens, samples), ...]]
+        "later_chunks": [
+            [sent_step[rid], chunks.get(rid, [])]
+            for rid in sorted(index, key=index.get)
+            if index[rid] >= args.concurrency
+        ][:8],
         "cached_tokens": cached,
         "host_s_per_step": round(engine.timing.host / max(engine.timing.steps, 1), 6),
         "device_s_per_step": round(engine.timing.device / max(engine.timing.steps, 1), 6),
