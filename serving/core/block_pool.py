@@ -28,17 +28,17 @@ NULL_ID = 0
 class FreeQueue:
     """A doubly linked list over ids ``1..n-1`` kept in two int lists: O(1) unlink/push/pop."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, *, empty: bool = False) -> None:
         # Sentinel index n links head and tail: next[n] is the head, prev[n] the tail.
         self._n = n
         self._next = [-1] * (n + 1)
         self._prev = [-1] * (n + 1)
-        order = [n, *range(1, n), n]
+        order = [n, n] if empty else [n, *range(1, n), n]
         for a, b in itertools.pairwise(order):
             self._next[a] = b
             self._prev[b] = a
-        self._in = [i != NULL_ID for i in range(n)]
-        self._size = n - 1
+        self._in = [i != NULL_ID and not empty for i in range(n)]
+        self._size = 0 if empty else n - 1
 
     def __len__(self) -> int:
         return self._size
@@ -102,6 +102,23 @@ class BlockPool:
         """Ids that ``allocate`` can hand out now (unhashed plus evictable cached ones)."""
         return len(self.free_queue)
 
+    # The free queue's three operations, which ``StatePool`` refines (a second queue).
+
+    def _pop_free(self) -> int:
+        return self.free_queue.pop_head()
+
+    def _unfree(self, i: int) -> None:
+        self.free_queue.remove(i)
+
+    def _push_freed(self, i: int) -> None:
+        if self.hash_of[i] is None:
+            self.free_queue.push_head(i)
+        else:
+            self.free_queue.push_tail(i)
+
+    def _is_free(self, i: int) -> bool:
+        return i in self.free_queue
+
     @property
     def usage(self) -> float:
         """Fraction of the non-null ids held (ref_cnt > 0)."""
@@ -116,11 +133,11 @@ class BlockPool:
 
         Raises ValueError if fewer than ``n`` are free (check ``num_free`` first).
         """
-        if n > len(self.free_queue):
-            raise ValueError(f"cannot allocate {n} ids: only {len(self.free_queue)} free")
+        if n > self.num_free:
+            raise ValueError(f"cannot allocate {n} ids: only {self.num_free} free")
         out = []
         for _ in range(n):
-            i = self.free_queue.pop_head()
+            i = self._pop_free()
             self._evict(i)
             assert self.ref_cnt[i] == 0, (i, self.ref_cnt[i])
             self.ref_cnt[i] = 1
@@ -132,7 +149,7 @@ class BlockPool:
         for i in ids:
             assert i != NULL_ID
             if self.ref_cnt[i] == 0:
-                self.free_queue.remove(i)
+                self._unfree(i)
             self.ref_cnt[i] += 1
 
     def free(self, ids: Sequence[int]) -> None:
@@ -145,10 +162,7 @@ class BlockPool:
             assert i != NULL_ID and self.ref_cnt[i] > 0, (i, self.ref_cnt[i])
             self.ref_cnt[i] -= 1
             if self.ref_cnt[i] == 0:
-                if self.hash_of[i] is None:
-                    self.free_queue.push_head(i)
-                else:
-                    self.free_queue.push_tail(i)
+                self._push_freed(i)
 
     def register(self, i: int, h: BlockHash) -> bool:
         """Makes held id ``i`` the cache entry for ``h``.
@@ -172,13 +186,13 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """O(pool) consistency check for tests: ref counts, queue membership, hash table."""
-        assert self.ref_cnt[NULL_ID] == 0 and NULL_ID not in self.free_queue
+        assert self.ref_cnt[NULL_ID] == 0 and not self._is_free(NULL_ID)
         assert self.hash_of[NULL_ID] is None
         in_queue = list(self.free_queue)
         assert len(in_queue) == len(set(in_queue)) == len(self.free_queue)
         for i in range(1, self.num):
             assert self.ref_cnt[i] >= 0, (i, self.ref_cnt[i])
-            assert (self.ref_cnt[i] == 0) == (i in self.free_queue), (i, self.ref_cnt[i])
+            assert (self.ref_cnt[i] == 0) == self._is_free(i), (i, self.ref_cnt[i])
         for h, i in self.table.items():
             assert self.hash_of[i] == h
         assert sum(h is not None for h in self.hash_of) == len(self.table)

@@ -182,6 +182,7 @@ class CacheManager:
         step_held = []
         if hit.ckpt_slot != NULL_ID:
             self.state.touch([hit.ckpt_slot])
+            self.state.mark_hit(hit.ckpt_slot)
             step_held.append(hit.ckpt_slot)
         slot = self.state.allocate_running()
         nb = len(hit.kv_blocks)

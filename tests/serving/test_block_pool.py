@@ -91,3 +91,45 @@ def test_state_pool_checkpoint_is_pending_until_marked_written():
     assert list(pool.free_queue) == [1, 3, 4, 2]
     assert pool.lookup_ready(h("p64")) == 2
     pool.check_invariants()
+
+
+def _written_checkpoint(pool: StatePool, name: str) -> int:
+    slot = pool.allocate_checkpoint(h(name))
+    pool.mark_written([slot])
+    return slot
+
+
+def test_state_pool_evicts_never_hit_checkpoints_before_hit_ones():
+    # A shared prefix's checkpoint, hit and freed early, outlives the unique checkpoints freed
+    # after it (plain LRU evicted it first: benchmarks.prefix_repetition's later requests
+    # recomputed their prefix).
+    pool = StatePool(6)
+    prefix = _written_checkpoint(pool, "prefix")
+    pool.touch([prefix])  # a request admitted on it
+    pool.mark_hit(prefix)
+    pool.free([prefix, prefix])  # the writer's and the hitter's references
+    unique = [_written_checkpoint(pool, f"unique{i}") for i in range(3)]
+    pool.free(unique)  # freed later than the prefix: more recent in plain LRU
+    assert pool.num_free == 5
+    fresh = pool.allocate(4)  # one unhashed slot, then the three unique checkpoints
+    assert sorted(fresh) == sorted([5, *unique])
+    assert pool.lookup_ready(h("prefix")) == prefix
+    assert all(pool.lookup(h(f"unique{i}")) is None for i in range(3))
+    pool.check_invariants()
+    assert pool.allocate(1) == [prefix]  # nothing else left: the protected one goes last
+    assert pool.lookup(h("prefix")) is None and not pool.hit[prefix]
+    pool.check_invariants()
+
+
+def test_state_pool_protects_at_most_half_the_pool():
+    pool = StatePool(7)  # 6 slots: at most 3 protected
+    slots = [_written_checkpoint(pool, f"p{i}") for i in range(5)]
+    for s in slots:
+        pool.mark_hit(s)
+    pool.free(slots[::-1])  # free walks backwards: slots[0] is freed first
+    assert list(pool.protected) == slots[2:]
+    assert list(pool.free_queue) == [6, *slots[:2]]  # the least recent hit ones back in LRU
+    pool.check_invariants()
+    pool.touch([slots[3]])  # a hit revives a protected checkpoint
+    assert slots[3] not in pool.protected and pool.ref_cnt[slots[3]] == 1
+    pool.check_invariants()

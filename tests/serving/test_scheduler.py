@@ -322,3 +322,25 @@ def test_overlap_preempted_request_waits_for_its_in_flight_token():
     run_all(s, runner)
     for r, n in ((x, 10), (p, 1), (q, 2)):
         assert r.output_token_ids == expected_output(r.prompt_token_ids, n), r.request_id
+
+
+def test_a_shared_prefix_checkpoint_outlives_the_unique_ones_freed_after_it():
+    # Requests on one 64-token prefix, then requests whose prompt-end and decode-boundary
+    # checkpoints (unique, freed later) churn through the state slots: the next request on the
+    # prefix still hits it (segmented LRU; plain LRU evicted the prefix's checkpoint first).
+    s, runner = make_scheduler(num_state_slots=10, num_kv_blocks=200), FakeRunner(16)
+    base = prompt(64)
+    for i in range(2):
+        s.add_request(make_request(f"p{i}", base + prompt(8, 5000 + 100 * i)))
+        run_all(s, runner)
+    assert s.cache.metrics.effective_hit_tokens == 64  # p1 hit p0's checkpoint
+    for i in range(12):
+        s.add_request(make_request(f"u{i}", prompt(72, 9000 + 100 * i), max_tokens=24))
+    run_all(s, runner)
+    assert s.cache.metrics.checkpoints_written > 10  # the state slots turned over
+    late = make_request("late", base + prompt(8, 7000))
+    s.add_request(late)
+    run_all(s, runner)
+    assert late.num_cached_tokens == 64
+    assert late.output_token_ids == expected_output(late.prompt_token_ids, 4)
+    s.cache.check_invariants()
