@@ -32,7 +32,9 @@ shorter batches).
    intra-chunk scores ``Aqk = incl_lower(q k^T * decay)`` and the chunk's state decay
    ``e^gam_last``. Stored head-major (``[Hv, T, D]``: a chunk's rows are contiguous) in the
    *operand dtype*, valid rows only, so the scratch is proportional to the tokens.
-2. ``_serial_kernel``, grid = (S, Hv, Dv // BV): a program walks its row's chunks in order with
+2. ``_serial_kernel``, one program per (row, value head, Dv block), the blocks on the fastest
+   grid axis (``serial_grid``; BV 64 when that fills the SMs, else 32: ``serial_block_v``):
+   a program walks its row's chunks in order with
    ``S [Dk, BV]`` (f32) in registers (transposed from and to the pool's ``[BV, Dk]`` rows):
    ``V' = U - W S``, ``o = (q e^gam) S + Aqk V'``,
    ``S = e^gam_last S + (k e^(gam_last - gam))^T V'``, writing checkpoints and ``dst``. Two of

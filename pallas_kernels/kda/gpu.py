@@ -39,7 +39,8 @@ chunk have ``g = beta = 0`` and zero q/k/v, so ``gam`` restarts at the chunk)::
    Stored token-major (valid rows only, so the scratch scales with the tokens): W, U,
    ``q e^gam``, ``k e^(gam_last - gam)``, Aqk (``[T, H, 64]``, columns = window rows; the
    blocks above the diagonal are never written), and ``e^gam_last`` per chunk.
-2. ``_state_kernel``, grid = (S, H, Dv // BV): a program walks its row's chunks in order
+2. ``_state_kernel``, one program per (row, head, Dv block) (``serial_grid``: the blocks on
+   the fastest axis): a program walks its row's chunks in order
    (:func:`~pallas_kernels.common.delta_rule_gpu.scan_row_chunks`: slot loads, checkpoint
    and ``dst`` stores, the tile transposed where it meets the pool) with ``S [Dk, BV]`` in
    registers, storing each chunk's starting state
