@@ -25,23 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-MODEL = str(Path(__file__).resolve().parents[1] / "hyjax" / "assets" / "qwen3-next-pystdlib-tiny")
-
-
-@dataclasses.dataclass
-class _Out:
-    """The fields of ``RequestOutput`` that ``EngineLoop`` reads."""
-
-    request_id: str
-    prompt_token_ids: list
-    delta_token_ids: list
-    delta_text: str
-    finished: bool
-    finish_reason: str | None
-    num_cached_tokens: int = 0
-    error: str | None = None
-    delta_logprobs: list | None = None
-    prompt_logprobs: list | None = None
+from serving.engine.llm_engine import RequestOutput
 
 
 class ClockedEngine:
@@ -63,7 +47,7 @@ class ClockedEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.reqs)
 
-    def step(self) -> list[_Out]:
+    def step(self) -> list[RequestOutput]:
         self.next_t = max(self.next_t + self.step_s, time.perf_counter())
         busy_until = time.perf_counter() + self.host_s
         while time.perf_counter() < busy_until:  # host work: Python, the GIL held
@@ -73,7 +57,9 @@ class ClockedEngine:
         for rid, r in list(self.reqs.items()):
             r[1] -= 1
             done = r[1] <= 0
-            outs.append(_Out(rid, r[0], [7], " x", done, "length" if done else None))
+            outs.append(
+                RequestOutput(rid, r[0], [], "", [7], " x", done, "length" if done else None, 0)
+            )
             if done:
                 del self.reqs[rid]
         return outs
@@ -102,11 +88,12 @@ def _server(port: int, step_s: float, host_s: float) -> None:
     import functools
 
     import serving.engine.engine_client as engine_client
+    from hyjax.assets import model_dir
     from serving.entrypoints.server import serve
 
     # The spawned process finds its target by reference: a module-level partial.
     engine_client._engine_main = functools.partial(_clocked_engine_main, step_s, host_s)
-    serve({"model": MODEL}, port=port, log_level="warning")
+    serve({"model": model_dir()}, port=port, log_level="warning")
 
 
 async def _streams(url: str, n: int, tokens: int) -> dict:
