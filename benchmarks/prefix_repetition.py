@@ -30,7 +30,9 @@ import numpy as np
 
 from benchmarks.common import device_name
 from benchmarks.full_size import add_model_args, build_for_engine
+from serving.core.block_pool import BlockPool
 from serving.core.request import EngineRequest, SamplingParams
+from serving.core.state_pool import StatePool
 from serving.engine.llm_engine import EngineArgs, LLMEngine
 
 
@@ -154,6 +156,12 @@ def main() -> None:
         'MTP layer: \'{"method": "ngram", "num_speculative_tokens": 2}\'); the report counts '
         "the requests whose greedy tokens are the same with caching on as off",
     )
+    p.add_argument(
+        "--plain-lru-baseline",
+        action="store_true",
+        help="a third run, caching on with the state slots evicted in plain LRU order (the "
+        "eviction before segmented LRU), in this process",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -161,7 +169,8 @@ def main() -> None:
     args.vocab = min(cfg.vocab_size, 150000)
     prompts = workload(args)
     results = {"device": device_name(), "config": vars(args), "model": info}
-    for caching in (False, True):
+    runs = [("off", False), ("on", True)] + [("on_plain_lru", True)] * args.plain_lru_baseline
+    for name, caching in runs:
         engine_args = EngineArgs(
             model=".",  # no tokenizer: token-id prompts
             block_size=args.block_size,
@@ -185,13 +194,25 @@ def main() -> None:
         t0 = time.perf_counter()
         engine = LLMEngine(engine_args, preloaded=(model, cfg))
         compile_s = time.perf_counter() - t0
-        r = run(engine, prompts, args)
+        segmented = StatePool._push_freed
+        if name == "on_plain_lru":  # every freed checkpoint back to the one LRU queue
+            StatePool._push_freed = BlockPool._push_freed
+        try:
+            r = run(engine, prompts, args)
+        finally:
+            StatePool._push_freed = segmented
         r["startup_s"] = round(compile_s, 1)
-        results["on" if caching else "off"] = r
+        results[name] = r
         shown = {k: v for k, v in r.items() if k != "tokens"}
-        print(("on " if caching else "off"), json.dumps(shown), flush=True)
+        print(name, json.dumps(shown), flush=True)
         del engine
         gc.collect()
+    if args.plain_lru_baseline:
+        lru = results["on_plain_lru"]
+        lru.pop("tokens")
+        results["ttft_plain_lru_over_off"] = round(
+            lru["ttft_mean_s"] / results["off"]["ttft_mean_s"], 4
+        )
     on, off = results["on"], results["off"]
     # Requests whose greedy tokens are the same with caching on as off. The model is random
     # and bf16: its logits are near ties, and a hit changes the chunking (so the rounding), so a
