@@ -194,6 +194,9 @@ def run_one(model, cfg, args, concurrency: int, deadline: float) -> dict:
     steps = max(engine.timing.steps, 1)
     res["host_ms_per_step"] = round(engine.timing.host / steps * 1e3, 3)
     res["device_ms_per_step"] = round(engine.timing.device / steps * 1e3, 3)
+    if args.profile_steps and not cut:
+        res["profile"] = profile_decode(engine, model, cfg, args, concurrency)
+        print(json.dumps(res["profile"], indent=1), flush=True)
     del engine
     gc.collect()
     return res
@@ -219,7 +222,53 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-seconds", type=float, default=510.0, help="stop cleanly, JSON written, after this"
     )
+    p.add_argument(
+        "--profile-steps", type=int, default=0,
+        help="after each measured run, trace this many decode steps at its concurrency and "
+        "sum the device kernels by name",
+    )  # fmt: skip
+    p.add_argument("--profile-top", type=int, default=40)
     p.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def profile_decode(engine: LLMEngine, model, cfg, args, concurrency: int) -> dict:
+    """``--profile-steps`` decode steps of ``concurrency`` rows under ``jax.profiler.trace``,
+    after the measured run: the requests' prompts (``--input-len``) are prefilled first, outside
+    the trace, so the traced steps are all decode; device kernels summed by name, against the
+    step's byte floor where the model is Qwen3-Next-shaped."""
+    import tempfile
+
+    from benchmarks.step_profile import copy_bandwidth, decode_floor_bytes, device_events, summarize
+
+    n = args.profile_steps
+    params = SamplingParams(max_tokens=n + 4, temperature=0.0, ignore_eos=True)
+    vocab = min(cfg.vocab_size, 150000)
+    for prompt in random_prompts(concurrency, args.input_len, vocab, args.seed + 2):
+        engine.add_request(EngineRequest(prompt, params))
+    decoded = 0
+    while decoded < 2 * concurrency:  # every row past its prefill, and one decode step more
+        decoded += sum(len(o.delta_token_ids) for o in engine.step())
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(n):
+                engine.step()
+        seconds = time.perf_counter() - t0
+        events = device_events(d)
+    while engine.has_unfinished_requests():
+        engine.step()
+    res = summarize(events, args.profile_top) | {"steps": n}
+    res["wall_ms_per_step_traced"] = round(1e3 * seconds / n, 2)
+    res["device_ms_per_step"] = round(res["device_busy_us"] / 1e3 / n, 3)
+    res["kernels_per_step"] = round(res["kernels"] / n, 1)
+    if hasattr(cfg, "linear_num_value_heads") and args.tp == 1:
+        bandwidth = copy_bandwidth()
+        floor = decode_floor_bytes(model, cfg, concurrency, args.input_len + n)
+        res["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
+        res["floor_bytes"] = floor
+        res["floor_ms"] = round(1e3 * floor["total"] / bandwidth, 3)
+        res["device_over_floor"] = round(res["device_ms_per_step"] / res["floor_ms"], 2)
+    return res
 
 
 def write(results: dict, path: str | None) -> None:
