@@ -228,6 +228,7 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         "sum the device kernels by name",
     )  # fmt: skip
     p.add_argument("--profile-top", type=int, default=40)
+    p.add_argument("--profile-dir", default=None, help="keep the trace here")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
@@ -248,7 +249,8 @@ def profile_decode(engine: LLMEngine, model, cfg, args, concurrency: int) -> dic
     decoded = 0
     while decoded < 2 * concurrency:  # every row past its prefill, and one decode step more
         decoded += sum(len(o.delta_token_ids) for o in engine.step())
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as tmp:
+        d = args.profile_dir or tmp
         t0 = time.perf_counter()
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(n):
