@@ -47,3 +47,67 @@ def test_no_step_copies_a_pool(runner, rows, decode_only):
     cfg = runner.sched_cfg
     shape = StepShape(rows if decode_only else 64, rows, cfg.max_blocks, cfg.max_ckpt, decode_only)
     assert _pool_copies(runner, shape) == []
+
+
+
+def _functions(text: str) -> dict[str, list[str]]:
+    """A StableHLO module's functions by name: their body lines."""
+    funcs, name, depth = {}, None, 0
+    for line in text.splitlines():
+        m = re.search(r"func\.func (?:private |public )?@([\w.$-]+)", line)
+        if name is None and m:
+            name, depth = m.group(1), 0
+            funcs[name] = []
+        if name is not None:
+            funcs[name].append(line)
+            depth += line.count("{") - line.count("}")
+            if depth == 0 and "}" in line:
+                name = None
+    return funcs
+
+
+def loops_in_branches(text: str) -> list[str]:
+    """Each ``stablehlo.case`` (a ``lax.cond``) whose branches hold a ``while``, directly or in
+    a function they call: ``"function: case line"``."""
+    funcs = _functions(text)
+    calls = {f: set(re.findall(r"call @([\w.$-]+)", "\n".join(b))) for f, b in funcs.items()}
+    has_loop = {f: any("stablehlo.while" in line for line in b) for f, b in funcs.items()}
+    changed = True
+    while changed:  # a function that calls one with a loop has one
+        changed = False
+        for f in funcs:
+            if not has_loop[f] and any(has_loop.get(c) for c in calls[f]):
+                has_loop[f] = changed = True
+    found = []
+    for f, body in funcs.items():
+        for i, line in enumerate(body):
+            if "stablehlo.case" not in line:
+                continue
+            depth, j = 0, i
+            while True:
+                depth += body[j].count("{") - body[j].count("}")
+                if depth == 0 and j > i:
+                    break
+                j += 1
+            region = "\n".join(body[i : j + 1])
+            if "stablehlo.while" in region or any(
+                has_loop.get(c) for c in re.findall(r"call @([\w.$-]+)", region)
+            ):
+                found.append(f"{f}: {line.strip()[:80]}")
+    return found
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_no_branch_of_the_decode_step_loops(runner, rows):
+    """No ``lax.cond`` branch of a decode step holds a ``while`` loop. XLA:GPU cannot put a
+    while loop in its command buffers (CUDA graphs), nor a conditional whose branch holds one:
+    such a conditional copies its predicate to the host, which waits there for every kernel
+    before it, and the device then idles while the host launches the rest. A
+    ``jnp.searchsorted`` (a while loop by default) in the token tables' branch did that in every
+    decode step. Lowered for CUDA, where JAX unrolls the random bits' rounds (a loop on CPU)."""
+    cfg = runner.sched_cfg
+    shape = StepShape(rows, rows, cfg.max_blocks, cfg.max_ckpt, True)
+    traced = _step.trace(*runner.step_args(StepPlan.empty(shape)))
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.case") >= 4  # the sampler's branches are there
+    assert loops_in_branches(text) == []
