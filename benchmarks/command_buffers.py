@@ -48,7 +48,8 @@ def computations(hlo: str) -> dict[str, list[str]]:
 
 
 def _called(line: str) -> list[str]:
-    names = re.findall(r"(?:to_apply|calls|body|condition|branch_computations)=\{?([^,}]+(?:,\s*%[\w.\-]+)*)\}?", line)
+    attrs = r"(?:to_apply|calls|body|condition|branch_computations)"
+    names = re.findall(attrs + r"=\{?([^,}]+(?:,\s*%[\w.\-]+)*)\}?", line)
     out: list[str] = []
     for group in names:
         out += [n.strip().lstrip("%") for n in group.split(",")]
@@ -134,9 +135,15 @@ def main() -> None:
     cfg = bench_config(args.layers, args.experts)
     engine = LLMEngine(
         EngineArgs(
-            model=".", max_num_seqs=args.rows, max_num_batched_tokens=512,
-            max_model_len=256, min_seq_bucket=args.rows, enable_prefix_caching=False,
-            warmup=False, progress=False, cache_bytes=2 << 30,
+            model=".",
+            max_num_seqs=args.rows,
+            max_num_batched_tokens=512,
+            max_model_len=256,
+            min_seq_bucket=args.rows,
+            enable_prefix_caching=False,
+            warmup=False,
+            progress=False,
+            cache_bytes=2 << 30,
         ),  # fmt: skip
         preloaded=(random_model(cfg), cfg),
     )
