@@ -162,6 +162,7 @@ def run_one(model, cfg, args, concurrency: int, deadline: float) -> dict:
     t0 = time.perf_counter()
     engine = LLMEngine(engine_args(args, concurrency, max_len), preloaded=(model, cfg))
     res = {"concurrency": concurrency, "engine_start_s": round(time.perf_counter() - t0, 2)}
+    res["async_scheduling"] = engine.async_scheduling
     res["kv_blocks_per_device"] = engine.runner.memory.num_kv_blocks
     res["state_slots_per_device"] = engine.runner.memory.num_state_slots
     vocab = min(cfg.vocab_size, 150000)
@@ -212,7 +213,10 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-gib", type=float, default=None, help="KV + state pools per device (default: 90%%)"
     )
-    p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="default: the engine's (on for one process on a GPU)",
+    )  # fmt: skip
     p.add_argument(
         "--min-seq-bucket", type=int, default=1,
         help="decode steps pad to at least this many rows (fewer buckets to compile; the run's "

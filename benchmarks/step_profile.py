@@ -159,7 +159,10 @@ def main() -> None:
         default=None,
         help="comma-separated decode batch sizes (default: --decode-requests)",
     )
-    p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="default: the engine's (on for one process on a GPU)",
+    )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows_list = [int(r) for r in (args.decode_rows or str(args.decode_requests)).split(",")]
@@ -176,7 +179,7 @@ def main() -> None:
         "kernel_backend": args.kernel_backend,
         "tensor_parallel_size": args.tp,
         "expert_parallel": args.expert_parallel,
-        "async_scheduling": args.async_scheduling,
+        "async_scheduling": engine.async_scheduling,
         "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
     }
     phases = [("prefill", 0)] + [(f"decode_B{r}", r) for r in rows_list]

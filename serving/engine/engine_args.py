@@ -142,11 +142,12 @@ class EngineArgs:
         type=positive_int,
     )
     seed: int | None = _flag(0, "the sampler's seed for unseeded requests", type=int)
-    async_scheduling: bool = _flag(
-        False,
+    async_scheduling: bool | None = _flag(
+        None,
         "schedule step N+1 while step N runs on the device (its decode rows read step N's "
         "tokens on the device): the host's scheduling, detokenizing and output overlap the "
-        "device; outputs are the same as without it (single-process engines)",
+        "device; outputs are the same as without it; default: on for one process on a GPU or "
+        "TPU, off on CPU (host and device share the cores) and with several processes",
     )
     speculative_config: str | None = _flag(
         None,

@@ -127,6 +127,19 @@ def _mixed_row_buckets(flag: bool | None) -> bool:
     return jax.devices()[0].platform != "cpu"
 
 
+def _async_scheduling(flag: bool | None) -> bool:
+    """``EngineArgs.async_scheduling``, ``None`` resolved: on for one process on an
+    accelerator (a 24-layer Qwen3-Next-80B decoding 8 rows on an H200: 6.0 ms a token against
+    8.8 ms with the host's work between steps), off on CPU (host and device share its cores)
+    and with several processes (the followers replay the leader's plans, which cannot read a
+    step's tokens that only the leader's device holds)."""
+    if flag is not None:
+        return flag
+    import jax
+
+    return jax.devices()[0].platform != "cpu" and jax.process_count() == 1
+
+
 def use_compilation_cache(path: str) -> None:
     """Points JAX's persistent compilation cache at ``path`` (made if missing) for every
     compile from now on in this process, those under a second included (CPU buckets)."""
@@ -146,6 +159,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, preloaded=None):
         self.args = args
+        self.async_scheduling = _async_scheduling(args.async_scheduling)
         if args.compilation_cache_dir:
             use_compilation_cache(args.compilation_cache_dir)
         mesh = None
@@ -212,7 +226,7 @@ class LLMEngine:
             self.sched_config,
             cache_cfg,
             rng_seed=args.seed,
-            async_scheduling=args.async_scheduling,
+            async_scheduling=self.async_scheduling,
             drafter=make_drafter(self.spec_config) if self.spec_config else None,
         )
         if self.spec_config is not None:
@@ -297,7 +311,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled step; returns the requests that made progress or finished."""
-        if self.args.async_scheduling:
+        if self.async_scheduling:
             return self._step_async()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()

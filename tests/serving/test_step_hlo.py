@@ -49,7 +49,6 @@ def test_no_step_copies_a_pool(runner, rows, decode_only):
     assert _pool_copies(runner, shape) == []
 
 
-
 def _functions(text: str) -> dict[str, list[str]]:
     """A StableHLO module's functions by name: their body lines."""
     funcs, name, depth = {}, None, 0
