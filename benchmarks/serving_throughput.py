@@ -243,7 +243,13 @@ def profile_decode(engine: LLMEngine, model, cfg, args, concurrency: int) -> dic
     step's byte floor where the model is Qwen3-Next-shaped."""
     import tempfile
 
-    from benchmarks.step_profile import copy_bandwidth, decode_floor_bytes, device_events, summarize
+    from benchmarks.step_profile import (
+        copy_bandwidth,
+        decode_floor_bytes,
+        device_events,
+        step_thunks,
+        summarize,
+    )  # fmt: skip
 
     n = args.profile_steps
     params = SamplingParams(max_tokens=n + 4, temperature=0.0, ignore_eos=True)
@@ -261,9 +267,10 @@ def profile_decode(engine: LLMEngine, model, cfg, args, concurrency: int) -> dic
                 engine.step()
         seconds = time.perf_counter() - t0
         events = device_events(d)
+        thunks = step_thunks(d)
     while engine.has_unfinished_requests():
         engine.step()
-    res = summarize(events, args.profile_top) | {"steps": n}
+    res = summarize(events, args.profile_top) | {"steps": n, "host_thunks": thunks}
     res["wall_ms_per_step_traced"] = round(1e3 * seconds / n, 2)
     res["device_ms_per_step"] = round(res["device_busy_us"] / 1e3 / n, 3)
     res["kernels_per_step"] = round(res["kernels"] / n, 1)

@@ -59,6 +59,56 @@ def device_events(trace_dir: str) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e.get("pid") == first]
 
 
+def step_thunks(trace_dir: str) -> list[dict]:
+    """How the host ran each traced XLA:GPU executable: its top-level thunks in order
+    (``command_buffer_N``: one CUDA graph launch; anything else: a thunk of its own, e.g. a
+    ``cond.N`` outside the graphs, whose ``MemcpyD2H`` of the predicate makes the host wait
+    for every kernel before it). One entry per distinct sequence, with how often it ran and
+    the median host microseconds of each thunk."""
+    paths = sorted(
+        glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    )
+    if not paths:
+        return []
+    with gzip.open(paths[-1], "rt") as f:
+        trace = json.load(f)
+    events = [e for e in (trace["traceEvents"] if isinstance(trace, dict) else trace)
+              if e.get("ph") == "X"]  # fmt: skip
+    modules = [e for e in events if e["name"].endswith("XLA GPU module")]
+    by_tid = collections.defaultdict(list)
+    for e in events:
+        by_tid[(e["pid"], e["tid"])].append(e)
+    runs = collections.defaultdict(list)
+    for m in modules:
+        end = m["ts"] + m.get("dur", 0.0)
+        inside = sorted(
+            (e for e in by_tid[(m["pid"], m["tid"])]
+             if e is not m and m["ts"] <= e["ts"] and e["ts"] + e.get("dur", 0.0) <= end),
+            key=lambda e: (e["ts"], -e.get("dur", 0.0)),
+        )  # fmt: skip
+        top, until = [], -1.0
+        for e in inside:  # direct children: not inside the previous child
+            if e["ts"] >= until:
+                top.append(e)
+                until = e["ts"] + e.get("dur", 0.0)
+        top = [e for e in top if not e["name"].startswith("Thunks::")]
+        syncs = [
+            t["name"] for t in top
+            if any(c["name"].startswith("MemcpyD2H") and t["ts"] <= c["ts"] <= t["ts"] + t["dur"]
+                   for c in inside)
+        ]  # fmt: skip
+        key = (m["name"], tuple(t["name"] for t in top), tuple(syncs))
+        runs[key].append([t.get("dur", 0.0) for t in top])
+    out = []
+    for (module, names, syncs), durs in runs.items():
+        med = np.median(np.asarray(durs), axis=0) if durs and durs[0] else []
+        out.append({
+            "module": module, "runs": len(durs), "host_syncs": list(syncs),
+            "thunks": [{"name": n, "host_us": round(float(d))} for n, d in zip(names, med)],
+        })  # fmt: skip
+    return sorted(out, key=lambda r: -r["runs"])
+
+
 def summarize(events: list[dict], top: int) -> dict:
     total = collections.Counter()
     count = collections.Counter()
