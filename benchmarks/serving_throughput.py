@@ -24,6 +24,7 @@ decode buckets as requests finish), then a short pass of the same workload
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -233,6 +234,10 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--profile-top", type=int, default=40)
     p.add_argument("--profile-dir", default=None, help="keep the trace here")
+    p.add_argument(
+        "--profile-prefill", action="store_true",
+        help="trace the profile's prefill steps too (the host's thunks, when each step returned)",
+    )  # fmt: skip
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
@@ -256,9 +261,19 @@ def profile_decode(engine: LLMEngine, model, cfg, args, concurrency: int) -> dic
     vocab = min(cfg.vocab_size, 150000)
     for prompt in random_prompts(concurrency, args.input_len, vocab, args.seed + 2):
         engine.add_request(EngineRequest(prompt, params))
-    decoded = 0
-    while decoded < 2 * concurrency:  # every row past its prefill, and one decode step more
-        decoded += sum(len(o.delta_token_ids) for o in engine.step())
+    prefill = {"step_return_ms": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        # the prefill steps: traced (host thunks only) with --profile-prefill
+        ctx = jax.profiler.trace(tmp + "/p", create_perfetto_trace=True)
+        decoded, t0 = 0, time.perf_counter()
+        with ctx if args.profile_prefill else contextlib.nullcontext():
+            while decoded < 2 * concurrency:  # every row past its prefill, one decode step more
+                out = engine.step()
+                decoded += sum(len(o.delta_token_ids) for o in out)
+                now = time.perf_counter()
+                prefill["step_return_ms"].append([round(1e3 * (now - t0), 2), len(out)])
+        if args.profile_prefill:
+            prefill["host_thunks"] = step_thunks(tmp + "/p")
     with tempfile.TemporaryDirectory() as tmp:
         d = args.profile_dir or tmp
         t0 = time.perf_counter()
@@ -271,6 +286,7 @@ def profile_decode(engine: LLMEngine, model, cfg, args, concurrency: int) -> dic
     while engine.has_unfinished_requests():
         engine.step()
     res = summarize(events, args.profile_top) | {"steps": n, "host_thunks": thunks}
+    res["prefill"] = prefill
     res["wall_ms_per_step_traced"] = round(1e3 * seconds / n, 2)
     res["device_ms_per_step"] = round(res["device_busy_us"] / 1e3 / n, 3)
     res["kernels_per_step"] = round(res["kernels"] / n, 1)
