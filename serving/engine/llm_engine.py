@@ -333,13 +333,19 @@ class LLMEngine:
         return outputs
 
     def _step_async(self) -> list[RequestOutput]:
-        """Dispatches the next step (two on the first call), then waits for the oldest one in
-        flight and reports it: the host schedules step N+1 while the device runs step N."""
+        """Dispatches the next step (two when none is in flight), then waits for the oldest
+        one in flight and reports it: the host schedules step N+1 while the device runs step N.
+
+        Only decode steps run ahead: a step with prefill tokens is reported before the next
+        one is scheduled. There the host's work is small against the device's, and on an H200
+        running ahead of them cost first tokens (TTFT p50 214 ms against 124 ms sync, 24-layer
+        80B, 8 prompts of 1000 tokens; not yet traced why) while decode gained 1.46x."""
         t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
         if not self._in_flight:
             self._launch(outputs)
-        self._launch(outputs)
+        if self._in_flight and self._in_flight[-1][0].plan.shape.decode_only:
+            self._launch(outputs)
         if not self._in_flight:
             return outputs
         t1 = time.perf_counter()

@@ -74,6 +74,22 @@ def test_async_is_token_identical_with_caching_on_and_off(engines):
     assert on.metrics().effective_hit_tokens > 0
 
 
+def test_only_decode_steps_run_ahead(engines):
+    """A step with prefill tokens is reported before the next one is scheduled; decode steps
+    keep one step in flight behind the one being reported."""
+    _, _, e = engines
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    e.add_request(EngineRequest(list(range(3, 40)), params))
+    in_flight = []
+    while e.has_unfinished_requests():
+        e.step()
+        in_flight.append([out.plan.shape.decode_only for out, _ in e._in_flight])
+    assert in_flight[0] == []  # the prefill step: reported, nothing dispatched after it
+    assert in_flight[1] == [True]  # two decode steps dispatched, the older one reported
+    assert in_flight[-1] == []
+    _assert_all_freed(e)
+
+
 def _stopping_workload(sync: LLMEngine) -> list:
     """Ragged prompts and max_tokens; requests that stop at a stop id or a stop string found
     in the sync run's own output (so they stop early, with a row already in the next step)."""

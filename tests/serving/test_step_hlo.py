@@ -49,6 +49,13 @@ def test_no_step_copies_a_pool(runner, rows, decode_only):
     assert _pool_copies(runner, shape) == []
 
 
+def _depth(line: str) -> int:
+    """The line's ``{`` less its ``}``, outside string literals (a Triton kernel's IR travels
+    as a string attribute of its custom call)."""
+    code = re.sub(r'"(?:[^"\\]|\\.)*"', '""', line)
+    return code.count("{") - code.count("}")
+
+
 def _functions(text: str) -> dict[str, list[str]]:
     """A StableHLO module's functions by name: their body lines."""
     funcs, name, depth = {}, None, 0
@@ -59,7 +66,7 @@ def _functions(text: str) -> dict[str, list[str]]:
             funcs[name] = []
         if name is not None:
             funcs[name].append(line)
-            depth += line.count("{") - line.count("}")
+            depth += _depth(line)
             if depth == 0 and "}" in line:
                 name = None
     return funcs
@@ -84,7 +91,7 @@ def loops_in_branches(text: str) -> list[str]:
                 continue
             depth, j = 0, i
             while True:
-                depth += body[j].count("{") - body[j].count("}")
+                depth += _depth(body[j])
                 if depth == 0 and j > i:
                     break
                 j += 1
