@@ -117,3 +117,28 @@ def test_no_branch_of_the_decode_step_loops(runner, rows):
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.case") >= 4  # the sampler's branches are there
     assert loops_in_branches(text) == []
+
+
+@pytest.fixture(scope="module", params=sorted(MAKERS))
+def gpu_runner(request, tmp_path_factory):
+    """A runner with the GPU column's Pallas kernels (as ``pallas`` picks them on an NVIDIA
+    GPU), built on this CPU host: its steps are only lowered for CUDA, never run."""
+    import hyjax.ops
+
+    path = MAKERS[request.param](tmp_path_factory.mktemp(request.param), seed=3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hyjax.ops, "accelerator_platform", lambda: "cuda")
+        args = EngineArgs(model=path, **dict(SMALL, kernel_backend="pallas"))
+        return LLMEngine(args).runner
+
+
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decode", "mixed"])
+def test_gpu_step_has_no_loop(gpu_runner, decode_only):
+    """The step as an NVIDIA GPU runs it (Triton kernels, lowered for CUDA) holds no ``while``
+    at all: on a GPU each trip of one costs a host round trip, and inside a ``cond`` one keeps
+    the conditional out of the CUDA graph, a host sync in every step (see above)."""
+    shape = next(s for s in gpu_runner.sched_cfg.step_shapes() if s.decode_only == decode_only)
+    traced = _step.trace(*gpu_runner.step_args(StepPlan.empty(shape)))
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text  # the kernels are there
+    assert text.count("stablehlo.while") == 0
