@@ -140,6 +140,16 @@ def _async_scheduling(flag: bool | None) -> bool:
     return jax.devices()[0].platform != "cpu" and jax.process_count() == 1
 
 
+def _executable_dir(cache_dir: str | None) -> str | None:
+    """Where the runner keeps its compiled steps: beside JAX's persistent compilation cache,
+    for one process (several processes each compile their own: none is written)."""
+    import jax
+
+    if cache_dir is None or jax.process_count() > 1:
+        return None
+    return os.path.join(cache_dir, "hyjax-steps")
+
+
 def use_compilation_cache(path: str) -> None:
     """Points JAX's persistent compilation cache at ``path`` (made if missing) for every
     compile from now on in this process, those under a second included (CPU buckets)."""
@@ -218,6 +228,7 @@ class LLMEngine:
             state_dtype=args.state_dtype,
             scan_layers=args.scan_layers,
             num_mtp_drafts=num_spec if mtp else 0,
+            executable_dir=_executable_dir(args.compilation_cache_dir),
         )
         cache_cfg = CacheConfig(
             self.runner.memory.num_kv_blocks, self.runner.memory.num_state_slots

@@ -33,6 +33,12 @@ from hyjax.sharding import ShardingPlan, replicate_tree
 from serving.core.config import SchedulerConfig
 from serving.core.memory_planner import MemoryPlan
 from serving.core.plan import PlanLayout, SamplingArrays, StepPlan, StepShape, mask_words
+from serving.worker.executables import (
+    StepExecutables,
+    describe_args,
+    environment_fingerprint,
+    source_fingerprint,
+)
 from serving.worker.sampler import (
     MAX_LOGPROBS,
     apply_token_mask,
@@ -324,6 +330,7 @@ class ModelRunner:
         state_dtype: str = "float32",
         scan_layers: bool = False,
         num_mtp_drafts: int = 0,
+        executable_dir: str | None = None,
     ):
         self.cfg = cfg
         self.num_mtp_drafts = num_mtp_drafts
@@ -406,6 +413,16 @@ class ModelRunner:
             self.tables = replicate_tree(tables, sharding.mesh)
         else:
             self.tables = jax.device_put(tables, jax.devices()[0])
+        # The compiled steps by bucket (background warm-up, and with ``executable_dir`` every
+        # bucket, kept on disk for the next start): a step of a kept bucket is not traced.
+        fixed = (self._state_leaves, self.caches, self.tables, self.mtp_caches)
+        fingerprint = repr((
+            source_fingerprint(), environment_fingerprint(), repr(cfg), str(self.dtype),
+            kernel_backend, _describe_ops(self.ops), allow_tf32, str(self.state_dtype),
+            self.scan_layers, num_mtp_drafts, describe_args(fixed),
+        ))  # fmt: skip
+        self.executables = StepExecutables(fingerprint, executable_dir)
+        self._bucket_keys: dict[StepShape, str] = {}
 
     def warmup(self, *, progress: bool = True) -> float:
         """Compiles every bucket the scheduler can produce. Returns the seconds it took."""
@@ -466,7 +483,22 @@ class ModelRunner:
         static, ops, decode_only, max_row_tokens, *_, buf, prev, mask = self.step_args(
             StepPlan.empty(shape)
         )
-        _step.lower(static, ops, decode_only, max_row_tokens, *avals, buf, prev, mask).compile()
+        args = (static, ops, decode_only, max_row_tokens, *avals, buf, prev, mask)
+        key = self.executables.key(_bucket(shape, args))
+        if self.executables.get(key, lambda: args[4:]) is None:
+            self.executables.put(key, _step.lower(*args).compile())
+
+    def _run(self, shape: StepShape, args: tuple) -> tuple:
+        """``_step(*args)``, by the bucket's kept executable where there is one (loaded from
+        disk, or compiled and kept when an executable directory is set), else by the jit."""
+        key = self._bucket_keys.get(shape)
+        if key is None:  # the arguments' shapes follow from the bucket's
+            key = self._bucket_keys[shape] = self.executables.key(_bucket(shape, args))
+        exe = self.executables.get(key, lambda: args[4:])
+        if exe is None and self.executables.directory is not None:
+            exe = _step.lower(*args).compile()
+            self.executables.put(key, exe)
+        return exe(*args[4:]) if exe is not None else _step(*args)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one step. Returns every row's sampled token and logprobs (padding included)."""
@@ -494,8 +526,8 @@ class ModelRunner:
         for row, init in plan.sampling.table_inits.items():
             values = table_row_values(init, self.cfg.vocab_size)
             self.tables = set_table_row(self.tables, np.int32(row), values)
-        self.caches, self.tables, self.mtp_caches, out, tokens, drafts = _step(
-            *self.step_args(plan, from_prev, prev)
+        self.caches, self.tables, self.mtp_caches, out, tokens, drafts = self._run(
+            plan.shape, self.step_args(plan, from_prev, prev)
         )
         # Copied to the host: the tokens, and what some row of the plan asked for.
         names = _RESULT_NAMES[:1]
@@ -584,7 +616,7 @@ class ModelRunner:
     @staticmethod
     def compile_count() -> int:
         """Executables compiled so far for the step function (all runners of this process)."""
-        return _step._cache_size()
+        return _step._cache_size() + StepExecutables.process_compiles
 
 
 def check_mtp_drafter(model: nnx.Module, cfg: ModelConfig, sharding: ShardingPlan | None) -> None:
@@ -601,6 +633,24 @@ def check_mtp_drafter(model: nnx.Module, cfg: ModelConfig, sharding: ShardingPla
         )
     if sharding is not None:
         raise ValueError("speculative method 'mtp' with tensor/expert parallelism")
+
+
+def _bucket(shape: StepShape, args: tuple) -> str:
+    """What tells a bucket's executable from the runner's others: the shape, the plan's
+    layout, and the shapes of the per-step arguments (plan buffer, tokens, mask)."""
+    layout = args[0].value[2]
+    return repr((shape, layout, *(tuple(a.shape) for a in args[-3:])))
+
+
+def _describe_ops(ops: Ops) -> str:
+    """Which function runs each op (a stable text: names, not addresses)."""
+
+    def name(fn) -> str:
+        if isinstance(fn, functools.partial):
+            return f"{name(fn.func)}{sorted(fn.keywords.items())!r}"
+        return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+    return repr({f.name: name(getattr(ops, f.name)) for f in dataclasses.fields(ops)})
 
 
 def _log_failure(shape: StepShape, fut: Future) -> None:

@@ -1,0 +1,133 @@
+"""The step's compiled executables by bucket, kept in memory and, with a directory, on disk.
+
+Calling the jitted ``_step`` traces and lowers it before JAX's caches (in memory, or the
+persistent compilation cache) can answer: the cache key is the lowered module. For the
+48-layer Qwen3-Next-80B with its Pallas kernels that is seconds per bucket (a 48-layer decode
+step traced and lowered for CUDA on this project's 2-core CI host: 12.5 s, a prefill step
+20.7 s), paid again by the first step of every bucket the background warm-up compiled, and by
+every bucket of a warm start. Here a bucket's executable is kept as compiled (``Compiled``,
+called with the step's dynamic arguments), and written to disk with
+``jax.experimental.serialize_executable``: a warm start loads it without tracing anything.
+
+A disk entry is named by a fingerprint of everything that shapes the executable: the sources
+of the ``hyjax``, ``serving`` and ``pallas_kernels`` packages, the jax and jaxlib versions, the
+devices, ``XLA_FLAGS``, the model's config, the ops and every fixed argument's shape, dtype and
+sharding (the runner's part), and the bucket. An entry that fails to load is compiled again
+and overwritten, with one log line.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+log = logging.getLogger(__name__)
+
+_PACKAGES = ("hyjax", "serving", "pallas_kernels")
+
+
+@functools.cache
+def source_fingerprint() -> str:
+    """sha256 of the Python sources of the packages the step is built from."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    h = hashlib.sha256()
+    for package in _PACKAGES:
+        for dirpath, dirnames, filenames in os.walk(os.path.join(root, package)):
+            dirnames.sort()
+            for name in sorted(filenames):
+                if name.endswith(".py"):
+                    path = os.path.join(dirpath, name)
+                    h.update(os.path.relpath(path, root).encode())
+                    with open(path, "rb") as f:
+                        h.update(f.read())
+    return h.hexdigest()
+
+
+def environment_fingerprint() -> str:
+    """The versions and devices an executable is compiled for, with ``XLA_FLAGS``."""
+    import jaxlib
+
+    devices = [(d.platform, getattr(d, "device_kind", ""), d.id) for d in jax.devices()]
+    parts = (
+        jax.__version__, jaxlib.__version__, repr(devices), os.environ.get("XLA_FLAGS", ""),
+        repr(jax.config.jax_default_matmul_precision), repr(jax.config.jax_enable_x64),
+    )  # fmt: skip
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def describe_args(tree: Any) -> str:
+    """Every array leaf's shape, dtype and sharding, in order (a stable text)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return repr(treedef) + ";".join(
+        f"{x.shape}{x.dtype}{getattr(x, 'sharding', '')}" for x in leaves
+    )
+
+
+class StepExecutables:
+    """Compiled steps by bucket key; with ``directory``, each also serialized there."""
+
+    process_compiles = 0  # compiled by every instance in this process
+
+    def __init__(self, fingerprint: str, directory: str | None = None):
+        self.fingerprint = fingerprint
+        self.directory = directory
+        self._memory: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self.compiled = 0  # compiled in this process
+        self.loaded = 0  # loaded from disk
+
+    def key(self, bucket: str) -> str:
+        return hashlib.sha256((self.fingerprint + bucket).encode()).hexdigest()[:32]
+
+    def get(self, key: str, in_tree_of: Callable[[], Any]) -> Any | None:
+        """The executable of ``key`` from memory, else from disk (``in_tree_of()``: the
+        dynamic arguments, whose structure the executable is called with), else None."""
+        exe = self._memory.get(key)
+        if exe is not None or self.directory is None:
+            return exe
+        path = os.path.join(self.directory, key + ".exe")
+        if not os.path.exists(path):
+            return None
+        from jax.experimental import serialize_executable
+
+        try:
+            with open(path, "rb") as f:
+                payload, out_tree = pickle.load(f)
+            in_tree = jax.tree.structure((tuple(in_tree_of()), {}))
+            exe = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:  # a stale or torn entry: compile again
+            log.warning("step executable %s not loaded (%r): compiling it again", path, e)
+            return None
+        with self._lock:
+            self._memory[key] = exe
+            self.loaded += 1
+        return exe
+
+    def put(self, key: str, exe: Any) -> None:
+        """Keeps ``exe``; writes it to disk too (atomically: a reader never sees half)."""
+        with self._lock:
+            self._memory[key] = exe
+            self.compiled += 1
+            StepExecutables.process_compiles += 1
+        if self.directory is None:
+            return
+        from jax.experimental import serialize_executable
+
+        try:
+            payload, _, out_tree = serialize_executable.serialize(exe)
+            os.makedirs(self.directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump((payload, out_tree), f)
+            os.replace(tmp, os.path.join(self.directory, key + ".exe"))
+        except Exception as e:  # the cache is an optimization: serving goes on without it
+            log.warning("step executable %s not written: %r", key, e)
