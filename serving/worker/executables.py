@@ -77,9 +77,15 @@ class StepExecutables:
 
     process_compiles = 0  # compiled by every instance in this process
 
+    keep_fingerprints = 4  # on disk: this engine's and the 3 most recently used others
+
     def __init__(self, fingerprint: str, directory: str | None = None):
         self.fingerprint = fingerprint
-        self.directory = directory
+        self.directory = None
+        if directory is not None:  # one folder per fingerprint, the least recent ones dropped
+            digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:24]
+            self.directory = os.path.join(directory, digest)
+            _prune(directory, keep=self.keep_fingerprints, mine=self.directory)
         self._memory: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.compiled = 0  # compiled in this process
@@ -131,3 +137,23 @@ class StepExecutables:
             os.replace(tmp, os.path.join(self.directory, key + ".exe"))
         except Exception as e:  # the cache is an optimization: serving goes on without it
             log.warning("step executable %s not written: %r", key, e)
+
+
+def _prune(root: str, *, keep: int, mine: str) -> None:
+    """Makes ``mine`` under ``root`` and marks it used; removes the fingerprint folders beyond
+    the ``keep`` most recently used (each source change makes a new one: without this the
+    folder would grow by every bucket of every version run)."""
+    import shutil
+
+    try:
+        os.makedirs(mine, exist_ok=True)
+        os.utime(mine)
+        folders = [os.path.join(root, d) for d in os.listdir(root)]
+        folders = sorted(
+            (f for f in folders if os.path.isdir(f)), key=os.path.getmtime, reverse=True
+        )
+        for old in folders[keep:]:
+            if old != mine:
+                shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:  # a read-only or vanished cache: serving goes on without it
+        log.warning("step executables under %s not pruned: %r", root, e)

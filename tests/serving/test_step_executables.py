@@ -62,3 +62,17 @@ def test_another_engine_shape_has_other_keys(model_dir, tmp_path):
     assert a.executables.fingerprint != b.executables.fingerprint
     c = _engine(model_dir, tmp_path).runner
     assert a.executables.fingerprint == c.executables.fingerprint
+
+
+def test_old_fingerprints_are_pruned(tmp_path):
+    """Each source change makes a new fingerprint folder: only the most recent few stay."""
+    from serving.worker.executables import StepExecutables
+
+    keep = StepExecutables.keep_fingerprints
+    made = []
+    for i in range(keep + 3):
+        made.append(StepExecutables(f"fingerprint {i}", str(tmp_path)).directory)
+        os.utime(made[-1], (i, i))  # used in this order, oldest first
+    mine = StepExecutables("fingerprint 0", str(tmp_path)).directory  # the oldest, used again
+    left = sorted(os.path.join(tmp_path, d) for d in os.listdir(tmp_path))
+    assert left == sorted([mine, *made[-(keep - 1) :]])
