@@ -59,7 +59,8 @@ def environment_fingerprint() -> str:
     devices = [(d.platform, getattr(d, "device_kind", ""), d.id) for d in jax.devices()]
     parts = (
         jax.__version__, jaxlib.__version__, repr(devices), os.environ.get("XLA_FLAGS", ""),
-        repr(jax.config.jax_default_matmul_precision), repr(jax.config.jax_enable_x64),
+        *(repr(getattr(jax.config, name, None))
+          for name in ("jax_default_matmul_precision", "jax_enable_x64")),
     )  # fmt: skip
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
