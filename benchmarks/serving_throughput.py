@@ -16,6 +16,8 @@ decode buckets as requests finish), then a short pass of the same workload
 
     python -m benchmarks.serving_throughput --model qwen3-next-80b --tp 4 --concurrency 8 64 \\
         --out SERVE.json
+    python -m benchmarks.serving_throughput --model qwen3-next-80b --layers 24 \\
+        --scheduling sync async --profile-steps 16 --profile-prefill   # an A/B, one machine
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
         python -m benchmarks.serving_throughput --model tiny-qwen3-next --tp 2 --input-len 40 \\
         --output-len 8 --concurrency 4 --dtype float32   # a CPU dry run
@@ -316,6 +318,11 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[8])
     p.add_argument("--num-prompts", type=int, default=None, help="default: the concurrency")
     p.add_argument("--warmup-output-len", type=int, default=4)
+    p.add_argument(
+        "--scheduling", nargs="+", choices=["sync", "async"], default=[],
+        help="run each concurrency once per mode, in this order (an A/B on one machine); "
+        "default: once, as --[no-]async-scheduling says",
+    )  # fmt: skip
     args = p.parse_args()
     deadline = start + args.max_seconds
     model, cfg, info = build_for_engine(args, dtype=args.dtype)
@@ -336,15 +343,20 @@ def main() -> None:
         "partial": False,
     }
     write(results, args.out)
+    # --scheduling sync async: both engines per concurrency, one after the other on this
+    # machine (the second compiles little: the step's executables are shared in-process)
+    modes = [{"sync": False, "async": True}[m] for m in args.scheduling] or [args.async_scheduling]
     for c in args.concurrency:
-        if time.perf_counter() > deadline:
-            results["partial"] = True
-            break
-        r = run_one(model, cfg, args, c, deadline)
-        print(json.dumps(r), flush=True)
-        results["runs"].append(r)
-        results["partial"] |= bool(r.get("partial"))
-        write(results, args.out)  # after every run: a later failure keeps the earlier ones
+        for mode in modes:
+            if time.perf_counter() > deadline:
+                results["partial"] = True
+                break
+            args.async_scheduling = mode
+            r = run_one(model, cfg, args, c, deadline)
+            print(json.dumps(r), flush=True)
+            results["runs"].append(r)
+            results["partial"] |= bool(r.get("partial"))
+            write(results, args.out)  # after every run: a later failure keeps the earlier ones
     results["total_s"] = round(time.perf_counter() - start, 1)
     write(results, args.out)
     print(json.dumps(results, indent=1))
