@@ -162,6 +162,10 @@ def main() -> None:
         help="a third run, caching on with the state slots evicted in plain LRU order (the "
         "eviction before segmented LRU), in this process",
     )
+    p.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="default: the engine's (on for one process on a GPU)",
+    )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -190,6 +194,7 @@ def main() -> None:
             enable_expert_parallel=args.expert_parallel,
             scan_layers=args.scan_layers,
             dtype=args.dtype,
+            async_scheduling=args.async_scheduling,
         )
         t0 = time.perf_counter()
         engine = LLMEngine(engine_args, preloaded=(model, cfg))
@@ -202,6 +207,7 @@ def main() -> None:
         finally:
             StatePool._push_freed = segmented
         r["startup_s"] = round(compile_s, 1)
+        r["async_scheduling"] = engine.async_scheduling
         results[name] = r
         shown = {k: v for k, v in r.items() if k != "tokens"}
         print(name, json.dumps(shown), flush=True)

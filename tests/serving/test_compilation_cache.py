@@ -55,7 +55,7 @@ def _run(model, cache, devices: int = 1, **engine_args):
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1]) | {"stderr": done.stderr}
 
 
 def _steps(cache) -> list[str]:
@@ -82,3 +82,12 @@ def test_second_start_loads_its_compiled_buckets_from_the_cache(tmp_path):
     assert second["hits"] + second["steps_loaded"] >= first["misses"], (first, second)
     assert (sorted(os.listdir(cache)), _steps(cache)) == entries
     assert second["tokens"] == first["tokens"]
+
+    for name in entries[1]:  # torn writes, or another jaxlib's entries: compiled again
+        with open(cache / "hyjax-steps" / name, "wb") as f:
+            f.write(b"not an executable")
+    third = _run(model, cache)
+    assert (third["steps_loaded"], third["steps_compiled"]) == (0, first["steps_compiled"])
+    assert "compiling it again" in third["stderr"]
+    assert _steps(cache) == entries[1]  # rewritten in place, no temporary left
+    assert third["tokens"] == first["tokens"]

@@ -1,14 +1,14 @@
-"""The runner's kept executables (``serving.worker.executables``): a bucket's executable is
-written once and loaded by the next runner of the same engine, never by a different one, and
-an entry that cannot be loaded is compiled again (the restart across processes is in
-``test_compilation_cache.py``)."""
+"""The runner's kept executables (``serving.worker.executables``): their fingerprint tells one
+engine's from another's, and old fingerprints' folders are pruned. Writing, loading and
+compiling a torn entry again are checked across fresh processes in
+``test_compilation_cache.py`` (in a process that compiled the same module before, XLA:CPU may
+hand back an executable it cannot serialize: it is then kept in memory only, with a warning)."""
 
 import os
 
 import pytest
 
 from hyjax.tiny import make_tiny_model
-from serving.core.request import EngineRequest, SamplingParams
 from serving.engine.llm_engine import EngineArgs, LLMEngine
 
 SMALL = dict(
@@ -26,32 +26,6 @@ def _engine(model_dir, directory, **kw) -> LLMEngine:
     engine = LLMEngine(EngineArgs(model=model_dir, **dict(SMALL, **kw)))
     engine.runner.executables.directory = str(directory)  # as --compilation-cache-dir sets it
     return engine
-
-
-def _generate(engine) -> list[int]:
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    rid = engine.add_request(EngineRequest(list(range(2, 30)), params))
-    return engine.run_to_completion()[rid].output_token_ids
-
-
-def test_kept_executables_load_and_a_torn_one_compiles_again(model_dir, tmp_path, caplog):
-    first = _engine(model_dir, tmp_path)
-    want = _generate(first)
-    files = sorted(os.listdir(tmp_path))
-    assert first.runner.executables.compiled == len(files) >= 2  # prefill and decode buckets
-
-    second = _engine(model_dir, tmp_path)
-    assert _generate(second) == want
-    assert (second.runner.executables.loaded, second.runner.executables.compiled) == (2, 0)
-
-    for name in files:  # torn writes, or another jaxlib's entries
-        with open(tmp_path / name, "wb") as f:
-            f.write(b"not an executable")
-    third = _engine(model_dir, tmp_path)
-    assert _generate(third) == want
-    assert (third.runner.executables.loaded, third.runner.executables.compiled) == (0, 2)
-    assert "compiling it again" in caplog.text
-    assert sorted(os.listdir(tmp_path)) == files  # rewritten in place, no temporary left
 
 
 def test_another_engine_shape_has_other_keys(model_dir, tmp_path):
