@@ -92,8 +92,10 @@ class StepExecutables:
         self.compiled = 0  # compiled in this process
         self.loaded = 0  # loaded from disk
 
-    def key(self, bucket: str) -> str:
-        return hashlib.sha256((self.fingerprint + bucket).encode()).hexdigest()[:32]
+    @staticmethod
+    def key(bucket: str) -> str:
+        """A bucket's file name (the folder and the instance are the fingerprint's already)."""
+        return hashlib.sha256(bucket.encode()).hexdigest()[:32]
 
     def get(self, key: str, in_tree_of: Callable[[], Any]) -> Any | None:
         """The executable of ``key`` from memory, else from disk (``in_tree_of()``: the

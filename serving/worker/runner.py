@@ -484,20 +484,24 @@ class ModelRunner:
             StepPlan.empty(shape)
         )
         args = (static, ops, decode_only, max_row_tokens, *avals, buf, prev, mask)
-        key = self.executables.key(_bucket(shape, args))
-        if self.executables.get(key, lambda: args[4:]) is None:
-            self.executables.put(key, _step.lower(*args).compile())
+        self._kept(shape, args, compile_missing=True)
 
-    def _run(self, shape: StepShape, args: tuple) -> tuple:
-        """``_step(*args)``, by the bucket's kept executable where there is one (loaded from
-        disk, or compiled and kept when an executable directory is set), else by the jit."""
+    def _kept(self, shape: StepShape, args: tuple, *, compile_missing: bool):
+        """The bucket's kept executable (from memory or disk); a missing one is compiled and
+        kept if ``compile_missing``, else None."""
         key = self._bucket_keys.get(shape)
         if key is None:  # the arguments' shapes follow from the bucket's
             key = self._bucket_keys[shape] = self.executables.key(_bucket(shape, args))
         exe = self.executables.get(key, lambda: args[4:])
-        if exe is None and self.executables.directory is not None:
+        if exe is None and compile_missing:
             exe = _step.lower(*args).compile()
             self.executables.put(key, exe)
+        return exe
+
+    def _run(self, shape: StepShape, args: tuple) -> tuple:
+        """``_step(*args)``, by the bucket's kept executable where there is one (loaded from
+        disk, or compiled and kept when an executable directory is set), else by the jit."""
+        exe = self._kept(shape, args, compile_missing=self.executables.directory is not None)
         return exe(*args[4:]) if exe is not None else _step(*args)
 
     def execute(self, plan: StepPlan) -> StepResult:
