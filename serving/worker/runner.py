@@ -74,6 +74,11 @@ class _Static:
         return self.value is other.value or self.value == other.value
 
 
+# The most bytes of a step's logits gathered whole on every device before sampling, under
+# tensor parallelism: 110 rows of Qwen3-Next's 151936-token vocabulary in f32 (see ``_step``).
+WHOLE_LOGITS_BYTES = 64 << 20
+
+
 def _unpack(buf: jax.Array, layout: PlanLayout) -> dict[str, jax.Array]:
     """The plan's arrays as static slices (and bitcasts) of ``StepPlan.packed``'s buffer."""
     out, offset = {}, 0
@@ -127,10 +132,16 @@ def _step(
     with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
         caches, h = model.hidden_states(batch, caches, ops, decode_only=decode_only)
         logits = ops.head_logits(model.head(h[batch.logits_indices]))  # f32[S, V]
-    # Under TP the logits stay split by vocab where XLA partitions the work well (argmax, max,
-    # the Gumbel draw); the sampler's sort and the log-probs gather them whole first. Both are
-    # pinned (``head_logits``, ``gather_logits``): left to propagation, the LM head gathered
-    # its weight instead.
+    # Under TP the LM head leaves the logits split by vocab (pinned by ``head_logits``: left to
+    # propagation, the head gathered its weight instead). Up to WHOLE_LOGITS_BYTES they are
+    # gathered whole here, on every step, so that no ``lax.cond`` below holds a collective:
+    # XLA:GPU keeps a conditional whose branch holds one out of its CUDA graphs, and such a
+    # conditional copies its predicate to the host, which waits there for every kernel before
+    # it (two per step on two H200s: the sampler's sort, the log-probs). Past the bound (many
+    # rows) they stay split, where XLA partitions argmax, max and the Gumbel draw with a few
+    # scalars a row crossing devices, and the branches that sort gather them themselves.
+    if math.prod(logits.shape) * logits.dtype.itemsize <= WHOLE_LOGITS_BYTES:
+        logits = ops.gather_logits(logits)
     sampling = SamplingArrays.from_arrays(arrays)
     # The token tables see this step's inputs before its rows sample (sampler.TokenTables).
     tables = jax.lax.cond(

@@ -2,11 +2,16 @@
 
 Per layer: one all-reduce of the ``[T, D]`` mixer output (row-parallel ``out_proj`` /
 ``o_proj``) and two of the MoE's (the routed experts' ``psum`` and the shared expert's
-row-parallel ``down_proj``; XLA may combine them into one op); the argmax of the vocab-split
-logits exchanges ``[S, devices]`` partial maxima; whole ``[S, V]`` logits rows are gathered only
-inside the branches that need them (the sort, the log-probs). No parameter is ever gathered:
+row-parallel ``down_proj``; XLA may combine them into one op). No parameter is ever gathered:
 left to sharding propagation, the LM head all-gathered its ``[D, V]`` weight on every step
 (622 MB at Qwen3-Next-80B's 151936 x 2048 in bf16) to serve the sampler's gather.
+
+The logits: up to ``WHOLE_LOGITS_BYTES`` one all-gather of the ``[S, V]`` rows on every step,
+before sampling, and no collective inside a decode step's ``lax.cond`` (XLA:GPU keeps a
+conditional with a collective out of its CUDA graphs, and syncs the host on its predicate).
+Past the bound (``_split``) the argmax of the vocab-split logits exchanges ``[S, devices]``
+partial maxima, and whole rows are gathered only inside the branches that need them (the sort,
+the log-probs).
 
 The step is compiled for 4 simulated CPU devices in a fresh interpreter
 (``tp_worker collectives``: JAX reads the device count once, when it starts).
@@ -38,7 +43,10 @@ def report() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])["collectives"]
 
 
-@pytest.mark.parametrize("step", ["decode", "prefill"])
+STEPS = ["decode", "prefill", "decode_split", "prefill_split"]
+
+
+@pytest.mark.parametrize("step", STEPS)
 def test_tp_step_collectives_are_the_minimum(report, step):
     r = report[step]
     hidden, vocab, rows, tokens = report["hidden"], report["vocab"], r["rows"], r["tokens"]
@@ -51,18 +59,22 @@ def test_tp_step_collectives_are_the_minimum(report, step):
     every_step = [c for c in found if c["where"] == "entry"]
     reduced = [s for c in every_step if c["op"] == "all-reduce" for s in c["shapes"]]
     assert reduced == [[tokens, hidden]] * (3 * report["layers"]), every_step
-    # the argmax over the vocab shards: each device's best value and index per row
-    argmax = [c["shapes"] for c in every_step if c["op"] == "all-gather"]
-    assert argmax == [[[rows, DEVICES]]] * 2, every_step
-
+    gathers = [c["shapes"] for c in every_step if c["op"] == "all-gather"]
     in_branches = [c for c in found if c["where"] != "entry"]
-    assert in_branches, "the sort and the log-probs gather the logits"
-    for c in in_branches:
+    if step.endswith("_split"):
+        # the argmax over the vocab shards: each device's best value and index per row
+        assert gathers == [[[rows, DEVICES]]] * 2, every_step
+        assert in_branches, "the sort and the log-probs gather the logits"
+    else:  # the logits rows whole, once
+        assert gathers == [[[rows, vocab]]], every_step
+        if step == "decode":
+            assert in_branches == [], "a collective inside a lax.cond: a host sync on a GPU"
+    for c in in_branches:  # (a prefill step's prompt log-probs gather their [P, V] rows)
         assert c["where"] == "branch" and c["op"] == "all-gather", c
         assert [s[-1] for s in c["shapes"]] == [vocab], c
 
 
-@pytest.mark.parametrize("step", ["decode", "prefill"])
+@pytest.mark.parametrize("step", STEPS)
 def test_tp_step_returns_the_tables_as_it_takes_them(report, step):
     """The token tables are donated: another sharding out than in would compile the step again
     on its next call (and copy the tables)."""

@@ -559,10 +559,13 @@ def step_collectives(hlo: str) -> list[dict]:
 
 def check_collectives() -> dict:
     """The compiled TP = 4 step of ``tp_config``'s two layers (GDN + MoE, attention + MoE):
-    every collective of a decode and of a prefill bucket, the shapes of the parameters (none
-    may be gathered), and whether the token tables leave the step as they came in."""
+    every collective of a decode and of a prefill bucket, with the logits gathered whole before
+    sampling (as up to ``WHOLE_LOGITS_BYTES``) and left split (``_split``: past it), the shapes
+    of the parameters (none may be gathered), and whether the token tables leave the step as
+    they came in."""
     from serving.core.config import SchedulerConfig
     from serving.core.plan import StepPlan
+    from serving.worker import runner as runner_module
     from serving.worker.pool_sizing import size_pools
     from serving.worker.runner import ModelRunner, _step
 
@@ -580,8 +583,13 @@ def check_collectives() -> dict:
         "params": sorted({tuple(x.shape) for x in jax.tree.leaves(runner.state)}),
     }
     shapes = sched.step_shapes()
-    for shape in [next(s for s in shapes if s.decode_only == d) for d in (True, False)]:
-        name = "decode" if shape.decode_only else "prefill"
+    picked = [next(s for s in shapes if s.decode_only == d) for d in (True, False)]
+    whole = runner_module.WHOLE_LOGITS_BYTES
+    # "_split": the logits past the bound gathered whole before sampling (many rows)
+    for shape, suffix in [(s, "") for s in picked] + [(s, "_split") for s in picked]:
+        name = ("decode" if shape.decode_only else "prefill") + suffix
+        runner_module.WHOLE_LOGITS_BYTES = 0 if suffix else whole
+        jax.clear_caches()  # the bound is read when the step is traced
         args = runner.step_args(StepPlan.empty(shape))
         compiled = _step.lower(*args).compile()
         out[name] = {"rows": shape.num_seqs, "tokens": shape.num_tokens,
@@ -592,6 +600,7 @@ def check_collectives() -> dict:
             o.is_equivalent_to(i.sharding, i.ndim)
             for o, i in zip(tables_out, tables_in, strict=True)
         )
+    runner_module.WHOLE_LOGITS_BYTES = whole
     return out
 
 
