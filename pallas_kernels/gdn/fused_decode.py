@@ -9,26 +9,29 @@ runs the depthwise conv (window read from ``conv_state[src]``, new window writte
 ``ssm_state`` with the same slots. ``conv_gdn_decode_reference`` is the composition of the two
 reference ops (the oracle); the GPU kernel below reads each slot once.
 
-GPU kernel (Triton lowering), grid = (S, Hk)::
+GPU kernels (Triton lowering), two launches::
 
-    program (r, g) owns, in row r's slots, the conv channels of key head g (its q and k slices
-    and the v slices of the value heads g*R .. g*R+R-1, R = Hv // Hk) and those value heads'
-    recurrent states. No channel or state block is read by one program and written by
-    another, so reading ``src`` and writing ``dst`` in place (src == dst) is race free.
+    1. grid (S * Dv / BV, Hv), gdn_decode's tiling: program (i, h) owns row r = i // (Dv / BV),
+       value head h and its state block of BV rows; it computes the key head's q and k from
+       their conv window (read only: every program of the key head reads it) and this
+       token's channels, the conv of its own BV v channels (whose window it shifts: those
+       channels are its alone), and the delta-rule update of its block.
+    2. grid (S, 2 * Hk): program (r, c) shifts the conv window of q / k channels
+       [c * Dk, (c + 1) * Dk) of row r. It takes launch 1's conv pool, so it runs after every
+       read of the old windows.
 
-Inside a program, the value heads and their ``BV``-row blocks are a static loop: the state
-block ``ssm_state[slot, h, v0:v0+BV, :]`` (``[BV, Dk]``, a contiguous run of the pool's
-``[num_slots, Hv, Dv, Dk]`` layout, DESIGN.md §3) is loaded, decayed, updated with both
-reductions over K along its contiguous axis, stored; q and k (after the conv, l2-normed) are
-computed once per program, each block's v channels by the block itself.
+No channel or state block is read by one program of a launch and written by another, so
+reading ``src`` and writing ``dst`` in place (``src == dst``) is race free. The windows and
+states also go to the row's checkpoints at offset 1.
 
-Why one program per key head and not per value block (the unfused decode's grid): q and k need
-the key head's conv window, which the program also rewrites (to ``dst``, in place when
-``src == dst``); a program per value block would read a window another program of the same
-head may already have shifted. Keeping the head in one program keeps the conv race free and
-computes its q / k convolution once; the price is fewer, longer programs (``Hk`` per row, each
-walking ``R * Dv / BV`` tiles). ``block_v`` 16 / 4 warps is a guess on the transposed layout,
-not yet timed on a GPU (the unfused kernel's 16 rows / 1 warp was, at 0.89 of copy).
+Why two launches: the first version ran one program per (row, key head), which shifted the
+q / k window itself and walked its value heads' state blocks in turn (a program per value block
+would read a window another program had already shifted). It was race free in one launch but
+latency-bound: at 8 rows, 128 programs (64 per device under TP 2) each walking 16 blocks, 3.9x
+its bytes in the 80B's decode step, 0.63 of the copy bandwidth at 64 rows against gdn_decode's
+0.85. Now each program does what a ``gdn_decode`` program does plus two 128-wide convolutions
+(the key head's window is read from L2 by each of its programs), and the q / k shift is a
+second, small launch (2 * Hk * Dk channels of K-1 taps a row).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common.delta_rule import l2norm
 from pallas_kernels.common.delta_rule_gpu import (
+    DECODE_BLOCK_V,
+    DECODE_NUM_WARPS,
     check_key_dim,
     compiler_params,
     decode_update,
@@ -123,6 +128,43 @@ conv_gdn_decode_reference = composed_conv_gdn_decode(
 )
 
 
+def _row_writes(r, live, dst_ref, ck_off_ref, ck_slot_ref) -> list[tuple]:
+    """Row ``r``'s ``(slot, enabled)`` writes: ``dst``, then the checkpoints at offset 1."""
+    dst = dst_ref[r]
+    writes = [(dst, live & (dst > 0))]
+    for m in range(ck_off_ref.shape[1]):
+        slot = ck_slot_ref[r, m]
+        writes.append((slot, live & (slot > 0) & (ck_off_ref[r, m] == 1)))
+    return writes
+
+
+def _conv_window(conv_in, x_ref, r, src, live, cs: pl.Slice, width: int) -> list[jax.Array]:
+    """Row ``r``'s window of channels ``cs``: the K-1 taps of ``conv_in[src]`` (zeros when the
+    row starts from zero), then this token's pre-conv channels."""
+    read = jnp.full((width,), live & (src > 0))
+    taps = [jnp.int32(j) for j in range(conv_in.shape[1])]  # traced: Pallas indexers want arrays
+    window = [pltr.load(conv_in.at[src, j, cs], mask=read, other=0.0) for j in taps]
+    window.append(x_ref[r, cs])
+    return window
+
+
+def _store_window(conv_out, window: list[jax.Array], writes, cs: pl.Slice, width: int) -> None:
+    """The window shifted by this token (its last K-1 entries) into every slot of ``writes``."""
+    for slot, enabled in writes:
+        for j, row in enumerate(window[1:]):
+            pltr.store(
+                conv_out.at[slot, jnp.int32(j), cs], row.astype(conv_out.dtype),
+                mask=jnp.full((width,), enabled),
+            )  # fmt: skip
+
+
+def _silu_conv(window: list[jax.Array], w_ref, cs: pl.Slice, width: int) -> jax.Array:
+    acc = jnp.zeros((width,), jnp.float32)
+    for j, row in enumerate(window):
+        acc += row.astype(jnp.float32) * w_ref[cs, jnp.int32(j)].astype(jnp.float32)
+    return acc * jax.nn.sigmoid(acc)
+
+
 def _kernel(
     src_ref, dst_ref, ck_off_ref, ck_slot_ref, n_ref,  # i32[S], i32[S], i32[S, M] x2, i32[1]
     gates_ref,  # f32[2, Hv]: -exp(A_log), dt_bias
@@ -132,52 +174,53 @@ def _kernel(
     conv_in,  # [num_slots, K-1, C]
     ssm_in,  # f32 | bf16[num_slots, Hv, Dv, Dk]
     o_ref,  # [S, Hv, Dv]
-    conv_out,  # aliased to conv_in
+    conv_out,  # aliased to conv_in: this launch writes the v channels' windows only
     ssm_out,  # aliased to ssm_in
     *, hk: int, bv: int, scale: float,
 ):  # fmt: skip
-    r, g = pl.program_id(0), pl.program_id(1)
+    """Program ``(i, h)``: row ``r = i // (Dv / BV)``, value head ``h``, state block ``vs``."""
+    i, h = pl.program_id(0), pl.program_id(1)
     _, hv, dv, dk = ssm_in.shape
-    km1 = conv_in.shape[1]
-    ratio = hv // hk
+    nvb = dv // bv
+    r, vb = i // nvb, i % nvb
+    g = h // (hv // hk)  # the key head
+    vs = pl.ds(vb * bv, bv)
     live = r < n_ref[0]
-    src, dst = src_ref[r], dst_ref[r]
-    writes = [(dst, live & (dst > 0))]
-    for m in range(ck_off_ref.shape[1]):
-        slot = ck_slot_ref[r, m]
-        writes.append((slot, live & (slot > 0) & (ck_off_ref[r, m] == 1)))
+    src = src_ref[r]
+    # The tile's load is issued first: the convolutions and the gates run under it.
+    s = load_state(ssm_in, src, h, vs, live & (src > 0))  # [BV, Dk]
+    qs, ks = pl.ds(g * dk, dk), pl.ds(hk * dk + g * dk, dk)
+    # q and k: read only (the key head's other programs read the same window; the second
+    # launch shifts it), each program computes them itself
+    q = l2norm(_silu_conv(_conv_window(conv_in, x_ref, r, src, live, qs, dk), w_ref, qs, dk))
+    k = l2norm(_silu_conv(_conv_window(conv_in, x_ref, r, src, live, ks, dk), w_ref, ks, dk))
+    # v: this block's channels are this program's alone; their window is shifted here
+    cv = pl.ds(2 * hk * dk + h * dv + vb * bv, bv)
+    window = _conv_window(conv_in, x_ref, r, src, live, cv, bv)
+    v = _silu_conv(window, w_ref, cv, bv)
+    writes = _row_writes(r, live, dst_ref, ck_off_ref, ck_slot_ref)
+    _store_window(conv_out, window, writes, cv, bv)
+    g_h, beta = _gates(gates_ref, h, a_ref[r, h], b_ref[r, h])
+    o, s = decode_update(s * jnp.exp(g_h), q * scale, k, v, beta)
+    o_ref[r, h, vs] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
+    for slot, enabled in writes:
+        store_state(ssm_out, slot, h, vs, s, enabled)
 
-    taps = [jnp.int32(j) for j in range(km1 + 1)]  # traced ints: Pallas indexers want arrays
 
-    def conv(offset: int | jax.Array, width: int) -> jax.Array:
-        """SiLU(conv) of channels [offset, offset + width); writes their new window."""
-        cs = pl.ds(offset, width)
-        read = jnp.full((width,), live & (src > 0))
-        window = [pltr.load(conv_in.at[src, j, cs], mask=read, other=0.0) for j in taps[:-1]]
-        window.append(x_ref[r, cs])
-        acc = jnp.zeros((width,), jnp.float32)
-        for j, row in zip(taps, window):
-            acc += row.astype(jnp.float32) * w_ref[cs, j].astype(jnp.float32)
-        for slot, enabled in writes:
-            for j, row in zip(taps, window[1:]):
-                row = row.astype(conv_out.dtype)
-                pltr.store(conv_out.at[slot, j, cs], row, mask=jnp.full((width,), enabled))
-        return acc * jax.nn.sigmoid(acc)
-
-    q = l2norm(conv(g * dk, dk)) * scale  # [Dk]
-    k = l2norm(conv(hk * dk + g * dk, dk))
-    for h_in_group in range(ratio):
-        h = g * ratio + h_in_group
-        g_h, beta = _gates(gates_ref, h, a_ref[r, h], b_ref[r, h])
-        decay = jnp.exp(g_h)
-        for vb in range(dv // bv):
-            vs = pl.ds(vb * bv, bv)
-            s = load_state(ssm_in, src, h, vs, live & (src > 0))  # [BV, Dk], issued first
-            v = conv(2 * hk * dk + h * dv + vb * bv, bv)  # [BV]
-            o, s = decode_update(s * decay, q, k, v, beta)
-            o_ref[r, h, vs] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
-            for slot, enabled in writes:
-                store_state(ssm_out, slot, h, vs, s, enabled)
+def _qk_window_kernel(
+    src_ref, dst_ref, ck_off_ref, ck_slot_ref, n_ref,  # as above
+    x_ref,  # [S, C]
+    conv_in,  # [num_slots, K-1, C]
+    conv_out,  # aliased to conv_in
+    *, dk: int,
+):  # fmt: skip
+    """Program ``(r, c)``: the window of q / k channels ``[c * Dk, (c + 1) * Dk)`` of row
+    ``r`` shifted by its token. Each program reads and writes its own channels."""
+    r, c = pl.program_id(0), pl.program_id(1)
+    live = r < n_ref[0]
+    cs = pl.ds(c * dk, dk)
+    window = _conv_window(conv_in, x_ref, r, src_ref[r], live, cs, dk)
+    _store_window(conv_out, window, _row_writes(r, live, dst_ref, ck_off_ref, ck_slot_ref), cs, dk)
 
 
 def conv_gdn_decode(
@@ -193,16 +236,18 @@ def conv_gdn_decode(
     *,
     num_k_heads: int,
     block_v: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = DECODE_NUM_WARPS,
     num_stages: int = 1,
-    min_rows: int = 8,
+    min_rows: int = 1,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The fused GPU decode; see the module docstring. Same results as the reference.
 
     Below ``min_rows`` rows (a static shape) the XLA conv update and the GDN decode kernel run
-    in turn instead: with one program per key head, one row keeps only Hk SMs busy (H200,
-    B=1: 28 us fused vs 15 us unfused; from B=16 on the fused kernel is ahead).
+    in turn instead. The one-launch kernel this replaced kept only Hk SMs busy with one row
+    (H200, B=1: 28 us fused vs 15 us unfused) and needed ``min_rows=8``; the two launches have
+    gdn_decode's grid (Hv * Dv / BV programs a row), so every row count takes them (not yet
+    timed on a GPU: ``benchmarks.decode_variants``).
     """
     check_conv_gdn_decode_args(mixed, conv_weight, conv_state, ssm_state, num_k_heads)
     rows = mixed.shape[0]
@@ -220,22 +265,36 @@ def conv_gdn_decode(
     if rows != slots.num_rows:
         raise ValueError(f"decode rows {rows} must equal {slots.num_rows=} (one token each)")
     check_key_dim(dk)
-    bv = pick_block_v(dv, block_v, default=16)
+    bv = pick_block_v(dv, block_v, default=DECODE_BLOCK_V)
     args = (
         *slots.arrays(), gate_params(A_log, dt_bias),
         mixed, conv_weight, a, b, conv_state, ssm_state,
     )  # fmt: skip
     kernel = functools.partial(_kernel, hk=num_k_heads, bv=bv, scale=float(dk) ** -0.5)
-    return pl.pallas_call(
+    params = compiler_params(num_warps, num_stages)
+    o, conv_state, ssm_state = pl.pallas_call(
         kernel,
-        grid=(rows, num_k_heads),
+        grid=(rows * (dv // bv), hv),
         out_shape=[
             jax.ShapeDtypeStruct((rows, hv, dv), mixed.dtype),
             jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
             jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype),
         ],
         input_output_aliases={len(args) - 2: 1, len(args) - 1: 2},
-        compiler_params=compiler_params(num_warps, num_stages),
+        compiler_params=params,
         interpret=interpret,
         name="conv_gdn_decode_gpu",
     )(*args)
+    # Then the q / k windows, which every program of a key head read: the second launch takes
+    # the first one's conv pool, so it runs after it.
+    args = (*slots.arrays(), mixed, conv_state)
+    conv_state = pl.pallas_call(
+        functools.partial(_qk_window_kernel, dk=dk),
+        grid=(rows, 2 * num_k_heads),
+        out_shape=jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+        input_output_aliases={len(args) - 1: 0},
+        compiler_params=params,
+        interpret=interpret,
+        name="conv_qk_window_gpu",
+    )(*args)
+    return o, conv_state, ssm_state
