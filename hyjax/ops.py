@@ -64,6 +64,7 @@ from pallas_kernels.gdn import fused_decode
 from pallas_kernels.gdn import gpu as gdn_gpu
 from pallas_kernels.gdn import tpu as gdn_tpu
 from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_reference
+from pallas_kernels.kda import fused_decode as kda_fused_decode
 from pallas_kernels.kda import gpu as kda_gpu
 from pallas_kernels.kda import tpu as kda_tpu
 from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
@@ -87,6 +88,7 @@ class Ops:
     paged_attention_decode: Callable  # decode-only steps: every row is one token
     kda_prefill: Callable
     kda_decode: Callable
+    conv_kda_decode: Callable  # decode: conv1d update + KDA in one pass
     # Verify-shaped steps (every row at most ``max_tokens`` tokens: a decode row and its
     # drafts): the prefills' signature plus the static ``max_tokens=``; the state after each
     # token goes to the row's checkpoint slots, as in the prefill.
@@ -192,7 +194,7 @@ GRID: dict[str, Row] = {
     "conv1d_update": Row(
         reference=causal_conv1d_update_reference,
         tpu=conv1d_tpu.causal_conv1d_update,
-        gpu=None,  # decode steps run the fused conv_gdn_decode kernel instead
+        gpu=None,  # decode steps run the fused conv_gdn_decode / conv_kda_decode kernels instead
     ),
     "gdn_prefill": Row(
         reference=gdn_prefill_reference,
@@ -235,6 +237,14 @@ GRID: dict[str, Row] = {
         reference=kda_decode_reference,
         tpu=kda_tpu.kda_decode,
         gpu=kda_gpu.kda_decode,
+    ),
+    "conv_kda_decode": Row(
+        reference=kda_fused_decode.conv_kda_decode_reference,
+        tpu=Composed(
+            kda_fused_decode.composed_conv_kda_decode,
+            (conv1d_tpu.causal_conv1d_update, kda_tpu.kda_decode),
+        ),
+        gpu=kda_fused_decode.conv_kda_decode,
     ),
     # Speculative verify steps: the decode recurrence token by token, a state store per token
     # (pallas_kernels/common/multi_decode_gpu.py); elsewhere the chunked prefill, whose

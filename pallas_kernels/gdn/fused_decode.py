@@ -9,29 +9,9 @@ runs the depthwise conv (window read from ``conv_state[src]``, new window writte
 ``ssm_state`` with the same slots. ``conv_gdn_decode_reference`` is the composition of the two
 reference ops (the oracle); the GPU kernel below reads each slot once.
 
-GPU kernels (Triton lowering), two launches::
-
-    1. grid (S * Dv / BV, Hv), gdn_decode's tiling: program (i, h) owns row r = i // (Dv / BV),
-       value head h and its state block of BV rows; it computes the key head's q and k from
-       their conv window (read only: every program of the key head reads it) and this
-       token's channels, the conv of its own BV v channels (whose window it shifts: those
-       channels are its alone), and the delta-rule update of its block.
-    2. grid (S, 2 * Hk): program (r, c) shifts the conv window of q / k channels
-       [c * Dk, (c + 1) * Dk) of row r. It takes launch 1's conv pool, so it runs after every
-       read of the old windows.
-
-No channel or state block is read by one program of a launch and written by another, so
-reading ``src`` and writing ``dst`` in place (``src == dst``) is race free. The windows and
-states also go to the row's checkpoints at offset 1.
-
-Why two launches: the first version ran one program per (row, key head), which shifted the
-q / k window itself and walked its value heads' state blocks in turn (a program per value block
-would read a window another program had already shifted). It was race free in one launch but
-latency-bound: at 8 rows, 128 programs (64 per device under TP 2) each walking 16 blocks, 3.9x
-its bytes in the 80B's decode step, 0.63 of the copy bandwidth at 64 rows against gdn_decode's
-0.85. Now each program does what a ``gdn_decode`` program does plus two 128-wide convolutions
-(the key head's window is read from L2 by each of its programs), and the q / k shift is a
-second, small launch (2 * Hk * Dk channels of K-1 taps a row).
+The GPU kernel: the two launches of :mod:`pallas_kernels.common.conv_decode_gpu` (a program
+per row, value head and state block; the q / k windows shifted by a second small launch), with
+the GDN gates (a scalar decay per value head).
 """
 
 from __future__ import annotations
@@ -41,19 +21,14 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.common.delta_rule import l2norm
+from pallas_kernels.common.conv_decode_gpu import conv_decode_program, launch_conv_decode
 from pallas_kernels.common.delta_rule_gpu import (
     DECODE_BLOCK_V,
     DECODE_NUM_WARPS,
+    DecodeSlots,
     check_key_dim,
-    compiler_params,
-    decode_update,
-    load_state,
     pick_block_v,
-    store_state,
 )
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import causal_conv1d_update_reference
@@ -128,99 +103,21 @@ conv_gdn_decode_reference = composed_conv_gdn_decode(
 )
 
 
-def _row_writes(r, live, dst_ref, ck_off_ref, ck_slot_ref) -> list[tuple]:
-    """Row ``r``'s ``(slot, enabled)`` writes: ``dst``, then the checkpoints at offset 1."""
-    dst = dst_ref[r]
-    writes = [(dst, live & (dst > 0))]
-    for m in range(ck_off_ref.shape[1]):
-        slot = ck_slot_ref[r, m]
-        writes.append((slot, live & (slot > 0) & (ck_off_ref[r, m] == 1)))
-    return writes
-
-
-def _conv_window(conv_in, x_ref, r, src, live, cs: pl.Slice, width: int) -> list[jax.Array]:
-    """Row ``r``'s window of channels ``cs``: the K-1 taps of ``conv_in[src]`` (zeros when the
-    row starts from zero), then this token's pre-conv channels."""
-    read = jnp.full((width,), live & (src > 0))
-    taps = [jnp.int32(j) for j in range(conv_in.shape[1])]  # traced: Pallas indexers want arrays
-    window = [pltr.load(conv_in.at[src, j, cs], mask=read, other=0.0) for j in taps]
-    window.append(x_ref[r, cs])
-    return window
-
-
-def _store_window(conv_out, window: list[jax.Array], writes, cs: pl.Slice, width: int) -> None:
-    """The window shifted by this token (its last K-1 entries) into every slot of ``writes``."""
-    for slot, enabled in writes:
-        for j, row in enumerate(window[1:]):
-            pltr.store(
-                conv_out.at[slot, jnp.int32(j), cs], row.astype(conv_out.dtype),
-                mask=jnp.full((width,), enabled),
-            )  # fmt: skip
-
-
-def _silu_conv(window: list[jax.Array], w_ref, cs: pl.Slice, width: int) -> jax.Array:
-    acc = jnp.zeros((width,), jnp.float32)
-    for j, row in enumerate(window):
-        acc += row.astype(jnp.float32) * w_ref[cs, jnp.int32(j)].astype(jnp.float32)
-    return acc * jax.nn.sigmoid(acc)
-
-
 def _kernel(
-    src_ref, dst_ref, ck_off_ref, ck_slot_ref, n_ref,  # i32[S], i32[S], i32[S, M] x2, i32[1]
+    p: DecodeSlots,
     gates_ref,  # f32[2, Hv]: -exp(A_log), dt_bias
-    x_ref,  # [S, C]
-    w_ref,  # [C, K]
     a_ref, b_ref,  # [S, Hv]
-    conv_in,  # [num_slots, K-1, C]
-    ssm_in,  # f32 | bf16[num_slots, Hv, Dv, Dk]
-    o_ref,  # [S, Hv, Dv]
-    conv_out,  # aliased to conv_in: this launch writes the v channels' windows only
-    ssm_out,  # aliased to ssm_in
+    x_ref, w_ref, conv_in, ssm_in, o_ref, conv_out, ssm_out,  # conv_decode_program's
     *, hk: int, bv: int, scale: float,
 ):  # fmt: skip
-    """Program ``(i, h)``: row ``r = i // (Dv / BV)``, value head ``h``, state block ``vs``."""
-    i, h = pl.program_id(0), pl.program_id(1)
-    _, hv, dv, dk = ssm_in.shape
-    nvb = dv // bv
-    r, vb = i // nvb, i % nvb
-    g = h // (hv // hk)  # the key head
-    vs = pl.ds(vb * bv, bv)
-    live = r < n_ref[0]
-    src = src_ref[r]
-    # The tile's load is issued first: the convolutions and the gates run under it.
-    s = load_state(ssm_in, src, h, vs, live & (src > 0))  # [BV, Dk]
-    qs, ks = pl.ds(g * dk, dk), pl.ds(hk * dk + g * dk, dk)
-    # q and k: read only (the key head's other programs read the same window; the second
-    # launch shifts it), each program computes them itself
-    q = l2norm(_silu_conv(_conv_window(conv_in, x_ref, r, src, live, qs, dk), w_ref, qs, dk))
-    k = l2norm(_silu_conv(_conv_window(conv_in, x_ref, r, src, live, ks, dk), w_ref, ks, dk))
-    # v: this block's channels are this program's alone; their window is shifted here
-    cv = pl.ds(2 * hk * dk + h * dv + vb * bv, bv)
-    window = _conv_window(conv_in, x_ref, r, src, live, cv, bv)
-    v = _silu_conv(window, w_ref, cv, bv)
-    writes = _row_writes(r, live, dst_ref, ck_off_ref, ck_slot_ref)
-    _store_window(conv_out, window, writes, cv, bv)
-    g_h, beta = _gates(gates_ref, h, a_ref[r, h], b_ref[r, h])
-    o, s = decode_update(s * jnp.exp(g_h), q * scale, k, v, beta)
-    o_ref[r, h, vs] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
-    for slot, enabled in writes:
-        store_state(ssm_out, slot, h, vs, s, enabled)
+    def gates(r, h):
+        g, beta = _gates(gates_ref, h, a_ref[r, h], b_ref[r, h])
+        return beta, jnp.exp(g)
 
-
-def _qk_window_kernel(
-    src_ref, dst_ref, ck_off_ref, ck_slot_ref, n_ref,  # as above
-    x_ref,  # [S, C]
-    conv_in,  # [num_slots, K-1, C]
-    conv_out,  # aliased to conv_in
-    *, dk: int,
-):  # fmt: skip
-    """Program ``(r, c)``: the window of q / k channels ``[c * Dk, (c + 1) * Dk)`` of row
-    ``r`` shifted by its token. Each program reads and writes its own channels."""
-    r, c = pl.program_id(0), pl.program_id(1)
-    live = r < n_ref[0]
-    cs = pl.ds(c * dk, dk)
-    window = _conv_window(conv_in, x_ref, r, src_ref[r], live, cs, dk)
-    _store_window(conv_out, window, _row_writes(r, live, dst_ref, ck_off_ref, ck_slot_ref), cs, dk)
+    conv_decode_program(
+        p, x_ref, w_ref, conv_in, ssm_in, o_ref, conv_out, ssm_out,
+        hk=hk, bv=bv, scale=scale, gates=gates,
+    )  # fmt: skip
 
 
 def conv_gdn_decode(
@@ -265,36 +162,19 @@ def conv_gdn_decode(
     if rows != slots.num_rows:
         raise ValueError(f"decode rows {rows} must equal {slots.num_rows=} (one token each)")
     check_key_dim(dk)
-    bv = pick_block_v(dv, block_v, default=DECODE_BLOCK_V)
-    args = (
-        *slots.arrays(), gate_params(A_log, dt_bias),
-        mixed, conv_weight, a, b, conv_state, ssm_state,
-    )  # fmt: skip
-    kernel = functools.partial(_kernel, hk=num_k_heads, bv=bv, scale=float(dk) ** -0.5)
-    params = compiler_params(num_warps, num_stages)
-    o, conv_state, ssm_state = pl.pallas_call(
-        kernel,
-        grid=(rows * (dv // bv), hv),
-        out_shape=[
-            jax.ShapeDtypeStruct((rows, hv, dv), mixed.dtype),
-            jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
-            jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype),
-        ],
-        input_output_aliases={len(args) - 2: 1, len(args) - 1: 2},
-        compiler_params=params,
-        interpret=interpret,
+    return launch_conv_decode(
+        _kernel,
         name="conv_gdn_decode_gpu",
-    )(*args)
-    # Then the q / k windows, which every program of a key head read: the second launch takes
-    # the first one's conv pool, so it runs after it.
-    args = (*slots.arrays(), mixed, conv_state)
-    conv_state = pl.pallas_call(
-        functools.partial(_qk_window_kernel, dk=dk),
-        grid=(rows, 2 * num_k_heads),
-        out_shape=jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
-        input_output_aliases={len(args) - 1: 0},
-        compiler_params=params,
+        slots=slots,
+        inputs=(gate_params(A_log, dt_bias), a, b),
+        mixed=mixed,
+        conv_weight=conv_weight,
+        conv_state=conv_state,
+        ssm_state=ssm_state,
+        num_k_heads=num_k_heads,
+        bv=pick_block_v(dv, block_v, default=DECODE_BLOCK_V),
+        num_warps=num_warps,
+        num_stages=num_stages,
         interpret=interpret,
-        name="conv_qk_window_gpu",
-    )(*args)
-    return o, conv_state, ssm_state
+        scale=float(dk) ** -0.5,
+    )

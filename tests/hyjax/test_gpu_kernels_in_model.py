@@ -1,7 +1,7 @@
-"""The tiny Qwen3-Next with the NVIDIA kernels (Pallas' generic interpreter on CPU: the
-``interpret-gpu`` backend, the op table's GPU column) gives the reference logits and states:
-the GDN prefill, the fused conv + delta-rule decode and paged attention, wired through the
-model exactly as ``--kernel-backend pallas`` runs them on a GPU."""
+"""The tiny Qwen3-Next and Kimi-Linear with the NVIDIA kernels (Pallas' generic interpreter on
+CPU: the ``interpret-gpu`` backend, the op table's GPU column) give the reference logits and
+states: the GDN / KDA prefill, the fused conv + delta-rule decodes, paged attention and MLA,
+wired through the model exactly as ``--kernel-backend pallas`` runs them on a GPU."""
 
 import dataclasses
 import functools
@@ -11,12 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from configs import qwen3_next_tiny
+from configs import kimi_linear_tiny, qwen3_next_tiny
 from hyjax.cache import init_caches
+from hyjax.models.kimi_linear import KimiLinearForCausalLM
 from hyjax.models.qwen3_next import Qwen3NextForCausalLM
 from hyjax.ops import REFERENCE, ops_for_model
 from hyjax.testing import SeqChunk, make_batch
 from pallas_kernels.attention import gpu as attention_gpu
+from pallas_kernels.kda import fused_decode as kda_fused_decode
 from tests.pallas_kernels.ragged_cases import assert_close
 
 BS = 16
@@ -77,3 +79,22 @@ def test_gpu_kernels_match_reference_in_the_model():
         assert err < 1e-4, f"output {i}: relative error {err:.2e}"
     for g, w in zip(got_caches.ssm, want_caches.ssm, strict=True):
         assert_close(np.asarray(g)[1:5], np.asarray(w)[1:5], rtol=1e-4, atol=1e-4)
+
+
+def test_kimi_gpu_kernels_match_reference_in_the_model():
+    """KDA prefill, the fused conv + KDA decode (row 0 in place, row 1 from a checkpoint into
+    another slot) and the MLA kernels."""
+    cfg = kimi_linear_tiny(moe_intermediate_size=32)
+    model = KimiLinearForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    want, want_caches = _run(state, graphdef, cfg, REFERENCE)
+    ops = ops_for_model("interpret-gpu", cfg, jnp.float32)
+    assert ops.conv_kda_decode.func is kda_fused_decode.conv_kda_decode  # the kernel runs
+    got, got_caches = _run(state, graphdef, cfg, ops)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert not np.isnan(g).any(), f"output {i} has NaN"
+        err = np.abs(g - w).max() / np.abs(w).max()
+        assert err < 1e-4, f"output {i}: relative error {err:.2e}"
+    for name in ("conv", "ssm"):
+        for g, w in zip(getattr(got_caches, name), getattr(want_caches, name), strict=True):
+            assert_close(np.asarray(g)[1:5], np.asarray(w)[1:5], rtol=1e-4, atol=1e-4)

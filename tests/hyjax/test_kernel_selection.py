@@ -94,7 +94,7 @@ def test_kimi_linear_odd_dims_take_the_reference_ops_on_gpu(monkeypatch, caplog)
         kv_lora_rank=24,
     )  # fmt: skip
     ops, logged = _select(monkeypatch, caplog, cfg)
-    kda = {"kda_prefill", "kda_decode", "kda_multi_decode"}
+    kda = {"kda_prefill", "kda_decode", "conv_kda_decode", "kda_multi_decode"}
     assert _replaced(ops) == logged == kda | {"mla_prefill", "mla_decode"}
 
 

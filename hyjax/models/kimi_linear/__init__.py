@@ -17,7 +17,7 @@ def gpu_kernel_rules(cfg: KimiLinearConfig) -> list[KernelRule]:
     """Which Triton kernels of the KDA and MLA layers cannot take this config's dims
     (each kernel module's ``unsupported_reason``: their tiles are powers of two)."""
     return [
-        (("kda_prefill", "kda_decode", "kda_multi_decode"),
+        (("kda_prefill", "kda_decode", "conv_kda_decode", "kda_multi_decode"),
          kda_gpu.unsupported_reason(cfg.linear_head_dim, cfg.linear_head_dim)),
         (("mla_prefill", "mla_decode"),
          mla_gpu.unsupported_reason(cfg.kv_lora_rank, cfg.qk_rope_head_dim)),

@@ -107,19 +107,19 @@ class KimiDeltaAttention(nnx.Module):
         conv_state, ssm_state = cache
         slots, qsl = batch.slots, batch.query_start_loc
         gates = (self.A_log[...], self.dt_bias[...].reshape(h, d))
-        if decode_only:
-            mixed, conv_state = ops.conv1d_update(mixed, weight, conv_state, slots)
-        else:
-            mixed, conv_state = ops.conv1d_prefill(mixed, weight, conv_state, qsl, slots)
-        q, k, v = unpack_conv_channels(mixed, (h, d), (h, d), shards)  # [T, H, D] each
-        if decode_only:
-            o, ssm_state = ops.kda_decode(q, k, v, g, b, *gates, ssm_state, slots)
-        elif batch.max_row_tokens:  # verify rows (a few tokens each): token by token
-            o, ssm_state = ops.kda_multi_decode(
-                q, k, v, g, b, *gates, ssm_state, qsl, slots, max_tokens=batch.max_row_tokens
+        if decode_only:  # the conv update and KDA in one op (one kernel pass on a GPU)
+            o, conv_state, ssm_state = ops.conv_kda_decode(
+                mixed, weight, conv_state, g, b, *gates, ssm_state, slots
             )
         else:
-            o, ssm_state = ops.kda_prefill(q, k, v, g, b, *gates, ssm_state, qsl, slots)
+            mixed, conv_state = ops.conv1d_prefill(mixed, weight, conv_state, qsl, slots)
+            q, k, v = unpack_conv_channels(mixed, (h, d), (h, d), shards)  # [T, H, D] each
+            if batch.max_row_tokens:  # verify rows (a few tokens each): token by token
+                o, ssm_state = ops.kda_multi_decode(
+                    q, k, v, g, b, *gates, ssm_state, qsl, slots, max_tokens=batch.max_row_tokens
+                )
+            else:
+                o, ssm_state = ops.kda_prefill(q, k, v, g, b, *gates, ssm_state, qsl, slots)
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(n, h, d)
         o = self.o_norm(o, gate).reshape(n, p)
         return (conv_state, ssm_state), self.o_proj(o)

@@ -104,6 +104,11 @@ SHARDING = FamilySharding(
         "kda_prefill": ((H3, H3, H3, H3, H2, H1, P(M, None), SSM, R, SLOTS), (H3, SSM)),
         "kda_multi_decode": ((H3, H3, H3, H3, H2, H1, P(M, None), SSM, R, SLOTS), (H3, SSM)),
         "kda_decode": ((H3, H3, H3, H3, H2, H1, P(M, None), SSM, SLOTS), (H3, SSM)),
+        # mixed [T, 3P] and its filters [3P, K] by device (each device's q | k | v channels)
+        "conv_kda_decode": (
+            (H2, P(M, None), CONV_STATE, H3, H2, H1, P(M, None), SSM, SLOTS),
+            (H3, CONV_STATE, SSM),
+        ),
         # Every device writes the same latent into its own copy of the pool (no collective);
         # under shard_map so a Pallas writer would run per device too.
         "write_latent": ((R, LATENT, R), LATENT),
