@@ -9,7 +9,8 @@ script times, in one process and one chain discipline, at B = 64 and B = 256:
   chain into one pass; ``copy_B1`` (one row) estimates the fixed cost of a call in the chain;
 * the engine's kernels: ``gdn_decode``, ``conv_gdn_decode`` (what the engine calls: its bytes
   include the conv windows), ``conv_then_gdn_decode`` (XLA's conv update, then
-  ``gdn_decode``: the unfused alternative) and ``kda_decode``, at their defaults. Since the
+  ``gdn_decode``: the unfused alternative), ``kda_decode`` and its two conv pairings
+  (``conv_kda_decode``, ``conv_then_kda_decode``), at their defaults. Since the
   run recorded in BENCHMARKS.md the engine's pool is stored ``[V, K]`` and ``gdn_decode`` /
   ``kda_decode`` are that run's winner (``vk``, 16 rows, one warp): a rerun times them in the
   new layout;
@@ -65,6 +66,7 @@ from pallas_kernels.gdn.decode_variants import (
     to_layout,
 )
 from pallas_kernels.gdn.reference import gdn_decode_reference
+from pallas_kernels.kda import fused_decode as kda_fused_decode
 from pallas_kernels.kda import gpu as kda_gpu
 from pallas_kernels.kda.reference import kda_decode_reference
 
@@ -301,26 +303,35 @@ class Runner:
         return {"us": 1e6 * t, "GBps": self.state_bytes(rows) / t / 1e9}
 
     def baseline(self, name: str, rows: int, copy_s) -> dict:
-        sh, fam = self.sh, "kda" if name == "kda_decode" else "gdn"
+        sh, fam = self.sh, "kda" if "kda" in name else "gdn"
         acts = INPUTS[fam](sh, rows, jax.random.PRNGKey(1))
         slots = running_slots(rows)
         st = pool(sh, rows + 1, jax.random.PRNGKey(2))
-        if name in ("conv_gdn_decode", "conv_then_gdn_decode"):
+        if name.startswith("conv_"):
+            # KDA: H = Hv heads of q, k and v channels each (Kimi's three filters)
+            c = sh.conv_c if fam == "gdn" else 3 * sh.hv * sh.d
             ks = jax.random.split(jax.random.PRNGKey(3), 3)
-            mixed = jax.random.normal(ks[0], (rows, sh.conv_c), jnp.bfloat16)
-            weight = 0.5 * jax.random.normal(ks[1], (sh.conv_c, sh.conv_k), jnp.bfloat16)
-            conv = jax.random.normal(ks[2], (rows + 1, sh.conv_k - 1, sh.conv_c), jnp.bfloat16)
-            # The fused kernel, or (``conv_then_gdn_decode``) XLA's conv update then the GPU
-            # decode kernel: two passes, the decode on its own many-program grid.
+            mixed = jax.random.normal(ks[0], (rows, c), jnp.bfloat16)
+            weight = 0.5 * jax.random.normal(ks[1], (c, sh.conv_k), jnp.bfloat16)
+            conv = jax.random.normal(ks[2], (rows + 1, sh.conv_k - 1, c), jnp.bfloat16)
+            # The fused kernel, or (``conv_then_*``) XLA's conv update then the GPU decode
+            # kernel: two passes, the decode on its own many-program grid.
+            interp = {"interpret": self.interpret}
+            fused_op, composed, decode = {
+                "gdn": (functools.partial(fused_decode.conv_gdn_decode, num_k_heads=sh.hk),
+                        fused_decode.composed_conv_gdn_decode, gpu.gdn_decode),
+                "kda": (kda_fused_decode.conv_kda_decode, kda_fused_decode.composed_conv_kda_decode,
+                        kda_gpu.kda_decode),
+            }[fam]  # fmt: skip
+            gates = acts[3:]  # GDN: a, b, A_log, dt_bias; KDA: g, b, A_log, dt_bias
             op = (
-                functools.partial(fused_decode.conv_gdn_decode, interpret=self.interpret)
-                if name == "conv_gdn_decode"
-                else fused_decode.composed_conv_gdn_decode(
-                    causal_conv1d_update_reference,
-                    functools.partial(gpu.gdn_decode, interpret=self.interpret),
-                )
+                functools.partial(fused_op, **interp)
+                if not name.startswith("conv_then_")
+                else composed(causal_conv1d_update_reference, functools.partial(decode, **interp))
             )
-            fused = jax.jit(functools.partial(op, num_k_heads=sh.hk))
+            if fam == "gdn" and name.startswith("conv_then_"):
+                op = functools.partial(op, num_k_heads=sh.hk)
+            fused = jax.jit(op)
 
             def step(state, mixed, weight, gates):
                 conv, ssm = state
@@ -328,7 +339,7 @@ class Runner:
                 return (conv, ssm), o
 
             conv_mb = 2 * conv[1:].nbytes / 1e6  # read + written too, not in state_GBps
-            t = self.time(step, (conv, st), (mixed, weight, acts[3:]))  # donates conv, st
+            t = self.time(step, (conv, st), (mixed, weight, gates))  # donates conv, st
             return {**self.timed(rows, t, copy_s), "conv_bytes_MB": conv_mb}
         fn = {"gdn_decode": gpu.gdn_decode, "kda_decode": kda_gpu.kda_decode}[name]
         fn = functools.partial(fn, interpret=self.interpret)
@@ -453,7 +464,8 @@ def run_batch(run: Runner, sweep, rows: int, ranked_at: int | None, checked: dic
     each group's control and its ``--top`` fastest at that batch only; a tiling is checked
     once (``checked``: its verdict) and timed only if it passed."""
     copy_s = run.record(f"copy_B{rows}", lambda: run.copy(rows)).get("us", 0) * 1e-6
-    for name in ("gdn_decode", "conv_gdn_decode", "conv_then_gdn_decode", "kda_decode"):
+    for name in ("gdn_decode", "conv_gdn_decode", "conv_then_gdn_decode", "kda_decode",
+                 "conv_kda_decode", "conv_then_kda_decode"):  # fmt: skip
         run.record(f"{name}_B{rows}", lambda name=name: run.baseline(name, rows, copy_s))
     for group, tilings in sweep.items():
         if ranked_at is not None:
