@@ -64,6 +64,17 @@ def _run(state, graphdef, cfg, ops):
     return outs, caches
 
 
+def _assert_matches(got, want, got_caches, want_caches) -> None:
+    """Every logits row within 1e-4 of the reference's (relative), and the written slots."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert not np.isnan(g).any(), f"output {i} has NaN"
+        err = np.abs(g - w).max() / np.abs(w).max()
+        assert err < 1e-4, f"output {i}: relative error {err:.2e}"
+    for name in ("conv", "ssm"):
+        for g, w in zip(getattr(got_caches, name), getattr(want_caches, name), strict=True):
+            assert_close(np.asarray(g)[1:5], np.asarray(w)[1:5], rtol=1e-4, atol=1e-4)
+
+
 def test_gpu_kernels_match_reference_in_the_model():
     """The three-launch prefill (what short prompts get; the two-launch plan is covered by
     tests/pallas_kernels/test_gdn_gpu.py) and the fused decode."""
@@ -73,12 +84,7 @@ def test_gpu_kernels_match_reference_in_the_model():
     ops = _gpu_ops(cfg, three_launches=True)
     assert ops.paged_attention.func is attention_gpu.ragged_paged_attention  # the kernel runs
     got, got_caches = _run(state, graphdef, cfg, ops)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert not np.isnan(g).any(), f"output {i} has NaN"
-        err = np.abs(g - w).max() / np.abs(w).max()
-        assert err < 1e-4, f"output {i}: relative error {err:.2e}"
-    for g, w in zip(got_caches.ssm, want_caches.ssm, strict=True):
-        assert_close(np.asarray(g)[1:5], np.asarray(w)[1:5], rtol=1e-4, atol=1e-4)
+    _assert_matches(got, want, got_caches, want_caches)
 
 
 def test_kimi_gpu_kernels_match_reference_in_the_model():
@@ -91,10 +97,4 @@ def test_kimi_gpu_kernels_match_reference_in_the_model():
     ops = ops_for_model("interpret-gpu", cfg, jnp.float32)
     assert ops.conv_kda_decode.func is kda_fused_decode.conv_kda_decode  # the kernel runs
     got, got_caches = _run(state, graphdef, cfg, ops)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert not np.isnan(g).any(), f"output {i} has NaN"
-        err = np.abs(g - w).max() / np.abs(w).max()
-        assert err < 1e-4, f"output {i}: relative error {err:.2e}"
-    for name in ("conv", "ssm"):
-        for g, w in zip(getattr(got_caches, name), getattr(want_caches, name), strict=True):
-            assert_close(np.asarray(g)[1:5], np.asarray(w)[1:5], rtol=1e-4, atol=1e-4)
+    _assert_matches(got, want, got_caches, want_caches)

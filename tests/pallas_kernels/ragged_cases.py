@@ -129,3 +129,30 @@ def abstract_slots(rows: int, m: int) -> StateSlots:
     i32 = jnp.int32
     return StateSlots(sd((rows,), i32), sd((rows,), i32), sd((rows, m), i32),
                       sd((rows, m), i32), sd((), i32))  # fmt: skip
+
+
+# Poisoned slots of :func:`fused_decode_case`: read and written by no row.
+FUSED_UNTOUCHED = [0, 4, 5, 9, 12, 14, 15]
+
+
+def fused_decode_case(rng, conv_channels: int, kernel: int, state_shape: tuple, dtype):
+    """Seven decode rows for the fused conv + delta-rule decodes: ``(conv pool, state pool,
+    slots)``. Rows: 0 in place (src == dst) with two checkpoints after the one token, 1 reads
+    without writing, 2 from zero, 3 and 4 read a shared slot and write their own (row 3's
+    checkpoint at offset 0 writes nothing); 5, 6 are padding. Slots nobody reads hold NaN
+    (``FUSED_UNTOUCHED`` must come back so)."""
+    rows, num_seqs, m, num_slots = 7, 5, 2, 16
+    src = np.array([1, 2, 0, 3, 3, 0, 0], np.int32)
+    dst = np.array([1, 0, 6, 7, 8, 0, 0], np.int32)
+    ck_off = np.zeros((rows, m), np.int32)
+    ck_slot = np.zeros((rows, m), np.int32)
+    ck_off[0], ck_slot[0] = [1, 1], [10, 11]
+    ck_off[3, 1], ck_slot[3, 1] = 0, 12
+    ck_off[4, 0], ck_slot[4, 0] = 1, 13
+    conv = np.full((num_slots, kernel - 1, conv_channels), np.nan, np.float32)
+    ssm = np.full((num_slots, *state_shape), np.nan, np.float32)
+    for s in (1, 2, 3):
+        conv[s] = rng.normal(size=(kernel - 1, conv_channels))
+        ssm[s] = rng.normal(size=state_shape)
+    slots = state_slots(src, dst, ck_off, ck_slot, num_seqs)
+    return jnp.asarray(conv, dtype), jnp.asarray(ssm), slots

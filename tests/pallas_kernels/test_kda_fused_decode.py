@@ -6,36 +6,25 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import fused_decode
-from tests.pallas_kernels.ragged_cases import abstract_slots, assert_close, state_slots, zero_slots
+from tests.pallas_kernels.ragged_cases import (
+    FUSED_UNTOUCHED,
+    abstract_slots,
+    assert_close,
+    fused_decode_case,
+    zero_slots,
+)
 
 
 def _case(rng, *, h, dk, dv, kernel, dtype):
-    rows, num_seqs, m, num_slots = 7, 5, 2, 16
-    c = h * (2 * dk + dv)
+    rows, c = 7, h * (2 * dk + dv)
     mixed = jnp.asarray(rng.normal(size=(rows, c)), dtype)
     weight = jnp.asarray(rng.normal(size=(c, kernel)) * 0.5, dtype)
     g = jnp.asarray(rng.normal(size=(rows, h, dk)), dtype)
     b = jnp.asarray(rng.normal(size=(rows, h)), dtype)
     A_log = jnp.asarray(rng.normal(size=h), jnp.float32)
     dt_bias = jnp.asarray(rng.normal(size=(h, dk)), jnp.float32)
-    # rows: 0 in place (src == dst), 1 reads without writing, 2 from zero, 3 and 4 read a
-    # shared slot and write their own; 5, 6 are padding. Slots nobody reads hold NaN.
-    src = np.array([1, 2, 0, 3, 3, 0, 0], np.int32)
-    dst = np.array([1, 0, 6, 7, 8, 0, 0], np.int32)
-    ck_off = np.zeros((rows, m), np.int32)
-    ck_slot = np.zeros((rows, m), np.int32)
-    ck_off[0], ck_slot[0] = [1, 1], [10, 11]  # two checkpoints after the one token
-    ck_off[3, 1], ck_slot[3, 1] = 0, 12  # offset 0: no write
-    ck_off[4, 0], ck_slot[4, 0] = 1, 13
-    conv = np.full((num_slots, kernel - 1, c), np.nan, np.float32)
-    ssm = np.full((num_slots, h, dv, dk), np.nan, np.float32)
-    for s in (1, 2, 3):
-        conv[s] = rng.normal(size=(kernel - 1, c))
-        ssm[s] = rng.normal(size=(h, dv, dk))
-    return (
-        mixed, weight, jnp.asarray(conv, dtype), g, b, A_log, dt_bias, jnp.asarray(ssm),
-        state_slots(src, dst, ck_off, ck_slot, num_seqs),
-    )  # fmt: skip
+    conv, ssm, slots = fused_decode_case(rng, c, kernel, (h, dv, dk), dtype)
+    return mixed, weight, conv, g, b, A_log, dt_bias, ssm, slots
 
 
 @pytest.mark.parametrize(
@@ -53,8 +42,8 @@ def test_fused_kda_decode_matches_reference(h, dk, dv, kernel, bv, dtype):
     for name, g, w in zip(["outputs", "conv state", "ssm state"], got, want):
         assert_close(g, w, rtol=tol, atol=tol, what=name)
     # The untouched slots stay poisoned; slot 0 is never written.
-    assert np.isnan(np.asarray(got[2], np.float32)[[0, 4, 5, 9, 12, 14, 15]]).all()
-    assert np.isnan(np.asarray(got[1], np.float32)[[0, 4, 5, 9, 12, 14, 15]]).all()
+    assert np.isnan(np.asarray(got[2], np.float32)[FUSED_UNTOUCHED]).all()
+    assert np.isnan(np.asarray(got[1], np.float32)[FUSED_UNTOUCHED]).all()
 
 
 def test_fused_kda_decode_rejects_bad_channel_count():
