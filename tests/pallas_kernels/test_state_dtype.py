@@ -29,6 +29,7 @@ from pallas_kernels.gdn import fused_decode
 from pallas_kernels.gdn import gpu as gdn_gpu
 from pallas_kernels.gdn import tpu as gdn_tpu
 from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_reference
+from pallas_kernels.kda import fused_decode as kda_fused_decode
 from pallas_kernels.kda import gpu as kda_gpu
 from pallas_kernels.kda import tpu as kda_tpu
 from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
@@ -125,6 +126,30 @@ def _fused_decode(**kw):
     return make
 
 
+def _fused_kda_decode(**kw):
+    """The fused conv1d + KDA decode; its conv state stays f32 (the activations' dtype)."""
+
+    def make(rng):
+        c = H * (2 * DK + DV)
+        mixed, weight = _normal(rng, (5, c)), _normal(rng, (c, 4), 0.5)
+        conv = _normal(rng, (12, 3, c))
+        g, b, A_log, dt_bias = (_normal(rng, s) for s in ((5, H, DK), (5, H), (H,), (H, DK)))
+        slots = _decode_slots()
+
+        def run(p):
+            o, _, p = op(mixed, weight, conv, g, b, A_log, dt_bias, p, slots)
+            return o, p
+
+        return jax.jit(run), _decode_pool(rng, H)
+
+    op = (
+        functools.partial(kda_fused_decode.conv_kda_decode, **kw)
+        if kw
+        else kda_fused_decode.conv_kda_decode_reference
+    )
+    return make
+
+
 def _one_row_in_steps(op, acts, heads, n=150):
     """``run(pool, steps) -> (o [n, ...], final state)``: one row of ``n`` tokens from slot 1,
     run in the steps given (token counts) through slot 2, and the f32 pool."""
@@ -163,6 +188,8 @@ CASES = {
     "kda_decode_reference": _decode(kda_decode_reference, _kda_acts, H),
     "kda_decode_tpu": _decode(functools.partial(kda_tpu.kda_decode, **TPU), _kda_acts, H),
     "kda_decode_gpu": _decode(functools.partial(kda_gpu.kda_decode, **GPU), _kda_acts, H),
+    "conv_kda_decode_reference": _fused_kda_decode(),
+    "conv_kda_decode_gpu": _fused_kda_decode(**GPU),
 }
 
 
