@@ -375,31 +375,36 @@ class Scheduler:
         self.cache.release_step(output.ckpt_written, output.slots_held)
         updates = list(output.finished)
         tokens = np.asarray(sampled).tolist()
+        rows_in_flight, tokens_in_flight = self._rows_in_flight, self._tokens_in_flight
+        block_size, specs, samples = self.cfg.block_size, output.spec, output.samples
         for s, req in enumerate(output.requests):
             rid = req.request_id
-            row = tokens[s] if isinstance(tokens[s], list) else [tokens[s]]
-            run = list(itertools.takewhile(lambda t: t >= 0, row))
-            spec = output.spec.get(s)
+            row = tokens[s]
+            if isinstance(row, list):  # a verify row's tokens, then -1
+                run = list(itertools.takewhile(lambda t: t >= 0, row))
+            else:
+                run = [row] if row >= 0 else []
+            spec = specs.get(s)
             if spec is not None:
                 self._accept(req, spec, len(run) - 1)
-            self._rows_in_flight[rid] -= 1
-            if not self._rows_in_flight[rid]:
-                del self._rows_in_flight[rid]
+            rows_in_flight[rid] -= 1
+            if not rows_in_flight[rid]:
+                del rows_in_flight[rid]
                 if rid in self._free_after:
                     self.cache.free(self._free_after.pop(rid))
-            if not output.samples[s]:
+            if not samples[s]:
                 continue
-            self._tokens_in_flight[rid] -= 1
-            if not self._tokens_in_flight[rid]:
-                del self._tokens_in_flight[rid]
+            tokens_in_flight[rid] -= 1
+            if not tokens_in_flight[rid]:
+                del tokens_in_flight[rid]
                 req.awaiting_token = False
                 del self._sampling_row[rid]
             if req.is_finished:  # the token of a row scheduled before it finished: dropped
                 continue
             assert run, f"row {s} ({rid}) sampled no token"
             new, reason = [], None
-            blocks = len(req.all_token_ids) // self.cfg.block_size
-            for tok in map(int, run):
+            blocks = len(req.all_token_ids) // block_size
+            for tok in run:
                 new.append(tok)
                 req.output_token_ids.append(tok)
                 req.all_token_ids.append(tok)
@@ -411,7 +416,7 @@ class Scheduler:
                     reason = "stop"  # the output is complete: nothing but EOS may follow
                 if reason is not None:  # a stop inside a verified run: the rest is dropped
                     break
-            if len(req.all_token_ids) // self.cfg.block_size > blocks:
+            if len(req.all_token_ids) // block_size > blocks:
                 self.cache.hash_new_blocks(req)
             req.draft_token_ids = []
             if reason is not None:
