@@ -67,3 +67,19 @@ def test_fused_kda_decode_lowers_to_triton_at_kimi_48b_shapes():
     )  # fmt: skip
     text = jax.jit(fused_decode.conv_kda_decode).trace(*args).lower(lowering_platforms=("cuda",))
     assert text.as_text().count("triton") >= 2  # both launches
+
+
+def test_tpu_column_composes_the_two_mosaic_kernels():
+    """The op table's TPU cell (the conv update and KDA decode kernels in turn, in the TPU
+    interpreter) gives the reference's outputs and pools."""
+    from hyjax.ops import REFERENCE, backend_ops
+
+    op = backend_ops("interpret", "cpu").conv_kda_decode
+    assert op is not REFERENCE.conv_kda_decode  # the kernels, not the reference twice
+    rng = np.random.default_rng(7)
+    args = _case(rng, h=2, dk=128, dv=128, kernel=4, dtype=jnp.float32)
+    want = jax.jit(fused_decode.conv_kda_decode_reference)(*args)
+    got = jax.jit(op)(*args)
+    for name, g, w in zip(["outputs", "conv state", "ssm state"], got, want):
+        assert_close(g, w, rtol=1e-4, atol=1e-4, what=name)
+    assert np.isnan(np.asarray(got[2], np.float32)[FUSED_UNTOUCHED]).all()
