@@ -6,6 +6,8 @@
 #   bash benchmarks/xla_flags_ab.sh OUT_DIR TP PROBE_LAYERS "NAME=FLAGS" ... [-- FULL_NAME ...]
 # e.g. bash benchmarks/xla_flags_ab.sh /tmp/ab 2 12 default= \
 #          coll=--xla_gpu_enable_command_buffer=+COLLECTIVES -- coll
+# AB_EXTRA: more serving_throughput flags for every run (e.g. "--profile-steps 8"; with
+# --xla_enable_command_buffers_during_profiling=true in a flag set, the profile keeps the graphs).
 set -u
 out=$1 tp=$2 layers=$3
 shift 3
@@ -22,7 +24,8 @@ run() {  # name layers seconds
     local name=$1 n=$2 s=$3
     XLA_FLAGS="${flags[$name]}" timeout $((s + 15)) python -m benchmarks.serving_throughput \
         --model qwen3-next-80b --layers "$n" --tp "$tp" --concurrency 8 --min-seq-bucket 8 \
-        --max-seconds "$s" --out "$out/ab_${name}_${n}l.json" > "$out/ab_${name}_${n}l.log" 2>&1
+        --max-seconds "$s" ${AB_EXTRA:-} --out "$out/ab_${name}_${n}l.json" \
+        > "$out/ab_${name}_${n}l.log" 2>&1
     echo "$name ${n}l rc=$? $(grep -o '"output_tok_per_s": [0-9.]*' "$out/ab_${name}_${n}l.json" | tail -1)"
 }
 for name in "${order[@]}"; do run "$name" "$layers" 100; done
