@@ -29,13 +29,13 @@ from pallas_kernels.common.delta_rule_gpu import (
     DECODE_BLOCK_V,
     DECODE_NUM_WARPS,
     DecodeSlots,
-    check_key_dim,
     pick_block_v,
 )
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import causal_conv1d_update_reference
 from pallas_kernels.gdn.fused_decode import unpack_conv_channels
-from pallas_kernels.kda.reference import check_kda_args, kda_decode_reference
+from pallas_kernels.kda.gpu import _check as check_kda_gpu_args
+from pallas_kernels.kda.reference import kda_decode_reference
 
 
 def check_conv_kda_decode_args(mixed, conv_weight, conv_state, ssm_state) -> None:
@@ -126,12 +126,11 @@ def conv_kda_decode(
     """The fused GPU decode; see the module docstring. Same results as the reference."""
     check_conv_kda_decode_args(mixed, conv_weight, conv_state, ssm_state)
     q, k, v = _split(mixed, ssm_state)  # shapes, for the checks
-    check_kda_args(q, k, v, g, b, A_log, dt_bias, ssm_state, slots)
+    check_kda_gpu_args(q, k, v, g, b, A_log, dt_bias, ssm_state, slots)  # kda_decode's
     rows = mixed.shape[0]
     if rows != slots.num_rows:
         raise ValueError(f"decode rows {rows} must equal {slots.num_rows=} (one token each)")
     _, h, dv, dk = ssm_state.shape
-    check_key_dim(dk)
     return launch_conv_decode(
         _kernel,
         name="conv_kda_decode_gpu",

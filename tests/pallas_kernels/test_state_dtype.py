@@ -102,52 +102,29 @@ def _decode(op, acts, heads):
     return make
 
 
-def _fused_decode(**kw):
-    """The fused conv1d + GDN decode; its conv state stays f32 (the activations' dtype)."""
+def _fused_decode(op, c: int, gate_shapes, heads: int, **kw):
+    """A fused conv1d + delta-rule decode (``op(mixed, weight, conv, *gates, pool, slots,
+    **kw)``, ``gate_shapes`` its four gate inputs'); its conv state stays f32 (the
+    activations' dtype)."""
 
     def make(rng):
-        c = 2 * HK * DK + HV * DV
         mixed, weight = _normal(rng, (5, c)), _normal(rng, (c, 4), 0.5)
         conv = _normal(rng, (12, 3, c))
-        a, b, A_log, dt_bias = (_normal(rng, s) for s in ((5, HV), (5, HV), (HV,), (HV,)))
+        gates = [_normal(rng, s) for s in gate_shapes]
         slots = _decode_slots()
 
         def run(p):
-            o, _, p = op(mixed, weight, conv, a, b, A_log, dt_bias, p, slots, num_k_heads=HK)
+            o, _, p = op(mixed, weight, conv, *gates, p, slots, **kw)
             return o, p
 
-        return jax.jit(run), _decode_pool(rng, HV)
+        return jax.jit(run), _decode_pool(rng, heads)
 
-    op = (
-        functools.partial(fused_decode.conv_gdn_decode, **kw)
-        if kw
-        else fused_decode.conv_gdn_decode_reference
-    )
     return make
 
 
-def _fused_kda_decode(**kw):
-    """The fused conv1d + KDA decode; its conv state stays f32 (the activations' dtype)."""
-
-    def make(rng):
-        c = H * (2 * DK + DV)
-        mixed, weight = _normal(rng, (5, c)), _normal(rng, (c, 4), 0.5)
-        conv = _normal(rng, (12, 3, c))
-        g, b, A_log, dt_bias = (_normal(rng, s) for s in ((5, H, DK), (5, H), (H,), (H, DK)))
-        slots = _decode_slots()
-
-        def run(p):
-            o, _, p = op(mixed, weight, conv, g, b, A_log, dt_bias, p, slots)
-            return o, p
-
-        return jax.jit(run), _decode_pool(rng, H)
-
-    op = (
-        functools.partial(kda_fused_decode.conv_kda_decode, **kw)
-        if kw
-        else kda_fused_decode.conv_kda_decode_reference
-    )
-    return make
+# GDN: a, b [S, Hv], A_log, dt_bias [Hv]; KDA: g [S, H, Dk], b [S, H], A_log [H], dt_bias [H, Dk]
+GDN_FUSED = (2 * HK * DK + HV * DV, ((5, HV), (5, HV), (HV,), (HV,)), HV)
+KDA_FUSED = (H * (2 * DK + DV), ((5, H, DK), (5, H), (H,), (H, DK)), H)
 
 
 def _one_row_in_steps(op, acts, heads, n=150):
@@ -180,16 +157,22 @@ CASES = {
     "gdn_decode_reference": _decode(gdn_decode_reference, _gdn_acts, HV),
     "gdn_decode_tpu": _decode(functools.partial(gdn_tpu.gdn_decode, **TPU), _gdn_acts, HV),
     "gdn_decode_gpu": _decode(functools.partial(gdn_gpu.gdn_decode, **GPU), _gdn_acts, HV),
-    "conv_gdn_decode_reference": _fused_decode(),
-    "conv_gdn_decode_gpu": _fused_decode(min_rows=0, **GPU),
+    "conv_gdn_decode_reference": _fused_decode(
+        fused_decode.conv_gdn_decode_reference, *GDN_FUSED, num_k_heads=HK
+    ),
+    "conv_gdn_decode_gpu": _fused_decode(
+        fused_decode.conv_gdn_decode, *GDN_FUSED, num_k_heads=HK, min_rows=0, **GPU
+    ),
     "kda_prefill_reference": _prefill(kda_prefill_reference, _kda_acts, H),
     "kda_prefill_tpu": _prefill(functools.partial(kda_tpu.kda_prefill, **TPU), _kda_acts, H),
     "kda_prefill_gpu": _prefill(functools.partial(kda_gpu.kda_prefill, **GPU), _kda_acts, H),
     "kda_decode_reference": _decode(kda_decode_reference, _kda_acts, H),
     "kda_decode_tpu": _decode(functools.partial(kda_tpu.kda_decode, **TPU), _kda_acts, H),
     "kda_decode_gpu": _decode(functools.partial(kda_gpu.kda_decode, **GPU), _kda_acts, H),
-    "conv_kda_decode_reference": _fused_kda_decode(),
-    "conv_kda_decode_gpu": _fused_kda_decode(**GPU),
+    "conv_kda_decode_reference": _fused_decode(
+        kda_fused_decode.conv_kda_decode_reference, *KDA_FUSED
+    ),
+    "conv_kda_decode_gpu": _fused_decode(kda_fused_decode.conv_kda_decode, *KDA_FUSED, **GPU),
 }
 
 
