@@ -5,6 +5,10 @@ Host: ``schedule`` + ``update`` + detokenize/report (``LLMEngine.timing``); devi
 which all requests decode are counted.
 
     python -m benchmarks.host_overhead --out HOST.json
+    python -m benchmarks.host_overhead --tiny --kernel-backend reference --cache-gib 1  # a CPU
+
+``--tiny``: the tiny Qwen3-Next preset of ``benchmarks.full_size`` instead of the bench model
+(the host's work per row is the same; the CPU's device step stays short).
 """
 
 from __future__ import annotations
@@ -28,9 +32,16 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=96)
     p.add_argument("--kernel-backend", default="auto")
+    p.add_argument("--tiny", action="store_true", help="the tiny preset (a CPU host run)")
+    p.add_argument("--cache-gib", type=float, default=16.0, help="KV + state pools")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    cfg = bench_config(args.layers, args.experts)
+    if args.tiny:
+        from benchmarks.full_size import model_config
+
+        cfg = model_config("tiny-qwen3-next")
+    else:
+        cfg = bench_config(args.layers, args.experts)
     model = random_model(cfg)
     n = args.num_requests
     engine = LLMEngine(
@@ -41,15 +52,16 @@ def main() -> None:
             max_model_len=args.prompt_len + args.output_len + 64,
             kernel_backend=args.kernel_backend,
             min_token_bucket=1024,
-            cache_bytes=16 * 2**30,
+            cache_bytes=int(args.cache_gib * 2**30),
             warmup=False,  # compile lazily: only the buckets this workload meets
         ),
         preloaded=(model, cfg),
     )
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.8, top_p=0.95, seed=1)
+    vocab = min(cfg.vocab_size, 150000)
     for _ in range(n):
-        engine.add_request(EngineRequest(rng.integers(0, 150000, args.prompt_len).tolist(), params))
+        engine.add_request(EngineRequest(rng.integers(0, vocab, args.prompt_len).tolist(), params))
     host, device = [], []
     seen_full = 0
     while engine.has_unfinished_requests():
