@@ -217,6 +217,12 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    # The oracle is transformers' own torch code in float64 on the CPU. Where FLA is installed
+    # (the GPU machine's wheels for the kernel benchmarks) and CUDA is present, transformers
+    # routes the delta rule through FLA's Triton kernels instead, which reject CPU tensors
+    # ("Pointer argument ... cannot be accessed from Triton"): hide FLA from this process.
+    if "fla" not in sys.modules:
+        sys.modules["fla"] = None
 
     import jax
 
