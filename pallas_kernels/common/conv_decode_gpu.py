@@ -53,7 +53,7 @@ from pallas_kernels.common.delta_rule_gpu import (
 from pallas_kernels.common.slots import StateSlots
 
 
-def _row_writes(p: DecodeSlots, r, live) -> list[tuple]:
+def row_writes(p: DecodeSlots, r, live) -> list[tuple]:
     """Row ``r``'s ``(slot, enabled)`` writes: ``dst``, then the checkpoints at offset 1."""
     dst = p.dst[r]
     writes = [(dst, live & (dst > 0))]
@@ -63,7 +63,7 @@ def _row_writes(p: DecodeSlots, r, live) -> list[tuple]:
     return writes
 
 
-def _window(conv_in, x_ref, r, src, live, cs: pl.Slice, width: int) -> list[jax.Array]:
+def window_of(conv_in, x_ref, r, src, live, cs: pl.Slice, width: int) -> list[jax.Array]:
     """Row ``r``'s window of channels ``cs``: the K-1 taps of ``conv_in[src]`` (zeros when the
     row starts from zero), then this token's pre-conv channels."""
     read = jnp.full((width,), live & (src > 0))
@@ -73,7 +73,7 @@ def _window(conv_in, x_ref, r, src, live, cs: pl.Slice, width: int) -> list[jax.
     return window
 
 
-def _store_window(conv_out, window: list[jax.Array], writes, cs: pl.Slice, width: int) -> None:
+def shift_window(conv_out, window: list[jax.Array], writes, cs: pl.Slice, width: int) -> None:
     """The window shifted by this token (its last K-1 entries) into every slot of ``writes``."""
     for slot, enabled in writes:
         for j, row in enumerate(window[1:]):
@@ -83,7 +83,7 @@ def _store_window(conv_out, window: list[jax.Array], writes, cs: pl.Slice, width
             )  # fmt: skip
 
 
-def _silu_conv(window: list[jax.Array], w_ref, cs: pl.Slice, width: int) -> jax.Array:
+def silu_conv(window: list[jax.Array], w_ref, cs: pl.Slice, width: int) -> jax.Array:
     acc = jnp.zeros((width,), jnp.float32)
     for j, row in enumerate(window):
         acc += row.astype(jnp.float32) * w_ref[cs, jnp.int32(j)].astype(jnp.float32)
@@ -118,13 +118,13 @@ def conv_decode_program(
     # The tile's load is issued first: the convolutions and the gates run under it.
     s = load_state(ssm_in, src, h, vs, live & (src > 0))  # [BV, Dk]
     qs, ks = pl.ds(g * dk, dk), pl.ds(hk * dk + g * dk, dk)
-    q = l2norm(_silu_conv(_window(conv_in, x_ref, r, src, live, qs, dk), w_ref, qs, dk))
-    k = l2norm(_silu_conv(_window(conv_in, x_ref, r, src, live, ks, dk), w_ref, ks, dk))
+    q = l2norm(silu_conv(window_of(conv_in, x_ref, r, src, live, qs, dk), w_ref, qs, dk))
+    k = l2norm(silu_conv(window_of(conv_in, x_ref, r, src, live, ks, dk), w_ref, ks, dk))
     cv = pl.ds(2 * hk * dk + h * dv + vb * bv, bv)
-    window = _window(conv_in, x_ref, r, src, live, cv, bv)
-    v = _silu_conv(window, w_ref, cv, bv)
-    writes = _row_writes(p, r, live)
-    _store_window(conv_out, window, writes, cv, bv)
+    window = window_of(conv_in, x_ref, r, src, live, cv, bv)
+    v = silu_conv(window, w_ref, cv, bv)
+    writes = row_writes(p, r, live)
+    shift_window(conv_out, window, writes, cv, bv)
     beta, decay = gates(r, h)
     o, s = decode_update(s * decay, q * scale, k, v, beta)
     o_ref[r, h, vs] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
@@ -138,8 +138,8 @@ def _qk_window_kernel(p: DecodeSlots, x_ref, conv_in, conv_out, *, dk: int):
     r, c = pl.program_id(0), pl.program_id(1)
     live = r < p.num_seqs[0]
     cs = pl.ds(c * dk, dk)
-    window = _window(conv_in, x_ref, r, p.src[r], live, cs, dk)
-    _store_window(conv_out, window, _row_writes(p, r, live), cs, dk)
+    window = window_of(conv_in, x_ref, r, p.src[r], live, cs, dk)
+    shift_window(conv_out, window, row_writes(p, r, live), cs, dk)
 
 
 def launch_conv_decode(

@@ -41,7 +41,18 @@ never the pool. So a row that updates its slot in place (``src == dst``) cannot 
 window: the programs of one launch run in no fixed order, and a token program reading
 ``pool[src]`` could otherwise run after the window program that overwrote it.
 
-Any ``C`` (channel tiles are masked), any ``K`` in [2, 9], any dtypes the reference takes.
+Decode update, one launch, grid = (S, C / BC)
+--------------------------------------------
+:func:`causal_conv1d_update` (the signature of ``causal_conv1d_update_reference``): program
+``(r, c)`` reads row ``r``'s window of channels ``[c * BC, (c + 1) * BC)`` from its source
+slot, convolves it with this token, and writes the shifted window to ``dst`` and to the
+checkpoints at offset 1. A channel of a row is read and written by its one program, and no
+row reads a slot another row writes (a shared source is a checkpoint, never a ``dst``), so the
+in-place update (``src == dst``) needs no copy. ``splits`` hands the output channels back as
+several arrays (a layer's q | k | v, each then contiguous for the decode kernel that takes it,
+with no XLA slice copy between the two). ``BC`` is a power of two dividing every split.
+
+Prefill: any ``C`` (channel tiles are masked), any ``K`` in [2, 9], any dtypes the reference takes.
 ``interpret=True`` runs the kernel in Pallas' interpreter on CPU (the tests). Loads that may
 leave the array (a tap above the first token, the last partial tile) index with clamped
 integer arrays, stores with slices: the interpreter clamps a negative slice start (shifting
@@ -57,6 +68,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.common.conv_decode_gpu import row_writes, shift_window, silu_conv, window_of
+from pallas_kernels.common.delta_rule import group_refs
+from pallas_kernels.common.delta_rule_gpu import DecodeSlots
 from pallas_kernels.common.ragged import read_slots
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import check_conv1d_args
@@ -245,3 +259,93 @@ def causal_conv1d_prefill(
         interpret=interpret,
         name="causal_conv1d_prefill_gpu",
     )(*args)
+
+
+# ----------------------------------------------------------------------------- decode update
+
+UPDATE_BLOCK_C = 256
+UPDATE_NUM_WARPS = 2
+
+
+def update_block_c(splits: tuple[int, ...], requested: int = UPDATE_BLOCK_C) -> int | None:
+    """The largest power of two up to ``requested`` dividing every split, at least 8 (a
+    Triton vector), else None: :func:`causal_conv1d_update` cannot take the channels."""
+    b = requested
+    while b >= 8:
+        if all(n % b == 0 for n in splits):
+            return b
+        b //= 2
+    return None
+
+
+def update_unsupported_reason(splits: tuple[int, ...]) -> str | None:
+    """Why the decode update kernel cannot take these channel counts, or None."""
+    if update_block_c(splits) is None:
+        return f"conv channels {splits} have no power-of-two tile of >= 8 dividing them all"
+    return None
+
+
+def _update_kernel(
+    p: DecodeSlots,
+    x_ref,  # [S, C]
+    w_ref,  # [C, K]
+    conv_in,  # [num_slots, K-1, C]
+    *refs,  # the outputs (one per split), then conv_out (aliased to conv_in)
+    bc: int,
+    splits: tuple[int, ...],
+):
+    r, c = pl.program_id(0), pl.program_id(1)
+    *outs, conv_out = refs
+    live = r < p.num_seqs[0]
+    cs = pl.ds(c * bc, bc)
+    window = window_of(conv_in, x_ref, r, p.src[r], live, cs, bc)
+    y = jnp.where(live, silu_conv(window, w_ref, cs, bc), 0.0)
+    shift_window(conv_out, window, row_writes(p, r, live), cs, bc)
+    first = 0
+    for out, n in zip(outs, splits, strict=True):  # the split holding this block
+
+        @pl.when((c * bc >= first) & (c * bc < first + n))
+        def _(out=out, first=first):
+            out[r, pl.ds(c * bc - first, bc)] = y.astype(out.dtype)
+
+        first += n
+
+
+def causal_conv1d_update(
+    x: jax.Array,  # [S, C] one new token per row
+    weight: jax.Array,  # [C, K]
+    conv_state: jax.Array,  # [num_slots, K-1, C]  donated: updated in place
+    slots: StateSlots,  # DESIGN.md §3
+    *,
+    splits: tuple[int, ...] | None = None,
+    block_c: int = UPDATE_BLOCK_C,
+    num_warps: int = UPDATE_NUM_WARPS,
+    interpret: bool = False,
+) -> tuple[jax.Array, ...]:
+    """Decode; see the module docstring. Returns ``(y [S, C], conv_state)``, or with
+    ``splits`` (channel counts summing to ``C``) ``(*ys [S, n], conv_state)``."""
+    check_conv1d_args(x, weight, conv_state, slots)
+    rows, c = x.shape
+    if rows != slots.num_rows:
+        raise ValueError(f"decode rows {rows} must equal {slots.num_rows=} (one token each)")
+    parts = (c,) if splits is None else tuple(splits)
+    if sum(parts) != c:
+        raise ValueError(f"splits {parts} must sum to the {c} channels")
+    bc = update_block_c(parts, block_c)
+    if bc is None:
+        raise ValueError(update_unsupported_reason(parts))
+    args = (*slots.arrays(), x, weight, conv_state)
+    return tuple(
+        pl.pallas_call(
+            group_refs(functools.partial(_update_kernel, bc=bc, splits=parts), DecodeSlots),
+            grid=(rows, c // bc),
+            out_shape=[
+                *(jax.ShapeDtypeStruct((rows, n), x.dtype) for n in parts),
+                jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+            ],
+            input_output_aliases={len(args) - 1: len(parts)},
+            compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
+            interpret=interpret,
+            name="causal_conv1d_update_gpu",
+        )(*args)
+    )

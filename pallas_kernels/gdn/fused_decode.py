@@ -31,6 +31,7 @@ from pallas_kernels.common.delta_rule_gpu import (
     pick_block_v,
 )
 from pallas_kernels.common.slots import StateSlots
+from pallas_kernels.conv1d import gpu as conv1d_gpu
 from pallas_kernels.conv1d.reference import causal_conv1d_update_reference
 from pallas_kernels.gdn.gpu import _gates, gate_params, gdn_decode
 from pallas_kernels.gdn.reference import check_gdn_args, gdn_decode_reference
@@ -71,8 +72,35 @@ def check_conv_gdn_decode_args(mixed, conv_weight, conv_state, ssm_state, num_k_
         raise ValueError(f"conv_state {conv_state.shape} must be [num_slots, {km1}, {c}]")
 
 
-def composed_conv_gdn_decode(conv1d_update: Callable, gdn_decode: Callable) -> Callable:
-    """The fused op's signature over two separate ops (conv update, then the delta rule)."""
+def conv_qkv(
+    conv1d_update: Callable,
+    mixed: jax.Array,
+    conv_weight: jax.Array,
+    conv_state: jax.Array,
+    slots: StateSlots,
+    qk_heads: tuple[int, int],  # (Hk, Dk)
+    v_heads: tuple[int, int],  # (Hv, Dv)
+    split_outputs: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The conv update's ``(q, k, v, conv_state)``. With ``split_outputs`` the update hands
+    the three back apart (``splits=``: :func:`pallas_kernels.conv1d.gpu.causal_conv1d_update`),
+    each contiguous, so no slice is copied before the decode kernel takes them."""
+    (hk, dk), (hv, dv) = qk_heads, v_heads
+    if not split_outputs:
+        y, conv_state = conv1d_update(mixed, conv_weight, conv_state, slots)
+        return (*unpack_conv_channels(y, qk_heads, v_heads, 1), conv_state)
+    n = mixed.shape[0]
+    q, k, v, conv_state = conv1d_update(
+        mixed, conv_weight, conv_state, slots, splits=(hk * dk, hk * dk, hv * dv)
+    )
+    return q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv), conv_state
+
+
+def composed_conv_gdn_decode(
+    conv1d_update: Callable, gdn_decode: Callable, *, split_outputs: bool = False
+) -> Callable:
+    """The fused op's signature over two separate ops (conv update, then the delta rule);
+    ``split_outputs``: see :func:`conv_qkv`."""
 
     def op(
         mixed: jax.Array,  # [S, C] pre-conv q | k | v channels, one token per row
@@ -88,9 +116,11 @@ def composed_conv_gdn_decode(conv1d_update: Callable, gdn_decode: Callable) -> C
         num_k_heads: int,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         check_conv_gdn_decode_args(mixed, conv_weight, conv_state, ssm_state, num_k_heads)
-        y, conv_state = conv1d_update(mixed, conv_weight, conv_state, slots)
         _, hv, dv, dk = ssm_state.shape
-        q, k, v = unpack_conv_channels(y, (num_k_heads, dk), (hv, dv), 1)
+        q, k, v, conv_state = conv_qkv(
+            conv1d_update, mixed, conv_weight, conv_state, slots, (num_k_heads, dk), (hv, dv),
+            split_outputs,
+        )  # fmt: skip
         o, ssm_state = gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, slots)
         return o, conv_state, ssm_state
 
@@ -101,6 +131,18 @@ def composed_conv_gdn_decode(conv1d_update: Callable, gdn_decode: Callable) -> C
 conv_gdn_decode_reference = composed_conv_gdn_decode(
     causal_conv1d_update_reference, gdn_decode_reference
 )
+
+
+def two_kernel_conv_gdn_decode(*args, interpret: bool = False, **kwargs):
+    """The Pallas conv update (q, k, v handed back apart), then ``gdn_decode``: the fused
+    op's signature in two kernels, against :func:`conv_gdn_decode`'s two launches (its second
+    a small q / k window shift) in ``benchmarks.decode_variants``."""
+    op = composed_conv_gdn_decode(
+        functools.partial(conv1d_gpu.causal_conv1d_update, interpret=interpret),
+        functools.partial(gdn_decode, interpret=interpret),
+        split_outputs=True,
+    )
+    return op(*args, **kwargs)
 
 
 def _kernel(

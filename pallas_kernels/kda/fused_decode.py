@@ -18,6 +18,7 @@ conv, a scatter back) before the ``kda_decode`` kernel.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -32,8 +33,10 @@ from pallas_kernels.common.delta_rule_gpu import (
     pick_block_v,
 )
 from pallas_kernels.common.slots import StateSlots
+from pallas_kernels.conv1d import gpu as conv1d_gpu
 from pallas_kernels.conv1d.reference import causal_conv1d_update_reference
-from pallas_kernels.gdn.fused_decode import unpack_conv_channels
+from pallas_kernels.gdn.fused_decode import conv_qkv, unpack_conv_channels
+from pallas_kernels.kda import gpu as kda_gpu
 from pallas_kernels.kda.gpu import _check as check_kda_gpu_args
 from pallas_kernels.kda.reference import kda_decode_reference
 
@@ -53,13 +56,11 @@ def check_conv_kda_decode_args(mixed, conv_weight, conv_state, ssm_state) -> Non
         raise ValueError(f"conv_state {conv_state.shape} must be [num_slots, {km1}, {c}]")
 
 
-def _split(mixed: jax.Array, ssm_state: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    _, h, dv, dk = ssm_state.shape
-    return unpack_conv_channels(mixed, (h, dk), (h, dv), 1)
-
-
-def composed_conv_kda_decode(conv1d_update: Callable, kda_decode: Callable) -> Callable:
-    """The fused op's signature over two separate ops (conv update, then KDA)."""
+def composed_conv_kda_decode(
+    conv1d_update: Callable, kda_decode: Callable, *, split_outputs: bool = False
+) -> Callable:
+    """The fused op's signature over two separate ops (conv update, then KDA);
+    ``split_outputs``: see :func:`pallas_kernels.gdn.fused_decode.conv_qkv`."""
 
     def op(
         mixed: jax.Array,  # [S, C] pre-conv q | k | v channels, one token per row
@@ -73,8 +74,10 @@ def composed_conv_kda_decode(conv1d_update: Callable, kda_decode: Callable) -> C
         slots: StateSlots,  # DESIGN.md §3
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         check_conv_kda_decode_args(mixed, conv_weight, conv_state, ssm_state)
-        y, conv_state = conv1d_update(mixed, conv_weight, conv_state, slots)
-        q, k, v = _split(y, ssm_state)
+        _, h, dv, dk = ssm_state.shape
+        q, k, v, conv_state = conv_qkv(
+            conv1d_update, mixed, conv_weight, conv_state, slots, (h, dk), (h, dv), split_outputs
+        )
         o, ssm_state = kda_decode(q, k, v, g, b, A_log, dt_bias, ssm_state, slots)
         return o, conv_state, ssm_state
 
@@ -85,6 +88,17 @@ def composed_conv_kda_decode(conv1d_update: Callable, kda_decode: Callable) -> C
 conv_kda_decode_reference = composed_conv_kda_decode(
     causal_conv1d_update_reference, kda_decode_reference
 )
+
+
+def two_kernel_conv_kda_decode(*args, interpret: bool = False):
+    """The Pallas conv update (q, k, v handed back apart), then ``kda_decode``: as
+    :func:`pallas_kernels.gdn.fused_decode.two_kernel_conv_gdn_decode`, for KDA."""
+    op = composed_conv_kda_decode(
+        functools.partial(conv1d_gpu.causal_conv1d_update, interpret=interpret),
+        functools.partial(kda_gpu.kda_decode, interpret=interpret),
+        split_outputs=True,
+    )
+    return op(*args)
 
 
 def _kernel(
@@ -125,12 +139,12 @@ def conv_kda_decode(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The fused GPU decode; see the module docstring. Same results as the reference."""
     check_conv_kda_decode_args(mixed, conv_weight, conv_state, ssm_state)
-    q, k, v = _split(mixed, ssm_state)  # shapes, for the checks
+    _, h, dv, dk = ssm_state.shape
+    q, k, v = unpack_conv_channels(mixed, (h, dk), (h, dv), 1)  # shapes, for the checks
     check_kda_gpu_args(q, k, v, g, b, A_log, dt_bias, ssm_state, slots)  # kda_decode's
     rows = mixed.shape[0]
     if rows != slots.num_rows:
         raise ValueError(f"decode rows {rows} must equal {slots.num_rows=} (one token each)")
-    _, h, dv, dk = ssm_state.shape
     return launch_conv_decode(
         _kernel,
         name="conv_kda_decode_gpu",

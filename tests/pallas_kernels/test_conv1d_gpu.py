@@ -1,5 +1,6 @@
-"""The Triton-lowered causal conv1d prefill kernel vs the pure-JAX reference, in Pallas'
-interpret mode on CPU (no GPU needed). Timing it is ``benchmarks/conv1d_kernels.py`` on a GPU.
+"""The Triton-lowered causal conv1d kernels (prefill, decode update) vs the pure-JAX reference,
+in Pallas' interpret mode on CPU (no GPU needed). Timing them: ``benchmarks/conv1d_kernels.py``
+(prefill) and ``benchmarks/decode_variants.py`` (the update before a decode kernel), on a GPU.
 
 The conv windows written to the pool are copies of inputs, so the pool must come back
 bit-identical to the reference's (NaN-poisoned slots nobody reads or writes included); the
@@ -12,11 +13,16 @@ import numpy as np
 import pytest
 
 from pallas_kernels.conv1d import gpu
-from pallas_kernels.conv1d.reference import causal_conv1d_prefill_reference
+from pallas_kernels.conv1d.reference import (
+    causal_conv1d_prefill_reference,
+    causal_conv1d_update_reference,
+)
 from tests.pallas_kernels.ragged_cases import (
+    FUSED_UNTOUCHED,
     abstract_slots,
     assert_close,
     assert_rel_close,
+    fused_decode_case,
     ragged_case,
     state_slots,
     zero_slots,
@@ -177,3 +183,56 @@ def test_padding_rows_with_tokens_give_zeros():
     w = jnp.asarray(rng.normal(size=(c, kw)), jnp.float32)
     got, want = _run_both(x, w, pool, qsl, state_slots(one, one, none, none, 1), block_t=16)
     _check(got, want, jnp.float32)
+
+
+# ----------------------------------------------------------------------------- decode update
+
+
+@pytest.mark.parametrize(
+    "c,kw,dtype,block_c,splits",
+    [(64, 4, jnp.float32, 16, None), (96, 4, jnp.bfloat16, 256, (16, 16, 64)),
+     (48, 3, jnp.float32, 256, (16, 16, 16)), (40, 2, jnp.float32, 8, (8, 8, 24))],
+    ids=["one_output_4_tiles", "qkv_bf16_tile32", "k3_qkv", "k2_tile8"],
+)  # fmt: skip
+def test_update_matches_reference(c, kw, dtype, block_c, splits):
+    """Rows in place with checkpoints, read-only, from zero, sharing a source slot, padding
+    (``fused_decode_case``): the pool bit-identical to the reference's (its poisoned slots
+    untouched), the outputs the same f32 sums."""
+    rng = np.random.default_rng(c + kw)
+    conv, _, slots = fused_decode_case(rng, c, kw, (1,), dtype)
+    x = jnp.asarray(rng.normal(size=(slots.num_rows, c)), dtype)
+    w = jnp.asarray(rng.normal(size=(c, kw)) * 0.5, dtype)
+    want = jax.jit(causal_conv1d_update_reference)(x, w, conv, slots)
+    got = jax.jit(
+        lambda *a: gpu.causal_conv1d_update(*a, splits=splits, block_c=block_c, interpret=True)
+    )(x, w, conv, slots)
+    assert len(got) == (2 if splits is None else len(splits) + 1)
+    ys, pool = got[:-1], got[-1]
+    assert [y.shape[1] for y in ys] == list(splits or (c,))
+    _check((jnp.concatenate(ys, axis=1), pool), want, dtype)
+    assert np.isnan(np.asarray(pool, np.float32)[FUSED_UNTOUCHED]).all()
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [({"splits": (8, 8)}, r"splits \(8, 8\) must sum to the 24 channels"),
+     ({"x": jnp.zeros((3, 24))}, r"decode rows 3 must equal"),
+     ({"x": jnp.zeros((2, 12)), "weight": jnp.zeros((12, 4)),
+       "conv_state": jnp.zeros((4, 3, 12))}, r"no power-of-two tile of >= 8")],
+    ids=["splits_sum", "rows", "channels_12"],
+)  # fmt: skip
+def test_update_rejects_bad_shapes(bad, match):
+    z = jnp.zeros
+    kw = dict(x=z((2, 24)), weight=z((24, 4)), conv_state=z((4, 3, 24)), slots=zero_slots(2, 1))
+    with pytest.raises(ValueError, match=match):
+        gpu.causal_conv1d_update(**{**kw, **bad}, interpret=True)
+
+
+def test_update_lowers_to_triton_at_80b_shapes():
+    """Qwen3-Next-80B's GDN conv at decode, handed back as q | k | v."""
+    c, kw, rows = 8192, 4, 8
+    sd = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    fn = jax.jit(lambda *a: gpu.causal_conv1d_update(*a, splits=(2048, 2048, 4096)))
+    args = [sd((rows, c), bf), sd((c, kw), bf), sd((20, kw - 1, c), bf), abstract_slots(rows, 2)]
+    assert "triton" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -1,5 +1,7 @@
 """Fused conv1d + gated-delta-rule decode (GPU kernel, Pallas interpret mode) vs the reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,22 +28,28 @@ def _case(rng, *, hk, hv, dk, dv, kernel, dtype):
     return mixed, weight, conv, a, b, A_log, dt_bias, ssm, slots
 
 
-@pytest.mark.parametrize("min_rows", [0, 8], ids=["fused", "small_batch_unfused"])
+@pytest.mark.parametrize(
+    "variant", [0, 8, "two_kernels"], ids=["fused", "small_batch_unfused", "two_kernels"]
+)
 @pytest.mark.parametrize(
     "hk,hv,dk,dv,kernel,bv,dtype",
     [(2, 4, 16, 16, 4, 8, jnp.float32), (1, 3, 16, 8, 3, None, jnp.float32),
      (2, 4, 16, 16, 4, 16, jnp.bfloat16)],
     ids=["gva2_bv8_f32", "gva3_k3_f32", "gva2_bf16"],
 )  # fmt: skip
-def test_fused_decode_matches_reference(hk, hv, dk, dv, kernel, bv, dtype, min_rows):
+def test_fused_decode_matches_reference(hk, hv, dk, dv, kernel, bv, dtype, variant):
+    """``variant``: the fused kernel's ``min_rows`` (8: its unfused small-batch path), or the
+    Pallas conv update handing q, k, v to ``gdn_decode`` (``two_kernel_conv_gdn_decode``)."""
     rng = np.random.default_rng(hk * 100 + hv + kernel)
     args = _case(rng, hk=hk, hv=hv, dk=dk, dv=dv, kernel=kernel, dtype=dtype)
     ref = jax.jit(lambda *x: fused_decode.conv_gdn_decode_reference(*x, num_k_heads=hk))
-    got_fn = jax.jit(
-        lambda *x: fused_decode.conv_gdn_decode(
-            *x, num_k_heads=hk, block_v=bv, min_rows=min_rows, interpret=True
+    if variant == "two_kernels":
+        fn = functools.partial(fused_decode.two_kernel_conv_gdn_decode, interpret=True)
+    else:
+        fn = functools.partial(
+            fused_decode.conv_gdn_decode, block_v=bv, min_rows=variant, interpret=True
         )
-    )
+    got_fn = jax.jit(lambda *x: fn(*x, num_k_heads=hk))
     want = ref(*args)
     got = got_fn(*args)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2

@@ -1,5 +1,7 @@
 """Fused conv1d + KDA decode (GPU kernel, Pallas interpret mode) vs the reference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,11 +35,17 @@ def _case(rng, *, h, dk, dv, kernel, dtype):
      (2, 16, 16, 4, 16, jnp.bfloat16)],
     ids=["bv8_f32", "k3_f32", "bf16"],
 )  # fmt: skip
-def test_fused_kda_decode_matches_reference(h, dk, dv, kernel, bv, dtype):
+@pytest.mark.parametrize("two_kernels", [False, True], ids=["fused", "two_kernels"])
+def test_fused_kda_decode_matches_reference(h, dk, dv, kernel, bv, dtype, two_kernels):
+    """The fused kernel, and the Pallas conv update handing q, k, v to ``kda_decode``."""
     rng = np.random.default_rng(h * 100 + dv + kernel)
     args = _case(rng, h=h, dk=dk, dv=dv, kernel=kernel, dtype=dtype)
     want = jax.jit(fused_decode.conv_kda_decode_reference)(*args)
-    got = jax.jit(lambda *x: fused_decode.conv_kda_decode(*x, block_v=bv, interpret=True))(*args)
+    if two_kernels:
+        fn = functools.partial(fused_decode.two_kernel_conv_kda_decode, interpret=True)
+    else:
+        fn = functools.partial(fused_decode.conv_kda_decode, block_v=bv, interpret=True)
+    got = jax.jit(fn)(*args)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     for name, g, w in zip(["outputs", "conv state", "ssm state"], got, want):
         assert_close(g, w, rtol=tol, atol=tol, what=name)
