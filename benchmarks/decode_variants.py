@@ -9,8 +9,9 @@ script times, in one process and one chain discipline, at B = 64 and B = 256:
   chain into one pass; ``copy_B1`` (one row) estimates the fixed cost of a call in the chain;
 * the engine's kernels: ``gdn_decode``, ``conv_gdn_decode`` (what the engine calls: its bytes
   include the conv windows), ``conv_then_gdn_decode`` (XLA's conv update, then
-  ``gdn_decode``: the unfused alternative), ``kda_decode`` and its two conv pairings
-  (``conv_kda_decode``, ``conv_then_kda_decode``), at their defaults. Since the
+  ``gdn_decode``: the unfused alternative), ``conv_pallas_then_gdn_decode`` (the Pallas
+  conv update handing q, k, v apart to ``gdn_decode``: two kernels), ``kda_decode`` and its
+  three conv pairings, at their defaults. Since the
   run recorded in BENCHMARKS.md the engine's pool is stored ``[V, K]`` and ``gdn_decode`` /
   ``kda_decode`` are that run's winner (``vk``, 16 rows, one warp): a rerun times them in the
   new layout;
@@ -314,24 +315,30 @@ class Runner:
             mixed = jax.random.normal(ks[0], (rows, c), jnp.bfloat16)
             weight = 0.5 * jax.random.normal(ks[1], (c, sh.conv_k), jnp.bfloat16)
             conv = jax.random.normal(ks[2], (rows + 1, sh.conv_k - 1, c), jnp.bfloat16)
-            # The fused kernel, or (``conv_then_*``) XLA's conv update then the GPU decode
-            # kernel: two passes, the decode on its own many-program grid.
+            # The fused kernel; (``conv_then_*``) XLA's conv update then the GPU decode
+            # kernel: two passes, the decode on its own many-program grid; or
+            # (``conv_pallas_then_*``) the Pallas conv update handing q, k, v apart to it.
             interp = {"interpret": self.interpret}
-            fused_op, composed, decode = {
-                "gdn": (functools.partial(fused_decode.conv_gdn_decode, num_k_heads=sh.hk),
-                        fused_decode.composed_conv_gdn_decode, gpu.gdn_decode),
+            fused_op, composed, decode, two_kernels = {
+                "gdn": (fused_decode.conv_gdn_decode, fused_decode.composed_conv_gdn_decode,
+                        gpu.gdn_decode, fused_decode.two_kernel_conv_gdn_decode),
                 "kda": (kda_fused_decode.conv_kda_decode, kda_fused_decode.composed_conv_kda_decode,
-                        kda_gpu.kda_decode),
+                        kda_gpu.kda_decode, kda_fused_decode.two_kernel_conv_kda_decode),
             }[fam]  # fmt: skip
             gates = acts[3:]  # GDN: a, b, A_log, dt_bias; KDA: g, b, A_log, dt_bias
-            op = (
-                functools.partial(fused_op, **interp)
-                if not name.startswith("conv_then_")
-                else composed(causal_conv1d_update_reference, functools.partial(decode, **interp))
-            )
-            if fam == "gdn" and name.startswith("conv_then_"):
+            if name.startswith("conv_then_"):
+                op = composed(causal_conv1d_update_reference, functools.partial(decode, **interp))
+            elif name.startswith("conv_pallas_then_"):
+                op = functools.partial(two_kernels, **interp)
+            else:
+                op = functools.partial(fused_op, **interp)
+            ref = {"gdn": fused_decode.conv_gdn_decode_reference,
+                   "kda": kda_fused_decode.conv_kda_decode_reference}[fam]  # fmt: skip
+            if fam == "gdn":
                 op = functools.partial(op, num_k_heads=sh.hk)
+                ref = functools.partial(ref, num_k_heads=sh.hk)
             fused = jax.jit(op)
+            checked = self.check_conv(fused, ref, (mixed, weight, conv, *gates, st, slots))
 
             def step(state, mixed, weight, gates):
                 conv, ssm = state
@@ -340,10 +347,37 @@ class Runner:
 
             conv_mb = 2 * conv[1:].nbytes / 1e6  # read + written too, not in state_GBps
             t = self.time(step, (conv, st), (mixed, weight, gates))  # donates conv, st
-            return {**self.timed(rows, t, copy_s), "conv_bytes_MB": conv_mb}
+            return {**self.timed(rows, t, copy_s), "conv_bytes_MB": conv_mb, "check": checked}
         fn = {"gdn_decode": gpu.gdn_decode, "kda_decode": kda_gpu.kda_decode}[name]
         fn = functools.partial(fn, interpret=self.interpret)
         return self.timed(rows, self.time(_swap(fn), st, (acts, slots)), copy_s)
+
+    @staticmethod
+    def check_conv(op, ref, args) -> dict:
+        """A conv + decode op against the composed references on the timing inputs (before
+        the timed chain donates them): the same error ratios as :meth:`check`, and the conv
+        pool, whose windows are copies of inputs, bit for bit."""
+
+        @jax.jit
+        def errors(args):
+            with jax.default_matmul_precision("highest"):
+                want = ref(*args)
+            got = op(*args)
+            return {
+                "output_err_ratio": _err_ratio(got[0], want[0]),
+                "conv_pool_equal": (got[1] == want[1]).all(),
+                "state_err_ratio": _err_ratio(got[2], want[2]),
+            }
+
+        out = {k: v.item() for k, v in errors(args).items()}
+        # The fused kernels feed the conv's f32 outputs to the delta rule; the reference (and
+        # the two-kernel pairs) round them to bf16 first: one bf16 step (~2e-3) in the state
+        # and the outputs (CPU interpreter: 1.8e-3 / 3.0e-3 fused, 1e-8 / 0 two kernels).
+        out["ok"] = bool(
+            out["conv_pool_equal"] and out["output_err_ratio"] < 5e-3
+            and out["state_err_ratio"] < 5e-3
+        )  # fmt: skip
+        return out
 
     def check(self, group: str, tiling: DecodeTiling, rows: int) -> dict:
         """The variant vs the reference on the device, at ``rows`` rows (``check_slots``)."""
@@ -362,14 +396,9 @@ class Runner:
             got_o, got_s = kernel(*acts, to_layout(st, tiling.layout), slots)
             got_s = to_layout(got_s, tiling.layout)
 
-            def ratio(got, want):  # FLA's rms(got - want) / rms(want)
-                got, want = got.astype(jnp.float32), want.astype(jnp.float32)
-                rms = lambda x: jnp.sqrt(jnp.mean(x * x))  # noqa: E731
-                return rms(got - want) / jnp.maximum(rms(want), 1e-30)
-
             return {
-                "output_err_ratio": ratio(got_o, want_o),
-                "state_err_ratio": ratio(got_s[1:], want_s[1:]),
+                "output_err_ratio": _err_ratio(got_o, want_o),
+                "state_err_ratio": _err_ratio(got_s[1:], want_s[1:]),
                 "slot0_untouched": jnp.isnan(got_s[0]).all(),
                 "output_finite": jnp.isfinite(got_o.astype(jnp.float32)).all(),
             }
@@ -394,6 +423,13 @@ class Runner:
         st = to_layout(pool(self.sh, rows + 1, jax.random.PRNGKey(2)), tiling.layout)
         fn = functools.partial(VARIANT_FNS[fam], tiling=tiling, interpret=self.interpret)
         return self.timed(rows, self.time(_swap(fn), st, (acts, running_slots(rows))), copy_s)
+
+
+def _err_ratio(got: jax.Array, want: jax.Array) -> jax.Array:
+    """FLA's ``rms(got - want) / rms(want)``."""
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    rms = lambda x: jnp.sqrt(jnp.mean(x * x))  # noqa: E731
+    return rms(got - want) / jnp.maximum(rms(want), 1e-30)
 
 
 def lower_all(sweep: dict[str, list[DecodeTiling]], rows: int = 64) -> dict:
@@ -464,8 +500,9 @@ def run_batch(run: Runner, sweep, rows: int, ranked_at: int | None, checked: dic
     each group's control and its ``--top`` fastest at that batch only; a tiling is checked
     once (``checked``: its verdict) and timed only if it passed."""
     copy_s = run.record(f"copy_B{rows}", lambda: run.copy(rows)).get("us", 0) * 1e-6
-    for name in ("gdn_decode", "conv_gdn_decode", "conv_then_gdn_decode", "kda_decode",
-                 "conv_kda_decode", "conv_then_kda_decode"):  # fmt: skip
+    for name in ("gdn_decode", "conv_gdn_decode", "conv_then_gdn_decode",
+                 "conv_pallas_then_gdn_decode", "kda_decode", "conv_kda_decode",
+                 "conv_then_kda_decode", "conv_pallas_then_kda_decode"):  # fmt: skip
         run.record(f"{name}_B{rows}", lambda name=name: run.baseline(name, rows, copy_s))
     for group, tilings in sweep.items():
         if ranked_at is not None:
