@@ -144,6 +144,7 @@ def engine_args(args, concurrency: int, max_model_len: int, **overrides) -> Engi
         cache_bytes=int(args.cache_gib * 2**30) if args.cache_gib else None,
         async_scheduling=args.async_scheduling,
         scan_layers=args.scan_layers,
+        branch_free_step=args.branch_free_step,
         tensor_parallel_size=args.tp,
         enable_expert_parallel=args.expert_parallel,
         compilation_cache_dir=args.compilation_cache_dir,
@@ -166,6 +167,7 @@ def run_one(model, cfg, args, concurrency: int, deadline: float) -> dict:
     engine = LLMEngine(engine_args(args, concurrency, max_len), preloaded=(model, cfg))
     res = {"concurrency": concurrency, "engine_start_s": round(time.perf_counter() - t0, 2)}
     res["async_scheduling"] = engine.async_scheduling
+    res["branch_free_step"] = engine.runner.branch_free
     res["kv_blocks_per_device"] = engine.runner.memory.num_kv_blocks
     res["state_slots_per_device"] = engine.runner.memory.num_state_slots
     vocab = min(cfg.vocab_size, 150000)
@@ -237,6 +239,11 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         "tail pads)",
     )  # fmt: skip
     p.add_argument("--compilation-cache-dir", default=None)
+    p.add_argument(
+        "--branch-free-step", action="store_true",
+        help="the engine's --branch-free-step (with XLA_FLAGS=--xla_gpu_enable_command_buffer="
+        "+COLLECTIVES under TP: one CUDA graph a step)",
+    )  # fmt: skip
     p.add_argument(
         "--max-seconds", type=float, default=510.0, help="stop cleanly, JSON written, after this"
     )

@@ -164,6 +164,13 @@ class EngineArgs:
         "tokens each) run in verify-shaped buckets through the k-token decode kernels; "
         "--no-verify-buckets runs them in the prefill-shaped buckets (fewer compiles)",
     )
+    branch_free_step: bool = _flag(
+        False,
+        "compute the step's sampler and log-prob branches on every step and select, instead "
+        "of lax.cond: the step holds no conditional, so XLA:GPU may keep NCCL collectives in "
+        "its CUDA graphs (XLA_FLAGS=--xla_gpu_enable_command_buffer=+COLLECTIVES; NCCL cannot "
+        "instantiate a graph holding conditional nodes); costs the branches' work every step",
+    )
     scan_layers: bool = _flag(
         False,
         "run the repeating layer group as one lax.scan (parameters and pools stacked per group "

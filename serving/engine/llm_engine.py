@@ -229,6 +229,7 @@ class LLMEngine:
             scan_layers=args.scan_layers,
             num_mtp_drafts=num_spec if mtp else 0,
             executable_dir=_executable_dir(args.compilation_cache_dir),
+            branch_free_step=args.branch_free_step,
         )
         cache_cfg = CacheConfig(
             self.runner.memory.num_kv_blocks, self.runner.memory.num_state_slots

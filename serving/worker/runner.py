@@ -33,6 +33,7 @@ from hyjax.sharding import ShardingPlan, replicate_tree
 from serving.core.config import SchedulerConfig
 from serving.core.memory_planner import MemoryPlan
 from serving.core.plan import PlanLayout, SamplingArrays, StepPlan, StepShape, mask_words
+from serving.worker import branches
 from serving.worker.executables import (
     StepExecutables,
     describe_args,
@@ -93,7 +94,13 @@ def _unpack(buf: jax.Array, layout: PlanLayout) -> dict[str, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6, 7))
-def _step(
+def _step(static: _Static, ops: Ops, decode_only: bool, max_row_tokens: int, *args):
+    """:func:`_step_body`, jitted, its branches as ``static`` says (``branches.selecting``)."""
+    with branches.selecting(static.value[4]):
+        return _step_body(static, ops, decode_only, max_row_tokens, *args)
+
+
+def _step_body(
     static: _Static,
     ops: Ops,
     decode_only: bool,
@@ -119,7 +126,7 @@ def _step(
 
     With the MTP drafter (``static``'s ``num_mtp_drafts`` = K > 0) the step then drafts each
     row's next K tokens on device (:func:`_mtp_drafts`), returned as a fifth output."""
-    graphdef, treedef, layout, num_mtp_drafts = static.value
+    graphdef, treedef, layout, num_mtp_drafts, _ = static.value
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
     arrays = _unpack(buf, layout)
     (r,) = prev.shape
@@ -144,7 +151,7 @@ def _step(
         logits = ops.gather_logits(logits)
     sampling = SamplingArrays.from_arrays(arrays)
     # The token tables see this step's inputs before its rows sample (sampler.TokenTables).
-    tables = jax.lax.cond(
+    tables = branches.cond(  # count_inputs() writes nothing for rows without tables
         jnp.any(sampling.uses_tables > 0),
         lambda: count_inputs(
             tables,
@@ -155,6 +162,7 @@ def _step(
             arrays["num_seqs"],
         ),
         lambda: tables,
+        masked=True,
     )
     tables = ops.whole_tables(tables)  # out as they came in (donated; no second compile)
     positions = arrays["seq_lens"]  # of the tokens sampled
@@ -190,7 +198,7 @@ def _step(
     k = min(MAX_LOGPROBS, logits.shape[-1])
     s = tokens.shape[0]
     none = (jnp.zeros(s, jnp.float32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32))
-    logprobs = jax.lax.cond(
+    logprobs = branches.cond(
         jnp.any(sampling.logprobs >= 0),
         lambda: token_logprobs(ops.gather_logits(logits), tokens),
         lambda: none,
@@ -207,7 +215,7 @@ def _step(
                 rows = ops.head_logits(model.head(h[arrays["prompt_lp_indices"]]))  # f32[P, V]
             return prompt_token_logprobs(ops.gather_logits(rows), jnp.maximum(targets, 0))
 
-        prompt = jax.lax.cond(jnp.any(targets >= 0), score, lambda: none)
+        prompt = branches.cond(jnp.any(targets >= 0), score, lambda: none)
     else:
         prompt = ()
     assert s <= r, f"{s=} rows exceed the splice's {r=}"
@@ -326,6 +334,9 @@ class ModelRunner:
         (``model.mtp``; their KV pools are allocated here, beside the target's, with as many
         blocks) and returns them (``StepResult.draft_tokens``). ``memory`` must have been
         sized with them (``size_pools(mtp_layers=)``).
+      branch_free_step: the step's sampler and log-prob branches computed on every step and
+        selected instead of ``lax.cond`` (:mod:`serving.worker.branches`): no conditional in
+        the compiled step, so XLA:GPU may keep NCCL collectives inside its CUDA graphs.
     """
 
     def __init__(
@@ -342,9 +353,11 @@ class ModelRunner:
         scan_layers: bool = False,
         num_mtp_drafts: int = 0,
         executable_dir: str | None = None,
+        branch_free_step: bool = False,
     ):
         self.cfg = cfg
         self.num_mtp_drafts = num_mtp_drafts
+        self.branch_free = branch_free_step
         if num_mtp_drafts:
             check_mtp_drafter(model, cfg, sharding)
         self.sched_cfg = sched_cfg
@@ -430,7 +443,7 @@ class ModelRunner:
         fingerprint = repr((
             source_fingerprint(), environment_fingerprint(), repr(cfg), str(self.dtype),
             kernel_backend, _describe_ops(self.ops), allow_tf32, str(self.state_dtype),
-            self.scan_layers, num_mtp_drafts, describe_args(fixed),
+            self.scan_layers, num_mtp_drafts, branch_free_step, describe_args(fixed),
         ))  # fmt: skip
         self.executables = StepExecutables(fingerprint, executable_dir)
         self._bucket_keys: dict[StepShape, str] = {}
@@ -582,7 +595,7 @@ class ModelRunner:
         static = self._static.get(layout)
         if static is None:  # one per bucket
             static = self._static[layout] = _Static(
-                (self.graphdef, self._treedef, layout, self.num_mtp_drafts)
+                (self.graphdef, self._treedef, layout, self.num_mtp_drafts, self.branch_free)
             )
         if prev is not None:
             tokens = prev.tokens

@@ -25,6 +25,7 @@ import numpy as np
 
 from serving.core.plan import SamplingArrays, TableInit
 from serving.core.request import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS
+from serving.worker import branches
 
 # A pytree, so that a jitted function takes the rows' parameters whole.
 jax.tree_util.register_dataclass(SamplingArrays)
@@ -160,7 +161,8 @@ def process_logits(
         x = _ban_bad_word_ends(x, tables, row, positions - sampling.prompt_len)
         return jnp.where(on, x, logits)
 
-    return jax.lax.cond(jnp.any(sampling.uses_tables > 0), apply, lambda: logits)
+    # apply() leaves the rows without tables as they are
+    return branches.cond(jnp.any(sampling.uses_tables > 0), apply, lambda: logits, masked=True)
 
 
 def apply_token_mask(
@@ -181,7 +183,7 @@ def apply_token_mask(
         on = (uses_grammar > 0)[:, None]
         return jnp.where(on & ~allowed, -jnp.inf, logits)
 
-    return jax.lax.cond(jnp.any(uses_grammar > 0), apply, lambda: logits)
+    return branches.cond(jnp.any(uses_grammar > 0), apply, lambda: logits, masked=True)
 
 
 def _ban_bad_word_ends(
@@ -218,7 +220,7 @@ def filtered_logits(
     mth = top + jnp.log(jnp.maximum(sampling.min_p[:, None], 1e-30))
     mth = jnp.where(sampling.min_p[:, None] > 0, mth, -jnp.inf)
     needs_sort = jnp.any((temperature > 0) & ((k < vocab) | (sampling.top_p < 1)))
-    threshold = jax.lax.cond(
+    threshold = branches.cond(
         needs_sort,
         lambda: jnp.maximum(_sorted_threshold(gather(scaled), k, sampling.top_p), mth),
         lambda: mth,
@@ -263,7 +265,8 @@ def sample(
 
         return jnp.where(sampled_rows, jax.vmap(draw)(sampling.seeds, positions, masked), greedy)
 
-    return jax.lax.cond(jnp.any(sampled_rows), draw_all, lambda: greedy)
+    # draw_all() keeps the greedy token of every row that does not sample
+    return branches.cond(jnp.any(sampled_rows), draw_all, lambda: greedy, masked=True)
 
 
 def _sorted_threshold(scaled: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from serving.core.plan import SamplingArrays
+from serving.worker import branches
 from serving.worker.sampler import TokenTables, filtered_logits, sample
 
 
@@ -82,7 +83,7 @@ def verify_sample(
         return ok, jnp.where(sampled_rows[:, None], resid, target[:, :k])
 
     if k:
-        ok, resid = jax.lax.cond(
+        ok, resid = branches.cond(
             jnp.any(sampled_rows & (num_drafts > 0)),
             rejection,
             lambda: (greedy_ok, target[:, :k]),

@@ -74,6 +74,15 @@ def test_tp_step_collectives_are_the_minimum(report, step):
         assert [s[-1] for s in c["shapes"]] == [vocab], c
 
 
+def test_tp_branch_free_decode_step_has_no_conditional(report):
+    """``branch_free_step``: no conditional in the TP decode step, and its collectives those of
+    the decode step with branches (the logits gathered once), every one in the entry."""
+    r = report["decode_branch_free"]
+    assert r["conditionals"] == 0
+    assert r["collectives"] == report["decode"]["collectives"]
+    assert all(c["where"] == "entry" for c in r["collectives"])
+
+
 @pytest.mark.parametrize("step", STEPS)
 def test_tp_step_returns_the_tables_as_it_takes_them(report, step):
     """The token tables are donated: another sharding out than in would compile the step again

@@ -601,6 +601,14 @@ def check_collectives() -> dict:
             for o, i in zip(tables_out, tables_in, strict=True)
         )
     runner_module.WHOLE_LOGITS_BYTES = whole
+    # The decode step with its branches selected (EngineArgs.branch_free_step), where XLA:GPU
+    # may keep every collective inside one CUDA graph: no conditional at all.
+    runner.branch_free, runner._static = True, {}
+    hlo = _step.lower(*runner.step_args(StepPlan.empty(picked[0]))).compile().as_text()
+    out["decode_branch_free"] = {
+        "rows": picked[0].num_seqs, "tokens": picked[0].num_tokens,
+        "collectives": step_collectives(hlo), "conditionals": hlo.count(" conditional("),
+    }  # fmt: skip
     return out
 
 
