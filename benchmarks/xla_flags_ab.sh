@@ -8,6 +8,9 @@
 #          coll=--xla_gpu_enable_command_buffer=+COLLECTIVES -- coll
 # AB_EXTRA: more serving_throughput flags for every run (e.g. "--profile-steps 8"; with
 # --xla_enable_command_buffers_during_profiling=true in a flag set, the profile keeps the graphs).
+# A set's own serving_throughput flags follow its XLA flags after "::", e.g. the step without
+# conditionals, with the collectives inside the CUDA graphs:
+#   "bfcc=--xla_gpu_enable_command_buffer=+COLLECTIVES::--branch-free-step"
 set -u
 out=$1 tp=$2 layers=$3
 shift 3
@@ -22,9 +25,11 @@ done
 full=("$@")
 run() {  # name layers seconds
     local name=$1 n=$2 s=$3
-    XLA_FLAGS="${flags[$name]}" timeout $((s + 15)) python -m benchmarks.serving_throughput \
+    local set=${flags[$name]} extra=
+    [[ $set == *::* ]] && extra=${set#*::} && set=${set%%::*}
+    XLA_FLAGS="$set" timeout $((s + 15)) python -m benchmarks.serving_throughput \
         --model qwen3-next-80b --layers "$n" --tp "$tp" --concurrency 8 --min-seq-bucket 8 \
-        --max-seconds "$s" ${AB_EXTRA:-} --out "$out/ab_${name}_${n}l.json" \
+        --max-seconds "$s" ${AB_EXTRA:-} $extra --out "$out/ab_${name}_${n}l.json" \
         > "$out/ab_${name}_${n}l.log" 2>&1
     echo "$name ${n}l rc=$? $(grep -o '"output_tok_per_s": [0-9.]*' "$out/ab_${name}_${n}l.json" | tail -1)"
 }
