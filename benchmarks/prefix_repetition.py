@@ -115,6 +115,13 @@ def run(engine: LLMEngine, prompts: list[list[int]], args) -> dict:
         # gave it): many steps point at scheduling, few long ones at the step's cost.
         "ttft_later_steps_mean": round(statistics.mean(later_steps), 2) if later_steps else None,
         "ttft_later_steps_max": max(later_steps) if later_steps else None,
+        # Steps from sending to the first token of each first-wave request, in prompt order
+        # (the wave is sent at step 0): where the prefixes' computation puts each of them.
+        "ttft_first_wave_steps": [
+            ttft_steps.get(rid)
+            for rid in sorted(index, key=index.get)
+            if index[rid] < args.concurrency
+        ],  # fmt: skip
         "steps": steps,
         # The later requests' first chunks: [sent at step, [(step, tokens, samples), ...]]
         "later_chunks": [
@@ -171,6 +178,10 @@ def main() -> None:
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
         help="default: the engine's (on for one process on a GPU)",
     )  # fmt: skip
+    p.add_argument(
+        "--scheduling-policy", nargs="+", default=["fcfs"], choices=["fcfs", "lpm"],
+        help="the caching-on run under each policy (one process; the off run is fcfs)",
+    )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -178,8 +189,11 @@ def main() -> None:
     args.vocab = min(cfg.vocab_size, 150000)
     prompts = workload(args)
     results = {"device": device_name(), "config": vars(args), "model": info}
-    runs = [("off", False), ("on", True)] + [("on_plain_lru", True)] * args.plain_lru_baseline
-    for name, caching in runs:
+    policies = list(dict.fromkeys(args.scheduling_policy))
+    runs = [("off", False, "fcfs")]
+    runs += [("on" if i == 0 else f"on_{pol}", True, pol) for i, pol in enumerate(policies)]
+    runs += [("on_plain_lru", True, policies[0])] * args.plain_lru_baseline
+    for name, caching, policy in runs:
         engine_args = EngineArgs(
             model=".",  # no tokenizer: token-id prompts
             block_size=args.block_size,
@@ -201,6 +215,7 @@ def main() -> None:
             scan_layers=args.scan_layers,
             dtype=args.dtype,
             async_scheduling=args.async_scheduling,
+            scheduling_policy=policy,
         )
         t0 = time.perf_counter()
         engine = LLMEngine(engine_args, preloaded=(model, cfg))
@@ -214,6 +229,7 @@ def main() -> None:
             StatePool._push_freed = segmented
         r["startup_s"] = round(compile_s, 1)
         r["async_scheduling"] = engine.async_scheduling
+        r["scheduling_policy"] = policy
         results[name] = r
         shown = {k: v for k, v in r.items() if k != "tokens"}
         print(name, json.dumps(shown), flush=True)
@@ -224,6 +240,13 @@ def main() -> None:
         lru.pop("tokens")
         results["ttft_plain_lru_over_off"] = round(
             lru["ttft_mean_s"] / results["off"]["ttft_mean_s"], 4
+        )
+    for pol in policies[1:]:  # the other policies' caching-on runs against the off run
+        other = results[f"on_{pol}"]
+        same = [a == b for a, b in zip(other.pop("tokens"), results["off"]["tokens"], strict=True)]
+        results[f"requests_equal_on_{pol}_off"] = f"{sum(same)}/{len(same)}"
+        results[f"ttft_on_{pol}_over_off"] = round(
+            other["ttft_mean_s"] / results["off"]["ttft_mean_s"], 4
         )
     on, off = results["on"], results["off"]
     # Requests whose greedy tokens are the same with caching on as off. The model is random

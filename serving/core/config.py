@@ -39,6 +39,12 @@ def _smallest_at_least(buckets: tuple[int, ...], n: int) -> int:
     raise ValueError(f"{n=} exceeds the largest bucket {buckets[-1]}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "lpm")
+# Past this many waiting requests "lpm" admits in arrival order (the sort's host time, and a
+# queue that long is not waiting on a shared prefix; SGLang's bound too).
+LPM_WINDOW = 128
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """What the scheduler may put in one step, and how prefixes are cached.
@@ -89,8 +95,18 @@ class SchedulerConfig:
     # No row speculates in a step that starts with at least this many running requests
     # (``SpeculativeConfig.disable_by_batch_size``); 0: no limit.
     spec_disable_batch_size: int = 0
+    # Admission order of the waiting requests: "fcfs" (arrival order), or "lpm" (longest
+    # prefix match, SGLang's name: the longest cache hit first, ties in arrival order; a
+    # request whose hit is a checkpoint a step is still writing is passed over for the
+    # step instead of holding the queue). Over LPM_WINDOW waiting requests, fcfs.
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy {self.scheduling_policy!r} must be one of "
+                f"{', '.join(SCHEDULING_POLICIES)}"
+            )
         for name in (
             "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
             "min_seq_bucket",

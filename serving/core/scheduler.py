@@ -65,12 +65,13 @@ import collections
 import dataclasses
 import itertools
 import random
+from collections.abc import Iterator
 
 import numpy as np
 
 from serving.core.block_pool import NULL_ID
 from serving.core.cache_manager import NO_HIT, CacheManager, CacheMetrics
-from serving.core.config import CacheConfig, SchedulerConfig
+from serving.core.config import LPM_WINDOW, CacheConfig, SchedulerConfig
 from serving.core.plan import SamplingArrays
 from serving.core.request import FinishReason, Request, RequestStatus
 from serving.core.scheduler_output import RequestUpdate, SchedulerOutput, SpecRow, build_plan
@@ -287,23 +288,32 @@ class Scheduler:
                 budget -= b.q_lens[-1]
                 i += 1
 
-        while self.waiting and budget > 0 and not preempted:
-            req = self.waiting[0]
+        lpm = self._lpm_order() if not preempted else None
+        for req in lpm if lpm is not None else self._fcfs_order():
+            if budget <= 0 or preempted:
+                break
             if req.status is not RequestStatus.WAITING:  # finished while queued
-                self.waiting.popleft()
+                self.waiting.remove(req)
                 continue
             if req.awaiting_token:  # preempted while a step samples for it: keep order
+                if lpm is not None:
+                    continue
                 break
             if self.cache.num_running >= self.cfg.max_num_seqs:
                 break
             hit = NO_HIT if req.needs_prompt_logprobs else self.cache.lookup(req)
             if hit is None:  # its best checkpoint is written by a step not yet updated
                 self.cache.metrics.deferred_same_step += 1
+                if lpm is not None:  # the others need not wait for it
+                    continue
                 break
             n = self._chunk_len(req, hit.num_tokens, budget, b.plp_left)
             if n == 0 or not self.cache.can_admit(hit, hit.num_tokens + n):
                 break
-            self.waiting.popleft()
+            if lpm is None:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(req)
             alloc, held = self.cache.admit(req, hit, hit.num_tokens + n)
             b.slots_held += held
             req.status = RequestStatus.RUNNING
@@ -651,6 +661,26 @@ class Scheduler:
                 out.append((p, p == latest))
         assert len(out) <= self.cfg.max_ckpt, (out, self.cfg.max_ckpt)
         return out
+
+    def _fcfs_order(self) -> Iterator[Request]:
+        """The head of the waiting queue, as long as there is one (admission pops it)."""
+        while self.waiting:
+            yield self.waiting[0]
+
+    def _lpm_order(self) -> list[Request] | None:
+        """The waiting requests by longest cache hit, ties in arrival order (``lpm``), or
+        None: arrival order (``fcfs``, or a queue past ``LPM_WINDOW``). A hit pending in a
+        step not yet updated counts as none here (it is passed over at admission)."""
+        if self.cfg.scheduling_policy != "lpm" or len(self.waiting) > LPM_WINDOW:
+            return None
+
+        def hit_len(req: Request) -> int:
+            if req.status is not RequestStatus.WAITING or req.needs_prompt_logprobs:
+                return 0
+            hit = self.cache.lookup(req)
+            return hit.num_tokens if hit is not None else 0
+
+        return sorted(self.waiting, key=hit_len, reverse=True)  # stable: ties keep arrival
 
     def _junctions(self, req: Request, hit: int, kv_hit: int) -> tuple[int, ...]:
         """Shared-prefix boundaries ``req``'s prefill should checkpoint (at most two).

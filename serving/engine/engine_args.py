@@ -112,6 +112,14 @@ class EngineArgs:
         "and the latest decode boundary)",
         type=int,
     )
+    scheduling_policy: str = _flag(
+        "fcfs",
+        "admission order of waiting requests: fcfs (arrival), or lpm (longest prefix match "
+        "first, as SGLang's --schedule-policy lpm: requests that hit the cache start before "
+        "those that compute their prefix, and none waits behind a checkpoint still being "
+        "written; arrival order past 128 waiting)",
+        choices=["fcfs", "lpm"],
+    )
     kernel_backend: str = _flag(
         "auto",
         "auto: Pallas kernels on GPU / TPU, the pure-JAX reference ops on CPU; interpret / "

@@ -206,6 +206,7 @@ class LLMEngine:
             num_speculative_tokens=num_spec,
             verify_buckets=args.verify_buckets,
             spec_disable_batch_size=getattr(self.spec_config, "disable_by_batch_size", None) or 0,
+            scheduling_policy=args.scheduling_policy,
         )
         memory = size_pools(
             self.model_config,

@@ -33,6 +33,7 @@ def make_scheduler(
     drafter=None,
     async_scheduling: bool = False,
     spec_disable_batch_size: int = 0,
+    scheduling_policy: str = "fcfs",
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -44,6 +45,7 @@ def make_scheduler(
         retention_interval=retention,
         num_speculative_tokens=num_spec,
         spec_disable_batch_size=spec_disable_batch_size,
+        scheduling_policy=scheduling_policy,
     )
     return Scheduler(
         cfg,

@@ -344,3 +344,67 @@ def test_a_shared_prefix_checkpoint_outlives_the_unique_ones_freed_after_it():
     assert late.num_cached_tokens == 64
     assert late.output_token_ids == expected_output(late.prompt_token_ids, 4)
     s.cache.check_invariants()
+
+
+def _admissions(policy: str, budget: int, prompts: list[tuple[str, list[int]]], steps: int):
+    """The rows of the first ``steps`` steps, ``[(request id, new tokens), ...]`` each, and
+    the scheduler (run on to the end: every output must be the uncached model's)."""
+    s, runner = (
+        make_scheduler(budget=budget, max_num_seqs=6, scheduling_policy=policy),
+        FakeRunner(16),
+    )
+    reqs = [make_request(rid, toks, max_tokens=3) for rid, toks in prompts]
+    for r in reqs:
+        s.add_request(r)
+    rows = [list(zip(o.request_ids, o.num_new_tokens)) for o in run_all(s, runner)]
+    for r, (_, toks) in zip(reqs, prompts):
+        assert r.output_token_ids == expected_output(toks, 3), r.request_id
+    return rows[:steps], s
+
+
+def test_lpm_admits_cache_hits_before_a_prefix_that_does_not_fit():
+    """Two prefixes, their requests interleaved. b1 computes its 64-token prefix: it cannot
+    start while a0 runs (a chunk must end on G = 64), and in arrival order it holds a2 and a4
+    back for 3 steps although their 8 tokens fit; longest prefix match admits them as soon as
+    a0's checkpoint lands."""
+    A, B = prompt(64, 1000), prompt(64, 5000)
+    prompts = [(rid, base + prompt(8, 90_000 + 100 * i))
+               for i, (rid, base) in enumerate(zip(["a0", "b1", "a2", "b3", "a4", "b5"],
+                                                   [A, B, A, B, A, B]))]  # fmt: skip
+    fcfs, _ = _admissions("fcfs", 64, prompts, 2)
+    lpm, _ = _admissions("lpm", 64, prompts, 2)
+    assert fcfs == [[("a0", 64)], [("a0", 8)]]
+    assert lpm == [[("a0", 64)], [("a0", 8), ("a2", 8), ("a4", 8)]]
+
+
+def test_lpm_passes_over_a_request_whose_checkpoint_is_being_written():
+    """a1 hits a0's prefix, whose checkpoint a0's first step writes: a1 waits for it (no
+    recomputing), and under lpm c2, which shares nothing, starts beside a0 instead of waiting
+    behind a1."""
+    A = prompt(64, 1000)
+    prompts = [
+        ("a0", A + prompt(8, 90_000)),
+        ("a1", A + prompt(8, 90_100)),
+        ("c2", prompt(16, 7000)),
+    ]
+    fcfs, s_fcfs = _admissions("fcfs", 96, prompts, 2)
+    lpm, s_lpm = _admissions("lpm", 96, prompts, 2)
+    assert fcfs[0] == [("a0", 72)] and ("a1", 8) in fcfs[1]
+    assert lpm[0] == [("a0", 72), ("c2", 16)] and ("a1", 8) in lpm[1]
+    assert s_fcfs.cache.metrics.deferred_same_step == s_lpm.cache.metrics.deferred_same_step == 1
+
+
+def test_lpm_keeps_the_uncached_outputs_on_many_shared_prefixes():
+    rng = np.random.default_rng(1)
+    bases = [prompt(int(n), 1000 * k) for k, n in enumerate(rng.integers(40, 300, 4))]
+    reqs = []
+    for i in range(24):
+        base = bases[int(rng.integers(0, 4))]
+        cut = int(rng.integers(1, len(base) + 1))
+        reqs.append((f"r{i}", base[:cut] + prompt(int(rng.integers(0, 40)), 50_000 + 100 * i)))
+    _admissions("lpm", 192, reqs, 0)
+
+
+def test_unknown_scheduling_policy_is_refused():
+    with pytest.raises(ValueError, match="scheduling_policy 'priority' must be one of fcfs, lpm"):
+        make_scheduler(scheduling_policy="priority")
