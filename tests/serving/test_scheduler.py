@@ -244,7 +244,8 @@ def test_max_num_seqs_limits_rows():
     run_all(s, runner)
 
 
-def test_many_requests_with_shared_prefixes_match_the_uncached_outputs():
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_many_requests_with_shared_prefixes_match_the_uncached_outputs(policy):
     rng = np.random.default_rng(0)
     bases = [prompt(int(n), 1000 * k) for k, n in enumerate(rng.integers(40, 300, 4))]
     reqs = []
@@ -255,7 +256,10 @@ def test_many_requests_with_shared_prefixes_match_the_uncached_outputs():
         reqs.append((f"r{i}", base[:cut] + extra, int(rng.integers(1, 30))))
     results = {}
     for caching in (True, False):
-        s = make_scheduler(max_num_seqs=6, budget=192, num_kv_blocks=80, caching=caching)
+        s = make_scheduler(
+            max_num_seqs=6, budget=192, num_kv_blocks=80, caching=caching,
+            scheduling_policy=policy,
+        )  # fmt: skip
         runner = FakeRunner(16)
         live = [make_request(rid, toks, max_tokens=mt) for rid, toks, mt in reqs]
         for r in live:
@@ -392,17 +396,6 @@ def test_lpm_passes_over_a_request_whose_checkpoint_is_being_written():
     assert fcfs[0] == [("a0", 72)] and ("a1", 8) in fcfs[1]
     assert lpm[0] == [("a0", 72), ("c2", 16)] and ("a1", 8) in lpm[1]
     assert s_fcfs.cache.metrics.deferred_same_step == s_lpm.cache.metrics.deferred_same_step == 1
-
-
-def test_lpm_keeps_the_uncached_outputs_on_many_shared_prefixes():
-    rng = np.random.default_rng(1)
-    bases = [prompt(int(n), 1000 * k) for k, n in enumerate(rng.integers(40, 300, 4))]
-    reqs = []
-    for i in range(24):
-        base = bases[int(rng.integers(0, 4))]
-        cut = int(rng.integers(1, len(base) + 1))
-        reqs.append((f"r{i}", base[:cut] + prompt(int(rng.integers(0, 40)), 50_000 + 100 * i)))
-    _admissions("lpm", 192, reqs, 0)
 
 
 def test_unknown_scheduling_policy_is_refused():
