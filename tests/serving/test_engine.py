@@ -132,6 +132,20 @@ def test_caching_is_token_identical_and_hits(engines, want):
     assert on.runner.compile_count() == compiles, "a step compiled after warm-up"
 
 
+def test_lpm_admission_is_token_identical(model_dir, engines, want):
+    """``--scheduling-policy lpm`` reorders admissions (hits first, none held behind a pending
+    checkpoint): other chunks and hits than fcfs, the caching-off tokens all the same."""
+    lpm = LLMEngine(
+        EngineArgs(model=model_dir, **dict(BASE, warmup=False, scheduling_policy="lpm"))
+    )
+    compiles = lpm.runner.compile_count()
+    got = run_waves(lpm, workload())
+    for name in want:
+        assert got[name].output_token_ids == want[name].output_token_ids, name
+    assert sum(o.num_cached_tokens for o in got.values()) > 0
+    assert lpm.runner.compile_count() == compiles  # the warm engines' executables serve
+
+
 def test_resumed_state_matters(model_dir, engines, want):
     """With every cached state zeroed between the waves, most hits' tokens change: the model
     remembers its prefix through the recurrent state, so the identity test above sees a
