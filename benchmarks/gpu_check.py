@@ -18,7 +18,9 @@ With ``--kernel-backend auto`` (the Pallas GPU kernels on NVIDIA) and ``--dtype 
    Dv = 24 (the GDN kernels tile it by 8), Kimi-Linear with KDA head dim 24 and a 24-wide
    latent: each must serve without error and match transformers as in 1.
 
-Prints a JSON report (also written to ``--out``) and exits 1 if any check fails.
+Prints a JSON report (also written to ``--out``) and exits 1 if any check fails. Each check
+compiles its own engine's steps (most of its time on a GPU): ``--jobs 8`` runs them in worker
+processes at once, to fit one device call.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -200,6 +203,40 @@ def _only_kernels(fields, fn):
         hyjax.ops.backend_ops = full
 
 
+def _run_in_workers(names: list[str], args, report: dict) -> None:
+    """Each check of ``names`` in its own ``gpu_check --only NAME`` process, ``args.jobs`` at
+    a time; their results into ``report`` (a worker that wrote none is a failed check)."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    # Several JAX processes on one GPU: none may take 75 % of its memory up front.
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def work(name: str) -> dict:
+            out = Path(tmp) / f"{name}.json"
+            cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--only", name, "--out",
+                   str(out), "--kernel-backend", args.kernel_backend]  # fmt: skip
+            if args.diagnose_tf32:
+                cmd.append("--diagnose-tf32")
+            start = time.perf_counter()
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            try:
+                result = json.loads(out.read_text())["checks"][name]
+            except (OSError, KeyError, ValueError):
+                result = {"ok": False, "error": f"worker exited {proc.returncode}: "
+                                                f"{proc.stderr[-1500:]}"}  # fmt: skip
+            result.setdefault("seconds", round(time.perf_counter() - start, 1))
+            return result
+
+        with ThreadPoolExecutor(args.jobs) as pool:
+            for name, result in zip(names, pool.map(work, names)):
+                report["checks"][name] = result
+                print(name, json.dumps(result), flush=True)
+                if args.out:
+                    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
 def _prompts(vocab: int) -> list[list[int]]:
     rng = np.random.default_rng(1)
     return [rng.integers(3, vocab, size=n).tolist() for n in (150, 70, 5)]
@@ -210,6 +247,11 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-backend", default="auto")
     p.add_argument("--out", default=None, help="also write the JSON report here")
     p.add_argument("--only", nargs="*", default=None, help="run only these checks (by name)")
+    p.add_argument(
+        "--jobs", type=int, default=1,
+        help="run the checks in this many worker processes at once (each compiles its own "
+        "steps: most of a check's time; the workers allocate GPU memory as they need it)",
+    )  # fmt: skip
     p.add_argument(
         "--diagnose-tf32",
         action="store_true",
@@ -223,6 +265,8 @@ def main(argv=None) -> int:
     # ("Pointer argument ... cannot be accessed from Triton"): hide FLA from this process.
     if "fla" not in sys.modules:
         sys.modules["fla"] = None
+    if args.jobs > 1:  # this process starts JAX too (the report's device): leave the workers room
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 
     import jax
 
@@ -310,8 +354,12 @@ def main(argv=None) -> int:
                 "tf32_tiles_of_16": lambda: tf32(q16(), backend=backend),
                 "ieee_tiles_of_16": lambda: parity(q16(), prompts, backend=backend),
             }
+        selected = [n for n in checks if args.only is None or n in args.only]
+        if args.jobs > 1 and len(selected) > 1:
+            checks = {}  # each runs in a worker process instead
+            _run_in_workers(selected, args, report)
         for name, check in checks.items():
-            if args.only is not None and name not in args.only:
+            if name not in selected:
                 continue
             start = time.perf_counter()
             try:
