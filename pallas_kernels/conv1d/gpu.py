@@ -278,13 +278,6 @@ def update_block_c(splits: tuple[int, ...], requested: int = UPDATE_BLOCK_C) -> 
     return None
 
 
-def update_unsupported_reason(splits: tuple[int, ...]) -> str | None:
-    """Why the decode update kernel cannot take these channel counts, or None."""
-    if update_block_c(splits) is None:
-        return f"conv channels {splits} have no power-of-two tile of >= 8 dividing them all"
-    return None
-
-
 def _update_kernel(
     p: DecodeSlots,
     x_ref,  # [S, C]
@@ -333,7 +326,7 @@ def causal_conv1d_update(
         raise ValueError(f"splits {parts} must sum to the {c} channels")
     bc = update_block_c(parts, block_c)
     if bc is None:
-        raise ValueError(update_unsupported_reason(parts))
+        raise ValueError(f"conv channels {parts}: no power-of-two tile of >= 8 divides them all")
     args = (*slots.arrays(), x, weight, conv_state)
     return tuple(
         pl.pallas_call(

@@ -288,7 +288,8 @@ class Scheduler:
                 budget -= b.q_lens[-1]
                 i += 1
 
-        lpm = self._lpm_order() if not preempted else None
+        admits = budget > 0 and not preempted and self.cache.num_running < self.cfg.max_num_seqs
+        lpm = self._lpm_order() if admits else None  # (no lookups in a step that admits none)
         for req in lpm if lpm is not None else self._fcfs_order():
             if budget <= 0 or preempted:
                 break

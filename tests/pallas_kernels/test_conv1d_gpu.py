@@ -218,7 +218,7 @@ def test_update_matches_reference(c, kw, dtype, block_c, splits):
     [({"splits": (8, 8)}, r"splits \(8, 8\) must sum to the 24 channels"),
      ({"x": jnp.zeros((3, 24))}, r"decode rows 3 must equal"),
      ({"x": jnp.zeros((2, 12)), "weight": jnp.zeros((12, 4)),
-       "conv_state": jnp.zeros((4, 3, 12))}, r"no power-of-two tile of >= 8")],
+       "conv_state": jnp.zeros((4, 3, 12))}, r"no power-of-two tile of >= 8 divides")],
     ids=["splits_sum", "rows", "channels_12"],
 )  # fmt: skip
 def test_update_rejects_bad_shapes(bad, match):
