@@ -600,12 +600,12 @@ class ModelRunner:
         if prev is not None:
             tokens = prev.tokens
         else:
-            if self._no_prev is None:
-                zeros = np.zeros(r, np.int32)
+            if self._no_prev is None:  # committed, as a step's tokens are: else the first
+                zeros = np.zeros(r, np.int32)  # step fed by another compiles its bucket again
                 self._no_prev = (
                     replicate_tree(zeros, self.sharding.mesh)
                     if self.sharding is not None
-                    else jax.device_put(zeros)
+                    else jax.device_put(zeros, jax.devices()[0])
                 )
             tokens = self._no_prev
         leaves = self._state_leaves

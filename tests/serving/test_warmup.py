@@ -65,3 +65,15 @@ def test_stopping_the_warmup_drops_what_is_left(model_dir):
     engine.runner.wait_warm()  # at most the one compile under way
     futures = engine.runner._warming.values()
     assert sum(f.cancelled() for f in futures) >= len(futures) - 1
+
+
+def test_warmup_up_front_covers_async_steps(model_dir):
+    """A warm-up up front (``hyjax generate``, the benchmarks) compiles each bucket as async
+    scheduling then runs it: a step fed by the previous step's tokens on the device takes the
+    same argument shardings as the warm-up's first step (a token array not committed to the
+    device compiled every bucket a second time on its first fed step)."""
+    engine = LLMEngine(EngineArgs(model=model_dir, async_scheduling=True, **SMALL))
+    compiles = _backend_compiles()
+    _requests(engine, TWO)  # prefill, then decode steps each fed by the one before
+    _requests(engine, ONE)
+    assert compiles == [], f"serving compiled {len(compiles)} step(s) after the warm-up"
