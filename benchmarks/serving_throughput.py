@@ -240,9 +240,9 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--compilation-cache-dir", default=None)
     p.add_argument(
-        "--branch-free-step", action="store_true",
-        help="the engine's --branch-free-step (with XLA_FLAGS=--xla_gpu_enable_command_buffer="
-        "+COLLECTIVES under TP: one CUDA graph a step)",
+        "--branch-free-step", action=argparse.BooleanOptionalAction, default=None,
+        help="the engine's --branch-free-step (default: the engine's, on for TP on a GPU; "
+        "--no-branch-free-step for the step with its lax.conds)",
     )  # fmt: skip
     p.add_argument(
         "--max-seconds", type=float, default=510.0, help="stop cleanly, JSON written, after this"

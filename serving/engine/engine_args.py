@@ -172,12 +172,15 @@ class EngineArgs:
         "tokens each) run in verify-shaped buckets through the k-token decode kernels; "
         "--no-verify-buckets runs them in the prefill-shaped buckets (fewer compiles)",
     )
-    branch_free_step: bool = _flag(
-        False,
+    branch_free_step: bool | None = _flag(
+        None,
         "compute the step's sampler and log-prob branches on every step and select, instead "
-        "of lax.cond: the step holds no conditional, so XLA:GPU may keep NCCL collectives in "
-        "its CUDA graphs (XLA_FLAGS=--xla_gpu_enable_command_buffer=+COLLECTIVES; NCCL cannot "
-        "instantiate a graph holding conditional nodes); costs the branches' work every step",
+        "of lax.cond: the step holds no conditional, so XLA:GPU keeps the launches between "
+        "its collectives in fewer, larger CUDA graphs (and may keep NCCL collectives in them, "
+        "XLA_FLAGS=--xla_gpu_enable_command_buffer=+COLLECTIVES: NCCL cannot instantiate a "
+        "graph holding conditional nodes); costs the branches' work every step; default: on "
+        "for tensor parallel on a GPU (1.17x output tok/s on the 48-layer 80B at TP 2, two "
+        "H200s), off elsewhere",
     )
     scan_layers: bool = _flag(
         False,

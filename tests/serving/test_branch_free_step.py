@@ -91,3 +91,20 @@ def _conditionals(engine, decode_only: bool) -> int:
 def test_branch_free_step_compiles_no_conditional(engines, decode_only):
     assert _conditionals(engines[False], decode_only) > 0  # the branches, as lax.cond
     assert _conditionals(engines[True], decode_only) == 0
+
+
+def test_branch_free_step_default_is_on_for_tensor_parallel_on_a_gpu(monkeypatch):
+    """``None`` resolves on for TP on a GPU only (each ``lax.cond`` there is a conditional
+    node between the collectives' launches); an explicit choice always holds."""
+    import types
+
+    import jax
+
+    from serving.engine.llm_engine import _branch_free_step
+
+    for platform, tp, want in (("gpu", 2, True), ("gpu", 1, False), ("cpu", 2, False),
+                               ("tpu", 4, False)):  # fmt: skip
+        fake = [types.SimpleNamespace(platform=platform)]
+        monkeypatch.setattr(jax, "devices", lambda *a, fake=fake: fake)
+        assert _branch_free_step(None, tp) is want, (platform, tp)
+        assert _branch_free_step(not want, tp) is (not want)
