@@ -55,6 +55,7 @@ from pallas_kernels.attention.reference import (
     write_kv_reference,
 )
 from pallas_kernels.common import multi_decode_gpu
+from pallas_kernels.conv1d import gpu as conv1d_gpu
 from pallas_kernels.conv1d import tpu as conv1d_tpu
 from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
@@ -82,13 +83,13 @@ class Ops:
     conv1d_update: Callable
     gdn_prefill: Callable
     gdn_decode: Callable
-    conv_gdn_decode: Callable  # decode: conv1d update + gated delta rule in one pass
+    conv_gdn_decode: Callable  # decode: conv1d update, then the gated delta rule
     write_kv: Callable
     paged_attention: Callable
     paged_attention_decode: Callable  # decode-only steps: every row is one token
     kda_prefill: Callable
     kda_decode: Callable
-    conv_kda_decode: Callable  # decode: conv1d update + KDA in one pass
+    conv_kda_decode: Callable  # decode: conv1d update, then KDA
     # Verify-shaped steps (every row at most ``max_tokens`` tokens: a decode row and its
     # drafts): the prefills' signature plus the static ``max_tokens=``; the state after each
     # token goes to the row's checkpoint slots, as in the prefill.
@@ -170,6 +171,22 @@ GPU_GDN_PREFILL = functools.partial(gdn_gpu.gdn_prefill, precision=None)
 GPU_KDA_PREFILL = functools.partial(kda_gpu.kda_prefill, precision=None)
 
 
+# Decode steps on NVIDIA: the Pallas conv update (q, k, v handed back apart), then the delta
+# rule's decode kernel. On an H200 (``benchmarks.decode_variants``, one process, Qwen3-Next-80B
+# / Kimi-Linear-48B layer shapes, f32 state) this pair beat the one-pass kernels
+# (``fused_decode.conv_gdn_decode``, ``kda_fused_decode.conv_kda_decode``: a second small launch
+# shifts the q / k windows) at 64 and 256 rows: GDN 83.5 / 311 us against 91.3 / 337 us, KDA
+# 89.7 / 329 us against 97.0 / 352 us.
+GPU_CONV_GDN_DECODE = Composed(
+    functools.partial(fused_decode.composed_conv_gdn_decode, split_outputs=True),
+    (conv1d_gpu.causal_conv1d_update, gdn_gpu.gdn_decode),
+)
+GPU_CONV_KDA_DECODE = Composed(
+    functools.partial(kda_fused_decode.composed_conv_kda_decode, split_outputs=True),
+    (conv1d_gpu.causal_conv1d_update, kda_gpu.kda_decode),
+)
+
+
 def _prefill_as_multi_decode(prefill: Callable) -> Callable:
     """A prefill op in a multi-decode cell: it takes rows of any length, so the static
     ``max_tokens`` (the caller's promise that rows are short) is not needed."""
@@ -194,7 +211,7 @@ GRID: dict[str, Row] = {
     "conv1d_update": Row(
         reference=causal_conv1d_update_reference,
         tpu=conv1d_tpu.causal_conv1d_update,
-        gpu=None,  # decode steps run the fused conv_gdn_decode / conv_kda_decode kernels instead
+        gpu=None,  # decode steps run conv_gdn_decode / conv_kda_decode instead
     ),
     "gdn_prefill": Row(
         reference=gdn_prefill_reference,
@@ -213,7 +230,7 @@ GRID: dict[str, Row] = {
             fused_decode.composed_conv_gdn_decode,
             (conv1d_tpu.causal_conv1d_update, gdn_tpu.gdn_decode),
         ),
-        gpu=fused_decode.conv_gdn_decode,
+        gpu=GPU_CONV_GDN_DECODE,
     ),
     "write_kv": Row(
         reference=write_kv_reference,  # everywhere: XLA's scatter, in place on the donated pool
@@ -244,7 +261,7 @@ GRID: dict[str, Row] = {
             kda_fused_decode.composed_conv_kda_decode,
             (conv1d_tpu.causal_conv1d_update, kda_tpu.kda_decode),
         ),
-        gpu=kda_fused_decode.conv_kda_decode,
+        gpu=GPU_CONV_KDA_DECODE,
     ),
     # Speculative verify steps: the decode recurrence token by token, a state store per token
     # (pallas_kernels/common/multi_decode_gpu.py); elsewhere the chunked prefill, whose

@@ -1,10 +1,11 @@
 """The tiny Qwen3-Next and Kimi-Linear with the NVIDIA kernels (Pallas' generic interpreter on
 CPU: the ``interpret-gpu`` backend, the op table's GPU column) give the reference logits and
-states: the GDN / KDA prefill, the fused conv + delta-rule decodes, paged attention and MLA,
+states: the GDN / KDA prefill, the conv update + delta-rule decodes, paged attention and MLA,
 wired through the model exactly as ``--kernel-backend pallas`` runs them on a GPU."""
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,21 +19,27 @@ from hyjax.models.qwen3_next import Qwen3NextForCausalLM
 from hyjax.ops import REFERENCE, ops_for_model
 from hyjax.testing import SeqChunk, make_batch
 from pallas_kernels.attention import gpu as attention_gpu
-from pallas_kernels.kda import fused_decode as kda_fused_decode
 from tests.pallas_kernels.ragged_cases import assert_close
+from tests.pallas_kernels.test_gdn_fused_decode import _case as gdn_case
+from tests.pallas_kernels.test_kda_fused_decode import _case as kda_case
 
 BS = 16
 
 
 def _gpu_ops(cfg, three_launches):
     """The ``interpret-gpu`` ops for ``cfg`` (a kernel that cannot take its shapes is the
-    reference op, as on a GPU), with the fused decode below its row threshold too."""
+    reference op, as on a GPU)."""
     ops = ops_for_model("interpret-gpu", cfg, jnp.float32)
     return dataclasses.replace(
-        ops,
-        gdn_prefill=functools.partial(ops.gdn_prefill, three_launches=three_launches),
-        conv_gdn_decode=functools.partial(ops.conv_gdn_decode, min_rows=0),
+        ops, gdn_prefill=functools.partial(ops.gdn_prefill, three_launches=three_launches)
     )
+
+
+def _gpu_kernels(op, *args, **kwargs) -> list[str]:
+    """The GPU kernels ``op`` runs on these arguments, in order (its jaxpr's ``pallas_call``
+    names)."""
+    text = str(jax.make_jaxpr(functools.partial(op, **kwargs))(*args))
+    return [name for name in re.findall(r"name=(\w+)", text) if name.endswith("_gpu")]
 
 
 def _run(state, graphdef, cfg, ops):
@@ -77,24 +84,32 @@ def _assert_matches(got, want, got_caches, want_caches) -> None:
 
 def test_gpu_kernels_match_reference_in_the_model():
     """The three-launch prefill (what short prompts get; the two-launch plan is covered by
-    tests/pallas_kernels/test_gdn_gpu.py) and the fused decode."""
+    tests/pallas_kernels/test_gdn_gpu.py) and the decode: the conv update kernel, then the
+    GDN decode kernel."""
     cfg = qwen3_next_tiny()
     graphdef, state = nnx.split(Qwen3NextForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     want, want_caches = _run(state, graphdef, cfg, REFERENCE)
     ops = _gpu_ops(cfg, three_launches=True)
     assert ops.paged_attention.func is attention_gpu.ragged_paged_attention  # the kernel runs
+    case = gdn_case(np.random.default_rng(0), hk=1, hv=2, dk=16, dv=16, kernel=4, dtype=jnp.float32)
+    kernels = _gpu_kernels(ops.conv_gdn_decode, *case, num_k_heads=1)
+    assert kernels == ["causal_conv1d_update_gpu", "gdn_decode_gpu"]
     got, got_caches = _run(state, graphdef, cfg, ops)
     _assert_matches(got, want, got_caches, want_caches)
 
 
 def test_kimi_gpu_kernels_match_reference_in_the_model():
-    """KDA prefill, the fused conv + KDA decode (row 0 in place, row 1 from a checkpoint into
-    another slot) and the MLA kernels."""
+    """KDA prefill, the conv update + KDA decode kernels (row 0 in place, row 1 from a
+    checkpoint into another slot) and the MLA kernels."""
     cfg = kimi_linear_tiny(moe_intermediate_size=32)
     model = KimiLinearForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     want, want_caches = _run(state, graphdef, cfg, REFERENCE)
     ops = ops_for_model("interpret-gpu", cfg, jnp.float32)
-    assert ops.conv_kda_decode.func is kda_fused_decode.conv_kda_decode  # the kernel runs
+    case = kda_case(np.random.default_rng(0), h=2, dk=16, dv=16, kernel=4, dtype=jnp.float32)
+    assert _gpu_kernels(ops.conv_kda_decode, *case) == [
+        "causal_conv1d_update_gpu",
+        "kda_decode_gpu",
+    ]
     got, got_caches = _run(state, graphdef, cfg, ops)
     _assert_matches(got, want, got_caches, want_caches)

@@ -115,9 +115,12 @@ def test_gdn_gpu_kernels_lower_to_triton_with_clamped_value_tiles():
          (*prefill, *gates, pool, sd((rows + 1,), i32), slots)) for three in (False, True)
     ] + [
         (gdn_gpu.gdn_decode, (*decode, *gates, pool, slots)),
-        (functools.partial(fused_decode.conv_gdn_decode, num_k_heads=hk, min_rows=0),
+    ] + [
+        (functools.partial(fn, num_k_heads=hk),
          (sd((rows, c), f32), sd((c, 4), f32), sd((4, 3, c), f32), sd((rows, hv), f32),
-          sd((rows, hv), f32), *gates, pool, slots)),
+          sd((rows, hv), f32), *gates, pool, slots))
+        for fn in (functools.partial(fused_decode.conv_gdn_decode, min_rows=0),
+                   hyjax.ops.GRID["conv_gdn_decode"].cell("gpu", hyjax.ops._compiled))  # engine
     ]  # fmt: skip
     for fn, args in calls:
         assert "triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
