@@ -12,7 +12,7 @@ NVIDIA GPUs runs the grouped-matmul kernels of :mod:`pallas_kernels.moe.gpu` (XL
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,7 @@ def parallel_routed_experts(
     axis: str,
     expert_parallel: bool,
     experts_op: ExpertsOp = moe_experts_reference,
+    shared: SharedExpert | None = None,
 ) -> jax.Array:
     """``experts_op`` over the devices of ``mesh[axis]``; returns [T, D] replicated.
 
@@ -62,32 +63,52 @@ def parallel_routed_experts(
     of the intermediate dim F. Expert parallel: each device runs its ``E / n`` experts on the
     (token, expert) pairs routed to them; the other pairs get an id outside ``[0, E / n)``,
     which the op skips (no row, no block). Either way the partial outputs are summed over
-    devices.
+    devices. ``shared``: a shared expert split on its intermediate dim (column / row parallel,
+    either way) whose partial output joins the routed experts' before that sum: one
+    all-reduce per MoE layer, not one for each.
     """
     P = jax.sharding.PartitionSpec
 
-    def tensor_parallel(x, weights, experts, w_gate, w_up, w_down):
-        return jax.lax.psum(experts_op(x, weights, experts, w_gate, w_up, w_down), axis)
-
-    def expert_parallel_(x, weights, experts, w_gate, w_up, w_down):
-        num_local = w_gate.shape[0]
-        first = jax.lax.axis_index(axis) * num_local
-        weights, local = local_experts(weights, experts, first, num_local)
-        y = experts_op(x, weights, local, w_gate, w_up, w_down)
+    def body(x, weights, experts, w_gate, w_up, w_down, *shared_args):
+        if expert_parallel:
+            num_local = w_gate.shape[0]
+            first = jax.lax.axis_index(axis) * num_local
+            weights, experts = local_experts(weights, experts, first, num_local)
+        y = experts_op(x, weights, experts, w_gate, w_up, w_down)
+        if shared_args:
+            y = y + SharedExpert(*shared_args).output(x)
         return jax.lax.psum(y, axis)
 
     if expert_parallel:
-        body, w_in, w_out = expert_parallel_, P(axis, None, None), P(axis, None, None)
+        w_in, w_out = P(axis, None, None), P(axis, None, None)
     else:
-        body, w_in, w_out = tensor_parallel, P(None, None, axis), P(None, axis, None)
-    fn = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(P(), P(), P(), w_in, w_in, w_out),
-        out_specs=P(),
-        check_vma=False,
-    )
-    return fn(x, weights, experts, w_gate, w_up, w_down)
+        w_in, w_out = P(None, None, axis), P(None, axis, None)
+    args, specs = (x, weights, experts, w_gate, w_up, w_down), [P(), P(), P(), w_in, w_in, w_out]
+    if shared is not None:
+        args += tuple(shared)
+        specs += [P(None, axis), P(None, axis), P(axis, None), P()]
+    fn = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=P(), check_vma=False)
+    return fn(*args)
+
+
+class SharedExpert(NamedTuple):
+    """A shared expert's SwiGLU weights and the per-token factor of its output (Qwen3-Next's
+    sigmoid gate; ``None``: ungated)."""
+
+    w_gate: jax.Array  # [D, F]
+    w_up: jax.Array  # [D, F]
+    w_down: jax.Array  # [F, D]
+    scale: jax.Array | None  # [T, 1]
+
+    def output(self, x: jax.Array) -> jax.Array:
+        y = swiglu(x, self.w_gate, self.w_up, self.w_down)
+        return y if self.scale is None else y * self.scale
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """``down(silu(gate(x)) * up(x))`` with the weights as :class:`Linear` holds them."""
+    h = jax.nn.silu(jnp.einsum("...D,DF->...F", x, w_gate)) * jnp.einsum("...D,DF->...F", x, w_up)
+    return jnp.einsum("...F,FD->...D", h, w_down)
 
 
 def run_experts(
@@ -96,16 +117,19 @@ def run_experts(
     weights: jax.Array,  # [T, k]
     experts: jax.Array,  # i32[T, k]
     ops: Ops | None = None,
+    shared: SharedExpert | None = None,
 ) -> jax.Array:
     """The module's experts on the device mesh ``hyjax.sharding`` gave it, if any, with the
-    backend's experts op (``ops.moe_experts``; the reference when no ops are given)."""
+    backend's experts op (``ops.moe_experts``; the reference when no ops are given), plus the
+    ``shared`` expert's output (on a mesh, inside the routed experts' all-reduce)."""
     op = moe_experts_reference if ops is None else ops.moe_experts
     w = (module.experts_gate[...], module.experts_up[...], module.experts_down[...])
     if module.expert_mesh is None:
-        return op(x, weights, experts, *w)
+        y = op(x, weights, experts, *w)
+        return y if shared is None else y + shared.output(x)
     return parallel_routed_experts(
         x, weights, experts, *w, mesh=module.expert_mesh, axis=module.expert_axis,
-        expert_parallel=module.expert_parallel, experts_op=op,
+        expert_parallel=module.expert_parallel, experts_op=op, shared=shared,
     )  # fmt: skip
 
 
@@ -119,7 +143,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, ops: Ops | None = None) -> jax.Array:
         """``ops`` is unused (the decoder stack passes it to every MLP kind)."""
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return swiglu(x, *self.weights())
+
+    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return self.gate_proj.weight[...], self.up_proj.weight[...], self.down_proj.weight[...]
 
 
 class SparseMoe(nnx.Module):
@@ -158,10 +185,9 @@ class SparseMoe(nnx.Module):
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         weights = weights.astype(x.dtype)
-        routed = run_experts(self, x, weights, experts, ops)
-
-        shared = self.shared_expert(x) * jax.nn.sigmoid(self.shared_expert_gate(x))
-        return routed + shared
+        gate = jax.nn.sigmoid(self.shared_expert_gate(x))  # [T, 1]
+        shared = SharedExpert(*self.shared_expert.weights(), gate)
+        return run_experts(self, x, weights, experts, ops, shared)
 
 
 class SigmoidMoe(nnx.Module):
@@ -231,7 +257,7 @@ class SigmoidMoe(nnx.Module):
 
     def __call__(self, x: jax.Array, ops: Ops | None = None) -> jax.Array:
         weights, experts = self.route(x)
-        y = run_experts(self, x, weights, experts, ops)
+        shared = None
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y
+            shared = SharedExpert(*self.shared_experts.weights(), None)
+        return run_experts(self, x, weights, experts, ops, shared)
