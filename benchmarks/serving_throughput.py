@@ -145,6 +145,7 @@ def engine_args(args, concurrency: int, max_model_len: int, **overrides) -> Engi
         async_scheduling=args.async_scheduling,
         scan_layers=args.scan_layers,
         branch_free_step=args.branch_free_step,
+        dispatch_thread=args.dispatch_thread,
         tensor_parallel_size=args.tp,
         enable_expert_parallel=args.expert_parallel,
         compilation_cache_dir=args.compilation_cache_dir,
@@ -168,6 +169,7 @@ def run_one(model, cfg, args, concurrency: int, deadline: float) -> dict:
     res = {"concurrency": concurrency, "engine_start_s": round(time.perf_counter() - t0, 2)}
     res["async_scheduling"] = engine.async_scheduling
     res["branch_free_step"] = engine.runner.branch_free
+    res["dispatch_thread"] = engine._dispatch is not None
     res["kv_blocks_per_device"] = engine.runner.memory.num_kv_blocks
     res["state_slots_per_device"] = engine.runner.memory.num_state_slots
     vocab = min(cfg.vocab_size, 150000)
@@ -243,6 +245,11 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
         "--branch-free-step", action=argparse.BooleanOptionalAction, default=None,
         help="the engine's --branch-free-step (default: the engine's, on for TP on a GPU; "
         "--no-branch-free-step for the step with its lax.conds)",
+    )  # fmt: skip
+    p.add_argument(
+        "--dispatch-thread", action="store_true",
+        help="the engine's --dispatch-thread (steps launched from a thread of their own; "
+        "'host ms / step' is then the engine thread's time without the launches)",
     )  # fmt: skip
     p.add_argument(
         "--max-seconds", type=float, default=510.0, help="stop cleanly, JSON written, after this"

@@ -157,6 +157,13 @@ class EngineArgs:
         "device; outputs are the same as without it; default: on for one process on a GPU or "
         "TPU, off on CPU (host and device share the cores) and with several processes",
     )
+    dispatch_thread: bool = _flag(
+        False,
+        "with async scheduling, launch each step from a thread of its own: the launch (the "
+        "calling thread held for XLA's whole launch sequence, one launch per collective under "
+        "tensor parallelism) overlaps the engine's output processing and next scheduling; "
+        "outputs are the same as without it",
+    )
     speculative_config: str | None = _flag(
         None,
         'speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": '

@@ -18,6 +18,11 @@ With ``--async-scheduling`` a step overlaps the next one's scheduling with the d
 
 A request that finishes at step N but already has a row in step N+1 keeps its blocks and slot
 until step N+1's ``update``, which drops that row's token (``Scheduler`` docstring).
+
+With ``--dispatch-thread`` as well, ``runner.submit`` runs on a thread of its own (steps in
+order): the launch of step N+1, which holds the calling thread for XLA's whole launch sequence
+(one launch per collective and CUDA graph segment under tensor parallelism, the GIL released),
+overlaps this thread's ``update`` and outputs of step N and its scheduling of step N+2.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import dataclasses
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -184,6 +190,10 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, preloaded=None):
         self.args = args
         self.async_scheduling = _async_scheduling(args.async_scheduling)
+        # With async scheduling and --dispatch-thread, steps are launched from this thread.
+        self._dispatch = None
+        if self.async_scheduling and args.dispatch_thread:
+            self._dispatch = ThreadPoolExecutor(1, thread_name_prefix="hyjax-dispatch")
         if args.compilation_cache_dir:
             use_compilation_cache(args.compilation_cache_dir)
         mesh = None
@@ -258,8 +268,9 @@ class LLMEngine:
         )
         if self.spec_config is not None:
             log.info("speculative decoding: %s", self.spec_config)
-        # Async scheduling: dispatched steps not yet updated, oldest first (at most two).
-        self._in_flight: collections.deque[tuple[SchedulerOutput, InFlightStep]] = (
+        # Async scheduling: dispatched steps not yet updated, oldest first (at most two); with
+        # the dispatch thread, each step's handle is a future of it.
+        self._in_flight: collections.deque[tuple[SchedulerOutput, InFlightStep | Future]] = (
             collections.deque()
         )
         self.vocab_size = self.model_config.vocab_size
@@ -377,7 +388,7 @@ class LLMEngine:
             return outputs
         t1 = time.perf_counter()
         out, handle = self._in_flight.popleft()
-        result = self.runner.fetch(handle)
+        result = self.runner.fetch(handle.result() if self._dispatch else handle)
         t2 = time.perf_counter()
         outputs += self._report(out, result)
         self.timing.add(
@@ -398,8 +409,17 @@ class LLMEngine:
             outputs += self._report(out, None)
             return
         prev = self._in_flight[-1][1] if self._in_flight else None
-        handle = self.runner.submit(out.plan, prev=prev, from_prev=out.from_prev)
+        if self._dispatch is None:
+            handle = self.runner.submit(out.plan, prev=prev, from_prev=out.from_prev)
+        else:  # a future of the step's handle: this thread goes on to report the step before
+            handle = self._dispatch.submit(self._submit_after, out.plan, prev, out.from_prev)
         self._in_flight.append((out, handle))
+
+    def _submit_after(self, plan, prev: Future | None, from_prev) -> InFlightStep:
+        """The dispatch thread's submit. It runs the steps in order, so ``prev`` (the step
+        before, its future) is done."""
+        prev_step = prev.result() if prev is not None else None
+        return self.runner.submit(plan, prev=prev_step, from_prev=from_prev)
 
     def _report(self, out: SchedulerOutput, result) -> list[RequestOutput]:
         self._take_prompt_logprobs(out, result)

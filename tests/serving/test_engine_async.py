@@ -4,9 +4,12 @@ step N, whose decode rows read their input token from step N's output on the dev
 The engine tests run the tiny long-memory Qwen3-Next of ``test_engine.py``: async outputs must
 be token-identical to sync ones (greedy and seeded sampling, prefix caching on and off, stop
 ids, stop strings, ragged ``max_tokens``), the overlap must really happen (rows spliced on the
-device), and every block and slot must come back. The scheduler tests pin the bookkeeping of
+device), and every block and slot must come back; with ``--dispatch-thread`` (the steps launched
+from a thread of their own) as well. The scheduler tests pin the bookkeeping of
 a request that finishes while a later step still has its row.
 """
+
+import threading
 
 import numpy as np
 import pytest
@@ -26,10 +29,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(model_dir):
-    """sync (caching off): the reference; async with caching on and off."""
+    """sync (caching off): the reference; async with caching on (its steps launched from the
+    dispatch thread) and off (launched by the engine's thread)."""
     kw = dict(BASE, warmup=False)
     sync = LLMEngine(EngineArgs(model=model_dir, enable_prefix_caching=False, **kw))
-    on = LLMEngine(EngineArgs(model=model_dir, async_scheduling=True, **kw))
+    on = LLMEngine(EngineArgs(model=model_dir, async_scheduling=True, dispatch_thread=True, **kw))
     off = LLMEngine(
         EngineArgs(model=model_dir, async_scheduling=True, enable_prefix_caching=False, **kw)
     )
@@ -39,12 +43,14 @@ def engines(model_dir):
 
 
 def _count_spliced(engine: LLMEngine) -> None:
-    """Counts the tokens the engine's steps read from the previous step on the device."""
-    engine.spliced = 0
+    """Counts the tokens the engine's steps read from the previous step on the device, and
+    records the threads that launched them."""
+    engine.spliced, engine.launch_threads = 0, set()
     submit = engine.runner.submit
 
     def counting(plan, **kw):
         engine.spliced += len(kw.get("from_prev", ()))
+        engine.launch_threads.add(threading.current_thread().name.split("_")[0])
         return submit(plan, **kw)
 
     engine.runner.submit = counting
@@ -72,6 +78,7 @@ def test_async_is_token_identical_with_caching_on_and_off(engines):
         assert e.spliced - spliced > 100  # most decode tokens came from the device
         _assert_all_freed(e)
     assert on.metrics().effective_hit_tokens > 0
+    assert on.launch_threads == {"hyjax-dispatch"} and off.launch_threads == {"MainThread"}
 
 
 def test_only_decode_steps_run_ahead(engines):
@@ -220,7 +227,7 @@ def test_async_preemption_under_a_tiny_pool(model_dir):
         warmup=False,
     )
     sync = LLMEngine(EngineArgs(model=model_dir, **tiny))
-    on = LLMEngine(EngineArgs(model=model_dir, async_scheduling=True, **tiny))
+    on = LLMEngine(EngineArgs(model=model_dir, async_scheduling=True, dispatch_thread=True, **tiny))
     _count_spliced(on)
     want = _tokens(run_waves(sync, workload(seed=1, max_tokens=80)))
     got = _tokens(run_waves(on, workload(seed=1, max_tokens=80)))
