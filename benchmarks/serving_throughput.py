@@ -202,6 +202,8 @@ def run_one(model, cfg, args, concurrency: int, deadline: float) -> dict:
     steps = max(engine.timing.steps, 1)
     res["host_ms_per_step"] = round(engine.timing.host / steps * 1e3, 3)
     res["device_ms_per_step"] = round(engine.timing.device / steps * 1e3, 3)
+    if engine.timing.launches:  # async scheduling: the launch sequence alone
+        res["launch_ms_per_step"] = round(engine.timing.launch / engine.timing.launches * 1e3, 3)
     del engine
     gc.collect()
     return res

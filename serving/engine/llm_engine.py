@@ -106,12 +106,16 @@ class _Tracked:
 @dataclasses.dataclass
 class StepTiming:
     """Seconds per step spent on the host (schedule, update, detokenize) and on the device
-    (``runner.execute``: transfer, step, and the wait for its tokens)."""
+    (``runner.execute``: transfer, step, and the wait for its tokens). With async scheduling,
+    ``launch`` sums the seconds in ``runner.submit`` over ``launches`` steps (XLA's launch
+    sequence; in ``host`` too unless the dispatch thread runs it)."""
 
     steps: int = 0
     host: float = 0.0
     device: float = 0.0
     last: tuple[int, bool, float, float] = (0, False, 0.0, 0.0)  # rows, decode_only, host, dev
+    launches: int = 0
+    launch: float = 0.0
 
     def add(self, rows: int, decode_only: bool, *, host: float, device: float) -> None:
         self.steps += 1
@@ -121,6 +125,7 @@ class StepTiming:
 
     def reset(self) -> None:
         self.steps, self.host, self.device = 0, 0.0, 0.0
+        self.launches, self.launch = 0, 0.0
 
 
 def _mixed_row_buckets(flag: bool | None) -> bool:
@@ -410,7 +415,7 @@ class LLMEngine:
             return
         prev = self._in_flight[-1][1] if self._in_flight else None
         if self._dispatch is None:
-            handle = self.runner.submit(out.plan, prev=prev, from_prev=out.from_prev)
+            handle = self._submit(out.plan, prev, out.from_prev)
         else:  # a future of the step's handle: this thread goes on to report the step before
             handle = self._dispatch.submit(self._submit_after, out.plan, prev, out.from_prev)
         self._in_flight.append((out, handle))
@@ -418,8 +423,14 @@ class LLMEngine:
     def _submit_after(self, plan, prev: Future | None, from_prev) -> InFlightStep:
         """The dispatch thread's submit. It runs the steps in order, so ``prev`` (the step
         before, its future) is done."""
-        prev_step = prev.result() if prev is not None else None
-        return self.runner.submit(plan, prev=prev_step, from_prev=from_prev)
+        return self._submit(plan, prev.result() if prev is not None else None, from_prev)
+
+    def _submit(self, plan, prev: InFlightStep | None, from_prev) -> InFlightStep:
+        start = time.perf_counter()
+        step = self.runner.submit(plan, prev=prev, from_prev=from_prev)
+        self.timing.launches += 1
+        self.timing.launch += time.perf_counter() - start
+        return step
 
     def _report(self, out: SchedulerOutput, result) -> list[RequestOutput]:
         self._take_prompt_logprobs(out, result)

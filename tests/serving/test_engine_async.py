@@ -79,6 +79,8 @@ def test_async_is_token_identical_with_caching_on_and_off(engines):
         _assert_all_freed(e)
     assert on.metrics().effective_hit_tokens > 0
     assert on.launch_threads == {"hyjax-dispatch"} and off.launch_threads == {"MainThread"}
+    for e in (on, off):  # every step's launch timed, on whichever thread ran it
+        assert e.timing.launches >= e.timing.steps > 0 and e.timing.launch > 0
 
 
 def test_only_decode_steps_run_ahead(engines):
