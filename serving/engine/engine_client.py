@@ -55,6 +55,51 @@ class RequestRejected(ValueError):
         self.client_error = client_error
 
 
+class PipeOutbox:
+    """The engine process's replies to the HTTP process: one pipe, written by the engine loop
+    itself (each message list pickled and sent in the calling thread), read by the client's
+    reader thread.
+
+    ``multiprocessing.Queue`` hands each message to a feeder thread that sends it later; in
+    the engine process that thread must wait for the GIL, which the engine loop holds for its
+    step's host work (the whole step, under async scheduling). Its messages then reached the
+    HTTP side late and in bursts (``benchmarks.frontend_rate``). A send here costs the loop
+    its pickling and write, ~10-50 us a step. A full pipe blocks the writer until the reader
+    drains it (back pressure, where the queue would buffer without bound). Writers in the
+    engine process (the loop; the multihost leader's exit path) take turns on a lock."""
+
+    def __init__(self, ctx) -> None:
+        self._reader, self._writer = ctx.Pipe(duplex=False)
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:  # to the engine process: the write end only
+        return {"writer": self._writer}
+
+    def __setstate__(self, state: dict) -> None:
+        self._reader, self._writer, self._lock = None, state["writer"], threading.Lock()
+
+    def put(self, item) -> None:
+        with self._lock:
+            self._writer.send(item)
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        """The next message list; ``queue.Empty`` when none came within ``timeout``."""
+        if not self._reader.poll(timeout if block else 0):
+            raise queue.Empty
+        return self._reader.recv()
+
+    # ``multiprocessing.Queue``'s shutdown calls, for the code that ends either kind: a send
+    # has already written its bytes, so there is no feeder thread to flush or abandon.
+    def close(self) -> None:
+        pass
+
+    def join_thread(self) -> None:
+        pass
+
+    def cancel_join_thread(self) -> None:
+        pass
+
+
 @dataclasses.dataclass
 class _Pending:
     accepted: asyncio.Future
@@ -71,7 +116,7 @@ class EngineClient:
     def __init__(self, engine_kwargs: dict) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._inbox = ctx.Queue()
-        self._outbox = ctx.Queue()
+        self._outbox = PipeOutbox(ctx)
         self._proc = ctx.Process(
             target=_engine_main,
             args=(engine_kwargs, self._inbox, self._outbox, logging.getLogger().level),

@@ -146,3 +146,22 @@ def test_abort_and_stats(loop):
     reply = next(m for m in got if isinstance(m, StatsReply))
     assert reply.token == 7 and reply.stats.num_running == 0
     assert engine.aborted == ["a"]
+
+
+def test_the_outbox_is_written_by_the_sender_itself():
+    """``PipeOutbox`` (the engine's replies to the HTTP process): ``put`` has sent the message
+    when it returns, with no feeder thread to wait for the GIL (``multiprocessing.Queue``'s
+    starts one and sends later), and the engine side unpickles the write end alone."""
+    import multiprocessing
+
+    from serving.engine.engine_client import EngineClient, PipeOutbox
+
+    outbox = PipeOutbox(multiprocessing.get_context("spawn"))
+    threads = threading.active_count()
+    outbox.put([Accepted("a")])
+    assert threading.active_count() == threads  # no thread started to send it
+    assert outbox.get(block=False) == [Accepted("a")]  # already in the pipe
+    with pytest.raises(queue.Empty):
+        outbox.get(timeout=0.01)
+    assert list(outbox.__getstate__()) == ["writer"]  # what Process() hands the engine
+    assert isinstance(EngineClient({})._outbox, PipeOutbox)  # the one the server uses
