@@ -259,6 +259,9 @@ SERIAL_SWEEP = [
     (True, 64, 4, 2),
     (True, 64, 8, 1),
     (True, 128, 8, 1),
+    # one sequence: 256 programs of 16 columns (2 a SM) to hide the chunk step's load latency
+    (True, 16, 2, 2),
+    (True, 16, 4, 2),
 ]
 INTRA_SWEEP = [(4, 2), (4, 1), (8, 2)]  # the intra launch's (warps, stages)
 
