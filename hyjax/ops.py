@@ -55,7 +55,6 @@ from pallas_kernels.attention.reference import (
     write_kv_reference,
 )
 from pallas_kernels.common import multi_decode_gpu
-from pallas_kernels.conv1d import gpu as conv1d_gpu
 from pallas_kernels.conv1d import tpu as conv1d_tpu
 from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
@@ -171,22 +170,6 @@ GPU_GDN_PREFILL = functools.partial(gdn_gpu.gdn_prefill, precision=None)
 GPU_KDA_PREFILL = functools.partial(kda_gpu.kda_prefill, precision=None)
 
 
-# Decode steps on NVIDIA: the Pallas conv update (q, k, v handed back apart), then the delta
-# rule's decode kernel. On an H200 (``benchmarks.decode_variants``, one process, Qwen3-Next-80B
-# / Kimi-Linear-48B layer shapes, f32 state) this pair beat the one-pass kernels
-# (``fused_decode.conv_gdn_decode``, ``kda_fused_decode.conv_kda_decode``: a second small launch
-# shifts the q / k windows) at 64 and 256 rows: GDN 83.5 / 311 us against 91.3 / 337 us, KDA
-# 89.7 / 329 us against 97.0 / 352 us.
-GPU_CONV_GDN_DECODE = Composed(
-    functools.partial(fused_decode.composed_conv_gdn_decode, split_outputs=True),
-    (conv1d_gpu.causal_conv1d_update, gdn_gpu.gdn_decode),
-)
-GPU_CONV_KDA_DECODE = Composed(
-    functools.partial(kda_fused_decode.composed_conv_kda_decode, split_outputs=True),
-    (conv1d_gpu.causal_conv1d_update, kda_gpu.kda_decode),
-)
-
-
 def _prefill_as_multi_decode(prefill: Callable) -> Callable:
     """A prefill op in a multi-decode cell: it takes rows of any length, so the static
     ``max_tokens`` (the caller's promise that rows are short) is not needed."""
@@ -230,7 +213,11 @@ GRID: dict[str, Row] = {
             fused_decode.composed_conv_gdn_decode,
             (conv1d_tpu.causal_conv1d_update, gdn_tpu.gdn_decode),
         ),
-        gpu=GPU_CONV_GDN_DECODE,
+        # the Pallas conv update (q, k, v handed back apart), then gdn_decode: on an H200 this
+        # pair beat the one-pass fused_decode.conv_gdn_decode (its second launch shifts the q /
+        # k windows) at 64 and 256 rows, 83.5 / 311 us against 91.3 / 337 us (KDA: 89.7 / 329
+        # against 97.0 / 352; benchmarks.decode_variants, one process)
+        gpu=fused_decode.two_kernel_conv_gdn_decode,
     ),
     "write_kv": Row(
         reference=write_kv_reference,  # everywhere: XLA's scatter, in place on the donated pool
@@ -261,7 +248,7 @@ GRID: dict[str, Row] = {
             kda_fused_decode.composed_conv_kda_decode,
             (conv1d_tpu.causal_conv1d_update, kda_tpu.kda_decode),
         ),
-        gpu=GPU_CONV_KDA_DECODE,
+        gpu=kda_fused_decode.two_kernel_conv_kda_decode,  # as conv_gdn_decode's
     ),
     # Speculative verify steps: the decode recurrence token by token, a state store per token
     # (pallas_kernels/common/multi_decode_gpu.py); elsewhere the chunked prefill, whose

@@ -135,8 +135,9 @@ conv_gdn_decode_reference = composed_conv_gdn_decode(
 
 def two_kernel_conv_gdn_decode(*args, interpret: bool = False, **kwargs):
     """The Pallas conv update (q, k, v handed back apart), then ``gdn_decode``: the fused
-    op's signature in two kernels, against :func:`conv_gdn_decode`'s two launches (its second
-    a small q / k window shift) in ``benchmarks.decode_variants``."""
+    op's signature in two kernels. The engine's decode on NVIDIA (``hyjax.ops``): faster on
+    an H200 than :func:`conv_gdn_decode`'s two launches (its second a small q / k window
+    shift), ``benchmarks.decode_variants``."""
     op = composed_conv_gdn_decode(
         functools.partial(conv1d_gpu.causal_conv1d_update, interpret=interpret),
         functools.partial(gdn_decode, interpret=interpret),
