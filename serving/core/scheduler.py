@@ -671,7 +671,8 @@ class Scheduler:
     def _lpm_order(self) -> list[Request] | None:
         """The waiting requests by longest cache hit, ties in arrival order (``lpm``), or
         None: arrival order (``fcfs``, or a queue past ``LPM_WINDOW``). A hit pending in a
-        step not yet updated counts as none here (it is passed over at admission)."""
+        step not yet updated counts as none here (it is passed over at admission). Admission
+        looks each request up again: an admission before it may have taken what this saw."""
         if self.cfg.scheduling_policy != "lpm" or len(self.waiting) > LPM_WINDOW:
             return None
 

@@ -600,8 +600,10 @@ class ModelRunner:
         if prev is not None:
             tokens = prev.tokens
         else:
-            if self._no_prev is None:  # committed, as a step's tokens are: else the first
-                zeros = np.zeros(r, np.int32)  # step fed by another compiles its bucket again
+            # Committed to the device, as a step's tokens are: else a bucket warmed up with
+            # these compiles again at its first step fed by the step before.
+            if self._no_prev is None:
+                zeros = np.zeros(r, np.int32)
                 self._no_prev = (
                     replicate_tree(zeros, self.sharding.mesh)
                     if self.sharding is not None
