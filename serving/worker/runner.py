@@ -146,7 +146,7 @@ def _step_body(
     # conditional copies its predicate to the host, which waits there for every kernel before
     # it (two per step on two H200s: the sampler's sort, the log-probs). Past the bound (many
     # rows) they stay split, where XLA partitions argmax, max and the Gumbel draw with a few
-    # scalars a row crossing devices, and the branches that sort gather them themselves.
+    # scalars a row crossing devices, and the sort and the log-probs gather them themselves.
     if math.prod(logits.shape) * logits.dtype.itemsize <= WHOLE_LOGITS_BYTES:
         logits = ops.gather_logits(logits)
     sampling = SamplingArrays.from_arrays(arrays)

@@ -5,7 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from serving.core.plan import SamplingArrays
-from serving.worker.sampler import MAX_LOGPROBS, sample, token_logprobs
+from serving.worker.sampler import (
+    MAX_LOGPROBS,
+    blocked_top_k,
+    sample,
+    token_logprobs,
+)
 
 V = 32
 
@@ -94,3 +99,23 @@ def test_token_logprobs():
     assert np.asarray(top_ids)[0, :3].tolist() == [0, 1, 2]
     assert np.asarray(top_ids)[1, 0] == V - 1
     assert np.all(np.diff(np.asarray(top_lp), axis=1) <= 0)
+
+
+def test_blocked_top_k_is_lax_top_k():
+    """Values and indices as ``lax.top_k`` gives them, ties to the lower index: a vocabulary
+    that is not a multiple of the block (padding), rows of ties, rows half banned."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(4, 10_000)).astype(np.float32)
+    x[1] = np.round(x[1] * 2)  # ties across and within blocks
+    # the 20th value a tie: 1.0 in the blocks of the ten largest (high indices) and as the
+    # maximum of 20 low blocks; lax.top_k takes the lowest indices, those of blocks 0-9
+    x[0] = -10.0
+    x[0, np.arange(50, 60) * 128] = 100.0 + np.arange(10)
+    x[0, np.arange(50, 60) * 128 + 1] = 1.0
+    x[0, np.arange(20) * 128 + 5] = 1.0
+    x[2, ::2] = -np.inf
+    x[3, 9_990:] = 9.0  # the best in the padded block
+    got = jax.jit(lambda x: blocked_top_k(x, MAX_LOGPROBS))(x)
+    want = jax.lax.top_k(x, MAX_LOGPROBS)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
