@@ -55,6 +55,7 @@ from pallas_kernels.attention.reference import (
     write_kv_reference,
 )
 from pallas_kernels.common import multi_decode_gpu
+from pallas_kernels.conv1d import gpu as conv1d_gpu
 from pallas_kernels.conv1d import tpu as conv1d_tpu
 from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
@@ -187,9 +188,10 @@ GRID: dict[str, Row] = {
     "conv1d_prefill": Row(
         reference=causal_conv1d_prefill_reference,
         tpu=conv1d_tpu.causal_conv1d_prefill,
-        # XLA's: the Pallas kernel (pallas_kernels/conv1d/gpu.py) measured 118 us at B=1
-        # T=4096 on an H200 (27 % of copy bandwidth), slower than XLA's fusion (BENCHMARKS.md)
-        gpu=None,
+        # faster than XLA's fusion in one process on an H200 (benchmarks.conv1d_kernels,
+        # BENCHMARKS.md): 1.11x / 1.06x / 1.20x at B=1 T=4096, B=1 T=16384, B=8 T=4096 with
+        # 512-channel tiles, 1.75x at B=1 T=4096 with the 256 now the default
+        gpu=conv1d_gpu.causal_conv1d_prefill,
     ),
     "conv1d_update": Row(
         reference=causal_conv1d_update_reference,
