@@ -132,15 +132,34 @@ def figures(t: int, e_hit: int, seconds: float) -> dict:
     }
 
 
-def route_only(tiles: gpu.MoeTiles):
-    """The routing plan alone (sort, pad, tables), chained through x so nothing is hoisted."""
+def route_only(tiles: gpu.MoeTiles, plan_of=gpu.route):
+    """The routing plan alone (``gpu.route``: sort, pad, tables; or ``gpu.route_pairwise``),
+    chained through x so nothing is hoisted, every field consumed."""
 
     def fn(x, weights, experts, w_gate, *_):
         experts = experts + (x[0, 0] * 0).astype(jnp.int32)
-        plan = gpu.route(experts, weights, num_experts=w_gate.shape[0], block_m=tiles.block_m)
-        return x * 0 + (plan.row_weight.sum() + plan.pair_row.sum()).astype(x.dtype)
+        plan = plan_of(experts, weights, num_experts=w_gate.shape[0], block_m=tiles.block_m)
+        total = sum(jnp.sum(f.astype(jnp.float32)) for f in plan)
+        return x * 0 + total.astype(x.dtype)
 
     return fn
+
+
+def route_plans(iters: int = 20) -> dict:
+    """``--route-only``: the two route plans at decode sizes (T = 8, 16, 64 tokens, top-10),
+    each alone, chained; microseconds a call (the chain's link, a sum of the plan, included)."""
+    out = {}
+    for e in (64, 512):
+        for t in (8, 16, 64):
+            a = inputs(t, e)
+            tiles = gpu.default_tiles(t * K, e, D, F, jnp.bfloat16)
+            row = {}
+            for name, plan_of in (("sort", gpu.route), ("pairwise", gpu.route_pairwise)):
+                fn = route_only(tiles, plan_of)
+                row[f"{name}_us"] = round(1e6 * time_chained(fn, a, iters), 1)
+            out[f"T={t}_E={e}"] = row
+            print(f"route T={t} E={e}", json.dumps(row), flush=True)
+    return out
 
 
 # ----------------------------------------------------------------------------- torch
@@ -219,12 +238,21 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=400.0, help="seconds; later sweeps skip")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--sweep-shapes", default="", help="e.g. T=1024_E=512,T=4096_E=512")
+    ap.add_argument(
+        "--route-only", action="store_true",
+        help="only the route plans at decode sizes: the sort against the pairwise one",
+    )  # fmt: skip
     args = ap.parse_args()
     res: dict = {"device": device_name(), "jax": jax.__version__, "shapes": {}}
 
     def save():
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
+
+    if args.route_only:
+        res["route_plans"] = route_plans()
+        save()
+        return
 
     if not args.no_torch:  # first, before JAX holds the GPU memory
         res["torch_grouped_mm"] = torch_grouped_mm(SHAPES)

@@ -236,6 +236,71 @@ def route(
     )  # fmt: skip
 
 
+# The route plan of at most this many (token, expert) pairs is computed pairwise
+# (:func:`route_pairwise`: a few row reductions, no sort, no scatter) instead of by
+# :func:`route`'s sort. 0: off, until a GPU run of ``benchmarks.moe_kernels`` (its
+# ``route_only`` and ``route_pairwise_only`` at T = 8 and 64) shows it faster.
+PAIRWISE_ROUTE_MAX_PAIRS = 0
+
+
+def route_pairwise(
+    experts: jax.Array,  # i32[T, k]  ids outside [0, E) are skipped
+    weights: jax.Array,  # [T, k]
+    *,
+    num_experts: int,
+    block_m: int,
+) -> RoutePlan:
+    """:func:`route`'s plan, equal to it, from comparisons of every pair with every pair.
+
+    For a few pairs (decode: T * k of ~10-100) the sort, the bincount scatter, the cumulative
+    sums and the permutation scatter of :func:`route` are a dozen small kernels on a GPU. Here
+    every quantity is a reduction over the pairs along the last axis::
+
+        rank[i]  = #{j < i : key[j] == key[i]}        place of pair i in its expert's group
+        size[i]  = #{j : key[j] == key[i]}            its group's size
+        first[j] = rank[j] == 0                       one pair stands for each group
+        start[i] = sum_j first[j] * (key[j] < key[i]) * padded(size[j])   its group's 1st row
+        row      = start + rank                       (the stable order: experts, then pairs)
+        block_expert[b] = the key of the group whose rows hold b * BM (E - 1 past ``used``)
+        row_token[r]    = the pair whose row is r (-1: none), as a token (one scatter)
+
+    O(P * (P + NB)) work in [P, P] and [NB, P] comparisons.
+    """
+    num_tokens, top_k = experts.shape
+    num_pairs = num_tokens * top_k
+    nb = num_blocks(num_pairs, num_experts, block_m)
+    flat = experts.reshape(-1).astype(jnp.int32)  # [P]
+    valid = (flat >= 0) & (flat < num_experts)
+    key = jnp.where(valid, flat, num_experts)
+    place = jnp.arange(num_pairs, dtype=jnp.int32)
+    same = key[:, None] == key[None, :]  # [P, P]
+    rank = jnp.sum(same & (place[None, :] < place[:, None]), axis=1, dtype=jnp.int32)
+    size = jnp.sum(same, axis=1, dtype=jnp.int32)
+    padded = jnp.where(valid & (rank == 0), (size + block_m - 1) // block_m * block_m, 0)  # [P]
+    start = jnp.sum(jnp.where(key[None, :] < key[:, None], padded[None, :], 0), axis=1)  # [P]
+    end = start + padded  # per group's first pair; 0 rows elsewhere
+    used = jnp.sum(padded) // block_m
+    row = jnp.where(valid, start + rank, -1)  # [P]  padded row of each pair
+
+    # block -> expert: the group whose rows [start, end) hold the block's first row
+    b0 = jnp.arange(nb, dtype=jnp.int32)[:, None] * block_m  # [NB, 1]
+    holds = (start[None, :] <= b0) & (b0 < end[None, :]) & (padded[None, :] > 0)  # [NB, P]
+    block_expert = jnp.max(jnp.where(holds, key[None, :], -1), axis=1)
+    block_expert = jnp.where(block_expert < 0, num_experts - 1, block_expert)
+
+    # padded row -> pair: one scatter of the pairs' places (a skipped pair's index is out of
+    # range, and distinct: the indices stay unique)
+    rows = nb * block_m
+    to = jnp.where(valid, row, rows + place)
+    pair = jnp.full(rows, -1, jnp.int32).at[to].set(place, mode="drop", unique_indices=True)
+    w = weights.reshape(-1)[jnp.maximum(pair, 0)].astype(jnp.float32)
+    return RoutePlan(
+        block_expert=block_expert.astype(jnp.int32), used=used.reshape(1).astype(jnp.int32),
+        row_token=jnp.where(pair >= 0, pair // top_k, -1), row_weight=jnp.where(pair >= 0, w, 0.0),
+        pair_row=row.reshape(num_tokens, top_k),
+    )  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -337,7 +402,8 @@ def moe_experts(
                 "offsets would wrap; shard the experts (expert parallel) or their F dim"
             )
     bm = tiles.block_m
-    plan = route(experts, weights, num_experts=num_experts, block_m=bm)
+    plan_of = route_pairwise if num_tokens * top_k <= PAIRWISE_ROUTE_MAX_PAIRS else route
+    plan = plan_of(experts, weights, num_experts=num_experts, block_m=bm)
     nb = plan.block_expert.shape[0]
     rows = nb * bm
     if rows * max(d, f) >= 2**31:

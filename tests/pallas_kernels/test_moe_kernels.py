@@ -132,10 +132,11 @@ def test_runs_inside_the_experts_shard_map():
     _check(got, _reference(x, weights, experts, w), jnp.float32)
 
 
-def test_route_pins_blocks_rows_and_pairs():
+@pytest.mark.parametrize("plan_of", [gpu.route, gpu.route_pairwise], ids=["sort", "pairwise"])
+def test_route_pins_blocks_rows_and_pairs(plan_of):
     """The module docstring's picture: e0 x5, e2 x9, two skipped pairs, E = 3, BM = 4."""
     ids = np.array([2, 0, 2, 5, 0, 2, 2, 0, 2, -1, 2, 0, 2, 2, 0, 2], np.int32)  # T=16, k=1
-    route = jax.jit(functools.partial(gpu.route, num_experts=3, block_m=4))
+    route = jax.jit(functools.partial(plan_of, num_experts=3, block_m=4))
     plan = route(jnp.asarray(ids[:, None]), jnp.ones((16, 1)))
     assert int(plan.used[0]) == 5
     assert plan.block_expert.shape == (gpu.num_blocks(16, 3, 4),) == (6,)
@@ -150,6 +151,45 @@ def test_route_pins_blocks_rows_and_pairs():
     assert pair_row[[3, 9]].tolist() == [-1, -1]
     kept = np.flatnonzero((ids >= 0) & (ids < 3))
     assert (got[pair_row[kept]] == kept).all()
+
+
+ROUTE_CASES = [  # (T, k, E, BM, ids drawn from): decode-sized plans, skipped ids, repeats
+    (8, 10, 512, 16, "distinct"),
+    (8, 10, 64, 16, "distinct"),
+    (16, 4, 8, 4, "any"),  # a token may name an expert twice; ids -2..E+1 (some skipped)
+    (1, 3, 3, 64, "any"),
+    (5, 4, 4, 16, "distinct"),  # every expert in every token: blocks of many pairs
+]
+
+
+ROUTE_IDS = [f"{t}x{k}_E{e}_BM{bm}_{draw}" for t, k, e, bm, draw in ROUTE_CASES]
+
+
+@pytest.mark.parametrize("t,k,e,bm,draw", ROUTE_CASES, ids=ROUTE_IDS)
+def test_route_pairwise_is_the_sorted_plan(t, k, e, bm, draw):
+    """Every field of the pairwise plan equals the sorted one's, blocks past ``used`` too."""
+    rng = np.random.default_rng(t * k + e)
+    if draw == "any":
+        ids = rng.integers(-2, e + 2, (t, k))
+    else:
+        ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)])
+    ids, weights = jnp.asarray(ids, jnp.int32), jnp.asarray(rng.random((t, k)), jnp.float32)
+    want = jax.jit(functools.partial(gpu.route, num_experts=e, block_m=bm))(ids, weights)
+    got = jax.jit(functools.partial(gpu.route_pairwise, num_experts=e, block_m=bm))(ids, weights)
+    for name in want._fields:
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+
+
+def test_kernel_with_the_pairwise_plan(monkeypatch):
+    """The experts op through the pairwise plan (as decode steps would run it when on)."""
+    monkeypatch.setattr(gpu, "PAIRWISE_ROUTE_MAX_PAIRS", 1 << 20)
+    x, weights, experts, w = _case(12, 8, 3, 64, 32, dtype=jnp.float32, picks=[1, 2, 6], seed=9)
+    fn = jax.jit(functools.partial(gpu.moe_experts, tiles=SMALL, interpret=True))
+    args = [jnp.asarray(a, jnp.float32) for a in (x, weights, *_poison(w, experts, 8))]
+    got = np.asarray(fn(args[0], args[1], jnp.asarray(experts), *args[2:]))
+    _check(got, _reference(x, weights, experts, w), jnp.float32)
+    traced = str(jax.make_jaxpr(fn)(args[0], args[1], jnp.asarray(experts), *args[2:]))
+    assert " sort" not in traced  # the pairwise plan ran, not the sort
 
 
 def test_sparse_moe_layer_through_ops():
