@@ -125,13 +125,11 @@ class CacheManager:
                 req.block_hashes, req.all_token_ids, self.block_size, req.cache_salt
             )
 
-    def lookup(self, req: Request, step_id: int | None = None) -> Hit | None:
+    def lookup(self, req: Request) -> Hit | None:
         """Align-mode hit for ``req`` over all its known tokens. Mutates nothing.
 
-        Returns None when the best usable checkpoint is still pending: written by step
-        ``step_id`` itself (the step being planned) or, without ``step_id``, by any step not
-        yet updated. The request should wait a step rather than recompute it. A checkpoint an
-        earlier step writes serves step ``step_id``, which runs after it on the device.
+        Returns None when the best usable checkpoint is still pending (written by a step that
+        has not been updated): the request should wait a step rather than recompute it.
         """
         if not self.caching:
             return NO_HIT
@@ -149,7 +147,7 @@ class CacheManager:
             slot = self.state.lookup(hashes[p // bs - 1])
             if slot is None:
                 continue
-            pending = self.state.is_pending(slot, step_id)
+            pending = self.state.is_pending(slot)
             if not pending and not state_hit:
                 state_hit = p
             if p > kv_hit:
@@ -229,9 +227,8 @@ class CacheManager:
             self.kv.register(a.block_ids[j], req.block_hashes[j])
         a.num_registered = max(a.num_registered, full)
 
-    def add_checkpoint(self, req: Request, p: int, latest: bool, step_id: int = 0) -> int:
-        """A slot for step ``step_id``'s kernel to write the state after ``p`` tokens of
-        ``req``, or 0.
+    def add_checkpoint(self, req: Request, p: int, latest: bool) -> int:
+        """A slot for the kernel to write the state after ``p`` tokens of ``req``, or 0.
 
         0 when the checkpoint is already cached (or pending) or no spare slot exists. A new
         slot is pending with one reference held by the scheduling step. With ``latest``, the
@@ -247,7 +244,7 @@ class CacheManager:
         if self.spare_state_slots() < 1:
             self.metrics.checkpoints_skipped_no_slot += 1
             return NULL_ID
-        slot = self.state.allocate_checkpoint(h, step_id)
+        slot = self.state.allocate_checkpoint(h)
         self.metrics.checkpoints_written += 1
         if latest:
             self._hold_latest(req, slot)

@@ -289,7 +289,7 @@ class Scheduler:
                 i += 1
 
         admits = budget > 0 and not preempted and self.cache.num_running < self.cfg.max_num_seqs
-        lpm = self._lpm_order(b.step_id) if admits else None  # (no lookups in a step that admits none)
+        lpm = self._lpm_order() if admits else None  # (no lookups in a step that admits none)
         for req in lpm if lpm is not None else self._fcfs_order():
             if budget <= 0 or preempted:
                 break
@@ -302,8 +302,8 @@ class Scheduler:
                 break
             if self.cache.num_running >= self.cfg.max_num_seqs:
                 break
-            hit = NO_HIT if req.needs_prompt_logprobs else self.cache.lookup(req, b.step_id)
-            if hit is None:  # its best checkpoint is written by this very step
+            hit = NO_HIT if req.needs_prompt_logprobs else self.cache.lookup(req)
+            if hit is None:  # its best checkpoint is written by a step not yet updated
                 self.cache.metrics.deferred_same_step += 1
                 if lpm is not None:  # the others need not wait for it
                     continue
@@ -578,7 +578,7 @@ class Scheduler:
             if end - end % self.cfg.granularity > start:  # crosses a boundary
                 row = len(b.requests)
                 for p, latest in self._checkpoint_positions(req, start, end):
-                    slot = self.cache.add_checkpoint(req, p, latest, b.step_id)
+                    slot = self.cache.add_checkpoint(req, p, latest)
                     if slot != NULL_ID:
                         b.ckpts.append((row, p - start, slot))
                         b.ckpt_written.append(slot)
@@ -668,19 +668,18 @@ class Scheduler:
         while self.waiting:
             yield self.waiting[0]
 
-    def _lpm_order(self, step_id: int) -> list[Request] | None:
+    def _lpm_order(self) -> list[Request] | None:
         """The waiting requests by longest cache hit, ties in arrival order (``lpm``), or
-        None: arrival order (``fcfs``, or a queue past ``LPM_WINDOW``). A hit on a checkpoint
-        step ``step_id`` itself writes counts as none here (it is passed over at admission).
-        Admission looks each request up again: an admission before it may have taken what
-        this saw."""
+        None: arrival order (``fcfs``, or a queue past ``LPM_WINDOW``). A hit pending in a
+        step not yet updated counts as none here (it is passed over at admission). Admission
+        looks each request up again: an admission before it may have taken what this saw."""
         if self.cfg.scheduling_policy != "lpm" or len(self.waiting) > LPM_WINDOW:
             return None
 
         def hit_len(req: Request) -> int:
             if req.status is not RequestStatus.WAITING or req.needs_prompt_logprobs:
                 return 0
-            hit = self.cache.lookup(req, step_id)
+            hit = self.cache.lookup(req)
             return hit.num_tokens if hit is not None else 0
 
         return sorted(self.waiting, key=hit_len, reverse=True)  # stable: ties keep arrival

@@ -8,12 +8,9 @@ One slot holds, for every GDN layer, the conv window and the recurrent state. Sl
                 the prefix [0, p); shared, read-only, ref-counted, evictable in LRU order
     free        in the free queue (a free checkpoint still answers lookups until evicted)
 
-A checkpoint is *pending* from the step that registers it until that step's ``update()``. The
-step holds a reference on it meanwhile, so it cannot be evicted before it is written. It may
-serve a hit in a later step only (the same-step rule: the programs of one launch run in no
-fixed order), and may in the very next one, before ``update()``: under async scheduling the
-next step is planned while the writer runs, and runs after it on the device
-(``written_by``: the step that writes it).
+A checkpoint is *pending* from the step that registers it until that step's ``update()``: its
+kernels have not written it yet, so it must not serve a hit (the same-step rule). The step
+holds a reference on it meanwhile, so it cannot be evicted before it is written.
 
 Eviction is segmented LRU. A free checkpoint that has served a hit (``mark_hit``: a shared
 prefix, a conversation resumed) waits in a second, *protected* queue, evicted only when the
@@ -37,7 +34,6 @@ class StatePool(BlockPool):
     def __init__(self, num: int) -> None:
         super().__init__(num)
         self.pending = [False] * num
-        self.written_by = [0] * num  # a pending checkpoint's writing step id
         self.hit = [False] * num  # a checkpoint that has served a hit since it was written
         self.protected = FreeQueue(num, empty=True)
         self.max_protected = max(1, (num - 1) // 2)
@@ -76,9 +72,8 @@ class StatePool(BlockPool):
         """A private, unhashed slot with ref_cnt 1. Raises ValueError if none is free."""
         return self.allocate(1)[0]
 
-    def allocate_checkpoint(self, h: BlockHash, step_id: int = 0) -> int:
-        """A new pending checkpoint for ``h`` with ref_cnt 1 (held by step ``step_id``, which
-        writes it).
+    def allocate_checkpoint(self, h: BlockHash) -> int:
+        """A new pending checkpoint for ``h`` with ref_cnt 1 (held by the writing step).
 
         ``h`` must not have an entry yet. Raises ValueError if no slot is free.
         """
@@ -87,7 +82,6 @@ class StatePool(BlockPool):
         ok = self.register(slot, h)
         assert ok
         self.pending[slot] = True
-        self.written_by[slot] = step_id
         return slot
 
     def lookup_ready(self, h: BlockHash) -> int | None:
@@ -97,12 +91,8 @@ class StatePool(BlockPool):
             return None
         return slot
 
-    def is_pending(self, slot: int, step_id: int | None = None) -> bool:
-        """Whether ``slot`` may not serve a hit yet: still pending and (with ``step_id``, the
-        step that would read it) written by that very step or a later one."""
-        if step_id is None:
-            return self.pending[slot]
-        return self.pending[slot] and self.written_by[slot] >= step_id
+    def is_pending(self, slot: int) -> bool:
+        return self.pending[slot]
 
     def mark_written(self, slots: list[int]) -> None:
         """Called at ``update()`` of the step that wrote ``slots``: they may now serve hits."""

@@ -78,21 +78,19 @@ def test_state_hit_without_kv_hit_is_counted_apart_from_the_effective_hit():
 
 
 def test_same_step_rule_defers_the_second_identical_prompt():
-    """b's best checkpoint (64) is written by a's step: b waits for the next step, which
-    may read it before a's step is updated (async scheduling plans it while a's step runs,
-    and it runs after that step on the device: the fake runner fails on an unwritten slot)."""
     s, runner = make_scheduler(), FakeRunner(16)
     a, b = make_request("a", prompt(100)), make_request("b", prompt(100))
     s.add_request(a)
     s.add_request(b)
     out1 = s.schedule()
-    assert out1.request_ids == ["a"]  # b's best checkpoint is pending in this very step
+    assert out1.request_ids == ["a"]  # b's best checkpoint (64) is pending in this step
     assert s.cache.metrics.deferred_same_step == 1
-    out2 = s.schedule()  # planned before step 1 is updated
-    assert out2.request_ids == ["b"] and b.num_cached_tokens == 64
-    assert out2.plan.src_slot[0] == out1.plan.ckpt_slots[0, 0]
-    s.update(out1, runner.execute(out1))  # the device runs them in order
-    s.update(out2, runner.execute(out2))
+    out_overlap = s.schedule()  # scheduled before step 1 is updated: still pending
+    assert out_overlap is None
+    s.update(out1, runner.execute(out1))
+    out2, _ = step(s, runner)
+    assert out2.request_ids == ["a", "b"] and b.num_cached_tokens == 64
+    assert out2.plan.src_slot[1] == out1.plan.ckpt_slots[0, 0]
     run_all(s, runner)
     assert b.output_token_ids == a.output_token_ids
 
