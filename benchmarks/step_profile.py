@@ -23,6 +23,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import tempfile
 import time
 
@@ -109,12 +110,36 @@ def step_thunks(trace_dir: str) -> list[dict]:
     return sorted(out, key=lambda r: -r["runs"])
 
 
+# Kernel names by what they do, first match wins: XLA names its fusions after their root op
+# and numbers them per layer (psum_59_0_fusion_1, sort_116_1__9), the Pallas kernels carry
+# their own names.
+KERNEL_KINDS = (
+    ("collective", r"psum|all_reduce|all-reduce|all_gather|all-gather|nccl"),
+    ("sort", r"^sort|RadixSort|radix_sort|topk|TopK"),
+    ("moe_experts", r"^moe_"),
+    ("delta_rule", r"gdn_|kda_|conv1d|conv_"),
+    ("attention", r"attention|mla_"),
+    ("matmul", r"gemm|nvjet|cutlass|cublas|sm90_xmma|dot"),
+    ("copy", r"^Memcpy|^memcpy|^Memset"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The :data:`KERNEL_KINDS` entry a kernel's name falls under, or ``other`` (XLA's
+    elementwise, reduction, scatter and gather fusions)."""
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name)), "other")
+
+
 def summarize(events: list[dict], top: int) -> dict:
     total = collections.Counter()
     count = collections.Counter()
     for e in events:
         total[e["name"]] += float(e.get("dur", 0.0))
         count[e["name"]] += 1
+    kinds: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for name, us in total.items():
+        kinds[kernel_kind(name)][0] += us
+        kinds[kernel_kind(name)][1] += count[name]
     busy = sum(total.values())
     span = 0.0
     if events:
@@ -123,6 +148,8 @@ def summarize(events: list[dict], top: int) -> dict:
         "device_busy_us": round(busy),
         "device_span_us": round(span),  # first kernel start to last kernel end
         "kernels": len(events),
+        # every kernel summed by kind: us and launches (the top list below leaves the tail out)
+        "kinds": {k: {"us": round(us), "calls": n} for k, (us, n) in sorted(kinds.items())},
         "top": [
             {"name": n[:160], "us": round(us), "calls": count[n], "share": round(us / busy, 3)}
             for n, us in total.most_common(top)
