@@ -273,9 +273,10 @@ def _sorted_threshold(scaled: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.
     """f32[S, 1]: the lowest logit top-k (``k``) and top-p keep, read off one sorted row.
 
     A sort: on a GPU a multi-pass segmented radix sort, ~0.45 / 1.3 / 3.0 ms for 8 / 64 / 256
-    rows of a 152k vocabulary on an H200 (``benchmarks.sampler_ops``), paid in every step of a
-    branch-free step. A 16-way search over the f32 order keys (8 reductions of [S, V, 15]) was
-    0.33 / 2.0 / 14.5 ms there: XLA materialized the [S, V, 15] comparison."""
+    rows of a 152k vocabulary on an H200 (``benchmarks.sampler_ops``), paid by every step under
+    ``--branch-free-step``. A 16-way search over the f32 order keys (8 reductions of a
+    broadcast [S, V, 15] comparison) was 0.33 / 2.0 / 14.5 ms there: XLA materialized the
+    comparison. ``benchmarks.sampler_ops`` times the candidates to replace it."""
     sorted_logits = -jnp.sort(-scaled, axis=-1)  # [S, V]
     kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
     sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
