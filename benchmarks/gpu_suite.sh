@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The issue 19 / 20 GPU measurements in one device call, results packed into one file.
+#
+#   bash benchmarks/gpu_suite.sh OUT_DIR SECTION [SECTION ...]
+#
+# One-card sections run on the cards the machine has, as many at once as there are cards
+# (CUDA_VISIBLE_DEVICES=0, 1, ...), in the order given; a multi-card section (tp48, tp48c64)
+# waits for the one-card ones before it and takes every card. Each section has its own time
+# limit (SUITE_LIMIT_S, default 280 s); its JSON and log go to a scratch folder, packed into
+# OUT_DIR/suite.tgz after every section (a device call brings back a few files only: at most
+# 8). A one-line summary per section is printed as it ends.
+#
+# Sections:
+#   sampler   benchmarks.sampler_ops: the threshold sort against its sort-free candidates,
+#             lax.top_k against blocked_top_k
+#   route     benchmarks.moe_kernels --route-only: the sorted route plan against the pairwise
+#   conv1d    benchmarks.conv1d_kernels --sweep
+#   gdn       benchmarks.gdn_kernels --sweep
+#   decode    benchmarks.decode_variants
+#   step      benchmarks.step_profile --layers 8 --decode-rows 64,256
+#   prefix    benchmarks.prefix_repetition --scheduling-policy fcfs lpm
+#   tp48      benchmarks.serving_throughput: 80B, 48 layers, TP 2, c8 (SGLang's workload), an
+#             8-step profile (its kernels summed by kind)
+#   tp48c64   the same at concurrency 64 (--min-seq-bucket 64)
+#
+# e.g. on nvidia-h200-x2, with the wheels on PYTHONPATH (BENCHMARKS.md):
+#   bash benchmarks/gpu_suite.sh $OUT sampler route conv1d step tp48
+set -u
+out=$1
+shift
+limit=${SUITE_LIMIT_S:-280}
+scratch=$(mktemp -d)
+cards=$(nvidia-smi -L 2>/dev/null | wc -l)
+[ "$cards" -ge 1 ] || cards=1
+start=$(date +%s)
+
+command_of() {  # section -> its command line (results to $scratch/NAME.json)
+    local j=$scratch/$1.json
+    local tp="--model qwen3-next-80b --layers 48 --tp 2 --min-seq-bucket"
+    case $1 in
+        sampler) echo "python -m benchmarks.sampler_ops --out $j" ;;
+        route) echo "python -m benchmarks.moe_kernels --route-only --no-torch --out $j" ;;
+        conv1d) echo "python -m benchmarks.conv1d_kernels --sweep --out $j" ;;
+        gdn) echo "python -m benchmarks.gdn_kernels --sweep --out $j" ;;
+        decode) echo "python -m benchmarks.decode_variants --out $j" ;;
+        step) echo "python -m benchmarks.step_profile --layers 8 --decode-rows 64,256 --top 60 --out $j" ;;
+        prefix) echo "python -m benchmarks.prefix_repetition --scheduling-policy fcfs lpm --out $j" ;;
+        tp48) echo "python -m benchmarks.serving_throughput $tp 8 --concurrency 8 --profile-steps 8 --max-seconds $((limit - 20)) --out $j" ;;
+        tp48c64) echo "python -m benchmarks.serving_throughput $tp 64 --concurrency 64 --max-seconds $((limit - 20)) --out $j" ;;
+        *) return 1 ;;
+    esac
+}
+
+pack() { tar czf "$out/suite.tgz" -C "$scratch" . ; }
+
+run() {  # section visible-devices
+    local name=$1 devices=$2 cmd t0
+    cmd=$(command_of "$name") || { echo "$name: unknown section"; return; }
+    t0=$(date +%s)
+    CUDA_VISIBLE_DEVICES=$devices timeout "$limit" $cmd > "$scratch/$name.log" 2>&1
+    echo "$name rc=$? $(( $(date +%s) - t0 )) s on $devices (at $(( $(date +%s) - start )) s)"
+}
+
+all=$(seq -s, 0 $((cards - 1)))
+free=()
+for ((c = 0; c < cards; c++)); do free+=("$c"); done
+pids=()
+for name in "$@"; do
+    case $name in
+        tp48*)  # every card: wait for the one-card sections first
+            wait
+            pids=()
+            free=()
+            for ((c = 0; c < cards; c++)); do free+=("$c"); done
+            run "$name" "$all"
+            pack
+            continue
+            ;;
+    esac
+    if [ ${#free[@]} -eq 0 ]; then  # all cards busy: wait for one section to end
+        wait -n
+        # the cards of finished sections come back (a section's card is its index mod cards)
+        free=()
+        for ((c = 0; c < cards; c++)); do
+            pid=${pids[$c]:-}
+            if [ -z "$pid" ] || ! kill -0 "$pid" 2>/dev/null; then free+=("$c"); fi
+        done
+        pack
+    fi
+    card=${free[0]}
+    free=("${free[@]:1}")
+    run "$name" "$card" &
+    pids[$card]=$!
+done
+wait
+pack
+echo "suite: $(( $(date +%s) - start )) s, $out/suite.tgz"
