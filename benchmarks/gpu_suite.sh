@@ -79,7 +79,7 @@ for name in "$@"; do
     esac
     if [ ${#free[@]} -eq 0 ]; then  # all cards busy: wait for one section to end
         wait -n
-        # the cards of finished sections come back (a section's card is its index mod cards)
+        # the cards whose section has ended come back (pids: the section running on each)
         free=()
         for ((c = 0; c < cards; c++)); do
             pid=${pids[$c]:-}

@@ -138,8 +138,9 @@ def summarize(events: list[dict], top: int) -> dict:
         count[e["name"]] += 1
     kinds: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     for name, us in total.items():
-        kinds[kernel_kind(name)][0] += us
-        kinds[kernel_kind(name)][1] += count[name]
+        kind = kinds[kernel_kind(name)]
+        kind[0] += us
+        kind[1] += count[name]
     busy = sum(total.values())
     span = 0.0
     if events:

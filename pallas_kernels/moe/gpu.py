@@ -238,8 +238,8 @@ def route(
 
 # The route plan of at most this many (token, expert) pairs is computed pairwise
 # (:func:`route_pairwise`: a few row reductions, no sort, no scatter) instead of by
-# :func:`route`'s sort. 0: off, until a GPU run of ``benchmarks.moe_kernels`` (its
-# ``route_only`` and ``route_pairwise_only`` at T = 8 and 64) shows it faster.
+# :func:`route`'s sort. 0: off, until a GPU run of ``benchmarks.moe_kernels --route-only``
+# (both plans at T = 8, 16 and 64) shows it faster.
 PAIRWISE_ROUTE_MAX_PAIRS = 0
 
 
