@@ -22,6 +22,13 @@
 #   tp48      benchmarks.serving_throughput: 80B, 48 layers, TP 2, c8 (SGLang's workload), an
 #             8-step profile (its kernels summed by kind)
 #   tp48c64   the same at concurrency 64 (--min-seq-bucket 64)
+#   kimi      benchmarks.serving_throughput: Kimi-Linear-48B, all 27 layers, one card, c8
+#   http      benchmarks.http_serving: hyjax serve under aiperf against the engine, the bench
+#             model (80B layer shapes, 8 layers), SGLang's workload at c8 (aiperf on
+#             PYTHONPATH)
+#
+# SUITE_DEADLINE_S (default 560) bounds the whole suite: a section gets at most what is left
+# of it, so the packed results come back before the device call's own limit.
 #
 # e.g. on nvidia-h200-x2, with the wheels on PYTHONPATH (BENCHMARKS.md):
 #   bash benchmarks/gpu_suite.sh $OUT sampler route conv1d step tp48
@@ -29,6 +36,8 @@ set -u
 out=$1
 shift
 limit=${SUITE_LIMIT_S:-280}
+budget=$limit  # the running section's limit (command_of's --max-seconds)
+deadline=${SUITE_DEADLINE_S:-560}
 scratch=$(mktemp -d)
 cards=$(nvidia-smi -L 2>/dev/null | wc -l)
 [ "$cards" -ge 1 ] || cards=1
@@ -45,8 +54,10 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         decode) echo "python -m benchmarks.decode_variants --out $j" ;;
         step) echo "python -m benchmarks.step_profile --layers 8 --decode-rows 64,256 --top 60 --out $j" ;;
         prefix) echo "python -m benchmarks.prefix_repetition --scheduling-policy fcfs lpm --out $j" ;;
-        tp48) echo "python -m benchmarks.serving_throughput $tp 8 --concurrency 8 --profile-steps 8 --max-seconds $((limit - 20)) --out $j" ;;
-        tp48c64) echo "python -m benchmarks.serving_throughput $tp 64 --concurrency 64 --max-seconds $((limit - 20)) --out $j" ;;
+        tp48) echo "python -m benchmarks.serving_throughput $tp 8 --concurrency 8 --profile-steps 8 --max-seconds $((budget - 20)) --out $j" ;;
+        tp48c64) echo "python -m benchmarks.serving_throughput $tp 64 --concurrency 64 --max-seconds $((budget - 20)) --out $j" ;;
+        kimi) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --max-seconds $((budget - 20)) --out $j" ;;
+        http) echo "python -m benchmarks.http_serving --model $scratch/bench8 --load-format dummy --dtype bfloat16 --block-size 64 --max-num-batched-tokens 2048 --input-len 1000 --output-len 2000 --concurrency 8 --num-prompts 16 --max-seconds $((budget - 20)) --artifact-dir $scratch/http_artifacts --out $j" ;;
         *) return 1 ;;
     esac
 }
@@ -55,9 +66,14 @@ pack() { tar czf "$out/suite.tgz" -C "$scratch" . ; }
 
 run() {  # section visible-devices
     local name=$1 devices=$2 cmd t0
-    cmd=$(command_of "$name") || { echo "$name: unknown section"; return; }
     t0=$(date +%s)
-    CUDA_VISIBLE_DEVICES=$devices timeout "$limit" $cmd > "$scratch/$name.log" 2>&1
+    local left=$(( deadline - (t0 - start) ))
+    [ "$left" -lt "$limit" ] || left=$limit
+    if [ "$left" -lt 30 ]; then echo "$name: skipped, the suite's deadline is near"; return; fi
+    budget=$left
+    cmd=$(command_of "$name") || { echo "$name: unknown section"; return; }
+    [ "$name" != http ] || python -m benchmarks.full_size --write-config "$scratch/bench8" --model bench > /dev/null
+    CUDA_VISIBLE_DEVICES=$devices timeout "$left" $cmd > "$scratch/$name.log" 2>&1
     echo "$name rc=$? $(( $(date +%s) - t0 )) s on $devices (at $(( $(date +%s) - start )) s)"
 }
 
