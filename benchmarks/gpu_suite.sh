@@ -23,9 +23,14 @@
 #             8-step profile (its kernels summed by kind)
 #   tp48c64   the same at concurrency 64 (--min-seq-bucket 64)
 #   kimi      benchmarks.serving_throughput: Kimi-Linear-48B, all 27 layers, one card, c8
+#   kimidt    the same with --dispatch-thread
+#   q24       benchmarks.serving_throughput: 80B, 24 layers, one card, c8, an 8-step profile
 #   http      benchmarks.http_serving: hyjax serve under aiperf against the engine, the bench
 #             model (80B layer shapes, 8 layers), SGLang's workload at c8 (aiperf on
 #             PYTHONPATH)
+#
+# NAME@DIR runs section NAME from the tree in DIR (a worktree of another commit, e.g.
+# q24@.ab/old next to q24: an A/B on two cards of one machine at once).
 #
 # SUITE_DEADLINE_S (default 560) bounds the whole suite: a section gets at most what is left
 # of it, so the packed results come back before the device call's own limit.
@@ -57,6 +62,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         tp48) echo "python -m benchmarks.serving_throughput $tp 8 --concurrency 8 --profile-steps 8 --max-seconds $((budget - 20)) --out $j" ;;
         tp48c64) echo "python -m benchmarks.serving_throughput $tp 64 --concurrency 64 --max-seconds $((budget - 20)) --out $j" ;;
         kimi) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --max-seconds $((budget - 20)) --out $j" ;;
+        kimidt) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --dispatch-thread --max-seconds $((budget - 20)) --out $j" ;;
+        q24) echo "python -m benchmarks.serving_throughput --model qwen3-next-80b --layers 24 --concurrency 8 --min-seq-bucket 8 --profile-steps 8 --max-seconds $((budget - 20)) --out $j" ;;
         http) echo "python -m benchmarks.http_serving --model $scratch/bench8 --load-format dummy --dtype bfloat16 --block-size 64 --max-num-batched-tokens 2048 --input-len 1000 --output-len 2000 --concurrency 8 --num-prompts 16 --max-seconds $((budget - 20)) --artifact-dir $scratch/http_artifacts --out $j" ;;
         *) return 1 ;;
     esac
@@ -64,17 +71,21 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
 
 pack() { tar czf "$out/suite.tgz" -C "$scratch" . ; }
 
-run() {  # section visible-devices
-    local name=$1 devices=$2 cmd t0
+run() {  # section[@tree] visible-devices
+    local name=${1%@*} tree=. devices=$2 cmd t0 tag=$1
+    [ "$1" = "$name" ] || tree=${1#*@}
+    tag=${tag//[\/.]/_}
     t0=$(date +%s)
     local left=$(( deadline - (t0 - start) ))
     [ "$left" -lt "$limit" ] || left=$limit
     if [ "$left" -lt 30 ]; then echo "$name: skipped, the suite's deadline is near"; return; fi
     budget=$left
     cmd=$(command_of "$name") || { echo "$name: unknown section"; return; }
+    cmd=${cmd//$scratch\/$name.json/$scratch\/$tag.json}
     [ "$name" != http ] || python -m benchmarks.full_size --write-config "$scratch/bench8" --model bench > /dev/null
-    CUDA_VISIBLE_DEVICES=$devices timeout "$left" $cmd > "$scratch/$name.log" 2>&1
-    echo "$name rc=$? $(( $(date +%s) - t0 )) s on $devices (at $(( $(date +%s) - start )) s)"
+    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD CUDA_VISIBLE_DEVICES=$devices timeout "$left" $cmd) \
+        > "$scratch/$tag.log" 2>&1
+    echo "$tag rc=$? $(( $(date +%s) - t0 )) s on $devices (at $(( $(date +%s) - start )) s)"
 }
 
 all=$(seq -s, 0 $((cards - 1)))

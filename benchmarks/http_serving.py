@@ -105,6 +105,29 @@ def stop_server(proc: subprocess.Popen) -> int:
         return proc.wait(10)
 
 
+def step_figures(steps: int, host_s: float, device_s: float, seconds: float) -> dict:
+    """The engine's steps over a run: host and device-wait ms a step, and the share of the
+    run's wall time they cover (the rest: the loop between steps, idle waiting for work)."""
+    n, t = max(steps, 1), max(seconds, 1e-9)
+    return {"steps": steps, "host_ms_per_step": round(1e3 * host_s / n, 3),
+            "device_ms_per_step": round(1e3 * device_s / n, 3),
+            "steps_per_s": round(steps / t, 1),
+            "busy_share": round((host_s + device_s) / t, 3)}  # fmt: skip
+
+
+def scrape_steps(url: str) -> tuple[float, float, float, float]:
+    """The server's engine step counters (steps, host s, device s) and the time read."""
+    status, text = request("GET", url + "/metrics")
+    assert status == 200 and isinstance(text, str), status
+    got = {}
+    for line in text.splitlines():
+        for name in ("engine_steps", "engine_step_host_seconds", "engine_step_device_seconds"):
+            if line.startswith(f"hyjax:{name}_total"):
+                got[name] = float(line.rpartition(" ")[2])
+    return (got.get("engine_steps", 0.0), got.get("engine_step_host_seconds", 0.0),
+            got.get("engine_step_device_seconds", 0.0), time.monotonic())  # fmt: skip
+
+
 def tokenizer_dir(model_dir: str) -> str:
     """The directory whose tokenizer the server uses: the model's, or (random weights from a
     bare ``config.json``) the embedded model's."""
@@ -201,8 +224,12 @@ def run_engine(kwargs: dict, prompts: list[str], args) -> dict:
     res["compile_s"] = round(time.perf_counter() - t0, 2)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     compiles, prompt_tokens = engine.runner.compile_count(), engine.prompt_tokens
+    engine.timing.reset()
     traces, seconds, cut = drive(engine, prompts, params, args.concurrency, deadline)
     res |= metrics(traces, seconds)
+    res["engine_steps"] = step_figures(
+        engine.timing.steps, engine.timing.host, engine.timing.device, seconds
+    )
     res["mean_input_tokens"] = (engine.prompt_tokens - prompt_tokens) / max(len(prompts), 1)
     res["partial"] = cut
     res["compiles_while_measured"] = engine.runner.compile_count() - compiles
@@ -267,7 +294,14 @@ def main(argv: list[str] | None = None) -> dict:
         model = models["data"][0]
         tokenizer = args.tokenizer or tokenizer_dir(model.get("root") or kwargs["model"])
         cmd = aiperf_command(args, model["id"], url, tokenizer, out_dir)
+        before = scrape_steps(url)
         export = run_aiperf(cmd, out_dir, args.max_seconds)
+        after = scrape_steps(url)
+        # the engine process inside the server, over aiperf's whole run (its warm-up included)
+        results["server_engine_steps"] = step_figures(
+            int(after[0] - before[0]), after[1] - before[1], after[2] - before[2],
+            after[3] - before[3],
+        )  # fmt: skip
     finally:
         if proc is not None:
             results["server_exit_code"] = stop_server(proc)
@@ -275,6 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
                        "command": shlex.join(cmd)}  # fmt: skip
     results["server"] = aiperf_summary(export)
     print("server:", json.dumps(results["server"]), flush=True)
+    print("server's engine steps:", json.dumps(results.get("server_engine_steps")), flush=True)
     if not args.no_engine:
         results["engine"] = run_engine(kwargs, sent_prompts(out_dir), args)
         print("engine:", json.dumps(results["engine"]), flush=True)

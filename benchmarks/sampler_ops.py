@@ -5,12 +5,12 @@ computes the top-k / top-p thresholds and the top-20 log-probs in every step, so
 paid by every decode step whatever the requests ask. This times:
 
 - ``threshold_sort``: ``sampler._sorted_threshold`` (a sort of [S, V], a softmax, a cumsum);
-- ``threshold_search{2,4,16}``: candidates to replace that sort, here only until a GPU run
-  picks one: a search for the same threshold over the 2^32 f32 order keys, ``ways - 1``
-  split points a pass (each its own row reduction of the count and the mass above it, which
-  XLA may fuse as siblings), 32 / 16 / 8 passes; ``kept_equal`` says each keeps the sort's
-  tokens on the timed rows. (A first search, one reduction of a broadcast [S, V, 15]
-  comparison a pass, was exact and 7x slower than the sort at 256 rows on an H200: XLA
+- ``threshold_search{2,4,16}``: ``sampler._searched_threshold`` (the sampler's, 4 ways since
+  the 2026-11-28 H200 run), a search for the same threshold over the 2^32 f32 order keys,
+  ``ways - 1`` split points a pass (each its own row reduction of the count and the mass
+  above it, which XLA may fuse as siblings), 32 / 16 / 8 passes; ``kept_equal`` says each
+  keeps the sort's tokens on the timed rows. (A first search, one reduction of a broadcast
+  [S, V, 15] comparison a pass, was exact and 7x slower than the sort at 256 rows on an H200: XLA
   materialized the comparison. BENCHMARKS.md.)
 - ``top20``: ``lax.top_k(x, 20)`` against ``sampler.blocked_top_k`` (a top-k of the 128-wide
   blocks' maxima, then one of the 20 chosen blocks), and whether they agree.
@@ -32,58 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import device_name, time_chained
-from serving.worker.sampler import _sorted_threshold, blocked_top_k
-
-
-def _order_keys(x: jax.Array) -> jax.Array:
-    """u32 keys in the order of the f32 values: the sign bit of a positive float flipped,
-    every bit of a negative one."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return bits ^ jnp.where(bits >> 31 == 1, jnp.uint32(0xFFFFFFFF), jnp.uint32(0x80000000))
-
-
-def _from_order_keys(keys: jax.Array) -> jax.Array:
-    bits = keys ^ jnp.where(keys >> 31 == 1, jnp.uint32(0x80000000), jnp.uint32(0xFFFFFFFF))
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def search_threshold(scaled: jax.Array, k: jax.Array, top_p: jax.Array, ways: int) -> jax.Array:
-    """f32[S, 1]: ``sampler._sorted_threshold`` without a sort (a candidate).
-
-    Both kept sets are ``key >= t* - 1`` for the first order key ``t*`` where
-
-        Q(t) = count(key >= t) < k  and  (p = 1  or  mass(key >= t) < p)
-
-    turns true (Q is monotone: false ... false | true ...): top-k keeps the values at or above
-    the k-th largest, top-p a value whose strictly-greater mass is below p. Each pass splits
-    the interval (lo, hi] that holds t* at ``ways - 1`` points, unrolled (no ``while``)."""
-    keys = _order_keys(scaled)  # u32[S, V]
-    e = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
-    target = top_p[:, None] * jnp.sum(e, axis=-1, keepdims=True)  # p of the unnormalized mass
-    use_p = (top_p < 1)[:, None]
-    s = scaled.shape[0]
-    lo = jnp.zeros((s, 1), jnp.uint32)  # Q(0) false: every key counts, V >= k
-    hi = jnp.full((s, 1), 0xFFFFFFFF, jnp.uint32)  # Q true: only a NaN's key reaches it
-    bits = ways.bit_length() - 1
-    assert ways == 1 << bits and bits >= 1, f"{ways=} must be a power of two >= 2"
-    for _ in range(-(-32 // bits)):
-        width = hi - lo
-        step = (width - 1) // ways + 1
-        splits = [lo + jnp.minimum(jnp.uint32(j) * step, width) for j in range(1, ways)]
-        q = []
-        for split in splits:
-            above = keys >= split
-            count = jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
-            mass = jnp.sum(jnp.where(above, e, 0.0), axis=-1, keepdims=True)
-            q.append((count < k[:, None]) & (~use_p | (mass < target)))
-        q = jnp.concatenate(q, axis=1)  # [S, ways - 1], monotone along the splits
-        first = jnp.sum(~q, axis=1, keepdims=True, dtype=jnp.int32)  # splits before t*
-        lo_new, hi_new = lo, hi
-        for j, split in enumerate(splits):
-            lo_new = jnp.where(first == j + 1, split, lo_new)
-            hi_new = jnp.where(first == j, split, hi_new)
-        lo, hi = lo_new, hi_new
-    return _from_order_keys(hi - 1)
+from serving.worker.sampler import _searched_threshold, _sorted_threshold, blocked_top_k
 
 
 def main() -> None:
@@ -106,7 +55,7 @@ def main() -> None:
         )
         want = (np.asarray(x) >= np.asarray(_sorted_threshold(x, k, top_p))).sum(1)
         for ways in args.ways:
-            fn = functools.partial(search_threshold, ways=ways)
+            fn = functools.partial(_searched_threshold, ways=ways)
             row[f"threshold_search{ways}_us"] = round(
                 1e6 * time_chained(fn, (x, k, top_p), args.iters), 1
             )

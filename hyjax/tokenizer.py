@@ -552,8 +552,9 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def load_tokenizer(model_dir: str, *, dummy: bool = False) -> Tokenizer | None:
     """The model directory's tokenizer; with random weights (``--load-format dummy``) and no
-    tokenizer there, the embedded model's (its text is as random as the weights: generated ids
-    past its vocabulary decode to nothing, ``Tokenizer.decode``). None: token-id prompts only.
+    tokenizer there, the embedded model's, its vocabulary covered up to the model's
+    ``vocab_size`` (:func:`cover_vocab`; the text is as random as the weights). None: token-id
+    prompts only.
     The engine and the server's front end both take theirs from here, so they agree."""
     log = logging.getLogger(__name__)
     try:
@@ -565,4 +566,22 @@ def load_tokenizer(model_dir: str, *, dummy: bool = False) -> Tokenizer | None:
     from hyjax.assets import model_dir as embedded_dir
 
     log.info("no tokenizer in %s: random weights use the embedded model's tokenizer", model_dir)
-    return Tokenizer.from_dir(embedded_dir())
+    tokenizer = Tokenizer.from_dir(embedded_dir())
+    config = _read_json(Path(model_dir) / "config.json") or {}
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if isinstance(vocab, int):
+        cover_vocab(tokenizer, vocab)
+    return tokenizer
+
+
+def cover_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """Gives every id up to ``vocab_size`` a text: ``" t{id}"``, an added (not special) token
+    for each id past the tokenizer's vocabulary. For random weights with a smaller tokenizer
+    (the embedded one's 4096 ids against a 152k-id model): their generated ids then stream
+    text as a real model's do, one chunk a token, where they would decode to nothing and a
+    client would see a chunk every few dozen tokens."""
+    have = tokenizer.vocab_size
+    if vocab_size > have:
+        tokenizer.backend.add_tokens(
+            [AddedToken(f" t{i}", normalized=False, special=False) for i in range(have, vocab_size)]
+        )

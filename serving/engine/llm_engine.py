@@ -550,6 +550,9 @@ class LLMEngine:
             spec_num_draft_tokens=st.spec.num_draft_tokens,
             spec_num_accepted_tokens=st.spec.num_accepted_tokens,
             spec_accepted_per_pos=tuple(st.spec.accepted_per_pos),
+            steps=self.timing.steps,
+            step_host_seconds=self.timing.host,
+            step_device_seconds=self.timing.device,
         )
 
     def spec_summary(self) -> str | None:

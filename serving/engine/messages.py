@@ -128,6 +128,11 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # the engine's steps and where their seconds went (``LLMEngine.timing``): host (schedule,
+    # launch, update, detokenize) and the wait for the device
+    steps: int = 0
+    step_host_seconds: float = 0.0
+    step_device_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

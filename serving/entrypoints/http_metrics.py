@@ -53,6 +53,17 @@ class _EngineCollector(Collector):
         yield counter("num_preemptions", "Preemptions (recompute).", s.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield counter("engine_steps", "Engine steps reported.", s.steps)
+        yield counter(
+            "engine_step_host_seconds",
+            "Seconds of the engine's steps on the host (schedule, launch, update, detokenize).",
+            s.step_host_seconds,
+        )
+        yield counter(
+            "engine_step_device_seconds",
+            "Seconds of the engine's steps spent waiting for the device.",
+            s.step_device_seconds,
+        )
         pool_labels = [*labels, "pool"]
         queries = CounterMetricFamily(
             PREFIX + "prefix_cache_queries", "Prompt tokens looked up.", labels=pool_labels

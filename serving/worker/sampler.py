@@ -222,7 +222,7 @@ def filtered_logits(
     needs_sort = jnp.any((temperature > 0) & ((k < vocab) | (sampling.top_p < 1)))
     threshold = branches.cond(
         needs_sort,
-        lambda: jnp.maximum(_sorted_threshold(gather(scaled), k, sampling.top_p), mth),
+        lambda: jnp.maximum(_searched_threshold(gather(scaled), k, sampling.top_p), mth),
         lambda: mth,
     )
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
@@ -272,11 +272,9 @@ def sample(
 def _sorted_threshold(scaled: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
     """f32[S, 1]: the lowest logit top-k (``k``) and top-p keep, read off one sorted row.
 
-    A sort: on a GPU a multi-pass segmented radix sort, ~0.45 / 1.3 / 3.0 ms for 8 / 64 / 256
-    rows of a 152k vocabulary on an H200 (``benchmarks.sampler_ops``), paid by every step under
-    ``--branch-free-step``. A 16-way search over the f32 order keys (8 reductions of a
-    broadcast [S, V, 15] comparison) was 0.33 / 2.0 / 14.5 ms there: XLA materialized the
-    comparison. ``benchmarks.sampler_ops`` times the candidates to replace it."""
+    The reference for :func:`_searched_threshold` (tests, ``benchmarks.sampler_ops``). A sort
+    on a GPU is a multi-pass segmented radix sort: ~0.43 / 1.3 / 3.0 ms for 8 / 64 / 256 rows
+    of a 152k vocabulary on an H200."""
     sorted_logits = -jnp.sort(-scaled, axis=-1)  # [S, V]
     kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
     sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
@@ -286,6 +284,69 @@ def _sorted_threshold(scaled: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.
     pth = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
     # top_p = 1 is off: no threshold from a cumsum that may round to 1 before the tail.
     return jnp.maximum(kth, jnp.where(top_p[:, None] < 1, pth, -jnp.inf))
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """u32 keys in the order of the f32 values: a positive float's sign bit flipped, every
+    bit of a negative one flipped."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return bits ^ jnp.where(bits >> 31 == 1, jnp.uint32(0xFFFFFFFF), jnp.uint32(0x80000000))
+
+
+def _from_order_keys(keys: jax.Array) -> jax.Array:
+    bits = keys ^ jnp.where(keys >> 31 == 1, jnp.uint32(0x80000000), jnp.uint32(0xFFFFFFFF))
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+THRESHOLD_SEARCH_WAYS = 4
+
+
+def _searched_threshold(
+    scaled: jax.Array, k: jax.Array, top_p: jax.Array, ways: int = THRESHOLD_SEARCH_WAYS
+) -> jax.Array:
+    """f32[S, 1]: :func:`_sorted_threshold`'s value without a sort: a search over the 2^32
+    f32 order keys, row reductions only.
+
+    Both keep ``key >= t* - 1`` for the first order key ``t*`` at which
+
+        Q(t) = count(key >= t) < k  and  (top_p = 1  or  mass(key >= t) < top_p)
+
+    holds (Q is false ... false, true ...: the keys at or above t shrink as t grows). The
+    lowest kept key is then the k-th largest (ties kept) or the first whose strictly-greater
+    mass is below p, whichever is higher: the sort's threshold. A pass splits the interval
+    (lo, hi] that holds t* at ``ways - 1`` points, each one row reduction of the count and
+    the mass above it (XLA fuses them as siblings); 32 / log2(ways) passes, unrolled. On an
+    H200 (``benchmarks.sampler_ops``), 4 ways: 0.26 / 0.97 / 2.79 ms at 8 / 64 / 256 rows
+    against the sort's 0.43 / 1.33 / 3.01 (2 ways: 0.25 / 1.10 / 3.49; 16: 0.54 / 1.81 / 5.40).
+    The mass is summed unnormalized against p times the row's sum, where the sort compares a
+    cumsum of probabilities: at a boundary within rounding the two may keep one token apart."""
+    bits = ways.bit_length() - 1
+    if ways != 1 << bits or bits < 1:
+        raise ValueError(f"ways={ways} must be a power of two >= 2")
+    keys = _order_keys(scaled)  # u32[S, V]
+    e = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
+    target = top_p[:, None] * jnp.sum(e, axis=-1, keepdims=True)
+    use_p = (top_p < 1)[:, None]
+    s = scaled.shape[0]
+    lo = jnp.zeros((s, 1), jnp.uint32)  # Q(0) is false: every key counts and V >= k
+    hi = jnp.full((s, 1), 0xFFFFFFFF, jnp.uint32)  # Q is true there (only a NaN's key)
+    for _ in range(-(-32 // bits)):
+        width = hi - lo
+        step = (width - 1) // ways + 1
+        splits = [lo + jnp.minimum(jnp.uint32(j) * step, width) for j in range(1, ways)]
+        first = jnp.zeros((s, 1), jnp.int32)  # how many splits Q is still false at
+        for split in splits:
+            above = keys >= split
+            count = jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
+            mass = jnp.sum(jnp.where(above, e, 0.0), axis=-1, keepdims=True)
+            q = (count < k[:, None]) & (~use_p | (mass < target))
+            first = first + (~q).astype(jnp.int32)
+        lo_new, hi_new = lo, hi
+        for j, split in enumerate(splits):
+            lo_new = jnp.where(first == j + 1, split, lo_new)
+            hi_new = jnp.where(first == j, split, hi_new)
+        lo, hi = lo_new, hi_new
+    return _from_order_keys(hi - 1)
 
 
 MAX_LOGPROBS = 20  # top logprobs a request may ask for (OpenAI's chat limit)

@@ -3,7 +3,8 @@
 A preset's directory (``benchmarks.full_size --write-config``) holds a config.json only; the
 engine builds the model with random weights (stacked at once with ``--scan-layers``) and takes
 the embedded model's tokenizer, whose vocabulary is smaller than the model's here: the ids past
-it decode to nothing. Under tensor parallel the build's placement is checked by
+it get a text of their own (``hyjax.tokenizer.cover_vocab``), so every generated token streams.
+Under tensor parallel the build's placement is checked by
 ``test_full_size_build.py`` (simulated devices).
 """
 
@@ -49,13 +50,21 @@ def test_write_config_is_a_model_dir(tmp_path):
 def test_dummy_engine_generates_with_the_embedded_tokenizer(dummy_dir):
     engine = LLMEngine(EngineArgs(model=dummy_dir, load_format="dummy", scan_layers=True, **SMALL))
     assert engine.runner.scan_layers  # built stacked: two groups of four layers
-    assert engine.tokenizer is not None and engine.tokenizer.vocab_size == 4096
+    assert engine.tokenizer is not None and engine.tokenizer.vocab_size == 8192
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=0, ignore_eos=True)
     engine.add_request(EngineRequest("def f(x):", params))
     (out,) = engine.run_to_completion().values()
     ids = out.output_token_ids
     assert len(ids) == 12 and max(ids) < 8192
-    assert out.text == engine.tokenizer.decode([i for i in ids if i < 4096])
+    assert out.text == engine.tokenizer.decode(ids)
+    past = [i for i in ids if i >= 4096]
+    assert past and all(f" t{i}" in out.text for i in past)  # a text for every id past 4096
+    # the embedded vocabulary encodes as before: text in, its ids out
+    from hyjax.assets import model_dir
+    from hyjax.tokenizer import Tokenizer
+
+    text = "def f(x):\n    return x + 1"
+    assert engine.tokenizer.encode(text) == Tokenizer.from_dir(model_dir()).encode(text)
 
 
 def test_bad_load_format_is_named(tmp_path, capsys):
@@ -101,5 +110,5 @@ def test_the_server_front_end_encodes_text_for_dummy_weights(dummy_dir, monkeypa
     monkeypatch.setattr(server, "ServerState", state)
     with pytest.raises(Started):
         server.serve({"model": dummy_dir, "load_format": "dummy"}, port=0)
-    assert seen["tokenizer"] is not None and seen["tokenizer"].vocab_size == 4096
+    assert seen["tokenizer"] is not None and seen["tokenizer"].vocab_size == 8192
     assert load_tokenizer(dummy_dir) is None  # real weights there: token ids only

@@ -7,6 +7,8 @@ import numpy as np
 from serving.core.plan import SamplingArrays
 from serving.worker.sampler import (
     MAX_LOGPROBS,
+    _searched_threshold,
+    _sorted_threshold,
     blocked_top_k,
     sample,
     token_logprobs,
@@ -119,3 +121,33 @@ def test_blocked_top_k_is_lax_top_k():
     want = jax.lax.top_k(x, MAX_LOGPROBS)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
+def test_searched_threshold_is_the_sorts():
+    """The sort-free top-k / top-p threshold equals the sorted one: ties at the k-th value,
+    banned (-inf) tokens, negative and positive logits, k = V (off), top-p alone, both at
+    once, and each search width. Each top-p sits midway between two prefix masses (float64),
+    so rounding cannot move the kept set."""
+    rng = np.random.default_rng(7)
+    v = 1000
+    x = (rng.normal(size=(8, v)) * 3).astype(np.float32)
+    x[1] = np.round(x[1])  # wide ties: the k-th value repeats
+    x[2, rng.permutation(v)[: v // 2]] = -np.inf
+    x[3] = -np.abs(x[3]) - 5.0  # all negative
+    x[4] = np.abs(x[4]) + 5.0  # all positive
+    x[5] = 0.5  # one value: everything ties
+    k = np.array([5, 40, 17, v, v, 3, 1, 200], np.int32)
+    top_p = np.ones(8, np.float32)
+    # row 0: top-p keeps 3 of top-k's 5
+    for row, p_rank in ((3, 30), (4, 7), (6, 50), (7, 100), (0, 2)):
+        e = np.exp(np.sort(x[row].astype(np.float64))[::-1] - x[row].max())
+        mass = np.cumsum(e) / e.sum()
+        top_p[row] = (mass[p_rank - 1] + mass[p_rank]) / 2  # keeps p_rank + 1 tokens
+    want = np.asarray(_sorted_threshold(jnp.asarray(x), jnp.asarray(k), jnp.asarray(top_p)))
+    kept = (x >= want).sum(1)
+    assert kept[0] == 3 and kept[1] >= 40 and kept[2] == 17 and kept[5] == v
+    assert kept[3] == 31 and kept[4] == 8 and kept[6] == 1 and kept[7] == 101
+    for ways in (2, 4, 16):
+        fn = jax.jit(lambda x, k, p, w=ways: _searched_threshold(x, k, p, ways=w))
+        got = np.asarray(fn(jnp.asarray(x), jnp.asarray(k), jnp.asarray(top_p)))
+        np.testing.assert_array_equal(got, want, err_msg=f"ways={ways}")

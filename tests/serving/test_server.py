@@ -154,6 +154,19 @@ def test_completion(client):
     assert r.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_metrics_count_the_engine_steps(server, client):
+    """The engine's step counters reach /metrics: a 9-token completion is at least 9 steps
+    (a prefill, then decodes), each with host and device seconds."""
+    before = wait_idle(server.url)
+    client.completions.create(model=NAME, prompt="Count", max_tokens=9, temperature=0)
+    after = wait_idle(server.url)
+    steps = after["hyjax:engine_steps_total"] - before["hyjax:engine_steps_total"]
+    assert steps >= 9
+    for name in ("host", "device"):
+        key = f"hyjax:engine_step_{name}_seconds_total"
+        assert after[key] > before[key], key
+
+
 def _stream_text(stream) -> tuple[dict[int, str], dict[int, str], object]:
     texts: dict[int, str] = {}
     reasons: dict[int, str] = {}
