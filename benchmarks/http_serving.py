@@ -72,7 +72,25 @@ def serve_flags(kwargs: dict) -> list[str]:
     return flags
 
 
-def start_server(kwargs: dict, timeout: float, log_path: Path) -> tuple[subprocess.Popen, str]:
+def cpu_set(spec: str | None) -> set[int] | None:
+    """``"0-15"`` or ``"0,2,4-7"`` as a set of CPU ids (None: no pinning)."""
+    if not spec:
+        return None
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def _pinned(cpus: set[int] | None):
+    """A ``preexec_fn`` that pins the child (and what it spawns) to ``cpus``."""
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
+def start_server(
+    kwargs: dict, timeout: float, log_path: Path, cpus: set[int] | None = None
+) -> tuple[subprocess.Popen, str]:
     """``hyjax serve`` on a free local port, every bucket compiled before it answers; returns
     the process and its URL once ``/health`` answers."""
     port = free_port()
@@ -80,7 +98,7 @@ def start_server(kwargs: dict, timeout: float, log_path: Path) -> tuple[subproce
            "--warmup", "all", "--quiet", *serve_flags(kwargs)]  # fmt: skip
     print("server:", shlex.join(cmd[1:]), flush=True)
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_pinned(cpus))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -105,27 +123,38 @@ def stop_server(proc: subprocess.Popen) -> int:
         return proc.wait(10)
 
 
-def step_figures(steps: int, host_s: float, device_s: float, seconds: float) -> dict:
+def step_figures(
+    steps: int, host_s: float, device_s: float, seconds: float, loop_s: float | None = None
+) -> dict:
     """The engine's steps over a run: host and device-wait ms a step, and the share of the
-    run's wall time they cover (the rest: the loop between steps, idle waiting for work)."""
+    run's wall time they cover (the rest: the loop between steps, idle waiting for work);
+    in the server, the engine loop's ms a step around them (requests in, deltas out)."""
     n, t = max(steps, 1), max(seconds, 1e-9)
-    return {"steps": steps, "host_ms_per_step": round(1e3 * host_s / n, 3),
-            "device_ms_per_step": round(1e3 * device_s / n, 3),
-            "steps_per_s": round(steps / t, 1),
-            "busy_share": round((host_s + device_s) / t, 3)}  # fmt: skip
+    out = {"steps": steps, "host_ms_per_step": round(1e3 * host_s / n, 3),
+           "device_ms_per_step": round(1e3 * device_s / n, 3),
+           "steps_per_s": round(steps / t, 1),
+           "busy_share": round((host_s + device_s) / t, 3)}  # fmt: skip
+    if loop_s is not None:
+        out["loop_ms_per_step"] = round(1e3 * loop_s / n, 3)
+    return out
 
 
-def scrape_steps(url: str) -> tuple[float, float, float, float]:
-    """The server's engine step counters (steps, host s, device s) and the time read."""
+STEP_COUNTERS = (
+    "engine_steps", "engine_step_host_seconds", "engine_step_device_seconds",
+    "engine_loop_seconds",
+)  # fmt: skip
+
+
+def scrape_steps(url: str) -> list[float]:
+    """The server's engine step counters (``STEP_COUNTERS``), then the time read."""
     status, text = request("GET", url + "/metrics")
     assert status == 200 and isinstance(text, str), status
     got = {}
     for line in text.splitlines():
-        for name in ("engine_steps", "engine_step_host_seconds", "engine_step_device_seconds"):
+        for name in STEP_COUNTERS:
             if line.startswith(f"hyjax:{name}_total"):
                 got[name] = float(line.rpartition(" ")[2])
-    return (got.get("engine_steps", 0.0), got.get("engine_step_host_seconds", 0.0),
-            got.get("engine_step_device_seconds", 0.0), time.monotonic())  # fmt: skip
+    return [got.get(name, 0.0) for name in STEP_COUNTERS] + [time.monotonic()]
 
 
 def tokenizer_dir(model_dir: str) -> str:
@@ -153,7 +182,7 @@ def aiperf_command(args, model_name: str, url: str, tokenizer: str, out_dir: str
     ]  # fmt: skip
 
 
-def run_aiperf(cmd: list[str], out_dir: str, timeout: float) -> dict:
+def run_aiperf(cmd: list[str], out_dir: str, timeout: float, cpus: set[int] | None = None) -> dict:
     """Runs aiperf; returns its JSON export. Its console output goes to ``aiperf.log`` there."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -161,7 +190,10 @@ def run_aiperf(cmd: list[str], out_dir: str, timeout: float) -> dict:
     print("client:", shlex.join(cmd), flush=True)
     log_path = Path(out_dir) / "aiperf.log"
     with open(log_path, "w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+        code = subprocess.run(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout,
+            preexec_fn=_pinned(cpus),
+        )  # fmt: skip
     export = Path(out_dir) / AIPERF_EXPORT
     if code.returncode or not export.exists():
         tail = log_path.read_text(errors="replace")[-4000:]
@@ -256,6 +288,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     p.add_argument("--server-timeout", type=float, default=1200.0, help="s to /health")
     p.add_argument("--max-seconds", type=float, default=900.0, help="aiperf's and the engine's")
     p.add_argument("--artifact-dir", default=None, help="keep aiperf's files here")
+    p.add_argument(
+        "--server-cpus",
+        default=None,
+        help="pin the server (HTTP and engine processes) to these CPUs, e.g. 0-7; with "
+        "--client-cpus on others, aiperf's dozen processes do not take the engine loop's cores",
+    )
+    p.add_argument("--client-cpus", default=None, help="pin aiperf to these CPUs, e.g. 8-15")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.url and not args.url.startswith("http://127.0.0.1:"):
@@ -281,12 +320,15 @@ def main(argv: list[str] | None = None) -> dict:
         "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len,
                      "output_len": args.output_len, "concurrency": args.concurrency,
                      "ignore_eos": True, "temperature": 0.0, "endpoint": "/v1/completions",
-                     "stream": True, "warmup_requests": args.concurrency},
+                     "stream": True, "warmup_requests": args.concurrency,
+                     "server_cpus": args.server_cpus, "client_cpus": args.client_cpus},
     }  # fmt: skip
     proc, url = None, args.url
     if url is None:
         t0 = time.monotonic()
-        proc, url = start_server(kwargs, args.server_timeout, Path(out_dir) / "server.log")
+        proc, url = start_server(
+            kwargs, args.server_timeout, Path(out_dir) / "server.log", cpu_set(args.server_cpus)
+        )
         results["server_start_s"] = round(time.monotonic() - t0, 1)
     try:
         status, models = request("GET", url + "/v1/models")
@@ -295,13 +337,11 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer = args.tokenizer or tokenizer_dir(model.get("root") or kwargs["model"])
         cmd = aiperf_command(args, model["id"], url, tokenizer, out_dir)
         before = scrape_steps(url)
-        export = run_aiperf(cmd, out_dir, args.max_seconds)
+        export = run_aiperf(cmd, out_dir, args.max_seconds, cpu_set(args.client_cpus))
         after = scrape_steps(url)
         # the engine process inside the server, over aiperf's whole run (its warm-up included)
-        results["server_engine_steps"] = step_figures(
-            int(after[0] - before[0]), after[1] - before[1], after[2] - before[2],
-            after[3] - before[3],
-        )  # fmt: skip
+        steps, host, device, loop, seconds = (a - b for a, b in zip(after, before, strict=True))
+        results["server_engine_steps"] = step_figures(int(steps), host, device, seconds, loop)
     finally:
         if proc is not None:
             results["server_exit_code"] = stop_server(proc)
@@ -311,6 +351,8 @@ def main(argv: list[str] | None = None) -> dict:
     print("server:", json.dumps(results["server"]), flush=True)
     print("server's engine steps:", json.dumps(results.get("server_engine_steps")), flush=True)
     if not args.no_engine:
+        if (cpus := cpu_set(args.server_cpus)) is not None:
+            os.sched_setaffinity(0, cpus)  # the engine on the server's cores
         results["engine"] = run_engine(kwargs, sent_prompts(out_dir), args)
         print("engine:", json.dumps(results["engine"]), flush=True)
         server_tps, engine_tps = (results[k]["output_tok_per_s"] for k in ("server", "engine"))

@@ -18,6 +18,7 @@ with reason "error" (their blocks and slots are released) and the loop goes on s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import queue
@@ -32,6 +33,7 @@ from serving.engine.messages import (
     Accepted,
     Delta,
     EngineInfo,
+    EngineStats,
     Failed,
     GetStats,
     Ready,
@@ -77,17 +79,26 @@ class EngineLoop:
         self.parent_alive = parent_alive
         self.live: set[str] = set()  # accepted, not yet finished or aborted
         self._stop = False
+        # seconds of the iterations that stepped, outside ``engine.step`` (``loop_seconds``)
+        self.loop_seconds = 0.0
 
     def run(self) -> None:
         last_check = time.monotonic()
         while not self._stop:
             out: list = []
             idle = not self.engine.has_unfinished_requests()
+            t0 = time.perf_counter()
             for msg in self._drain(block=idle):
                 self._handle(msg, out)
             if not self._stop and self.engine.has_unfinished_requests():
+                t1 = time.perf_counter()
                 self._step(out)
-            if out:
+                t2 = time.perf_counter()
+                if out:
+                    self.outbox.put(out)
+                around = (t1 - t0) + (time.perf_counter() - t2)
+                self.loop_seconds += around if not idle else time.perf_counter() - t2
+            elif out:
                 self.outbox.put(out)
             now = time.monotonic()
             if now - last_check > PARENT_CHECK_S:
@@ -125,7 +136,10 @@ class EngineLoop:
                 self.live.discard(msg.request_id)
                 self._safe_abort(msg.request_id)
         elif isinstance(msg, GetStats):
-            out.append(StatsReply(msg.token, self.engine.metrics()))
+            stats = self.engine.metrics()
+            if isinstance(stats, EngineStats):
+                stats = dataclasses.replace(stats, loop_seconds=self.loop_seconds)
+            out.append(StatsReply(msg.token, stats))
         elif isinstance(msg, Shutdown):
             for rid in sorted(self.live):
                 self._safe_abort(rid)

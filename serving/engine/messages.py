@@ -133,6 +133,8 @@ class EngineStats:
     steps: int = 0
     step_host_seconds: float = 0.0
     step_device_seconds: float = 0.0
+    # the server's engine loop around those steps: taking requests in, sending the deltas out
+    loop_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

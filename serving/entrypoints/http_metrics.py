@@ -64,6 +64,11 @@ class _EngineCollector(Collector):
             "Seconds of the engine's steps spent waiting for the device.",
             s.step_device_seconds,
         )
+        yield counter(
+            "engine_loop_seconds",
+            "Seconds of the engine loop around its steps (requests in, deltas out).",
+            s.loop_seconds,
+        )
         pool_labels = [*labels, "pool"]
         queries = CounterMetricFamily(
             PREFIX + "prefix_cache_queries", "Prompt tokens looked up.", labels=pool_labels

@@ -156,14 +156,15 @@ def test_completion(client):
 
 def test_metrics_count_the_engine_steps(server, client):
     """The engine's step counters reach /metrics: a 9-token completion is at least 9 steps
-    (a prefill, then decodes), each with host and device seconds."""
+    (a prefill, then decodes), each with host and device seconds, and the engine loop's
+    seconds around them."""
     before = wait_idle(server.url)
     client.completions.create(model=NAME, prompt="Count", max_tokens=9, temperature=0)
     after = wait_idle(server.url)
     steps = after["hyjax:engine_steps_total"] - before["hyjax:engine_steps_total"]
     assert steps >= 9
-    for name in ("host", "device"):
-        key = f"hyjax:engine_step_{name}_seconds_total"
+    for key in ("step_host", "step_device", "loop"):
+        key = f"hyjax:engine_{key}_seconds_total"
         assert after[key] > before[key], key
 
 
