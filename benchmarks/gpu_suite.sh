@@ -27,7 +27,7 @@
 #   q24       benchmarks.serving_throughput: 80B, 24 layers, one card, c8, an 8-step profile
 #   http      benchmarks.http_serving: hyjax serve under aiperf against the engine, the bench
 #             model (80B layer shapes, 8 layers), SGLang's workload at c8 (aiperf on
-#             PYTHONPATH)
+#             PYTHONPATH), the server and aiperf each on half of the CPUs
 #
 # NAME@DIR runs section NAME from the tree in DIR (a worktree of another commit, e.g.
 # q24@.ab/old next to q24: an A/B on two cards of one machine at once).
@@ -51,6 +51,9 @@ start=$(date +%s)
 command_of() {  # section -> its command line (results to $scratch/NAME.json)
     local j=$scratch/$1.json
     local tp="--model qwen3-next-80b --layers 48 --tp 2 --min-seq-bucket"
+    local n pin
+    n=$(nproc)  # http: the server on the first half of the CPUs, aiperf on the second
+    pin="--server-cpus 0-$((n / 2 - 1)) --client-cpus $((n / 2))-$((n - 1))"
     case $1 in
         sampler) echo "python -m benchmarks.sampler_ops --out $j" ;;
         route) echo "python -m benchmarks.moe_kernels --route-only --no-torch --out $j" ;;
@@ -64,7 +67,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         kimi) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --max-seconds $((budget - 20)) --out $j" ;;
         kimidt) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --dispatch-thread --max-seconds $((budget - 20)) --out $j" ;;
         q24) echo "python -m benchmarks.serving_throughput --model qwen3-next-80b --layers 24 --concurrency 8 --min-seq-bucket 8 --profile-steps 8 --max-seconds $((budget - 20)) --out $j" ;;
-        http) echo "python -m benchmarks.http_serving --model $scratch/bench8 --load-format dummy --dtype bfloat16 --block-size 64 --max-num-batched-tokens 2048 --input-len 1000 --output-len 2000 --concurrency 8 --num-prompts 16 --max-seconds $((budget - 20)) --artifact-dir $scratch/http_artifacts --out $j" ;;
+        http) echo "python -m benchmarks.http_serving --model $scratch/bench8 --load-format dummy --dtype bfloat16 --block-size 64 --max-num-batched-tokens 2048 --input-len 1000 --output-len 2000 --concurrency 8 --num-prompts 16 --max-seconds $((budget - 20)) --artifact-dir $scratch/http_artifacts $pin --out $j" ;;
         *) return 1 ;;
     esac
 }

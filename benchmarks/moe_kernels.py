@@ -162,6 +162,30 @@ def route_plans(iters: int = 20) -> dict:
     return out
 
 
+def router_top_ks(iters: int = 20) -> dict:
+    """``--route-only`` too: the router's top-k, ``lax.top_k`` against
+    ``hyjax.layers.moe.router_top_k`` (pairwise ranks) at decode sizes (Qwen3-Next's 512
+    experts top-10, Kimi-Linear's 256 top-8), us a call, chained through the scores."""
+    from hyjax.layers.moe import router_top_k
+
+    out = {}
+    for e, k in ((512, 10), (256, 8)):
+        for t in (8, 16):
+            x = jax.random.normal(jax.random.key(t), (t, e), jnp.float32)
+            row = {}
+            pairwise = functools.partial(router_top_k, pairwise=True)
+            for name, fn in (("lax", jax.lax.top_k), ("pairwise", pairwise)):
+
+                def link(x, fn=fn):
+                    v, i = fn(x, k)
+                    return x + (jnp.sum(v) + jnp.sum(i).astype(x.dtype)) * 0
+
+                row[f"{name}_us"] = round(1e6 * time_chained(link, (x,), iters), 1)
+            out[f"T={t}_E={e}_k={k}"] = row
+            print(f"router top-k T={t} E={e} k={k}", json.dumps(row), flush=True)
+    return out
+
+
 # ----------------------------------------------------------------------------- torch
 
 
@@ -251,6 +275,7 @@ def main() -> None:
 
     if args.route_only:
         res["route_plans"] = route_plans()
+        res["router_top_k"] = router_top_ks()
         save()
         return
 

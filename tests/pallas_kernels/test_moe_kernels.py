@@ -253,3 +253,24 @@ def test_lowers_to_triton_at_80b_shapes():
         assert set(re.findall(r"stablehlo\.custom_call @([\w$.]+)", text)) <= {
             "__gpu$xla.gpu.triton"
         }
+
+
+@pytest.mark.parametrize("tokens,experts,k", [(8, 512, 10), (16, 256, 8), (5, 64, 4)])
+def test_router_top_k_is_lax_top_k(tokens, experts, k):
+    """The routers' top-k by pairwise ranks (a GPU's at decode sizes, forced here) equals
+    ``lax.top_k``: values, indices and the order of ties (lower index first), with ties inside
+    and across the top k, masked (-inf) experts, negative scores."""
+    from hyjax.layers.moe import PAIRWISE_TOP_K_MAX, router_top_k
+
+    rng = np.random.default_rng(tokens + experts)
+    x = rng.normal(size=(tokens, experts)).astype(np.float32)
+    x[0] = np.round(x[0])  # many ties, some at the k-th place
+    x[1, : experts // 2] = -np.inf  # a masked half (Kimi's groups)
+    x[2] = 0.25  # every score equal
+    x[3, [7, 3, 50, 9]] = 9.0  # a tie for the top: indices in order 3, 7, 9, 50
+    x[4] = -np.abs(x[4]) - 1.0  # every score negative
+    got = jax.jit(functools.partial(router_top_k, k=k, pairwise=True))(jnp.asarray(x))
+    want = jax.lax.top_k(jnp.asarray(x), k)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    assert tokens * experts * experts <= PAIRWISE_TOP_K_MAX  # a GPU ranks these pairwise
