@@ -176,7 +176,7 @@ def router_top_ks(iters: int = 20) -> dict:
             pairwise = functools.partial(router_top_k, pairwise=True)
             for name, fn in (("lax", jax.lax.top_k), ("pairwise", pairwise)):
 
-                def link(x, fn=fn):
+                def link(x, fn=fn, k=k):
                     v, i = fn(x, k)
                     return x + (jnp.sum(v) + jnp.sum(i).astype(x.dtype)) * 0
 

@@ -91,15 +91,12 @@ def parallel_routed_experts(
     return fn(*args)
 
 
-
 # Up to this many [T, E, E] comparisons, the router's top-k on a GPU ranks every expert against
 # every other (:func:`router_top_k`) instead of calling ``lax.top_k``: 16 tokens at 512 experts.
 PAIRWISE_TOP_K_MAX = 1 << 22
 
 
-def router_top_k(
-    x: jax.Array, k: int, pairwise: bool | None = None
-) -> tuple[jax.Array, jax.Array]:
+def router_top_k(x: jax.Array, k: int, pairwise: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """``lax.top_k(x, k)`` over the experts of a router's scores x[T, E], values and indices
     alike (ties to the lower index). At decode sizes, no sort: each score's rank is the count
     of scores above it plus the equal ones before it (a [T, E, E] comparison reduced along its
