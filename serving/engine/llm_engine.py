@@ -172,7 +172,8 @@ def _executable_dir(cache_dir: str | None) -> str | None:
 
     if cache_dir is None or jax.process_count() > 1:
         return None
-    return os.path.join(cache_dir, "hyjax-steps")
+    # expanded as use_compilation_cache expands it: "~/..." is not a folder named "~" here
+    return os.path.join(os.path.abspath(os.path.expanduser(cache_dir)), "hyjax-steps")
 
 
 def use_compilation_cache(path: str) -> None:

@@ -91,3 +91,15 @@ def test_second_start_loads_its_compiled_buckets_from_the_cache(tmp_path):
     assert "compiling it again" in third["stderr"]
     assert _steps(cache) == entries[1]  # rewritten in place, no temporary left
     assert third["tokens"] == first["tokens"]
+
+
+def test_the_executables_sit_beside_the_expanded_cache(tmp_path, monkeypatch):
+    """``--compilation-cache-dir ~/...`` (the CLI's default) puts the compiled steps under the
+    home folder, next to JAX's cache, not under a folder named "~" in the working directory."""
+    from serving.engine.llm_engine import _executable_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    got = _executable_dir("~/.cache/hyjax/jax-compilation")
+    assert got == str(tmp_path / "home" / ".cache/hyjax/jax-compilation/hyjax-steps")
+    assert _executable_dir("rel") == str(tmp_path / "rel" / "hyjax-steps")
