@@ -25,6 +25,8 @@
 #   kimi      benchmarks.serving_throughput: Kimi-Linear-48B, all 27 layers, one card, c8
 #   kimidt    the same with --dispatch-thread
 #   q24       benchmarks.serving_throughput: 80B, 24 layers, one card, c8, an 8-step profile
+#   hlo       XLA's optimized HLO of the step (the bench model's shapes, 4 layers: one group
+#             of 3 GDN + 1 attention) at c8, text, under hlo/: which fusions a layer has
 #   http      benchmarks.http_serving: hyjax serve under aiperf against the engine, the bench
 #             model (80B layer shapes, 8 layers), SGLang's workload at c8 (aiperf on
 #             PYTHONPATH), the server and aiperf each on half of the CPUs
@@ -66,6 +68,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         tp48c64) echo "python -m benchmarks.serving_throughput $tp 64 --concurrency 64 --max-seconds $((budget - 20)) --out $j" ;;
         kimi) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --max-seconds $((budget - 20)) --out $j" ;;
         kimidt) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --dispatch-thread --max-seconds $((budget - 20)) --out $j" ;;
+        hlo) echo "env XLA_FLAGS=--xla_dump_to=$scratch/hlo --xla_dump_hlo_module_re=.*step.* --xla_dump_hlo_pass_re=^$ python -m benchmarks.serving_throughput --model bench --layers 4 --concurrency 8 --input-len 200 --output-len 64 --max-seconds $((budget - 20)) --out $j" ;;
         q24) echo "python -m benchmarks.serving_throughput --model qwen3-next-80b --layers 24 --concurrency 8 --min-seq-bucket 8 --profile-steps 8 --max-seconds $((budget - 20)) --out $j" ;;
         http) echo "python -m benchmarks.http_serving --model $scratch/bench8 --load-format dummy --dtype bfloat16 --block-size 64 --max-num-batched-tokens 2048 --input-len 1000 --output-len 2000 --concurrency 8 --num-prompts 16 --max-seconds $((budget - 20)) --artifact-dir $scratch/http_artifacts $pin --out $j" ;;
         *) return 1 ;;
@@ -89,6 +92,8 @@ run() {  # section[@tree] visible-devices
     (cd "$tree" && PYTHONPATH=/tmp/site:$PWD CUDA_VISIBLE_DEVICES=$devices timeout "$left" $cmd) \
         > "$scratch/$tag.log" 2>&1
     echo "$tag rc=$? $(( $(date +%s) - t0 )) s on $devices (at $(( $(date +%s) - start )) s)"
+    # hlo: the step's optimized modules only (XLA also dumps every other module, PTX, LLVM IR)
+    [ "$name" != hlo ] || find "$scratch/hlo" -type f ! -name '*jit__step*after_optimizations.txt' -delete
 }
 
 all=$(seq -s, 0 $((cards - 1)))
