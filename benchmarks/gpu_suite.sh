@@ -29,7 +29,8 @@
 #             of 3 GDN + 1 attention) at c8, text, under hlo/: which fusions a layer has
 #   http      benchmarks.http_serving: hyjax serve under aiperf against the engine, the bench
 #             model (80B layer shapes, 8 layers), SGLang's workload at c8 (aiperf on
-#             PYTHONPATH), the server and aiperf each on half of the CPUs
+#             PYTHONPATH), the server and aiperf each on half of the CPUs, 15 s of py-spy
+#             of both engines (py-spy in .whl)
 #
 # NAME@DIR runs section NAME from the tree in DIR (a worktree of another commit, e.g.
 # q24@.ab/old next to q24: an A/B on two cards of one machine at once).
@@ -70,7 +71,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         kimidt) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --dispatch-thread --max-seconds $((budget - 20)) --out $j" ;;
         hlo) echo "env XLA_FLAGS=--xla_dump_to=$scratch/hlo --xla_dump_hlo_module_re=.*step.* --xla_dump_hlo_pass_re=^$ python -m benchmarks.serving_throughput --model bench --layers 4 --concurrency 8 --input-len 200 --output-len 64 --max-seconds $((budget - 20)) --out $j" ;;
         q24) echo "python -m benchmarks.serving_throughput --model qwen3-next-80b --layers 24 --concurrency 8 --min-seq-bucket 8 --profile-steps 8 --max-seconds $((budget - 20)) --out $j" ;;
-        http) echo "python -m benchmarks.http_serving --model $scratch/bench8 --load-format dummy --dtype bfloat16 --block-size 64 --max-num-batched-tokens 2048 --input-len 1000 --output-len 2000 --concurrency 8 --num-prompts 16 --max-seconds $((budget - 20)) --artifact-dir $scratch/http_artifacts $pin --out $j" ;;
+        http) echo "python -m benchmarks.http_serving --model $scratch/bench8 --load-format dummy --dtype bfloat16 --block-size 64 --max-num-batched-tokens 2048 --input-len 1000 --output-len 2000 --concurrency 8 --num-prompts 16 --max-seconds $((budget - 20)) --artifact-dir $scratch/http_artifacts $pin --py-spy 15 --out $j" ;;
         *) return 1 ;;
     esac
 }

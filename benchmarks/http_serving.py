@@ -157,6 +157,35 @@ def scrape_steps(url: str) -> list[float]:
     return [got.get(name, 0.0) for name in STEP_COUNTERS] + [time.monotonic()]
 
 
+def py_spy(pid: int, seconds: float, out: Path) -> subprocess.Popen | None:
+    """``py-spy record`` of ``pid`` for ``seconds`` (collapsed stacks, text, at ``out``), in the
+    background; None when py-spy is not installed."""
+    found = [Path(p) / "bin" / "py-spy" for p in sys.path]  # pip install --target's bin/
+    exe = shutil.which("py-spy") or next((str(f) for f in found if f.exists()), None)
+    if exe is None:
+        print("py-spy not found: no host profile", flush=True)
+        return None
+    cmd = [exe, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "200",
+           "--nonblocking", "--format", "raw", "--output", str(out)]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(str(out) + ".log", "w"))
+
+
+def engine_pid(server: subprocess.Popen) -> int | None:
+    """The server's engine process (its spawned multiprocessing child)."""
+    try:
+        children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+    except OSError:
+        return None
+    for child in children:
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            return int(child)
+    return None
+
+
 def tokenizer_dir(model_dir: str) -> str:
     """The directory whose tokenizer the server uses: the model's, or (random weights from a
     bare ``config.json``) the embedded model's."""
@@ -236,7 +265,7 @@ def sent_prompts(out_dir: str) -> list[str]:
     return [turn["prompt"] for entry in data for turn in entry["payloads"]]
 
 
-def run_engine(kwargs: dict, prompts: list[str], args) -> dict:
+def run_engine(kwargs: dict, prompts: list[str], args, out_dir: str) -> dict:
     """The same workload through ``LLMEngine`` in this process: every bucket and a short pass
     compiled first (``serving_throughput.run_one``'s warm-up), then timed by ``drive``."""
     # jax initialises its devices here, after the server (which held them) has exited.
@@ -257,7 +286,12 @@ def run_engine(kwargs: dict, prompts: list[str], args) -> dict:
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     compiles, prompt_tokens = engine.runner.compile_count(), engine.prompt_tokens
     engine.timing.reset()
+    spy = None
+    if args.py_spy:
+        spy = py_spy(os.getpid(), args.py_spy, Path(out_dir) / "py_spy_engine.txt")
     traces, seconds, cut = drive(engine, prompts, params, args.concurrency, deadline)
+    if spy is not None:
+        spy.wait()
     res |= metrics(traces, seconds)
     res["engine_steps"] = step_figures(
         engine.timing.steps, engine.timing.host, engine.timing.device, seconds
@@ -295,6 +329,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
         "--client-cpus on others, aiperf's dozen processes do not take the engine loop's cores",
     )
     p.add_argument("--client-cpus", default=None, help="pin aiperf to these CPUs, e.g. 8-15")
+    p.add_argument(
+        "--py-spy",
+        type=float,
+        default=0.0,
+        help="seconds of py-spy (collapsed stacks) of the server's engine process from aiperf's "
+        "start, and of this process's in-process engine run, into the artifact dir",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.url and not args.url.startswith("http://127.0.0.1:"):
@@ -337,7 +378,12 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer = args.tokenizer or tokenizer_dir(model.get("root") or kwargs["model"])
         cmd = aiperf_command(args, model["id"], url, tokenizer, out_dir)
         before = scrape_steps(url)
+        spy = None
+        if args.py_spy and proc is not None and (pid := engine_pid(proc)) is not None:
+            spy = py_spy(pid, args.py_spy, Path(out_dir) / "py_spy_server_engine.txt")
         export = run_aiperf(cmd, out_dir, args.max_seconds, cpu_set(args.client_cpus))
+        if spy is not None:
+            spy.wait()
         after = scrape_steps(url)
         # the engine process inside the server, over aiperf's whole run (its warm-up included)
         steps, host, device, loop, seconds = (a - b for a, b in zip(after, before, strict=True))
@@ -353,7 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_engine:
         if (cpus := cpu_set(args.server_cpus)) is not None:
             os.sched_setaffinity(0, cpus)  # the engine on the server's cores
-        results["engine"] = run_engine(kwargs, sent_prompts(out_dir), args)
+        results["engine"] = run_engine(kwargs, sent_prompts(out_dir), args, out_dir)
         print("engine:", json.dumps(results["engine"]), flush=True)
         server_tps, engine_tps = (results[k]["output_tok_per_s"] for k in ("server", "engine"))
         results["server_over_engine"] = round(server_tps / engine_tps, 3)
