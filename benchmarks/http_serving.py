@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -168,6 +169,20 @@ def py_spy(pid: int, seconds: float, out: Path) -> subprocess.Popen | None:
     cmd = [exe, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "200",
            "--nonblocking", "--format", "raw", "--output", str(out)]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(str(out) + ".log", "w"))
+
+
+def spy_once_stepping(
+    url: str, steps_before: float, pid: int, seconds: float, out: Path
+) -> subprocess.Popen | None:
+    """Starts py-spy on the server's engine once it steps (aiperf's own start-up takes
+    seconds, during which the engine waits idle and py-spy, which skips idle threads, would
+    record nothing)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if scrape_steps(url)[0] > steps_before:
+            return py_spy(pid, seconds, out)
+        time.sleep(0.2)
+    return None
 
 
 def engine_pid(server: subprocess.Popen) -> int | None:
@@ -378,12 +393,21 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer = args.tokenizer or tokenizer_dir(model.get("root") or kwargs["model"])
         cmd = aiperf_command(args, model["id"], url, tokenizer, out_dir)
         before = scrape_steps(url)
-        spy = None
+        spy: list = []
+        watch = None
         if args.py_spy and proc is not None and (pid := engine_pid(proc)) is not None:
-            spy = py_spy(pid, args.py_spy, Path(out_dir) / "py_spy_server_engine.txt")
+            out = Path(out_dir) / "py_spy_server_engine.txt"
+            watch = threading.Thread(
+                target=lambda: spy.append(spy_once_stepping(url, before[0], pid, args.py_spy, out)),
+                daemon=True,
+            )
+            watch.start()
         export = run_aiperf(cmd, out_dir, args.max_seconds, cpu_set(args.client_cpus))
-        if spy is not None:
-            spy.wait()
+        if watch is not None:
+            watch.join()
+        for p in spy:
+            if p is not None:
+                p.wait()
         after = scrape_steps(url)
         # the engine process inside the server, over aiperf's whole run (its warm-up included)
         steps, host, device, loop, seconds = (a - b for a, b in zip(after, before, strict=True))

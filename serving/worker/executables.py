@@ -91,6 +91,7 @@ class StepExecutables:
         self._lock = threading.Lock()
         self.compiled = 0  # compiled in this process
         self.loaded = 0  # loaded from disk
+        self.from_disk: set[str] = set()  # the keys of those loaded, until discarded
 
     @staticmethod
     def key(bucket: str) -> str:
@@ -119,15 +120,29 @@ class StepExecutables:
         with self._lock:
             self._memory[key] = exe
             self.loaded += 1
+            self.from_disk.add(key)
         return exe
 
-    def put(self, key: str, exe: Any) -> None:
-        """Keeps ``exe``; writes it to disk too (atomically: a reader never sees half)."""
+    def discard(self, key: str) -> None:
+        """Forgets ``key``'s executable, in memory and on disk: one loaded from disk that does
+        not run (the warm-up found it broken) is compiled and written again."""
+        with self._lock:
+            self._memory.pop(key, None)
+            self.from_disk.discard(key)
+        if self.directory is not None:
+            try:
+                os.remove(os.path.join(self.directory, key + ".exe"))
+            except OSError:
+                pass
+
+    def put(self, key: str, exe: Any, *, write: bool = True) -> None:
+        """Keeps ``exe``; unless ``write`` is False, writes it to disk too (atomically: a
+        reader never sees half)."""
         with self._lock:
             self._memory[key] = exe
             self.compiled += 1
             StepExecutables.process_compiles += 1
-        if self.directory is None:
+        if self.directory is None or not write:
             return
         from jax.experimental import serialize_executable
 

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -413,6 +414,22 @@ class ModelRunner:
             dtype=self.dtype,
             state_dtype=self.state_dtype,
         )
+        self._pool_args = (cfg, pools, sharding, num_mtp_drafts)
+        self._fresh_pools()
+        # The compiled steps by bucket (background warm-up, and with ``executable_dir`` every
+        # bucket, kept on disk for the next start): a step of a kept bucket is not traced.
+        fixed = (self._state_leaves, self.caches, self.tables, self.mtp_caches)
+        fingerprint = repr((
+            source_fingerprint(), environment_fingerprint(), repr(cfg), str(self.dtype),
+            kernel_backend, _describe_ops(self.ops), allow_tf32, str(self.state_dtype),
+            self.scan_layers, num_mtp_drafts, branch_free_step, describe_args(fixed),
+        ))  # fmt: skip
+        self.executables = StepExecutables(fingerprint, executable_dir)
+        self._bucket_keys: dict[StepShape, str] = {}
+
+    def _fresh_pools(self) -> None:
+        """Empty pools (KV, states, MTP) and sampler tables, on the devices."""
+        cfg, pools, sharding, num_mtp_drafts = self._pool_args
         if sharding is not None:
             self.caches = sharding.init_caches(stacked=self.scan_layers, **pools)
         else:
@@ -429,31 +446,32 @@ class ModelRunner:
 
             mtp = functools.partial(
                 init_mtp_caches, cfg, num_blocks=self.memory.num_kv_blocks,
-                block_size=sched_cfg.block_size, dtype=self.dtype,
+                block_size=pools["block_size"], dtype=self.dtype,
             )  # fmt: skip
             self.mtp_caches = jax.device_put(jax.jit(mtp)(), jax.devices()[0])
-        tables = init_token_tables(sched_cfg.max_num_seqs, cfg.vocab_size)
+        tables = init_token_tables(self.sched_cfg.max_num_seqs, cfg.vocab_size)
         if sharding is not None:
             self.tables = replicate_tree(tables, sharding.mesh)
         else:
             self.tables = jax.device_put(tables, jax.devices()[0])
-        # The compiled steps by bucket (background warm-up, and with ``executable_dir`` every
-        # bucket, kept on disk for the next start): a step of a kept bucket is not traced.
-        fixed = (self._state_leaves, self.caches, self.tables, self.mtp_caches)
-        fingerprint = repr((
-            source_fingerprint(), environment_fingerprint(), repr(cfg), str(self.dtype),
-            kernel_backend, _describe_ops(self.ops), allow_tf32, str(self.state_dtype),
-            self.scan_layers, num_mtp_drafts, branch_free_step, describe_args(fixed),
-        ))  # fmt: skip
-        self.executables = StepExecutables(fingerprint, executable_dir)
-        self._bucket_keys: dict[StepShape, str] = {}
 
     def warmup(self, *, progress: bool = True) -> float:
         """Compiles every bucket the scheduler can produce. Returns the seconds it took."""
         start = time.perf_counter()
         shapes = self.sched_cfg.step_shapes()
         for shape in tqdm(shapes, desc="compiling buckets", disable=not progress, leave=False):
-            self.execute(StepPlan.empty(shape))
+            try:
+                self.execute(StepPlan.empty(shape))
+            except jax.errors.JaxRuntimeError as e:
+                key = self._bucket_keys.get(shape)
+                if key is None or key not in self.executables.from_disk:
+                    raise
+                # Seen on CPU: an executable written by an earlier start loads, then fails
+                # to run ("NOT_FOUND: Function ... not found"). Compile the bucket again.
+                log.warning("the kept step of %s does not run (%s): compiling it again", shape, e)
+                self.executables.discard(key)
+                self._fresh_pools()  # the failed step's outputs (the pools) carry its error
+                self.execute(StepPlan.empty(shape))
         seconds = time.perf_counter() - start
         log.info("compiled %d buckets in %.1f s", len(shapes), seconds)
         return seconds
@@ -518,8 +536,13 @@ class ModelRunner:
             key = self._bucket_keys[shape] = self.executables.key(_bucket(shape, args))
         exe = self.executables.get(key, lambda: args[4:])
         if exe is None and compile_missing:
-            exe = _step.lower(*args).compile()
-            self.executables.put(key, exe)
+            with _CacheHits() as hits:
+                exe = _step.lower(*args).compile()
+            # One that JAX's persistent cache served is kept in memory only: on CPU it
+            # serializes wrongly (jax 0.10.2: "`LessThan` is not serializable", or a file that
+            # loads, then fails to run: "NOT_FOUND: Function ... not found"). JAX's cache
+            # serves it again at the next start.
+            self.executables.put(key, exe, write=not hits.count)
         return exe
 
     def _run(self, shape: StepShape, args: tuple) -> tuple:
@@ -686,6 +709,33 @@ def _describe_ops(ops: Ops) -> str:
 def _log_failure(shape: StepShape, fut: Future) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.error("background compile of %s failed: %r", shape, fut.exception())
+
+
+class _CacheHits:
+    """Counts JAX's persistent-cache hits of the compiles that run in this thread while
+    inside (``jax.monitoring``'s events, which fire in the compiling thread)."""
+
+    _local = threading.local()
+    _listening = False
+    _lock = threading.Lock()
+
+    def __enter__(self) -> _CacheHits:
+        with _CacheHits._lock:
+            if not _CacheHits._listening:
+                jax.monitoring.register_event_listener(_CacheHits._on_event)
+                _CacheHits._listening = True
+        self.count = 0
+        _CacheHits._local.current = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _CacheHits._local.current = None
+
+    @staticmethod
+    def _on_event(name: str, **kwargs) -> None:
+        current = getattr(_CacheHits._local, "current", None)
+        if current is not None and name == "/jax/compilation_cache/cache_hits":
+            current.count += 1
 
 
 def _shape_of(x: jax.Array) -> jax.ShapeDtypeStruct:

@@ -103,3 +103,73 @@ def test_the_executables_sit_beside_the_expanded_cache(tmp_path, monkeypatch):
     got = _executable_dir("~/.cache/hyjax/jax-compilation")
     assert got == str(tmp_path / "home" / ".cache/hyjax/jax-compilation/hyjax-steps")
     assert _executable_dir("rel") == str(tmp_path / "rel" / "hyjax-steps")
+
+
+def test_a_kept_step_that_loads_but_does_not_run_is_compiled_again(tmp_path, monkeypatch, caplog):
+    """An executable from an earlier start that deserializes but fails when run (seen on CPU:
+    "NOT_FOUND: Function ... not found") does not stop the start: the warm-up drops it, starts
+    from fresh pools, compiles and writes the bucket again, and the engine generates as the
+    first one did."""
+    import logging
+
+    import jax
+    from jax.experimental import serialize_executable
+
+    from serving.core.request import EngineRequest, SamplingParams
+    from serving.engine.llm_engine import EngineArgs, LLMEngine
+
+    model = make_tiny_model(tmp_path / "tiny", seed=0)
+    kw = dict(
+        model=str(model), compilation_cache_dir=str(tmp_path / "cache"), max_num_seqs=2,
+        max_num_batched_tokens=64, max_model_len=128, num_checkpoint_slots=4, progress=False,
+    )  # fmt: skip
+
+    def generate(engine):
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        rid = engine.add_request(EngineRequest(list(range(1, 40)), params))
+        return engine.run_to_completion()[rid].output_token_ids
+
+    first = LLMEngine(EngineArgs(**kw))
+    buckets = first.runner.executables.compiled
+    assert buckets >= 2 and first.runner.executables.loaded == 0
+    want = generate(first)
+    del first
+
+    load = serialize_executable.deserialize_and_load
+
+    def broken(*args, **kwargs):
+        real = load(*args, **kwargs)  # the file itself reads
+
+        def run(*a, **k):
+            real(*a, **k)  # runs, and takes the donated pools with it
+            raise jax.errors.JaxRuntimeError("NOT_FOUND: Function fusion not found (type id: 1)")
+
+        return run
+
+    monkeypatch.setattr(serialize_executable, "deserialize_and_load", broken)
+    with caplog.at_level(logging.WARNING, logger="serving.worker.runner"):
+        second = LLMEngine(EngineArgs(**kw))
+    ex = second.runner.executables
+    assert ex.loaded == buckets and ex.compiled == buckets and not ex.from_disk
+    assert sum("does not run" in r.getMessage() for r in caplog.records) == buckets
+    assert generate(second) == want
+
+
+def test_a_step_served_by_jax_cache_is_not_kept_on_disk(tmp_path):
+    """JAX's persistent cache holds the steps, the runner's kept files do not (a deleted or
+    pruned folder; before the "~" fix, another working directory). On CPU an executable that
+    JAX's cache served serializes into a file that loads, then fails to run ("NOT_FOUND:
+    Function ... not found"). So such a step is kept in memory only: the next start gets it
+    from JAX's cache again, and runs."""
+    import shutil
+
+    model = make_tiny_model(tmp_path / "tiny", seed=0)
+    cache = tmp_path / "jax-cache"
+    first = _run(model, cache)
+    shutil.rmtree(cache / "hyjax-steps")
+    second = _run(model, cache)
+    assert second["steps_compiled"] == first["steps_compiled"] and second["misses"] == 0, second
+    assert _steps(cache) == [], "a cache-served step was written"
+    third = _run(model, cache)  # crashed when the second start wrote its steps
+    assert third["misses"] == 0 and third["steps_compiled"] == first["steps_compiled"], third
+    assert third["tokens"] == second["tokens"] == first["tokens"]
