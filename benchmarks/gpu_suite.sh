@@ -25,6 +25,7 @@
 #   kimi      benchmarks.serving_throughput: Kimi-Linear-48B, all 27 layers, one card, c8
 #   kimidt    the same with --dispatch-thread
 #   q24       benchmarks.serving_throughput: 80B, 24 layers, one card, c8, an 8-step profile
+#   launch    benchmarks.launch_overhead: a launch's host time by argument buffers, jit / AOT
 #   hlo       XLA's optimized HLO of the step (the bench model's shapes, 4 layers: one group
 #             of 3 GDN + 1 attention) at c8, text, under hlo/: which fusions a layer has
 #   http      benchmarks.http_serving: hyjax serve under aiperf against the engine, the bench
@@ -70,6 +71,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         kimi) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --max-seconds $((budget - 20)) --out $j" ;;
         kimidt) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --dispatch-thread --max-seconds $((budget - 20)) --out $j" ;;
         hlo) echo "env XLA_FLAGS=--xla_dump_to=$scratch/hlo --xla_dump_hlo_module_re=.*step.* --xla_dump_hlo_pass_re=^$ python -m benchmarks.serving_throughput --model bench --layers 4 --concurrency 8 --input-len 200 --output-len 64 --max-seconds $((budget - 20)) --out $j" ;;
+        launch) echo "python -m benchmarks.launch_overhead --out $j" ;;
         q24) echo "python -m benchmarks.serving_throughput --model qwen3-next-80b --layers 24 --concurrency 8 --min-seq-bucket 8 --profile-steps 8 --max-seconds $((budget - 20)) --out $j" ;;
         http) echo "python -m benchmarks.http_serving --model $scratch/bench8 --load-format dummy --dtype bfloat16 --block-size 64 --max-num-batched-tokens 2048 --input-len 1000 --output-len 2000 --concurrency 8 --num-prompts 16 --max-seconds $((budget - 20)) --artifact-dir $scratch/http_artifacts $pin --py-spy 15 --out $j" ;;
         *) return 1 ;;
