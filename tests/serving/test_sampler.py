@@ -147,7 +147,7 @@ def test_searched_threshold_is_the_sorts():
     kept = (x >= want).sum(1)
     assert kept[0] == 3 and kept[1] >= 40 and kept[2] == 17 and kept[5] == v
     assert kept[3] == 31 and kept[4] == 8 and kept[6] == 1 and kept[7] == 101
-    for ways in (2, 4, 16):
-        fn = jax.jit(lambda x, k, p, w=ways: _searched_threshold(x, k, p, ways=w))
+    for ways, unroll in ((2, False), (4, False), (4, True), (16, True)):
+        fn = jax.jit(lambda x, k, p, w=ways, u=unroll: _searched_threshold(x, k, p, w, u))
         got = np.asarray(fn(jnp.asarray(x), jnp.asarray(k), jnp.asarray(top_p)))
-        np.testing.assert_array_equal(got, want, err_msg=f"ways={ways}")
+        np.testing.assert_array_equal(got, want, err_msg=f"ways={ways} unroll={unroll}")
