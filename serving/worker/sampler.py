@@ -324,7 +324,7 @@ def _searched_threshold(
     against the sort's 0.43 / 1.33 / 3.01 (2 ways: 0.25 / 1.10 / 3.49; 16: 0.54 / 1.81 / 5.40).
     The mass is summed unnormalized against p times the row's sum, where the sort compares a
     cumsum of probabilities: at a boundary within rounding the two may keep one token apart.
-    ``unroll`` (default: on a GPU only) writes the passes out; elsewhere they are one
+    ``unroll`` (default: when lowered for a GPU) writes the passes out; elsewhere they are one
     ``fori_loop`` (CPU: 0.9 s more to compile every step bucket unrolled, against 0.4 s for the
     sort, where the search runs in 86 ms against the sort's 439 ms at 8 rows of 152k)."""
     bits = ways.bit_length() - 1
@@ -357,13 +357,19 @@ def _searched_threshold(
         return lo_new, hi_new
 
     passes = -(-32 // bits)
-    if unroll is None:
-        unroll = jax.default_backend() == "gpu"
-    if unroll:  # a GPU: no loop (each trip of a while loop can cost a host round trip)
+
+    def unrolled(lo, hi):  # a GPU: no while loop (none may sit in a command buffer)
         for i in range(passes):
             lo, hi = one_pass(i, (lo, hi))
-    else:  # elsewhere one loop body: a sixteenth of the unrolled program to compile
-        lo, hi = jax.lax.fori_loop(0, passes, one_pass, (lo, hi))
+        return lo, hi
+
+    def looped(lo, hi):  # elsewhere one loop body: a sixteenth of the program to compile
+        return jax.lax.fori_loop(0, passes, one_pass, (lo, hi))
+
+    if unroll is None:  # by the platform the step is lowered for
+        lo, hi = jax.lax.platform_dependent(lo, hi, cuda=unrolled, rocm=unrolled, default=looped)
+    else:
+        lo, hi = (unrolled if unroll else looped)(lo, hi)
     return _from_order_keys(hi - 1)
 
 
