@@ -90,16 +90,15 @@ class EngineLoop:
             t0 = time.perf_counter()
             for msg in self._drain(block=idle):
                 self._handle(msg, out)
-            if not self._stop and self.engine.has_unfinished_requests():
-                t1 = time.perf_counter()
+            t1 = time.perf_counter()
+            stepped = not self._stop and self.engine.has_unfinished_requests()
+            if stepped:
                 self._step(out)
-                t2 = time.perf_counter()
-                if out:
-                    self.outbox.put(out)
-                around = (t1 - t0) + (time.perf_counter() - t2)
-                self.loop_seconds += around if not idle else time.perf_counter() - t2
-            elif out:
+            t2 = time.perf_counter()
+            if out:
                 self.outbox.put(out)
+            if stepped:  # the drain counts unless it waited for work (idle)
+                self.loop_seconds += (time.perf_counter() - t2) + (0.0 if idle else t1 - t0)
             now = time.monotonic()
             if now - last_check > PARENT_CHECK_S:
                 last_check = now
