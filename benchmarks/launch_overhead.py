@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     for n in args.args:
         f, leaves = _program(n)
         x = jnp.zeros((), jnp.float32)
-        jitted = jax.jit(f)
+        jitted = jax.jit(f, keep_unused=True)  # the default prunes unread buffers
         compiled = jitted.lower(leaves, x).compile()
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
         loaded = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
