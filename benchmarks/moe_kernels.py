@@ -146,15 +146,27 @@ def route_only(tiles: gpu.MoeTiles, plan_of=gpu.route):
 
 
 def route_plans(iters: int = 20) -> dict:
-    """``--route-only``: the two route plans at decode sizes (T = 8, 16, 64 tokens, top-10),
-    each alone, chained; microseconds a call (the chain's link, a sum of the plan, included)."""
+    """``--route-only``: the route plans at decode sizes (T = 8, 16, 64 tokens, top-10): the
+    sort, the pairwise one and (up to 128 pairs) the one-kernel one, each alone, chained;
+    microseconds a call (the chain's link, a sum of the plan, included), and whether each
+    plan's fields equal the sort's."""
     out = {}
     for e in (64, 512):
         for t in (8, 16, 64):
             a = inputs(t, e)
             tiles = gpu.default_tiles(t * K, e, D, F, jnp.bfloat16)
             row = {}
-            for name, plan_of in (("sort", gpu.route), ("pairwise", gpu.route_pairwise)):
+            plans = {"sort": gpu.route, "pairwise": gpu.route_pairwise}
+            if t * K <= gpu.KERNEL_ROUTE_MAX_PAIRS:
+                plans["kernel"] = gpu.route_kernel
+            want = None
+            for name, plan_of in plans.items():
+                plan = jax.jit(functools.partial(plan_of, num_experts=e, block_m=tiles.block_m))
+                got = jax.device_get(plan(a[2], a[1]))
+                want = got if want is None else want
+                row[f"{name}_equal"] = all(
+                    np.array_equal(x, y) for x, y in zip(got, want, strict=True)
+                )
                 fn = route_only(tiles, plan_of)
                 row[f"{name}_us"] = round(1e6 * time_chained(fn, a, iters), 1)
             out[f"T={t}_E={e}"] = row

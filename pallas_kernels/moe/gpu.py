@@ -21,6 +21,11 @@ Per padded row: the token it reads (``-1``: padding) and its routing weight (0 f
 per block: its expert; ``used`` = the blocks that hold any pair. Programs of blocks past
 ``used`` return at once (``pl.when``).
 
+Three ways to the same plan, by the number of pairs: up to 128 (decode at c8-c12) one Pallas
+kernel (:func:`route_kernel`: every pair compared with every pair, in registers); up to 640
+the same comparisons as XLA row reductions (:func:`route_pairwise`); past that a sort
+(:func:`route`).
+
 Kernels
 -------
 A. grid ``(NB, F // BN_a)``: gathers the block's token rows of ``x`` in the kernel (a masked
@@ -303,6 +308,134 @@ def route_pairwise(
     )  # fmt: skip
 
 
+# The route plan of at most this many pairs is one Pallas kernel (:func:`route_kernel`): the
+# pairwise plan's dozen small XLA kernels (a GDN layer's decode step at c8 has ~34 kernels,
+# 10 of them this plan: BENCHMARKS.md's optimized HLO) in one launch. [P, P] comparisons in
+# registers: 128 pairs (16 tokens at top-8, 12 at top-10) keep them at 128 a thread.
+KERNEL_ROUTE_MAX_PAIRS = 128
+_ROUTE_ROWS = 128  # at most this many padded rows a program of the route kernel fills
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _pieces(n: int):
+    """``[0, n)`` as static power-of-two pieces ``(start, size)``: Triton's tensors are
+    powers of two, and a masked store's clamped lanes would write twice in interpret mode."""
+    start = 0
+    for bit in reversed(range(n.bit_length())):
+        if n >> bit & 1:
+            yield start, 1 << bit
+            start += 1 << bit
+
+
+def _route_kernel(
+    experts_ref,  # i32[P]  ids outside [0, E) are skipped
+    weights_ref,  # [P]
+    block_expert_ref,  # out i32[NB]
+    used_ref,  # out i32[1]
+    row_token_ref,  # out i32[NB * BM]
+    row_weight_ref,  # out f32[NB * BM]
+    pair_row_ref,  # out i32[P]
+    *, num_experts: int, block_m: int, top_k: int, rows_per_program: int,
+):  # fmt: skip
+    """:func:`route_pairwise`'s plan. Every program ranks all pairs (a [P, P] comparison in
+    registers) and fills ``rows_per_program`` padded rows; program 0 also writes the per-pair
+    and per-block fields. Each output element is written by one program, once."""
+    num_pairs = pair_row_ref.shape[0]
+    nb = block_expert_ref.shape[0]
+    pp = jnp.arange(_pow2(num_pairs), dtype=jnp.int32)  # pairs, padded to a power of two
+    live = pp < num_pairs
+    at = jnp.minimum(pp, num_pairs - 1)
+    ids = pltr.load(experts_ref.at[at], mask=live, other=-1)
+    w = pltr.load(weights_ref.at[at], mask=live, other=0).astype(jnp.float32)
+    key = jnp.where(live & (ids >= 0) & (ids < num_experts), ids, num_experts)  # E: skipped
+
+    def group(q, key_q):
+        """For pairs ``q`` of keys ``key_q``: (place in their expert's group, its size)."""
+        same = key_q[:, None] == key[None, :]  # [Q, PP]
+        rank = jnp.sum(jnp.where(same & (pp[None, :] < q[:, None]), 1, 0), axis=1)
+        return rank, jnp.sum(jnp.where(same, 1, 0), axis=1)
+
+    rank, size = group(pp, key)
+    valid = key < num_experts
+    padded = jnp.where(valid & (rank == 0), (size + block_m - 1) // block_m * block_m, 0)
+
+    def row_of(q, key_q):
+        """The padded row of pairs ``q`` (-1: skipped)."""
+        rank_q, _ = group(q, key_q)
+        before = jnp.where(key[None, :] < key_q[:, None], padded[None, :], 0)
+        return jnp.where(key_q < num_experts, jnp.sum(before, axis=1) + rank_q, -1)
+
+    row = row_of(pp, key)
+    r = pl.program_id(0) * rows_per_program + jnp.arange(rows_per_program, dtype=jnp.int32)
+    hit = row[None, :] == r[:, None]  # [ROWS, PP]: at most one pair a row
+    pair = jnp.max(jnp.where(hit, pp[None, :], -1), axis=1)
+    weight = jnp.max(jnp.where(hit, w[None, :], -jnp.inf), axis=1)
+    rows = pl.ds(pl.program_id(0) * rows_per_program, rows_per_program)
+    row_token_ref[rows] = jnp.where(pair >= 0, pair // top_k, -1)
+    row_weight_ref[rows] = jnp.where(pair >= 0, weight, 0.0)
+
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+        used_ref[...] = jnp.full((1,), jnp.sum(padded) // block_m, jnp.int32)
+        for start, n in _pieces(num_pairs):
+            q = start + jnp.arange(n, dtype=jnp.int32)
+            ids_q = experts_ref[pl.ds(start, n)]
+            key_q = jnp.where((ids_q >= 0) & (ids_q < num_experts), ids_q, num_experts)
+            pair_row_ref[pl.ds(start, n)] = row_of(q, key_q)
+        first = row - rank  # a group's first row, at each of its pairs
+        end = first + padded
+        for start, n in _pieces(nb):
+            b0 = (start + jnp.arange(n, dtype=jnp.int32))[:, None] * block_m  # [n, 1]
+            holds = (first[None, :] <= b0) & (b0 < end[None, :]) & (padded[None, :] > 0)
+            expert = jnp.max(jnp.where(holds, key[None, :], -1), axis=1)
+            block_expert_ref[pl.ds(start, n)] = jnp.where(expert < 0, num_experts - 1, expert)
+
+
+def route_kernel(
+    experts: jax.Array,  # i32[T, k]  ids outside [0, E) are skipped
+    weights: jax.Array,  # [T, k]
+    *,
+    num_experts: int,
+    block_m: int,
+    interpret: bool = False,
+) -> RoutePlan:
+    """:func:`route`'s plan, equal to it, in one Pallas kernel (at most
+    ``KERNEL_ROUTE_MAX_PAIRS`` pairs): :func:`route_pairwise`'s comparisons, in registers."""
+    num_tokens, top_k = experts.shape
+    num_pairs = num_tokens * top_k
+    if num_pairs > KERNEL_ROUTE_MAX_PAIRS:
+        raise ValueError(f"{num_pairs} pairs > KERNEL_ROUTE_MAX_PAIRS={KERNEL_ROUTE_MAX_PAIRS}")
+    nb = num_blocks(num_pairs, num_experts, block_m)
+    rows = nb * block_m
+    per_program = min(_ROUTE_ROWS, rows & -rows)  # a power of two dividing the rows (BM's)
+    kernel = functools.partial(
+        _route_kernel, num_experts=num_experts, block_m=block_m, top_k=top_k,
+        rows_per_program=per_program,
+    )  # fmt: skip
+    i32 = jnp.int32
+    block_expert, used, row_token, row_weight, pair_row = pl.pallas_call(
+        kernel,
+        grid=(rows // per_program,),
+        out_shape=(
+            jax.ShapeDtypeStruct((nb,), i32),
+            jax.ShapeDtypeStruct((1,), i32),
+            jax.ShapeDtypeStruct((rows,), i32),
+            jax.ShapeDtypeStruct((rows,), jnp.float32),
+            jax.ShapeDtypeStruct((num_pairs,), i32),
+        ),  # fmt: skip
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="moe_route",
+    )(experts.reshape(-1).astype(i32), weights.reshape(-1))
+    return RoutePlan(
+        block_expert=block_expert, used=used, row_token=row_token, row_weight=row_weight,
+        pair_row=pair_row.reshape(num_tokens, top_k),
+    )  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -404,7 +537,13 @@ def moe_experts(
                 "offsets would wrap; shard the experts (expert parallel) or their F dim"
             )
     bm = tiles.block_m
-    plan_of = route_pairwise if num_tokens * top_k <= PAIRWISE_ROUTE_MAX_PAIRS else route
+    num_pairs = num_tokens * top_k
+    if num_pairs <= KERNEL_ROUTE_MAX_PAIRS:
+        plan_of = functools.partial(route_kernel, interpret=interpret)
+    elif num_pairs <= PAIRWISE_ROUTE_MAX_PAIRS:
+        plan_of = route_pairwise
+    else:
+        plan_of = route
     plan = plan_of(experts, weights, num_experts=num_experts, block_m=bm)
     nb = plan.block_expert.shape[0]
     rows = nb * bm

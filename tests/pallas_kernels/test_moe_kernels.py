@@ -132,7 +132,12 @@ def test_runs_inside_the_experts_shard_map():
     _check(got, _reference(x, weights, experts, w), jnp.float32)
 
 
-@pytest.mark.parametrize("plan_of", [gpu.route, gpu.route_pairwise], ids=["sort", "pairwise"])
+_KERNEL_PLAN = functools.partial(gpu.route_kernel, interpret=True)
+
+
+@pytest.mark.parametrize(
+    "plan_of", [gpu.route, gpu.route_pairwise, _KERNEL_PLAN], ids=["sort", "pairwise", "kernel"]
+)
 def test_route_pins_blocks_rows_and_pairs(plan_of):
     """The module docstring's picture: e0 x5, e2 x9, two skipped pairs, E = 3, BM = 4."""
     ids = np.array([2, 0, 2, 5, 0, 2, 2, 0, 2, -1, 2, 0, 2, 2, 0, 2], np.int32)  # T=16, k=1
@@ -159,15 +164,19 @@ ROUTE_CASES = [  # (T, k, E, BM, ids drawn from): decode-sized plans, skipped id
     (16, 4, 8, 4, "any"),  # a token may name an expert twice; ids -2..E+1 (some skipped)
     (1, 3, 3, 64, "any"),
     (5, 4, 4, 16, "distinct"),  # every expert in every token: blocks of many pairs
+    (16, 8, 256, 16, "distinct"),  # the kernel plan's most pairs (128)
+    (3, 5, 7, 2, "any"),  # 15 pairs, 2-row blocks: every output in pieces of 8, 4, 2, 1
 ]
 
 
 ROUTE_IDS = [f"{t}x{k}_E{e}_BM{bm}_{draw}" for t, k, e, bm, draw in ROUTE_CASES]
 
 
+@pytest.mark.parametrize("plan_of", [gpu.route_pairwise, _KERNEL_PLAN], ids=["pairwise", "kernel"])
 @pytest.mark.parametrize("t,k,e,bm,draw", ROUTE_CASES, ids=ROUTE_IDS)
-def test_route_pairwise_is_the_sorted_plan(t, k, e, bm, draw):
-    """Every field of the pairwise plan equals the sorted one's, blocks past ``used`` too."""
+def test_route_plans_are_the_sorted_plan(t, k, e, bm, draw, plan_of):
+    """Every field of the pairwise plan, and of the one-kernel plan (in interpret mode), equals
+    the sorted one's, blocks past ``used`` too."""
     rng = np.random.default_rng(t * k + e)
     if draw == "any":
         ids = rng.integers(-2, e + 2, (t, k))
@@ -175,14 +184,15 @@ def test_route_pairwise_is_the_sorted_plan(t, k, e, bm, draw):
         ids = np.stack([rng.choice(e, k, replace=False) for _ in range(t)])
     ids, weights = jnp.asarray(ids, jnp.int32), jnp.asarray(rng.random((t, k)), jnp.float32)
     want = jax.jit(functools.partial(gpu.route, num_experts=e, block_m=bm))(ids, weights)
-    got = jax.jit(functools.partial(gpu.route_pairwise, num_experts=e, block_m=bm))(ids, weights)
+    got = jax.jit(functools.partial(plan_of, num_experts=e, block_m=bm))(ids, weights)
     for name in want._fields:
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
 
 
 def test_kernel_with_the_pairwise_plan(monkeypatch):
-    """The experts op through the pairwise plan (as decode steps would run it when on)."""
+    """The experts op through the pairwise plan (decode steps of 129 to 640 pairs)."""
     monkeypatch.setattr(gpu, "PAIRWISE_ROUTE_MAX_PAIRS", 1 << 20)
+    monkeypatch.setattr(gpu, "KERNEL_ROUTE_MAX_PAIRS", 0)
     x, weights, experts, w = _case(12, 8, 3, 64, 32, dtype=jnp.float32, picks=[1, 2, 6], seed=9)
     fn = jax.jit(functools.partial(gpu.moe_experts, tiles=SMALL, interpret=True))
     args = [jnp.asarray(a, jnp.float32) for a in (x, weights, *_poison(w, experts, 8))]
@@ -190,6 +200,25 @@ def test_kernel_with_the_pairwise_plan(monkeypatch):
     _check(got, _reference(x, weights, experts, w), jnp.float32)
     traced = str(jax.make_jaxpr(fn)(args[0], args[1], jnp.asarray(experts), *args[2:]))
     assert " sort" not in traced  # the pairwise plan ran, not the sort
+    assert "moe_route" not in traced
+
+
+def test_kernel_with_the_kernel_plan():
+    """Up to 128 pairs (decode at c8) the plan is one kernel; 129 pairs take the pairwise one;
+    more than the kernel takes is refused by name."""
+    x, weights, experts, w = _case(12, 8, 3, 64, 32, dtype=jnp.float32, picks=[1, 2, 6], seed=9)
+    fn = jax.jit(functools.partial(gpu.moe_experts, tiles=SMALL, interpret=True))
+    args = [jnp.asarray(a, jnp.float32) for a in (x, weights, *_poison(w, experts, 8))]
+    got = np.asarray(fn(args[0], args[1], jnp.asarray(experts), *args[2:]))
+    _check(got, _reference(x, weights, experts, w), jnp.float32)
+    traced = str(jax.make_jaxpr(fn)(args[0], args[1], jnp.asarray(experts), *args[2:]))
+    assert traced.count("pallas_call") == 3 and "moe_route" in traced and " sort" not in traced
+    sd = jax.ShapeDtypeStruct
+    over = (sd((43, 64), jnp.float32), sd((43, 3), jnp.float32), sd((43, 3), jnp.int32))
+    over_traced = str(jax.make_jaxpr(fn)(*over, *args[2:]))
+    assert "moe_route" not in over_traced and over_traced.count("pallas_call") == 2
+    with pytest.raises(ValueError, match="129 pairs > KERNEL_ROUTE_MAX_PAIRS=128"):
+        gpu.route_kernel(over[2], over[1], num_experts=8, block_m=16)
 
 
 def test_sparse_moe_layer_through_ops():
@@ -205,7 +234,7 @@ def test_sparse_moe_layer_through_ops():
     kernel = functools.partial(gpu.moe_experts, tiles=SMALL, interpret=True)
     ops = dataclasses.replace(REFERENCE, moe_experts=kernel)
     traced = jax.make_jaxpr(lambda state, x: nnx.merge(graphdef, state)(x, ops))(state, x)
-    assert str(traced).count("pallas_call") == 2  # the layer ran the op it was given
+    assert str(traced).count("pallas_call") == 3  # the layer ran the op it was given (+ its plan)
     got = forward(state, x, ops)
     want = forward(state, x, REFERENCE)
     assert_close(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -244,11 +273,12 @@ def test_lowers_to_triton_at_80b_shapes():
     trip on GPU)."""
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
-    for t in (64, 4096):
+    for t in (8, 64, 4096):
         w_in, w_out = sd((64, 2048, 512), bf), sd((64, 512, 2048), bf)
         args = (sd((t, 2048), bf), sd((t, 10), bf), sd((t, 10), jnp.int32), w_in, w_in, w_out)
         text = jax.jit(gpu.moe_experts).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("moe_gate_up") >= 1 and text.count("moe_down") >= 1
+        assert ("moe_route" in text) == (t == 8)  # the one-kernel plan at decode's 80 pairs
         assert "stablehlo.while" not in text
         assert set(re.findall(r"stablehlo\.custom_call @([\w$.]+)", text)) <= {
             "__gpu$xla.gpu.triton"
