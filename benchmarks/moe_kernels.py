@@ -157,7 +157,7 @@ def route_plans(iters: int = 20) -> dict:
             tiles = gpu.default_tiles(t * K, e, D, F, jnp.bfloat16)
             row = {}
             plans = {"sort": gpu.route, "pairwise": gpu.route_pairwise}
-            if t * K <= gpu.KERNEL_ROUTE_MAX_PAIRS:
+            if t * K <= gpu.KERNEL_ROUTE_PAIRS_LIMIT:
                 plans["kernel"] = gpu.route_kernel
             want = None
             for name, plan_of in plans.items():

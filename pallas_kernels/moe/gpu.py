@@ -21,10 +21,9 @@ Per padded row: the token it reads (``-1``: padding) and its routing weight (0 f
 per block: its expert; ``used`` = the blocks that hold any pair. Programs of blocks past
 ``used`` return at once (``pl.when``).
 
-Three ways to the same plan, by the number of pairs: up to 128 (decode at c8-c12) one Pallas
-kernel (:func:`route_kernel`: every pair compared with every pair, in registers); up to 640
-the same comparisons as XLA row reductions (:func:`route_pairwise`); past that a sort
-(:func:`route`).
+Three ways to the same plan: up to 640 pairs every pair compared with every pair as XLA row
+reductions (:func:`route_pairwise`), past that a sort (:func:`route`); and, off until it is
+faster, the pairwise comparisons in one Pallas kernel (:func:`route_kernel`, up to 128).
 
 Kernels
 -------
@@ -308,11 +307,16 @@ def route_pairwise(
     )  # fmt: skip
 
 
-# The route plan of at most this many pairs is one Pallas kernel (:func:`route_kernel`): the
-# pairwise plan's dozen small XLA kernels (a GDN layer's decode step at c8 has ~34 kernels,
-# 10 of them this plan: BENCHMARKS.md's optimized HLO) in one launch. [P, P] comparisons in
-# registers: 128 pairs (16 tokens at top-8, 12 at top-10) keep them at 128 a thread.
-KERNEL_ROUTE_MAX_PAIRS = 128
+# The route plan of at most this many pairs is one Pallas kernel (:func:`route_kernel`), built
+# to replace the pairwise plan's ~10 small XLA kernels a layer (BENCHMARKS.md's optimized HLO)
+# by one launch. Off: on an H200 it is slower than the kernels it replaces
+# (``benchmarks.moe_kernels --route-only``, 2026-11-28, us a call chained, equal plans:
+# T = 8, E = 64: 32.4 against the pairwise 23.9; E = 512: 51.5 against 36.1), and 24 layers at
+# c8 ran 1473 against 1548 tok/s with it. Its [P, P] and [rows, P] comparisons run in one
+# program per 128 rows, program 0 also doing the per-pair and per-block fields in series.
+# Up to 128 pairs when on (16 tokens at top-8, 12 at top-10).
+KERNEL_ROUTE_MAX_PAIRS = 0
+KERNEL_ROUTE_PAIRS_LIMIT = 128  # the most pairs the kernel takes
 _ROUTE_ROWS = 128  # at most this many padded rows a program of the route kernel fills
 
 
@@ -403,11 +407,11 @@ def route_kernel(
     interpret: bool = False,
 ) -> RoutePlan:
     """:func:`route`'s plan, equal to it, in one Pallas kernel (at most
-    ``KERNEL_ROUTE_MAX_PAIRS`` pairs): :func:`route_pairwise`'s comparisons, in registers."""
+    ``KERNEL_ROUTE_PAIRS_LIMIT`` pairs): :func:`route_pairwise`'s comparisons, in registers."""
     num_tokens, top_k = experts.shape
     num_pairs = num_tokens * top_k
-    if num_pairs > KERNEL_ROUTE_MAX_PAIRS:
-        raise ValueError(f"{num_pairs} pairs > KERNEL_ROUTE_MAX_PAIRS={KERNEL_ROUTE_MAX_PAIRS}")
+    if num_pairs > KERNEL_ROUTE_PAIRS_LIMIT:
+        raise ValueError(f"{num_pairs} pairs > KERNEL_ROUTE_PAIRS_LIMIT={KERNEL_ROUTE_PAIRS_LIMIT}")
     nb = num_blocks(num_pairs, num_experts, block_m)
     rows = nb * block_m
     per_program = min(_ROUTE_ROWS, rows & -rows)  # a power of two dividing the rows (BM's)

@@ -192,7 +192,6 @@ def test_route_plans_are_the_sorted_plan(t, k, e, bm, draw, plan_of):
 def test_kernel_with_the_pairwise_plan(monkeypatch):
     """The experts op through the pairwise plan (decode steps of 129 to 640 pairs)."""
     monkeypatch.setattr(gpu, "PAIRWISE_ROUTE_MAX_PAIRS", 1 << 20)
-    monkeypatch.setattr(gpu, "KERNEL_ROUTE_MAX_PAIRS", 0)
     x, weights, experts, w = _case(12, 8, 3, 64, 32, dtype=jnp.float32, picks=[1, 2, 6], seed=9)
     fn = jax.jit(functools.partial(gpu.moe_experts, tiles=SMALL, interpret=True))
     args = [jnp.asarray(a, jnp.float32) for a in (x, weights, *_poison(w, experts, 8))]
@@ -203,9 +202,10 @@ def test_kernel_with_the_pairwise_plan(monkeypatch):
     assert "moe_route" not in traced
 
 
-def test_kernel_with_the_kernel_plan():
-    """Up to 128 pairs (decode at c8) the plan is one kernel; 129 pairs take the pairwise one;
-    more than the kernel takes is refused by name."""
+def test_kernel_with_the_kernel_plan(monkeypatch):
+    """With the one-kernel plan on (up to 128 pairs), the plan is one kernel; 129 pairs take
+    the pairwise one; more than the kernel takes is refused by name."""
+    monkeypatch.setattr(gpu, "KERNEL_ROUTE_MAX_PAIRS", gpu.KERNEL_ROUTE_PAIRS_LIMIT)
     x, weights, experts, w = _case(12, 8, 3, 64, 32, dtype=jnp.float32, picks=[1, 2, 6], seed=9)
     fn = jax.jit(functools.partial(gpu.moe_experts, tiles=SMALL, interpret=True))
     args = [jnp.asarray(a, jnp.float32) for a in (x, weights, *_poison(w, experts, 8))]
@@ -217,7 +217,7 @@ def test_kernel_with_the_kernel_plan():
     over = (sd((43, 64), jnp.float32), sd((43, 3), jnp.float32), sd((43, 3), jnp.int32))
     over_traced = str(jax.make_jaxpr(fn)(*over, *args[2:]))
     assert "moe_route" not in over_traced and over_traced.count("pallas_call") == 2
-    with pytest.raises(ValueError, match="129 pairs > KERNEL_ROUTE_MAX_PAIRS=128"):
+    with pytest.raises(ValueError, match="129 pairs > KERNEL_ROUTE_PAIRS_LIMIT=128"):
         gpu.route_kernel(over[2], over[1], num_experts=8, block_m=16)
 
 
@@ -234,7 +234,7 @@ def test_sparse_moe_layer_through_ops():
     kernel = functools.partial(gpu.moe_experts, tiles=SMALL, interpret=True)
     ops = dataclasses.replace(REFERENCE, moe_experts=kernel)
     traced = jax.make_jaxpr(lambda state, x: nnx.merge(graphdef, state)(x, ops))(state, x)
-    assert str(traced).count("pallas_call") == 3  # the layer ran the op it was given (+ its plan)
+    assert str(traced).count("pallas_call") == 2  # the layer ran the op it was given
     got = forward(state, x, ops)
     want = forward(state, x, REFERENCE)
     assert_close(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -278,7 +278,7 @@ def test_lowers_to_triton_at_80b_shapes():
         args = (sd((t, 2048), bf), sd((t, 10), bf), sd((t, 10), jnp.int32), w_in, w_in, w_out)
         text = jax.jit(gpu.moe_experts).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("moe_gate_up") >= 1 and text.count("moe_down") >= 1
-        assert ("moe_route" in text) == (t == 8)  # the one-kernel plan at decode's 80 pairs
+        assert "moe_route" not in text  # the one-kernel plan is off
         assert "stablehlo.while" not in text
         assert set(re.findall(r"stablehlo\.custom_call @([\w$.]+)", text)) <= {
             "__gpu$xla.gpu.triton"
