@@ -324,78 +324,57 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _pieces(n: int):
-    """``[0, n)`` as static power-of-two pieces ``(start, size)``: Triton's tensors are
-    powers of two, and a masked store's clamped lanes would write twice in interpret mode."""
-    start = 0
-    for bit in reversed(range(n.bit_length())):
-        if n >> bit & 1:
-            yield start, 1 << bit
-            start += 1 << bit
-
-
 def _route_kernel(
     experts_ref,  # i32[P]  ids outside [0, E) are skipped
     weights_ref,  # [P]
-    block_expert_ref,  # out i32[NB]
+    block_expert_ref,  # out i32[NBP]  (NB padded to a power of two; the rest: E - 1)
     used_ref,  # out i32[1]
     row_token_ref,  # out i32[NB * BM]
     row_weight_ref,  # out f32[NB * BM]
-    pair_row_ref,  # out i32[P]
-    *, num_experts: int, block_m: int, top_k: int, rows_per_program: int,
+    pair_row_ref,  # out i32[PP]  (P padded to a power of two; the rest: -1)
+    *, num_pairs: int, num_experts: int, block_m: int, top_k: int, rows_per_program: int,
 ):  # fmt: skip
-    """:func:`route_pairwise`'s plan. Every program ranks all pairs (a [P, P] comparison in
-    registers) and fills ``rows_per_program`` padded rows; program 0 also writes the per-pair
-    and per-block fields. Each output element is written by one program, once."""
-    num_pairs = pair_row_ref.shape[0]
-    nb = block_expert_ref.shape[0]
-    pp = jnp.arange(_pow2(num_pairs), dtype=jnp.int32)  # pairs, padded to a power of two
+    """:func:`route_pairwise`'s plan. Every program ranks all pairs (a [PP, PP] comparison in
+    registers); the first ones fill ``rows_per_program`` padded rows each, the last one the
+    per-pair and per-block fields. Each output element is written by one program, once, and
+    every store is unmasked (a masked store's clamped lanes would write twice in interpret
+    mode): the per-pair and per-block outputs are padded to powers of two."""
+    pp = jnp.arange(pair_row_ref.shape[0], dtype=jnp.int32)  # pairs, padded to a power of two
     live = pp < num_pairs
     at = jnp.minimum(pp, num_pairs - 1)
     ids = pltr.load(experts_ref.at[at], mask=live, other=-1)
-    w = pltr.load(weights_ref.at[at], mask=live, other=0).astype(jnp.float32)
     key = jnp.where(live & (ids >= 0) & (ids < num_experts), ids, num_experts)  # E: skipped
-
-    def group(q, key_q):
-        """For pairs ``q`` of keys ``key_q``: (place in their expert's group, its size)."""
-        same = key_q[:, None] == key[None, :]  # [Q, PP]
-        rank = jnp.sum(jnp.where(same & (pp[None, :] < q[:, None]), 1, 0), axis=1)
-        return rank, jnp.sum(jnp.where(same, 1, 0), axis=1)
-
-    rank, size = group(pp, key)
     valid = key < num_experts
+    same = key[:, None] == key[None, :]  # [PP, PP]
+    rank = jnp.sum(jnp.where(same & (pp[None, :] < pp[:, None]), 1, 0), axis=1)
+    size = jnp.sum(jnp.where(same, 1, 0), axis=1)
     padded = jnp.where(valid & (rank == 0), (size + block_m - 1) // block_m * block_m, 0)
+    first = jnp.sum(jnp.where(key[None, :] < key[:, None], padded[None, :], 0), axis=1)
+    row = jnp.where(valid, first + rank, -1)  # padded row of each pair
+    pid = pl.program_id(0)
+    row_programs = row_token_ref.shape[0] // rows_per_program
+    r0 = pid * rows_per_program  # (program ids are read out here: the interpreter wants so)
 
-    def row_of(q, key_q):
-        """The padded row of pairs ``q`` (-1: skipped)."""
-        rank_q, _ = group(q, key_q)
-        before = jnp.where(key[None, :] < key_q[:, None], padded[None, :], 0)
-        return jnp.where(key_q < num_experts, jnp.sum(before, axis=1) + rank_q, -1)
-
-    row = row_of(pp, key)
-    r = pl.program_id(0) * rows_per_program + jnp.arange(rows_per_program, dtype=jnp.int32)
-    hit = row[None, :] == r[:, None]  # [ROWS, PP]: at most one pair a row
-    pair = jnp.max(jnp.where(hit, pp[None, :], -1), axis=1)
-    weight = jnp.max(jnp.where(hit, w[None, :], -jnp.inf), axis=1)
-    rows = pl.ds(pl.program_id(0) * rows_per_program, rows_per_program)
-    row_token_ref[rows] = jnp.where(pair >= 0, pair // top_k, -1)
-    row_weight_ref[rows] = jnp.where(pair >= 0, weight, 0.0)
-
-    @pl.when(pl.program_id(0) == 0)
+    @pl.when(pid < row_programs)
     def _():
+        w = pltr.load(weights_ref.at[at], mask=live, other=0).astype(jnp.float32)
+        r = r0 + jnp.arange(rows_per_program, dtype=jnp.int32)
+        hit = row[None, :] == r[:, None]  # [ROWS, PP]: at most one pair a row
+        pair = jnp.max(jnp.where(hit, pp[None, :], -1), axis=1)
+        weight = jnp.max(jnp.where(hit, w[None, :], -jnp.inf), axis=1)
+        rows = pl.ds(r0, rows_per_program)
+        row_token_ref[rows] = jnp.where(pair >= 0, pair // top_k, -1)
+        row_weight_ref[rows] = jnp.where(pair >= 0, weight, 0.0)
+
+    @pl.when(pid == row_programs)
+    def _():
+        pair_row_ref[...] = row
         used_ref[...] = jnp.full((1,), jnp.sum(padded) // block_m, jnp.int32)
-        for start, n in _pieces(num_pairs):
-            q = start + jnp.arange(n, dtype=jnp.int32)
-            ids_q = experts_ref[pl.ds(start, n)]
-            key_q = jnp.where((ids_q >= 0) & (ids_q < num_experts), ids_q, num_experts)
-            pair_row_ref[pl.ds(start, n)] = row_of(q, key_q)
-        first = row - rank  # a group's first row, at each of its pairs
-        end = first + padded
-        for start, n in _pieces(nb):
-            b0 = (start + jnp.arange(n, dtype=jnp.int32))[:, None] * block_m  # [n, 1]
-            holds = (first[None, :] <= b0) & (b0 < end[None, :]) & (padded[None, :] > 0)
-            expert = jnp.max(jnp.where(holds, key[None, :], -1), axis=1)
-            block_expert_ref[pl.ds(start, n)] = jnp.where(expert < 0, num_experts - 1, expert)
+        b0 = jnp.arange(block_expert_ref.shape[0], dtype=jnp.int32)[:, None] * block_m
+        end = first + padded  # at a group's first pair; elsewhere padded is 0
+        holds = (first[None, :] <= b0) & (b0 < end[None, :]) & (padded[None, :] > 0)
+        expert = jnp.max(jnp.where(holds, key[None, :], -1), axis=1)
+        block_expert_ref[...] = jnp.where(expert < 0, num_experts - 1, expert)
 
 
 def route_kernel(
@@ -404,10 +383,13 @@ def route_kernel(
     *,
     num_experts: int,
     block_m: int,
+    num_warps: int = 4,
     interpret: bool = False,
 ) -> RoutePlan:
-    """:func:`route`'s plan, equal to it, in one Pallas kernel (at most
-    ``KERNEL_ROUTE_PAIRS_LIMIT`` pairs): :func:`route_pairwise`'s comparisons, in registers."""
+    """:func:`route`'s plan in one Pallas kernel (at most ``KERNEL_ROUTE_PAIRS_LIMIT`` pairs):
+    :func:`route_pairwise`'s comparisons, in registers. Equal to :func:`route`'s fields but
+    ``block_expert``, padded to a power of two with ``E - 1`` (the experts kernels read its
+    first ``NB`` entries; a slice of it would be one more kernel)."""
     num_tokens, top_k = experts.shape
     num_pairs = num_tokens * top_k
     if num_pairs > KERNEL_ROUTE_PAIRS_LIMIT:
@@ -416,27 +398,27 @@ def route_kernel(
     rows = nb * block_m
     per_program = min(_ROUTE_ROWS, rows & -rows)  # a power of two dividing the rows (BM's)
     kernel = functools.partial(
-        _route_kernel, num_experts=num_experts, block_m=block_m, top_k=top_k,
-        rows_per_program=per_program,
+        _route_kernel, num_pairs=num_pairs, num_experts=num_experts, block_m=block_m,
+        top_k=top_k, rows_per_program=per_program,
     )  # fmt: skip
     i32 = jnp.int32
     block_expert, used, row_token, row_weight, pair_row = pl.pallas_call(
         kernel,
-        grid=(rows // per_program,),
+        grid=(rows // per_program + 1,),
         out_shape=(
-            jax.ShapeDtypeStruct((nb,), i32),
+            jax.ShapeDtypeStruct((_pow2(nb),), i32),
             jax.ShapeDtypeStruct((1,), i32),
             jax.ShapeDtypeStruct((rows,), i32),
             jax.ShapeDtypeStruct((rows,), jnp.float32),
-            jax.ShapeDtypeStruct((num_pairs,), i32),
+            jax.ShapeDtypeStruct((_pow2(num_pairs),), i32),
         ),  # fmt: skip
-        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="moe_route",
     )(experts.reshape(-1).astype(i32), weights.reshape(-1))
     return RoutePlan(
         block_expert=block_expert, used=used, row_token=row_token, row_weight=row_weight,
-        pair_row=pair_row.reshape(num_tokens, top_k),
+        pair_row=pair_row[:num_pairs].reshape(num_tokens, top_k),
     )  # fmt: skip
 
 
@@ -549,7 +531,7 @@ def moe_experts(
     else:
         plan_of = route
     plan = plan_of(experts, weights, num_experts=num_experts, block_m=bm)
-    nb = plan.block_expert.shape[0]
+    nb = num_blocks(num_pairs, num_experts, bm)  # (the kernel plan pads block_expert)
     rows = nb * bm
     if rows * max(d, f) >= 2**31:
         raise ValueError(f"{rows} padded rows x {max(d, f)} >= 2**31 elements: split the batch")

@@ -144,7 +144,7 @@ def test_route_pins_blocks_rows_and_pairs(plan_of):
     route = jax.jit(functools.partial(plan_of, num_experts=3, block_m=4))
     plan = route(jnp.asarray(ids[:, None]), jnp.ones((16, 1)))
     assert int(plan.used[0]) == 5
-    assert plan.block_expert.shape == (gpu.num_blocks(16, 3, 4),) == (6,)
+    assert plan.block_expert.shape[0] >= gpu.num_blocks(16, 3, 4) == 6  # the kernel's: 8
     assert np.asarray(plan.block_expert)[:5].tolist() == [0, 0, 2, 2, 2]
     e0, e2 = np.flatnonzero(ids == 0), np.flatnonzero(ids == 2)  # tokens in order (stable)
     want = np.full(24, -1)
@@ -185,6 +185,9 @@ def test_route_plans_are_the_sorted_plan(t, k, e, bm, draw, plan_of):
     ids, weights = jnp.asarray(ids, jnp.int32), jnp.asarray(rng.random((t, k)), jnp.float32)
     want = jax.jit(functools.partial(gpu.route, num_experts=e, block_m=bm))(ids, weights)
     got = jax.jit(functools.partial(plan_of, num_experts=e, block_m=bm))(ids, weights)
+    nb = gpu.num_blocks(t * k, e, bm)  # the kernel plan pads its block table with E - 1
+    assert (np.asarray(got.block_expert)[nb:] == e - 1).all()
+    got = got._replace(block_expert=got.block_expert[:nb])
     for name in want._fields:
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
 
