@@ -18,6 +18,8 @@
 #   gdn       benchmarks.gdn_kernels --sweep
 #   decode    benchmarks.decode_variants
 #   step      benchmarks.step_profile --layers 8 --decode-rows 64,256 --host-profile
+#   stepdt    the same with --dispatch-thread, no host profile (the launch beside the host's
+#             Python: the untraced step's host-bound share at 256 rows)
 #   prefix    benchmarks.prefix_repetition --scheduling-policy fcfs lpm
 #   tp48      benchmarks.serving_throughput: 80B, 48 layers, TP 2, c8 (SGLang's workload), an
 #             8-step profile (its kernels summed by kind)
@@ -65,6 +67,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdn) echo "python -m benchmarks.gdn_kernels --sweep --out $j" ;;
         decode) echo "python -m benchmarks.decode_variants --out $j" ;;
         step) echo "python -m benchmarks.step_profile --layers 8 --decode-rows 64,256 --top 60 --host-profile --out $j" ;;
+        stepdt) echo "python -m benchmarks.step_profile --layers 8 --decode-rows 64,256 --top 20 --dispatch-thread --out $j" ;;
         prefix) echo "python -m benchmarks.prefix_repetition --scheduling-policy fcfs lpm --out $j" ;;
         tp48) echo "python -m benchmarks.serving_throughput $tp 8 --concurrency 8 --profile-steps 8 --max-seconds $((budget - 20)) --out $j" ;;
         tp48c64) echo "python -m benchmarks.serving_throughput $tp 64 --concurrency 64 --max-seconds $((budget - 20)) --out $j" ;;

@@ -274,6 +274,11 @@ def main() -> None:
         help="default: the engine's (on for one process on a GPU)",
     )  # fmt: skip
     p.add_argument(
+        "--dispatch-thread", action="store_true",
+        help="the engine's --dispatch-thread: XLA's launch on a thread of its own, beside the "
+        "host's scheduling and reporting",
+    )  # fmt: skip
+    p.add_argument(
         "--host-profile", action="store_true",
         help="run each untraced decode pass under cProfile: its top functions in the JSON",
     )  # fmt: skip
@@ -283,7 +288,7 @@ def main() -> None:
     args.decode_requests = max(rows_list)
     engine, model = workload_engine(
         args, args.kernel_backend, args.tp, args.expert_parallel,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=args.async_scheduling, dispatch_thread=args.dispatch_thread,
     )  # fmt: skip
     bandwidth = copy_bandwidth()
     results = {
@@ -294,6 +299,7 @@ def main() -> None:
         "tensor_parallel_size": args.tp,
         "expert_parallel": args.expert_parallel,
         "async_scheduling": engine.async_scheduling,
+        "dispatch_thread": args.dispatch_thread,
         "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
     }
     phases = [("prefill", 0)] + [(f"decode_B{r}", r) for r in rows_list]
