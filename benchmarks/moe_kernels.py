@@ -158,8 +158,8 @@ def route_plans(iters: int = 20) -> dict:
             row = {}
             plans = {"sort": gpu.route, "pairwise": gpu.route_pairwise}
             if t * K <= gpu.KERNEL_ROUTE_PAIRS_LIMIT:
-                plans["kernel"] = gpu.route_kernel
-                plans["kernel_8warps"] = functools.partial(gpu.route_kernel, num_warps=8)
+                plans["kernel_4warps"] = functools.partial(gpu.route_kernel, num_warps=4)
+                plans["kernel_8warps"] = gpu.route_kernel
             want = None
             nb = gpu.num_blocks(t * K, e, tiles.block_m)
             for name, plan_of in plans.items():

@@ -383,7 +383,7 @@ def route_kernel(
     *,
     num_experts: int,
     block_m: int,
-    num_warps: int = 4,
+    num_warps: int = 8,
     interpret: bool = False,
 ) -> RoutePlan:
     """:func:`route`'s plan in one Pallas kernel (at most ``KERNEL_ROUTE_PAIRS_LIMIT`` pairs):
