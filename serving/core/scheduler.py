@@ -140,8 +140,10 @@ class Scheduler:
         self._last_plan_step = -1  # step id of the newest step with a plan
         # Per request id, over steps scheduled and not yet updated: rows, sampled tokens, and
         # (step id, row) of the newest sampling row.
-        self._rows_in_flight: collections.Counter[str] = collections.Counter()
-        self._tokens_in_flight: collections.Counter[str] = collections.Counter()
+        # Rows / sampled tokens of each request in steps not yet updated (absent: none). Plain
+        # dicts: a Counter's missing-key and delete hooks are Python calls, twice a row a step.
+        self._rows_in_flight: dict[str, int] = {}
+        self._tokens_in_flight: dict[str, int] = {}
         self._sampling_row: dict[str, tuple[int, int]] = {}
         self._free_after: dict[str, Request] = {}  # finished, freed when their rows are done
         self._step_id = 0
@@ -258,7 +260,8 @@ class Scheduler:
         """
         self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         cap = self.cfg.spec_disable_batch_size
-        may_speculate = not cap or len(self.running) < cap  # else this step verifies nothing
+        # (else this step verifies nothing)
+        may_speculate = self.cfg.num_speculative_tokens > 0 and (not cap or len(self.running) < cap)
         b = _StepBuilder(self._step_id, plp_left=self.cfg.prompt_logprob_capacity)
         budget = self.cfg.max_num_batched_tokens
         preempted = False
@@ -283,8 +286,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                slot = self.cache.alloc(req.request_id).running_slot
-                self._add_row(b, req, start, n, src=slot, ahead=ahead, drafts=drafts)
+                alloc = self.cache.alloc(req.request_id)
+                self._add_row(b, req, start, n, alloc.running_slot, ahead, drafts, alloc)
                 budget -= b.q_lens[-1]
                 i += 1
 
@@ -395,18 +398,22 @@ class Scheduler:
                 run = list(itertools.takewhile(lambda t: t >= 0, row))
             else:
                 run = [row] if row >= 0 else []
-            spec = specs.get(s)
+            spec = specs.get(s) if specs else None
             if spec is not None:
                 self._accept(req, spec, len(run) - 1)
-            rows_in_flight[rid] -= 1
-            if not rows_in_flight[rid]:
+            left = rows_in_flight[rid] - 1
+            if left:
+                rows_in_flight[rid] = left
+            else:
                 del rows_in_flight[rid]
                 if rid in self._free_after:
                     self.cache.free(self._free_after.pop(rid))
             if not samples[s]:
                 continue
-            tokens_in_flight[rid] -= 1
-            if not tokens_in_flight[rid]:
+            left = tokens_in_flight[rid] - 1
+            if left:
+                tokens_in_flight[rid] = left
+            else:
                 del tokens_in_flight[rid]
                 req.awaiting_token = False
                 del self._sampling_row[rid]
@@ -512,7 +519,7 @@ class Scheduler:
         token after the pending one (else the pending one ends it by length).
         """
         rid = req.request_id
-        if not self.async_scheduling or self._tokens_in_flight[rid] != 1:
+        if not self.async_scheduling or self._tokens_in_flight.get(rid) != 1:
             return None
         if req.grammar is not None:  # its mask needs the pending token: it waits for it
             return None
@@ -550,7 +557,7 @@ class Scheduler:
         """Frees finished ``req``'s blocks and slot now, or, with async scheduling, at the
         ``update`` of the last scheduled step with a row of it (that step still reads and
         writes them on the device while the host schedules the next one)."""
-        if self.async_scheduling and self._rows_in_flight[req.request_id]:
+        if self.async_scheduling and req.request_id in self._rows_in_flight:
             self._free_after[req.request_id] = req
         else:
             self.cache.free(req)
@@ -564,13 +571,15 @@ class Scheduler:
         src: int,
         ahead: int | None = None,
         drafts: list[int] = (),
+        alloc=None,
     ) -> None:
         """Schedules tokens ``[start, start + n)`` of running ``req`` (blocks already held).
         ``ahead``: the previous plan's row that samples the one token ``[start, start + 1)``
         (async scheduling; its id is spliced in on device). ``drafts``: a decode row's draft
         tokens after them (a verify row; their blocks held too, per-token slots taken here
-        or fewer drafts)."""
-        alloc = self.cache.alloc(req.request_id)
+        or fewer drafts). ``alloc``: the request's allocation, if the caller has it."""
+        if alloc is None:
+            alloc = self.cache.alloc(req.request_id)
         end = start + n
         if self.cfg.enable_prefix_caching:
             if end // self.cfg.block_size > alloc.num_registered:  # a block got full
@@ -593,7 +602,8 @@ class Scheduler:
             assert n == 1 and start == len(req.all_token_ids), (req.request_id, start, n)
             b.from_prev.append((len(b.input_ids), ahead))
             b.input_ids.append(0)  # a placeholder: the device reads the previous step's token
-        self._score_prompt(b, req, start, end, len(b.input_ids) - n)
+        if req.sampling_params.prompt_logprobs is not None:
+            self._score_prompt(b, req, start, end, len(b.input_ids) - n)
         b.src.append(src)
         b.dst.append(alloc.running_slot)
         b.next_ids.append(req.all_token_ids[end] if end < len(req.all_token_ids) else -1)
@@ -613,11 +623,11 @@ class Scheduler:
         b.samples.append(samples)
         req.num_computed_tokens = end
         rid = req.request_id
-        self._rows_in_flight[rid] += 1
+        self._rows_in_flight[rid] = self._rows_in_flight.get(rid, 0) + 1
         if samples:
             assert ahead is not None or not req.awaiting_token, rid
             req.awaiting_token = True
-            self._tokens_in_flight[rid] += 1
+            self._tokens_in_flight[rid] = self._tokens_in_flight.get(rid, 0) + 1
             self._sampling_row[rid] = (b.step_id, len(b.requests) - 1)
 
     def _score_prompt(self, b: _StepBuilder, req: Request, start: int, end: int, base: int) -> None:

@@ -517,7 +517,9 @@ class LLMEngine:
         return RequestOutput(
             request_id=u.request_id,
             prompt_token_ids=tr.req.prompt_token_ids,
-            output_token_ids=list(tr.output_ids),
+            # a snapshot while the request runs; its last output keeps the list (no more
+            # tokens come: the request is no longer tracked)
+            output_token_ids=tr.output_ids if finished else list(tr.output_ids),
             text=tr.text[: tr.sent] if not finished else tr.text,
             delta_token_ids=new_ids,
             delta_text=delta,
