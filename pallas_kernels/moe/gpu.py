@@ -21,9 +21,9 @@ Per padded row: the token it reads (``-1``: padding) and its routing weight (0 f
 per block: its expert; ``used`` = the blocks that hold any pair. Programs of blocks past
 ``used`` return at once (``pl.when``).
 
-Three ways to the same plan: up to 640 pairs every pair compared with every pair as XLA row
-reductions (:func:`route_pairwise`), past that a sort (:func:`route`); and, off until it is
-faster, the pairwise comparisons in one Pallas kernel (:func:`route_kernel`, up to 128).
+Three ways to the same plan: up to 128 pairs over 512 experts or more, every pair compared
+with every pair in one Pallas kernel (:func:`route_kernel`); up to 640 pairs the same
+comparisons as XLA row reductions (:func:`route_pairwise`); past that a sort (:func:`route`).
 
 Kernels
 -------
@@ -307,15 +307,16 @@ def route_pairwise(
     )  # fmt: skip
 
 
-# The route plan of at most this many pairs is one Pallas kernel (:func:`route_kernel`), built
-# to replace the pairwise plan's ~10 small XLA kernels a layer (BENCHMARKS.md's optimized HLO)
-# by one launch. Off: on an H200 it is slower than the kernels it replaces
-# (``benchmarks.moe_kernels --route-only``, 2026-11-28, us a call chained, equal plans:
-# T = 8, E = 64: 32.4 against the pairwise 23.9; E = 512: 51.5 against 36.1), and 24 layers at
-# c8 ran 1473 against 1548 tok/s with it. Its [P, P] and [rows, P] comparisons run in one
-# program per 128 rows, program 0 also doing the per-pair and per-block fields in series.
-# Up to 128 pairs when on (16 tokens at top-8, 12 at top-10).
-KERNEL_ROUTE_MAX_PAIRS = 0
+# The route plan of at most this many pairs, over at least this many experts, is one Pallas
+# kernel (:func:`route_kernel`) instead of the pairwise plan's ~10 small XLA kernels a layer
+# (BENCHMARKS.md's optimized HLO): fewer kernels, and XLA's launch costs ~2 us of host a
+# kernel. Measured on an H200 (2026-11-28), Qwen3-Next-80B at 24 layers, c8, off / on / off in
+# one call: 1755.7 / **1805.1** / 1755.7 tok/s (launch 2.91 / 2.39 / 3.12 ms a step, the
+# traced kernels the same). Alone, chained, us a call (8 warps): T = 8, E = 512: 26.0 against
+# the pairwise 29.4; T = 8, E = 64: 27.2 against 20.8 (65 row programs of 16 rows each, every
+# one ranking all pairs): so only from 512 experts.
+KERNEL_ROUTE_MAX_PAIRS = 128
+KERNEL_ROUTE_MIN_EXPERTS = 512
 KERNEL_ROUTE_PAIRS_LIMIT = 128  # the most pairs the kernel takes
 _ROUTE_ROWS = 128  # at most this many padded rows a program of the route kernel fills
 
@@ -524,7 +525,7 @@ def moe_experts(
             )
     bm = tiles.block_m
     num_pairs = num_tokens * top_k
-    if num_pairs <= KERNEL_ROUTE_MAX_PAIRS:
+    if num_pairs <= KERNEL_ROUTE_MAX_PAIRS and num_experts >= KERNEL_ROUTE_MIN_EXPERTS:
         plan_of = functools.partial(route_kernel, interpret=interpret)
     elif num_pairs <= PAIRWISE_ROUTE_MAX_PAIRS:
         plan_of = route_pairwise

@@ -209,6 +209,7 @@ def test_kernel_with_the_kernel_plan(monkeypatch):
     """With the one-kernel plan on (up to 128 pairs), the plan is one kernel; 129 pairs take
     the pairwise one; more than the kernel takes is refused by name."""
     monkeypatch.setattr(gpu, "KERNEL_ROUTE_MAX_PAIRS", gpu.KERNEL_ROUTE_PAIRS_LIMIT)
+    monkeypatch.setattr(gpu, "KERNEL_ROUTE_MIN_EXPERTS", 8)
     x, weights, experts, w = _case(12, 8, 3, 64, 32, dtype=jnp.float32, picks=[1, 2, 6], seed=9)
     fn = jax.jit(functools.partial(gpu.moe_experts, tiles=SMALL, interpret=True))
     args = [jnp.asarray(a, jnp.float32) for a in (x, weights, *_poison(w, experts, 8))]
@@ -281,11 +282,16 @@ def test_lowers_to_triton_at_80b_shapes():
         args = (sd((t, 2048), bf), sd((t, 10), bf), sd((t, 10), jnp.int32), w_in, w_in, w_out)
         text = jax.jit(gpu.moe_experts).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("moe_gate_up") >= 1 and text.count("moe_down") >= 1
-        assert "moe_route" not in text  # the one-kernel plan is off
+        assert "moe_route" not in text  # 64 experts: the pairwise plan or the sort
         assert "stablehlo.while" not in text
         assert set(re.findall(r"stablehlo\.custom_call @([\w$.]+)", text)) <= {
             "__gpu$xla.gpu.triton"
         }
+    # Qwen3-Next-80B's 512 experts at decode's 80 pairs: the one-kernel plan, loop-free too
+    w_in, w_out = sd((512, 2048, 512), bf), sd((512, 512, 2048), bf)
+    args = (sd((8, 2048), bf), sd((8, 10), bf), sd((8, 10), jnp.int32), w_in, w_in, w_out)
+    text = jax.jit(gpu.moe_experts).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "moe_route" in text and "stablehlo.while" not in text
 
 
 @pytest.mark.parametrize("tokens,experts,k", [(8, 512, 10), (16, 256, 8), (5, 64, 4)])
