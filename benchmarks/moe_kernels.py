@@ -165,7 +165,12 @@ def route_plans(iters: int = 20) -> dict:
             for name, plan_of in plans.items():
                 plan = jax.jit(functools.partial(plan_of, num_experts=e, block_m=tiles.block_m))
                 got = jax.device_get(plan(a[2], a[1]))
-                got = got._replace(block_expert=got.block_expert[:nb])  # the kernel's is padded
+                rows = nb * tiles.block_m  # the kernel plan's block table and rows are padded
+                got = got._replace(
+                    block_expert=got.block_expert[:nb],
+                    row_token=got.row_token[:rows],
+                    row_weight=got.row_weight[:rows],
+                )
                 want = got if want is None else want
                 row[f"{name}_equal"] = all(
                     np.array_equal(x, y) for x, y in zip(got, want, strict=True)

@@ -313,8 +313,9 @@ def route_pairwise(
 # kernel. Measured on an H200 (2026-11-28), Qwen3-Next-80B at 24 layers, c8, off / on / off in
 # one call: 1755.7 / **1805.1** / 1755.7 tok/s (launch 2.91 / 2.39 / 3.12 ms a step, the
 # traced kernels the same). Alone, chained, us a call (8 warps): T = 8, E = 512: 26.0 against
-# the pairwise 29.4; T = 8, E = 64: 27.2 against 20.8 (65 row programs of 16 rows each, every
-# one ranking all pairs): so only from 512 experts.
+# the pairwise 29.4; T = 8, E = 64: 27.2 against 20.8 (then 65 row programs of 16 rows each,
+# every one ranking all pairs; now 128 rows a program, the rows padded, not yet timed): so
+# only from 512 experts.
 KERNEL_ROUTE_MAX_PAIRS = 128
 KERNEL_ROUTE_MIN_EXPERTS = 512
 KERNEL_ROUTE_PAIRS_LIMIT = 128  # the most pairs the kernel takes
@@ -389,15 +390,18 @@ def route_kernel(
 ) -> RoutePlan:
     """:func:`route`'s plan in one Pallas kernel (at most ``KERNEL_ROUTE_PAIRS_LIMIT`` pairs):
     :func:`route_pairwise`'s comparisons, in registers. Equal to :func:`route`'s fields but
-    ``block_expert``, padded to a power of two with ``E - 1`` (the experts kernels read its
-    first ``NB`` entries; a slice of it would be one more kernel)."""
+    for padding: ``block_expert`` to a power of two with ``E - 1``, ``row_token`` and
+    ``row_weight`` to a multiple of 128 rows with -1 and 0 (the experts kernels read the first
+    ``NB`` blocks; a slice would be one more kernel). 128 rows a program: fewer programs,
+    each ranking all pairs again."""
     num_tokens, top_k = experts.shape
     num_pairs = num_tokens * top_k
     if num_pairs > KERNEL_ROUTE_PAIRS_LIMIT:
         raise ValueError(f"{num_pairs} pairs > KERNEL_ROUTE_PAIRS_LIMIT={KERNEL_ROUTE_PAIRS_LIMIT}")
     nb = num_blocks(num_pairs, num_experts, block_m)
     rows = nb * block_m
-    per_program = min(_ROUTE_ROWS, rows & -rows)  # a power of two dividing the rows (BM's)
+    per_program = min(_ROUTE_ROWS, _pow2(rows))
+    padded_rows = -(-rows // per_program) * per_program
     kernel = functools.partial(
         _route_kernel, num_pairs=num_pairs, num_experts=num_experts, block_m=block_m,
         top_k=top_k, rows_per_program=per_program,
@@ -405,12 +409,12 @@ def route_kernel(
     i32 = jnp.int32
     block_expert, used, row_token, row_weight, pair_row = pl.pallas_call(
         kernel,
-        grid=(rows // per_program + 1,),
+        grid=(padded_rows // per_program + 1,),
         out_shape=(
             jax.ShapeDtypeStruct((_pow2(nb),), i32),
             jax.ShapeDtypeStruct((1,), i32),
-            jax.ShapeDtypeStruct((rows,), i32),
-            jax.ShapeDtypeStruct((rows,), jnp.float32),
+            jax.ShapeDtypeStruct((padded_rows,), i32),
+            jax.ShapeDtypeStruct((padded_rows,), jnp.float32),
             jax.ShapeDtypeStruct((_pow2(num_pairs),), i32),
         ),  # fmt: skip
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),

@@ -185,9 +185,15 @@ def test_route_plans_are_the_sorted_plan(t, k, e, bm, draw, plan_of):
     ids, weights = jnp.asarray(ids, jnp.int32), jnp.asarray(rng.random((t, k)), jnp.float32)
     want = jax.jit(functools.partial(gpu.route, num_experts=e, block_m=bm))(ids, weights)
     got = jax.jit(functools.partial(plan_of, num_experts=e, block_m=bm))(ids, weights)
-    nb = gpu.num_blocks(t * k, e, bm)  # the kernel plan pads its block table with E - 1
-    assert (np.asarray(got.block_expert)[nb:] == e - 1).all()
-    got = got._replace(block_expert=got.block_expert[:nb])
+    nb = gpu.num_blocks(t * k, e, bm)  # the kernel plan pads its block table with E - 1,
+    assert (np.asarray(got.block_expert)[nb:] == e - 1).all()  # its rows with -1 and 0
+    assert (np.asarray(got.row_token)[nb * bm :] == -1).all()
+    assert (np.asarray(got.row_weight)[nb * bm :] == 0).all()
+    got = got._replace(
+        block_expert=got.block_expert[:nb],
+        row_token=got.row_token[: nb * bm],
+        row_weight=got.row_weight[: nb * bm],
+    )
     for name in want._fields:
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
 
