@@ -3,9 +3,12 @@
 #
 #   bash benchmarks/gpu_suite.sh OUT_DIR SECTION [SECTION ...]
 #
-# One-card sections run on the cards the machine has, as many at once as there are cards
-# (CUDA_VISIBLE_DEVICES=0, 1, ...), in the order given; a multi-card section (tp48, tp48c64)
-# waits for the one-card ones before it and takes every card. Each section has its own time
+# Sections run one after another, each alone on the machine (a one-card section on card 0,
+# a multi-card one (tp48, tp48c64) on every card): a section beside another shares the host's
+# CPUs, and the engine's step is host-sensitive (2026-11-28: a 64-row decode step measured
+# 8.7 ms beside a compile on the other card, 5.9 under cProfile alone). SUITE_PARALLEL=1
+# runs the one-card sections as many at once as there are cards (CUDA_VISIBLE_DEVICES=0,
+# 1, ...), in the order given, a multi-card section waiting for those before it. Each section has its own time
 # limit (SUITE_LIMIT_S, default 280 s); its JSON and log go to a scratch folder, packed into
 # OUT_DIR/suite.tgz after every section (a device call brings back a few files only: at most
 # 8). A one-line summary per section is printed as it ends.
@@ -36,7 +39,7 @@
 #             of both engines (py-spy in .whl)
 #
 # NAME@DIR runs section NAME from the tree in DIR (a worktree of another commit, e.g.
-# q24@.ab/old next to q24: an A/B on two cards of one machine at once).
+# q24@.ab/off q24@.ab/on q24@.ab/off2: an A/B in one call, the baseline before and after).
 #
 # SUITE_DEADLINE_S (default 560) bounds the whole suite: a section gets at most what is left
 # of it, so the packed results come back before the device call's own limit.
@@ -107,6 +110,11 @@ free=()
 for ((c = 0; c < cards; c++)); do free+=("$c"); done
 pids=()
 for name in "$@"; do
+    if [ "${SUITE_PARALLEL:-0}" != 1 ]; then  # one section at a time, alone on the machine
+        case $name in tp48*) run "$name" "$all" ;; *) run "$name" 0 ;; esac
+        pack
+        continue
+    fi
     case $name in
         tp48*)  # every card: wait for the one-card sections first
             wait
