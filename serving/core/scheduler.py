@@ -287,7 +287,8 @@ class Scheduler:
                     break
             else:
                 alloc = self.cache.alloc(req.request_id)
-                self._add_row(b, req, start, n, alloc.running_slot, ahead, drafts, alloc)
+                slot = alloc.running_slot
+                self._add_row(b, req, start, n, src=slot, ahead=ahead, drafts=drafts, alloc=alloc)
                 budget -= b.q_lens[-1]
                 i += 1
 
