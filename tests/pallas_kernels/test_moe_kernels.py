@@ -198,15 +198,23 @@ def test_route_plans_are_the_sorted_plan(t, k, e, bm, draw, plan_of):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
 
 
-def test_kernel_with_the_pairwise_plan(monkeypatch):
-    """The experts op through the pairwise plan (decode steps of 129 to 640 pairs)."""
-    monkeypatch.setattr(gpu, "PAIRWISE_ROUTE_MAX_PAIRS", 1 << 20)
+def _small_experts_op():
+    """The experts op (interpret mode) on 12 tokens x top-3 of 8 experts, only 1, 2 and 6
+    picked (the others' weights NaN), checked against the oracle; returns the op, its
+    expert weights and its jaxpr."""
     x, weights, experts, w = _case(12, 8, 3, 64, 32, dtype=jnp.float32, picks=[1, 2, 6], seed=9)
     fn = jax.jit(functools.partial(gpu.moe_experts, tiles=SMALL, interpret=True))
     args = [jnp.asarray(a, jnp.float32) for a in (x, weights, *_poison(w, experts, 8))]
     got = np.asarray(fn(args[0], args[1], jnp.asarray(experts), *args[2:]))
     _check(got, _reference(x, weights, experts, w), jnp.float32)
     traced = str(jax.make_jaxpr(fn)(args[0], args[1], jnp.asarray(experts), *args[2:]))
+    return fn, args[2:], traced
+
+
+def test_kernel_with_the_pairwise_plan(monkeypatch):
+    """The experts op through the pairwise plan (decode steps of 129 to 640 pairs)."""
+    monkeypatch.setattr(gpu, "PAIRWISE_ROUTE_MAX_PAIRS", 1 << 20)
+    _, _, traced = _small_experts_op()
     assert " sort" not in traced  # the pairwise plan ran, not the sort
     assert "moe_route" not in traced
 
@@ -216,16 +224,11 @@ def test_kernel_with_the_kernel_plan(monkeypatch):
     the pairwise one; more than the kernel takes is refused by name."""
     monkeypatch.setattr(gpu, "KERNEL_ROUTE_MAX_PAIRS", gpu.KERNEL_ROUTE_PAIRS_LIMIT)
     monkeypatch.setattr(gpu, "KERNEL_ROUTE_MIN_EXPERTS", 8)
-    x, weights, experts, w = _case(12, 8, 3, 64, 32, dtype=jnp.float32, picks=[1, 2, 6], seed=9)
-    fn = jax.jit(functools.partial(gpu.moe_experts, tiles=SMALL, interpret=True))
-    args = [jnp.asarray(a, jnp.float32) for a in (x, weights, *_poison(w, experts, 8))]
-    got = np.asarray(fn(args[0], args[1], jnp.asarray(experts), *args[2:]))
-    _check(got, _reference(x, weights, experts, w), jnp.float32)
-    traced = str(jax.make_jaxpr(fn)(args[0], args[1], jnp.asarray(experts), *args[2:]))
+    fn, expert_weights, traced = _small_experts_op()
     assert traced.count("pallas_call") == 3 and "moe_route" in traced and " sort" not in traced
     sd = jax.ShapeDtypeStruct
     over = (sd((43, 64), jnp.float32), sd((43, 3), jnp.float32), sd((43, 3), jnp.int32))
-    over_traced = str(jax.make_jaxpr(fn)(*over, *args[2:]))
+    over_traced = str(jax.make_jaxpr(fn)(*over, *expert_weights))
     assert "moe_route" not in over_traced and over_traced.count("pallas_call") == 2
     with pytest.raises(ValueError, match="129 pairs > KERNEL_ROUTE_PAIRS_LIMIT=128"):
         gpu.route_kernel(over[2], over[1], num_experts=8, block_m=16)
