@@ -157,7 +157,7 @@ def route_plans(iters: int = 20) -> dict:
             tiles = gpu.default_tiles(t * K, e, D, F, jnp.bfloat16)
             row = {}
             plans = {"sort": gpu.route, "pairwise": gpu.route_pairwise}
-            if t * K <= gpu.KERNEL_ROUTE_PAIRS_LIMIT:
+            if t * K <= gpu.KERNEL_ROUTE_MAX_PAIRS:
                 plans["kernel_4warps"] = functools.partial(gpu.route_kernel, num_warps=4)
                 plans["kernel_8warps"] = gpu.route_kernel
             want = None

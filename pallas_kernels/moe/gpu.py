@@ -316,9 +316,8 @@ def route_pairwise(
 # the pairwise 29.4; T = 8, E = 64: 27.2 against 20.8 (then 65 row programs of 16 rows each,
 # every one ranking all pairs; now 128 rows a program, the rows padded, not yet timed): so
 # only from 512 experts.
-KERNEL_ROUTE_MAX_PAIRS = 128
+KERNEL_ROUTE_MAX_PAIRS = 128  # also the most the kernel takes: [P, P] in registers
 KERNEL_ROUTE_MIN_EXPERTS = 512
-KERNEL_ROUTE_PAIRS_LIMIT = 128  # the most pairs the kernel takes
 _ROUTE_ROWS = 128  # at most this many padded rows a program of the route kernel fills
 
 
@@ -388,7 +387,7 @@ def route_kernel(
     num_warps: int = 8,
     interpret: bool = False,
 ) -> RoutePlan:
-    """:func:`route`'s plan in one Pallas kernel (at most ``KERNEL_ROUTE_PAIRS_LIMIT`` pairs):
+    """:func:`route`'s plan in one Pallas kernel (at most ``KERNEL_ROUTE_MAX_PAIRS`` pairs):
     :func:`route_pairwise`'s comparisons, in registers. Equal to :func:`route`'s fields but
     for padding: ``block_expert`` to a power of two with ``E - 1``, ``row_token`` and
     ``row_weight`` to a multiple of 128 rows with -1 and 0 (the experts kernels read the first
@@ -396,8 +395,8 @@ def route_kernel(
     each ranking all pairs again."""
     num_tokens, top_k = experts.shape
     num_pairs = num_tokens * top_k
-    if num_pairs > KERNEL_ROUTE_PAIRS_LIMIT:
-        raise ValueError(f"{num_pairs} pairs > KERNEL_ROUTE_PAIRS_LIMIT={KERNEL_ROUTE_PAIRS_LIMIT}")
+    if num_pairs > KERNEL_ROUTE_MAX_PAIRS:
+        raise ValueError(f"{num_pairs} pairs > KERNEL_ROUTE_MAX_PAIRS={KERNEL_ROUTE_MAX_PAIRS}")
     nb = num_blocks(num_pairs, num_experts, block_m)
     rows = nb * block_m
     per_program = min(_ROUTE_ROWS, _pow2(rows))

@@ -260,7 +260,7 @@ class Scheduler:
         """
         self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         cap = self.cfg.spec_disable_batch_size
-        # (else this step verifies nothing)
+        # past the cap, or without speculation, this step verifies nothing
         may_speculate = self.cfg.num_speculative_tokens > 0 and (not cap or len(self.running) < cap)
         b = _StepBuilder(self._step_id, plp_left=self.cfg.prompt_logprob_capacity)
         budget = self.cfg.max_num_batched_tokens

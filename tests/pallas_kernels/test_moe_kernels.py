@@ -220,9 +220,8 @@ def test_kernel_with_the_pairwise_plan(monkeypatch):
 
 
 def test_kernel_with_the_kernel_plan(monkeypatch):
-    """With the one-kernel plan on (up to 128 pairs), the plan is one kernel; 129 pairs take
+    """With the expert threshold lowered to 8, up to 128 pairs the plan is one kernel; 129 take
     the pairwise one; more than the kernel takes is refused by name."""
-    monkeypatch.setattr(gpu, "KERNEL_ROUTE_MAX_PAIRS", gpu.KERNEL_ROUTE_PAIRS_LIMIT)
     monkeypatch.setattr(gpu, "KERNEL_ROUTE_MIN_EXPERTS", 8)
     fn, expert_weights, traced = _small_experts_op()
     assert traced.count("pallas_call") == 3 and "moe_route" in traced and " sort" not in traced
@@ -230,7 +229,7 @@ def test_kernel_with_the_kernel_plan(monkeypatch):
     over = (sd((43, 64), jnp.float32), sd((43, 3), jnp.float32), sd((43, 3), jnp.int32))
     over_traced = str(jax.make_jaxpr(fn)(*over, *expert_weights))
     assert "moe_route" not in over_traced and over_traced.count("pallas_call") == 2
-    with pytest.raises(ValueError, match="129 pairs > KERNEL_ROUTE_PAIRS_LIMIT=128"):
+    with pytest.raises(ValueError, match="129 pairs > KERNEL_ROUTE_MAX_PAIRS=128"):
         gpu.route_kernel(over[2], over[1], num_experts=8, block_m=16)
 
 
