@@ -30,6 +30,9 @@
 #   kimi      benchmarks.serving_throughput: Kimi-Linear-48B, all 27 layers, one card, c8
 #   kimidt    the same with --dispatch-thread
 #   q24       benchmarks.serving_throughput: 80B, 24 layers, one card, c8, an 8-step profile
+#   cbuf      benchmarks.cmdbuf_updates: XLA's CUDA-graph updates a step (which allocations
+#             move between launches, kernels re-recorded, their host time), sync and async
+#   cbufskip  the same, async, with --xla_gpu_command_buffer_update_mode=SKIP_TEMP
 #   launch    benchmarks.launch_overhead: a launch's host time by argument buffers, jit / AOT
 #   hlo       XLA's optimized HLO of the step (the bench model's shapes, 4 layers: one group
 #             of 3 GDN + 1 attention) at c8, text, under hlo/: which fusions a layer has
@@ -61,6 +64,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
     local j=$scratch/$1.json
     local tp="--model qwen3-next-80b --layers 48 --tp 2 --min-seq-bucket"
     local n pin
+    # cbuf: the bench model (80B layer shapes, 8 layers), c8, short prompts, one card
+    local cb="--model bench --layers 8 --concurrency 8 --min-seq-bucket 8 --input-len 200 --output-len 512"
     n=$(nproc)  # http: the server on the first half of the CPUs, aiperf on the second
     pin="--server-cpus 0-$((n / 2 - 1)) --client-cpus $((n / 2))-$((n - 1))"
     case $1 in
@@ -78,6 +83,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         kimidt) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --dispatch-thread --max-seconds $((budget - 20)) --out $j" ;;
         hlo) echo "env XLA_FLAGS=--xla_dump_to=$scratch/hlo --xla_dump_hlo_module_re=.*step.* --xla_dump_hlo_pass_re=^$ python -m benchmarks.serving_throughput --model bench --layers 4 --concurrency 8 --input-len 200 --output-len 64 --max-seconds $((budget - 20)) --out $j" ;;
         launch) echo "python -m benchmarks.launch_overhead --out $j" ;;
+        cbuf) echo "python -m benchmarks.cmdbuf_updates --max-seconds $((budget - 10)) --log $scratch/cbuf_child.log --out $j -- $cb --scheduling sync async" ;;
+        cbufskip) echo "env XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP python -m benchmarks.cmdbuf_updates --max-seconds $((budget - 10)) --log $scratch/cbufskip_child.log --out $j -- $cb --cache-gib 60 --scheduling async" ;;
         q24) echo "python -m benchmarks.serving_throughput --model qwen3-next-80b --layers 24 --concurrency 8 --min-seq-bucket 8 --profile-steps 8 --max-seconds $((budget - 20)) --out $j" ;;
         http) echo "python -m benchmarks.http_serving --model $scratch/bench8 --load-format dummy --dtype bfloat16 --block-size 64 --max-num-batched-tokens 2048 --input-len 1000 --output-len 2000 --concurrency 8 --num-prompts 16 --max-seconds $((budget - 20)) --artifact-dir $scratch/http_artifacts $pin --py-spy 15 --out $j" ;;
         *) return 1 ;;

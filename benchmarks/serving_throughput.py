@@ -200,6 +200,7 @@ def run_one(model, cfg, args, concurrency: int, deadline: float) -> dict:
     res["partial"] = cut
     res["compiles_while_measured"] = engine.runner.compile_count() - compiles
     steps = max(engine.timing.steps, 1)
+    res["engine_steps"] = engine.timing.steps
     res["host_ms_per_step"] = round(engine.timing.host / steps * 1e3, 3)
     res["device_ms_per_step"] = round(engine.timing.device / steps * 1e3, 3)
     if engine.timing.launches:  # async scheduling: the launch sequence alone
