@@ -182,7 +182,7 @@ def launch_multi_decode(
 
 def _gdn_kernel(
     p: MultiSlots,
-    gates_ref,  # f32[2, Hv]: -exp(A_log), dt_bias
+    alog_ref, dtb_ref,  # f32[Hv]: A_log, dt_bias
     q_ref, k_ref,  # [T, Hk, Dk]
     v_ref,  # [T, Hv, Dv]
     a_ref, b_ref,  # [T, Hv]
@@ -191,7 +191,7 @@ def _gdn_kernel(
     pool_out,  # aliased to pool_in
     *, bv: int, max_tokens: int, ratio: int, scale: float,
 ):  # fmt: skip
-    refs = (gates_ref, q_ref, k_ref, v_ref, a_ref, b_ref)
+    refs = (alog_ref, dtb_ref, q_ref, k_ref, v_ref, a_ref, b_ref)
     inputs = functools.partial(gdn_gpu.token_inputs, *refs, ratio=ratio, scale=scale)
     multi_decode_program(p, pool_in, o_ref, pool_out, bv=bv, max_tokens=max_tokens, inputs=inputs)
 
@@ -225,7 +225,7 @@ def gdn_multi_decode(
         name="gdn_multi_decode_gpu",
         query_start_loc=query_start_loc,
         slots=slots,
-        inputs=(gdn_gpu.gate_params(A_log, dt_bias), q, k, v, a, b),
+        inputs=(A_log, dt_bias, q, k, v, a, b),
         state=state,
         out_dtype=v.dtype,
         max_tokens=max_tokens,

@@ -64,7 +64,7 @@ from pallas_kernels.common.delta_rule_gpu import (
     pick_block_v,
 )
 from pallas_kernels.common.slots import StateSlots
-from pallas_kernels.gdn.gpu import gate_params, token_inputs
+from pallas_kernels.gdn.gpu import token_inputs
 from pallas_kernels.gdn.reference import check_gdn_args
 from pallas_kernels.kda.reference import check_kda_args
 
@@ -309,7 +309,7 @@ def gdn_decode_variant(
     inputs = functools.partial(token_inputs, ratio=hv // hk, scale=float(dk) ** -0.5)
     return _launch(
         inputs,
-        (gate_params(A_log, dt_bias), q, k, v, a, b),
+        (A_log, dt_bias, q, k, v, a, b),
         state,
         slots,
         tiling,

@@ -33,7 +33,7 @@ from pallas_kernels.common.delta_rule_gpu import (
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d import gpu as conv1d_gpu
 from pallas_kernels.conv1d.reference import causal_conv1d_update_reference
-from pallas_kernels.gdn.gpu import _gates, gate_params, gdn_decode
+from pallas_kernels.gdn.gpu import _gates, gdn_decode
 from pallas_kernels.gdn.reference import check_gdn_args, gdn_decode_reference
 
 
@@ -148,13 +148,13 @@ def two_kernel_conv_gdn_decode(*args, interpret: bool = False, **kwargs):
 
 def _kernel(
     p: DecodeSlots,
-    gates_ref,  # f32[2, Hv]: -exp(A_log), dt_bias
+    alog_ref, dtb_ref,  # f32[Hv]: A_log, dt_bias
     a_ref, b_ref,  # [S, Hv]
     x_ref, w_ref, conv_in, ssm_in, o_ref, conv_out, ssm_out,  # conv_decode_program's
     *, hk: int, bv: int, scale: float,
 ):  # fmt: skip
     def gates(r, h):
-        g, beta = _gates(gates_ref, h, a_ref[r, h], b_ref[r, h])
+        g, beta = _gates(alog_ref, dtb_ref, h, a_ref[r, h], b_ref[r, h])
         return beta, jnp.exp(g)
 
     conv_decode_program(
@@ -209,7 +209,7 @@ def conv_gdn_decode(
         _kernel,
         name="conv_gdn_decode_gpu",
         slots=slots,
-        inputs=(gate_params(A_log, dt_bias), a, b),
+        inputs=(A_log, dt_bias, a, b),
         mixed=mixed,
         conv_weight=conv_weight,
         conv_state=conv_state,

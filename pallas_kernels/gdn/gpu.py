@@ -103,24 +103,23 @@ from pallas_kernels.gdn.reference import check_gdn_args
 CHUNK = 64
 
 
-def _gates(gates_ref, h, a, b):
+def _gates(alog_ref, dtb_ref, h, a, b):
     """``g = -exp(A_log) softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` for value head h."""
-    g = gates_ref[0, h] * softplus(a.astype(jnp.float32) + gates_ref[1, h])
+    neg_a = -jnp.exp(alog_ref[h].astype(jnp.float32))
+    g = neg_a * softplus(a.astype(jnp.float32) + dtb_ref[h].astype(jnp.float32))
     return g, jax.nn.sigmoid(b.astype(jnp.float32))
 
 
-def token_inputs(gates_ref, q_ref, k_ref, v_ref, a_ref, b_ref, tok, h, vs, *, ratio, scale):
+def token_inputs(
+    alog_ref, dtb_ref, q_ref, k_ref, v_ref, a_ref, b_ref, tok, h, vs, *, ratio, scale
+):  # fmt: skip
     """One token's decode inputs for value head ``h`` and Dv columns ``vs`` (the decode and
     multi-token decode kernels): ``(q, k [Dk], v [BV], beta, decay = exp(g))``."""
     q = l2norm(q_ref[tok, h // ratio, :].astype(jnp.float32)) * scale  # [Dk]
     k = l2norm(k_ref[tok, h // ratio, :].astype(jnp.float32))
     v = v_ref[tok, h, vs].astype(jnp.float32)  # [BV]
-    g, beta = _gates(gates_ref, h, a_ref[tok, h], b_ref[tok, h])
+    g, beta = _gates(alog_ref, dtb_ref, h, a_ref[tok, h], b_ref[tok, h])
     return q, k, v, beta, jnp.exp(g)
-
-
-def gate_params(A_log, dt_bias):
-    return jnp.stack([-jnp.exp(A_log.astype(jnp.float32)), dt_bias.astype(jnp.float32)])
 
 
 # ----------------------------------------------------------------------------- decode
@@ -128,7 +127,7 @@ def gate_params(A_log, dt_bias):
 
 def _decode_kernel(
     p: DecodeSlots,
-    gates_ref,  # f32[2, Hv]: -exp(A_log), dt_bias
+    alog_ref, dtb_ref,  # f32[Hv]: A_log, dt_bias (the gates computed in the kernel)
     q_ref, k_ref,  # [S, Hk, Dk]
     v_ref,  # [S, Hv, Dv]
     a_ref, b_ref,  # [S, Hv]
@@ -137,7 +136,7 @@ def _decode_kernel(
     pool_out,  # aliased to pool_in
     *, bv: int, ratio: int, scale: float,
 ):  # fmt: skip
-    refs = (gates_ref, q_ref, k_ref, v_ref, a_ref, b_ref)
+    refs = (alog_ref, dtb_ref, q_ref, k_ref, v_ref, a_ref, b_ref)
     inputs = functools.partial(token_inputs, *refs, ratio=ratio, scale=scale)
     decode_program(p, pool_in, o_ref, pool_out, bv=bv, inputs=inputs)
 
@@ -169,7 +168,7 @@ def gdn_decode(
         _decode_kernel,
         name="gdn_decode_gpu",
         slots=slots,
-        inputs=(gate_params(A_log, dt_bias), q, k, v, a, b),
+        inputs=(A_log, dt_bias, q, k, v, a, b),
         state=state,
         out_dtype=v.dtype,
         bv=pick_block_v(dv, block_v, default=DECODE_BLOCK_V),
@@ -186,7 +185,7 @@ def gdn_decode(
 
 def _intra_kernel(
     c_start_ref, c_len_ref,  # i32[NC]
-    gates_ref,  # f32[2, Hv]
+    alog_ref, dtb_ref,  # f32[Hv]
     q_ref, k_ref,  # [Tp, Hk, Dk]
     v_ref,  # [Tp, Hv, Dv]
     a_ref, b_ref,  # [Tp, Hv]
@@ -220,7 +219,7 @@ def _intra_kernel(
         q = l2norm(q.astype(jnp.float32)) * scale
         a = pltr.load(a_ref.at[win.rows, h], mask=valid, other=0.0)
         b = pltr.load(b_ref.at[win.rows, h], mask=valid, other=0.0)
-        g, beta = _gates(gates_ref, h, a, b)
+        g, beta = _gates(alog_ref, dtb_ref, h, a, b)
         g = jnp.where(valid, g, 0.0)
         beta = jnp.where(valid, beta, 0.0)
         gam = jnp.cumsum(g)  # [C]; rows outside the chunk add 0
@@ -373,7 +372,7 @@ def intra_launch(
             compiler_params=compiler_params(num_warps, num_stages),
             interpret=interpret,
             name="gdn_prefill_intra_gpu",
-        )(plan.start, plan.length, gate_params(A_log, dt_bias), q, k, v, a, b)
+        )(plan.start, plan.length, A_log, dt_bias, q, k, v, a, b)
     )
 
 
