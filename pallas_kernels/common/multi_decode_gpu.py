@@ -243,7 +243,7 @@ def gdn_multi_decode(
 
 def _kda_kernel(
     p: MultiSlots,
-    neg_a_ref,  # f32[H]: -exp(A_log)
+    alog_ref,  # f32[H]: A_log
     dt_ref,  # f32[H, Dk]
     q_ref, k_ref, g_ref,  # [T, H, Dk]
     v_ref,  # [T, H, Dv]
@@ -253,7 +253,7 @@ def _kda_kernel(
     pool_out,  # aliased to pool_in
     *, bv: int, max_tokens: int, scale: float,
 ):  # fmt: skip
-    refs = (neg_a_ref, dt_ref, q_ref, k_ref, g_ref, v_ref, b_ref)
+    refs = (alog_ref, dt_ref, q_ref, k_ref, g_ref, v_ref, b_ref)
     inputs = functools.partial(kda_gpu.token_inputs, *refs, scale=scale)
     multi_decode_program(p, pool_in, o_ref, pool_out, bv=bv, max_tokens=max_tokens, inputs=inputs)
 
@@ -287,15 +287,7 @@ def kda_multi_decode(
         name="kda_multi_decode_gpu",
         query_start_loc=query_start_loc,
         slots=slots,
-        inputs=(
-            -jnp.exp(A_log.astype(jnp.float32)),
-            dt_bias.astype(jnp.float32),
-            q,
-            k,
-            g,
-            v,
-            b,
-        ),  # fmt: skip
+        inputs=(A_log, dt_bias, q, k, g, v, b),
         state=state,
         out_dtype=v.dtype,
         max_tokens=max_tokens,

@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.common.conv_decode_gpu import conv_decode_program, launch_conv_decode
-from pallas_kernels.common.delta_rule import softplus
 from pallas_kernels.common.delta_rule_gpu import (
     DECODE_BLOCK_V,
     DECODE_NUM_WARPS,
@@ -38,6 +37,7 @@ from pallas_kernels.conv1d.reference import causal_conv1d_update_reference
 from pallas_kernels.gdn.fused_decode import conv_qkv, unpack_conv_channels
 from pallas_kernels.kda import gpu as kda_gpu
 from pallas_kernels.kda.gpu import _check as check_kda_gpu_args
+from pallas_kernels.kda.gpu import decode_gate
 from pallas_kernels.kda.reference import kda_decode_reference
 
 
@@ -103,7 +103,7 @@ def two_kernel_conv_kda_decode(*args, interpret: bool = False):
 
 def _kernel(
     p: DecodeSlots,
-    neg_a_ref,  # f32[H]: -exp(A_log)
+    alog_ref,  # f32[H]: A_log
     dt_ref,  # f32[H, Dk]
     g_ref,  # [S, H, Dk]
     b_ref,  # [S, H]
@@ -111,7 +111,7 @@ def _kernel(
     *, hk: int, bv: int, scale: float,
 ):  # fmt: skip
     def gates(r, h):
-        g = neg_a_ref[h] * softplus(g_ref[r, h, :].astype(jnp.float32) + dt_ref[h, :])  # [Dk]
+        g = decode_gate(alog_ref, dt_ref, g_ref[r, h, :], h)  # [Dk]
         beta = jax.nn.sigmoid(b_ref[r, h].astype(jnp.float32))
         return beta, jnp.exp(g)[None, :]  # S^T's columns (S's rows), per key channel
 
@@ -149,7 +149,7 @@ def conv_kda_decode(
         _kernel,
         name="conv_kda_decode_gpu",
         slots=slots,
-        inputs=(-jnp.exp(A_log.astype(jnp.float32)), dt_bias.astype(jnp.float32), g, b),
+        inputs=(A_log, dt_bias, g, b),
         mixed=mixed,
         conv_weight=conv_weight,
         conv_state=conv_state,

@@ -121,13 +121,21 @@ def _check(q, k, v, g, b, A_log, dt_bias, state, slots, qsl=None):
     check_key_dim(q.shape[-1])
 
 
-def token_inputs(neg_a_ref, dt_ref, q_ref, k_ref, g_ref, v_ref, b_ref, tok, h, vs, *, scale):
+def decode_gate(alog_ref, dt_ref, g_raw, h):
+    """``-exp(A_log[h]) * softplus(g_raw + dt_bias[h])`` [Dk] for one token of head ``h``, the
+    parameters as the layer holds them (no separate kernel a step to negate and exponentiate
+    ``A_log``)."""
+    neg_a = -jnp.exp(alog_ref[h].astype(jnp.float32))
+    return neg_a * softplus(g_raw.astype(jnp.float32) + dt_ref[h, :].astype(jnp.float32))
+
+
+def token_inputs(alog_ref, dt_ref, q_ref, k_ref, g_ref, v_ref, b_ref, tok, h, vs, *, scale):
     """One token's decode inputs for head ``h`` and Dv columns ``vs`` (the decode and
     multi-token decode kernels): ``(q, k [Dk], v [BV], beta, decay [1, Dk])``."""
     q = l2norm(q_ref[tok, h, :].astype(jnp.float32)) * scale  # [Dk]
     k = l2norm(k_ref[tok, h, :].astype(jnp.float32))
     v = v_ref[tok, h, vs].astype(jnp.float32)  # [BV]
-    g = neg_a_ref[h] * softplus(g_ref[tok, h, :].astype(jnp.float32) + dt_ref[h, :])  # [Dk]
+    g = decode_gate(alog_ref, dt_ref, g_ref[tok, h, :], h)  # [Dk]
     beta = jax.nn.sigmoid(b_ref[tok, h].astype(jnp.float32))
     return q, k, v, beta, jnp.exp(g)[None, :]  # S^T's columns (S's rows), per key channel
 
@@ -137,7 +145,7 @@ def token_inputs(neg_a_ref, dt_ref, q_ref, k_ref, g_ref, v_ref, b_ref, tok, h, v
 
 def _decode_kernel(
     p: DecodeSlots,
-    neg_a_ref,  # f32[H]: -exp(A_log)
+    alog_ref,  # f32[H]: A_log
     dt_ref,  # f32[H, Dk]
     q_ref, k_ref, g_ref,  # [S, H, Dk]
     v_ref,  # [S, H, Dv]
@@ -147,7 +155,7 @@ def _decode_kernel(
     pool_out,  # aliased to pool_in
     *, bv: int, scale: float,
 ):  # fmt: skip
-    refs = (neg_a_ref, dt_ref, q_ref, k_ref, g_ref, v_ref, b_ref)
+    refs = (alog_ref, dt_ref, q_ref, k_ref, g_ref, v_ref, b_ref)
     inputs = functools.partial(token_inputs, *refs, scale=scale)
     decode_program(p, pool_in, o_ref, pool_out, bv=bv, inputs=inputs)
 
@@ -178,7 +186,7 @@ def kda_decode(
         _decode_kernel,
         name="kda_decode_gpu",
         slots=slots,
-        inputs=(-jnp.exp(A_log.astype(jnp.float32)), dt_bias.astype(jnp.float32), q, k, g, v, b),
+        inputs=(A_log, dt_bias, q, k, g, v, b),
         state=state,
         out_dtype=v.dtype,
         bv=pick_block_v(dv, block_v, default=DECODE_BLOCK_V),
