@@ -10,6 +10,8 @@ that one kernel reads the inputs. Why that matters for the engine's step: see
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -38,30 +40,20 @@ def _copy_kernel(*refs, sizes: tuple[int, ...], block: int):
             o_ref[pl.ds(i * block, block)] = jnp.where(live, x, 0)
 
 
-def copy_flat(
-    *xs: jax.Array, blank: tuple[int, ...] = (), interpret: bool = False
-) -> tuple[jax.Array, ...]:
-    """Copies of the 1-D int32 arrays ``xs``, all written by one kernel launch, then one
-    int32 array of each size in ``blank`` that the kernel allocates and never writes (its
-    contents undefined): buffers that exist from the kernel on, for the caller to fill."""
+def copy_flat(*xs: jax.Array, interpret: bool = False) -> tuple[jax.Array, ...]:
+    """Copies of the 1-D int32 arrays ``xs``, all written by one kernel launch."""
     for x in xs:
         if x.ndim != 1 or x.dtype != jnp.int32 or x.shape[0] == 0:
             raise ValueError(f"copy_flat takes non-empty 1-D int32 arrays, got {x.dtype}{x.shape}")
     sizes = tuple(x.shape[0] for x in xs)
     block = min(BLOCK, _pow2(max(sizes)))
     padded = tuple(-(-n // block) * block for n in sizes)
-    n = len(xs)
-
-    def kernel(*refs):  # the blank outputs' refs come last, untouched
-        _copy_kernel(*refs[:n], *refs[n : 2 * n], sizes=sizes, block=block)
-
     outs = pl.pallas_call(
-        kernel,
+        functools.partial(_copy_kernel, sizes=sizes, block=block),
         grid=(max(padded) // block,),
-        out_shape=tuple(jax.ShapeDtypeStruct((p,), jnp.int32) for p in padded + blank),
+        out_shape=tuple(jax.ShapeDtypeStruct((p,), jnp.int32) for p in padded),
         compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="copy_flat",
     )(*xs)
-    copies = tuple(o[:m] for o, m in zip(outs, sizes, strict=False))
-    return copies + tuple(outs[n:])
+    return tuple(o[:n] for o, n in zip(outs, sizes, strict=True))
