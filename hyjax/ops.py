@@ -54,7 +54,7 @@ from pallas_kernels.attention.reference import (
     ragged_paged_attention_reference,
     write_kv_reference,
 )
-from pallas_kernels.common import copy_gpu, multi_decode_gpu
+from pallas_kernels.common import multi_decode_gpu
 from pallas_kernels.conv1d import gpu as conv1d_gpu
 from pallas_kernels.conv1d import tpu as conv1d_tpu
 from pallas_kernels.conv1d.reference import (
@@ -114,10 +114,6 @@ class Ops:
     # one device): pinned, so that propagation from the split logits does not split the
     # tables the step returns (donated: another sharding out than in compiles again).
     whole_tables: Callable
-    # The step's fresh inputs (its packed plan, the previous step's tokens), each read by one
-    # kernel whose outputs every other kernel reads (identity but on NVIDIA, where XLA's CUDA
-    # graphs re-record every node that reads a moved buffer: serving.worker.runner).
-    step_inputs: Callable
     # The precision of every matmul of the step that does not pin its own, XLA's and the
     # Pallas GPU kernels' alike (``jax_default_matmul_precision`` while the step is traced):
     # None is the platform's default (f32 products in TF32 on NVIDIA, in bf16 passes on TPU),
@@ -157,10 +153,6 @@ class Row:
 
 def _whole(x: jax.Array) -> jax.Array:
     return x
-
-
-def _as_given(*xs: jax.Array) -> tuple[jax.Array, ...]:
-    return xs
 
 
 # Decode-only steps on NVIDIA: the attention kernel without its (empty) prefill launch (~8 us
@@ -304,7 +296,6 @@ GRID: dict[str, Row] = {
     "whole_tables": Row(
         reference=_whole,  # hyjax.sharding swaps in the constraint under tensor parallelism
     ),
-    "step_inputs": Row(reference=_as_given, gpu=copy_gpu.copy_flat),
 }
 
 

@@ -229,11 +229,6 @@ def _sharded_ops(ops, mesh: Mesh, family: FamilySharding, logits_spec: P):
     # Without this pin, propagation runs the gather's "whole" back into the LM head's dot,
     # which then all-gathers its [D, V] weight every step (bf16 151936 x 2048: 622 MB).
     wrapped["head_logits"] = lambda x: jax.lax.with_sharding_constraint(x, head)
-    # The step's inputs are whole on every device; each copies its own (a Pallas kernel
-    # under jit's partitioner would need a rule of its own).
-    wrapped["step_inputs"] = jax.shard_map(
-        ops.step_inputs, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False
-    )
     return dataclasses.replace(ops, **wrapped)
 
 

@@ -129,15 +129,6 @@ def _step_body(
     row's next K tokens on device (:func:`_mtp_drafts`), returned as a fifth output."""
     graphdef, treedef, layout, num_mtp_drafts, _ = static.value
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
-    # Under async scheduling each step's plan and previous tokens are new device buffers
-    # (step N + 1's are on the device before step N has ended), at other addresses than the
-    # last step's. Before launching a CUDA graph XLA:GPU re-records each of its nodes that
-    # reads a moved allocation (host work a node, a conditional's whole branches), and the
-    # plan's slices are fused into dozens of kernels a step, the sampler's conditionals among
-    # them (H200, the bench model at 8 layers, c8: 65 nodes, 0.42 ms of host a step,
-    # benchmarks.cmdbuf_updates). On NVIDIA ``step_inputs`` copies both with one kernel
-    # into the step's temporary buffer, whose address holds, and every other kernel reads that.
-    buf, prev = ops.step_inputs(buf, prev)
     arrays = _unpack(buf, layout)
     (r,) = prev.shape
     at, rows = buf[buf.shape[0] - 2 * r : buf.shape[0] - r], buf[buf.shape[0] - r :]
