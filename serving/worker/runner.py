@@ -9,7 +9,6 @@ server that should answer at once, in a background thread while it serves
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -95,9 +94,7 @@ def _unpack(buf: jax.Array, layout: PlanLayout) -> dict[str, jax.Array]:
     return out
 
 
-@functools.partial(
-    jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6, 7, 8), keep_unused=True
-)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6, 7))
 def _step(static: _Static, ops: Ops, decode_only: bool, max_row_tokens: int, *args):
     """:func:`_step_body`, jitted, its branches as ``static`` says (``branches.selecting``)."""
     with branches.selecting(static.value[4]):
@@ -113,7 +110,6 @@ def _step_body(
     caches: Caches,
     tables,
     mtp_caches: tuple,  # the MTP drafter's KV pools (``init_mtp_caches``), () without it
-    out_buffers: tuple,  # donated, never read: where the results go (``result_shapes``)
     buf,  # i32[plan + 2R]: the packed plan, then the splice (token index [R], prev row [R])
     prev,  # i32[R]: the previous step's sampled tokens, padded to R = max_num_seqs
     token_mask,  # i32[S, ceil(V / 32)]: structured outputs' bitmask (rows with uses_grammar)
@@ -131,16 +127,6 @@ def _step_body(
 
     With the MTP drafter (``static``'s ``num_mtp_drafts`` = K > 0) the step then drafts each
     row's next K tokens on device (:func:`_mtp_drafts`), returned as a fifth output."""
-    # ``out_buffers``: under async scheduling step N + 1 runs while step N's results are
-    # still held, so results in buffers of their own would be at new addresses every step;
-    # XLA's buffer assignment also places small temporaries of the step in such live-out
-    # buffers (every layer's route-plan scalars, the sampler's), and before launching a CUDA
-    # graph XLA:GPU re-records each node that touches a buffer that moved (host work a node,
-    # a conditional's whole branches: 65 nodes and 0.42-0.69 ms of host a step at 8 layers on
-    # an H200, benchmarks.cmdbuf_updates). Donated buffers of the results' shapes (an earlier
-    # step's results, ``ModelRunner._out_buffers``) take the results instead: a parameter's
-    # buffer holds nothing else, so only the kernels that write the results are re-recorded.
-    del out_buffers
     graphdef, treedef, layout, num_mtp_drafts, _ = static.value
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
     arrays = _unpack(buf, layout)
@@ -320,30 +306,11 @@ class InFlightStep:
     out: tuple[jax.Array, ...]  # what ``fetch`` copies to the host
     tokens: jax.Array  # i32[R]: the sampled tokens padded to max_num_seqs, for the next step
     names: tuple[str, ...] = ("tokens",)  # the ``StepResult`` field of each entry of ``out``
-    seq: int = 0  # the runner's count of steps submitted, this one included
 
 
 # ``_step``'s results in order (a step without prompt scoring stops after the fourth; the
 # drafts are its own output).
 _RESULT_NAMES = tuple(f.name for f in dataclasses.fields(StepResult))
-
-
-def result_shapes(shape: StepShape, num_spec: int, p: int, k: int, r: int) -> list:
-    """``_step``'s results other than the pools and drafts, as ``(shape, dtype)``: the
-    tokens (``[S]``, or ``[S, K + 1]`` with verify rows), the log-probs, the top ids and
-    log-probs, the prompt log-probs' four (``p`` scored positions, mixed steps only), then
-    the next step's tokens ``[R]``."""
-    s = shape.num_seqs
-    i32, f32 = np.int32, np.float32
-    out = [
-        ((s, num_spec + 1) if num_spec else (s,), i32),
-        ((s,), f32),
-        ((s, k), i32),
-        ((s, k), f32),
-    ]
-    if p and not shape.decode_only:
-        out += [((p,), f32), ((p,), i32), ((p, k), i32), ((p, k), f32)]
-    return out + [((r,), i32)]
 
 
 class ModelRunner:
@@ -399,13 +366,6 @@ class ModelRunner:
         # Multi-host serve: the leader ships each plan to the followers before running it, so
         # every process enters the step's collectives (serving/engine/multihost.py).
         self.on_execute: Callable[[StepPlan], None] | None = None
-        # Results of fetched steps, donated to later steps of the same bucket (``_step``):
-        # (sequence number, bucket, arrays), in submission order; ``_fetched``: the latest
-        # step fetched (the device runs steps in order: every earlier one is done).
-        self._recycle: collections.deque = collections.deque()
-        self._submitted = 0
-        self._fetched = 0
-        self._recycle_lock = threading.Lock()
         self._no_prev: jax.Array | None = None  # i32[max_num_seqs] zeros: no previous tokens
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> i32[rows, ceil(V / 32)] of -1
         # Background warm-up: bucket -> its compile (None -> the closing log line).
@@ -562,11 +522,10 @@ class ModelRunner:
                 fut.result()
 
     def _compile_ahead(self, shape: StepShape, avals: tuple) -> None:
-        static, ops, decode_only, max_row_tokens, *_, outs, buf, prev, mask = self.step_args(
+        static, ops, decode_only, max_row_tokens, *_, buf, prev, mask = self.step_args(
             StepPlan.empty(shape)
         )
-        outs = jax.tree.map(_shape_of, outs)
-        args = (static, ops, decode_only, max_row_tokens, *avals, outs, buf, prev, mask)
+        args = (static, ops, decode_only, max_row_tokens, *avals, buf, prev, mask)
         self._kept(shape, args, compile_missing=True)
 
     def _kept(self, shape: StepShape, args: tuple, *, compile_missing: bool):
@@ -619,12 +578,8 @@ class ModelRunner:
             values = table_row_values(init, self.cfg.vocab_size)
             self.tables = set_table_row(self.tables, np.int32(row), values)
         self.caches, self.tables, self.mtp_caches, out, tokens, drafts = self._run(
-            plan.shape, self.step_args(plan, from_prev, prev, recycle=True)
+            plan.shape, self.step_args(plan, from_prev, prev)
         )
-        with self._recycle_lock:
-            self._submitted += 1
-            seq = self._submitted
-            self._recycle.append((seq, plan.shape, (*out, tokens)))
         # Copied to the host: the tokens, and what some row of the plan asked for.
         names = _RESULT_NAMES[:1]
         if (plan.sampling.logprobs >= 0).any():
@@ -634,50 +589,18 @@ class ModelRunner:
         kept = tuple(out[_RESULT_NAMES.index(n)] for n in names)
         if drafts is not None:
             kept, names = kept + (drafts,), names + ("draft_tokens",)
-        return InFlightStep(kept, tokens, names, seq)
+        return InFlightStep(kept, tokens, names)
 
-    def fetch(self, step: InFlightStep) -> StepResult:
+    @staticmethod
+    def fetch(step: InFlightStep) -> StepResult:
         """Waits for ``step`` and copies its results to the host."""
-        result = StepResult(**dict(zip(step.names, _fetch(step.out), strict=True)))
-        with self._recycle_lock:  # steps complete in order: every earlier one has too
-            self._fetched = max(self._fetched, step.seq)
-        return result
-
-    # Results kept for donation at most this many steps back (the other buckets' too).
-    RECYCLE_DEPTH = 16
-
-    def _out_buffers(self, plan: StepPlan, *, recycle: bool = True) -> tuple:
-        """Where ``plan``'s step writes its results (``_step``'s ``out_buffers``, donated): the
-        results of an earlier step of the same bucket that are no longer needed (that step
-        and the one after it, which read its tokens on the device, both fetched), else new
-        zeros (always, unless ``recycle``)."""
-        with self._recycle_lock:
-            ready = self._fetched - 1 if recycle else 0  # a step whose successor is done
-            while self._recycle and self._recycle[0][0] < self._submitted - self.RECYCLE_DEPTH:
-                self._recycle.popleft()
-            for i, (seq, shape, arrays) in enumerate(self._recycle):
-                if seq > ready:
-                    break
-                if shape == plan.shape:
-                    del self._recycle[i]
-                    return arrays
-        k = min(MAX_LOGPROBS, self.cfg.vocab_size)
-        p = plan.prompt_lp_targets.shape[0]
-        specs = result_shapes(
-            plan.shape, plan.draft_ids.shape[1], p, k, self.sched_cfg.max_num_seqs
-        )
-        zeros = tuple(np.zeros(sh, dt) for sh, dt in specs)
-        if self.sharding is not None:
-            return replicate_tree(zeros, self.sharding.mesh)
-        return tuple(jax.device_put(z, jax.devices()[0]) for z in zeros)
+        return StepResult(**dict(zip(step.names, _fetch(step.out), strict=True)))
 
     def step_args(
         self,
         plan: StepPlan,
         from_prev: list[tuple[int, int]] = (),
         prev: InFlightStep | None = None,
-        *,
-        recycle: bool = False,
     ) -> tuple:
         """``_step``'s arguments for ``plan``, its packed arrays and the splice on the device
         (the step's one host-to-device transfer)."""
@@ -714,8 +637,7 @@ class ModelRunner:
         return (
             static, self.ops, plan.shape.decode_only, plan.shape.max_row_tokens, leaves,
             self.caches, self.tables,
-            self.mtp_caches, self._out_buffers(plan, recycle=recycle), buf, tokens,
-            self._token_mask(plan),
+            self.mtp_caches, buf, tokens, self._token_mask(plan),
         )  # fmt: skip
 
     def _token_mask(self, plan: StepPlan) -> jax.Array:
