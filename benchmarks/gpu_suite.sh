@@ -33,6 +33,10 @@
 #   cbuf      benchmarks.cmdbuf_updates: XLA's CUDA-graph updates a step (which allocations
 #             move between launches, kernels re-recorded, their host time), sync and async
 #   cbufskip  the same, async, with --xla_gpu_command_buffer_update_mode=SKIP_TEMP
+#   bufdump   XLA's buffer assignment of the cbuf workload's steps (which temporaries share the
+#             result buffers), under bufdump/
+#
+# SUITE_XLA_FLAGS: XLA flags for every section (XLA_FLAGS), e.g. an A/B of a flag as two calls
 #   launch    benchmarks.launch_overhead: a launch's host time by argument buffers, jit / AOT
 #   hlo       XLA's optimized HLO of the step (the bench model's shapes, 4 layers: one group
 #             of 3 GDN + 1 attention) at c8, text, under hlo/: which fusions a layer has
@@ -81,7 +85,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         tp48c64) echo "python -m benchmarks.serving_throughput $tp 64 --concurrency 64 --max-seconds $((budget - 20)) --out $j" ;;
         kimi) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --max-seconds $((budget - 20)) --out $j" ;;
         kimidt) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --dispatch-thread --max-seconds $((budget - 20)) --out $j" ;;
-        hlo) echo "env XLA_FLAGS=--xla_dump_to=$scratch/hlo --xla_dump_hlo_module_re=.*step.* --xla_dump_hlo_pass_re=^$ python -m benchmarks.serving_throughput --model bench --layers 4 --concurrency 8 --input-len 200 --output-len 64 --max-seconds $((budget - 20)) --out $j" ;;
+        hlo) echo "python -m benchmarks.serving_throughput --model bench --layers 4 --concurrency 8 --input-len 200 --output-len 64 --max-seconds $((budget - 20)) --out $j" ;;
+        bufdump) echo "python -m benchmarks.serving_throughput $cb --output-len 48 --scheduling async --out $j" ;;
         launch) echo "python -m benchmarks.launch_overhead --out $j" ;;
         cbuf) echo "python -m benchmarks.cmdbuf_updates --max-seconds $((budget - 10)) --log $scratch/cbuf_child.log --out $j -- $cb --scheduling sync async" ;;
         cbufskip) echo "env XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP python -m benchmarks.cmdbuf_updates --max-seconds $((budget - 10)) --log $scratch/cbufskip_child.log --out $j -- $cb --cache-gib 60 --scheduling async" ;;
@@ -105,11 +110,18 @@ run() {  # section[@tree] visible-devices
     cmd=$(command_of "$name") || { echo "$name: unknown section"; return; }
     cmd=${cmd//$scratch\/$name.json/$scratch\/$tag.json}
     [ "$name" != http ] || python -m benchmarks.full_size --write-config "$scratch/bench8" --model bench > /dev/null
-    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD CUDA_VISIBLE_DEVICES=$devices timeout "$left" $cmd) \
+    # XLA flags (several, so not through $cmd's word splitting): SUITE_XLA_FLAGS for every
+    # section, and hlo's and bufdump's dumps
+    local xf=${SUITE_XLA_FLAGS:-}
+    [ "$name" != bufdump ] || xf="--xla_dump_to=$scratch/bufdump --xla_dump_hlo_module_re=.*jit__step.* $xf"
+    [ "$name" != hlo ] || xf="--xla_dump_to=$scratch/hlo --xla_dump_hlo_module_re=.*jit__step.* --xla_dump_hlo_pass_re=^$ $xf"
+    (cd "$tree" && if [ -n "$xf" ]; then export XLA_FLAGS="$xf"; fi
+        PYTHONPATH=/tmp/site:$PWD CUDA_VISIBLE_DEVICES=$devices timeout "$left" $cmd) \
         > "$scratch/$tag.log" 2>&1
     echo "$tag rc=$? $(( $(date +%s) - t0 )) s on $devices (at $(( $(date +%s) - start )) s)"
     # hlo: the step's optimized modules only (XLA also dumps every other module, PTX, LLVM IR)
     [ "$name" != hlo ] || find "$scratch/hlo" -type f ! -name '*jit__step*after_optimizations.txt' -delete
+    [ "$name" != bufdump ] || find "$scratch/bufdump" -type f ! -name '*jit__step*buffer-assignment.txt' -delete
 }
 
 all=$(seq -s, 0 $((cards - 1)))
