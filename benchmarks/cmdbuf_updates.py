@@ -15,7 +15,7 @@ logging on (``TF_CPP_VMODULE``) and reads, for the measured run of each scheduli
 - graph launches, and how many of them re-recorded (``updated_allocs`` > 0);
 - per update: the number of moved allocations, the kernels updated and skipped, the host
   microseconds XLA reports for it;
-- all of that per engine step (the run's ``steps`` from its result).
+- all of that per engine step (the run's ``engine_steps`` from its result).
 
     python -m benchmarks.cmdbuf_updates --out J.json -- --model bench --layers 8 \
         --concurrency 8 --input-len 200 --output-len 128 --scheduling sync async

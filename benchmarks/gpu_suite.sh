@@ -35,8 +35,6 @@
 #   cbufskip  the same, async, with --xla_gpu_command_buffer_update_mode=SKIP_TEMP
 #   bufdump   XLA's buffer assignment of the cbuf workload's steps (which temporaries share the
 #             result buffers), under bufdump/
-#
-# SUITE_XLA_FLAGS: XLA flags for every section (XLA_FLAGS), e.g. an A/B of a flag as two calls
 #   launch    benchmarks.launch_overhead: a launch's host time by argument buffers, jit / AOT
 #   hlo       XLA's optimized HLO of the step (the bench model's shapes, 4 layers: one group
 #             of 3 GDN + 1 attention) at c8, text, under hlo/: which fusions a layer has
@@ -44,6 +42,8 @@
 #             model (80B layer shapes, 8 layers), SGLang's workload at c8 (aiperf on
 #             PYTHONPATH), the server and aiperf each on half of the CPUs, 15 s of py-spy
 #             of both engines (py-spy in .whl)
+#
+# SUITE_XLA_FLAGS: XLA flags for every section (XLA_FLAGS), e.g. an A/B of a flag as two calls.
 #
 # NAME@DIR runs section NAME from the tree in DIR (a worktree of another commit, e.g.
 # q24@.ab/off q24@.ab/on q24@.ab/off2: an A/B in one call, the baseline before and after).
@@ -89,7 +89,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         bufdump) echo "python -m benchmarks.serving_throughput $cb --output-len 48 --scheduling async --out $j" ;;
         launch) echo "python -m benchmarks.launch_overhead --out $j" ;;
         cbuf) echo "python -m benchmarks.cmdbuf_updates --max-seconds $((budget - 10)) --log $scratch/cbuf_child.log --out $j -- $cb --scheduling sync async" ;;
-        cbufskip) echo "env XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP python -m benchmarks.cmdbuf_updates --max-seconds $((budget - 10)) --log $scratch/cbufskip_child.log --out $j -- $cb --cache-gib 60 --scheduling async" ;;
+        cbufskip) echo "python -m benchmarks.cmdbuf_updates --max-seconds $((budget - 10)) --log $scratch/cbufskip_child.log --out $j -- $cb --cache-gib 60 --scheduling async" ;;
         q24) echo "python -m benchmarks.serving_throughput --model qwen3-next-80b --layers 24 --concurrency 8 --min-seq-bucket 8 --profile-steps 8 --max-seconds $((budget - 20)) --out $j" ;;
         http) echo "python -m benchmarks.http_serving --model $scratch/bench8 --load-format dummy --dtype bfloat16 --block-size 64 --max-num-batched-tokens 2048 --input-len 1000 --output-len 2000 --concurrency 8 --num-prompts 16 --max-seconds $((budget - 20)) --artifact-dir $scratch/http_artifacts $pin --py-spy 15 --out $j" ;;
         *) return 1 ;;
@@ -111,9 +111,10 @@ run() {  # section[@tree] visible-devices
     cmd=${cmd//$scratch\/$name.json/$scratch\/$tag.json}
     [ "$name" != http ] || python -m benchmarks.full_size --write-config "$scratch/bench8" --model bench > /dev/null
     # XLA flags (several, so not through $cmd's word splitting): SUITE_XLA_FLAGS for every
-    # section, and hlo's and bufdump's dumps
+    # section, and hlo's and bufdump's dumps, cbufskip's update mode
     local xf=${SUITE_XLA_FLAGS:-}
     [ "$name" != bufdump ] || xf="--xla_dump_to=$scratch/bufdump --xla_dump_hlo_module_re=.*jit__step.* $xf"
+    [ "$name" != cbufskip ] || xf="--xla_gpu_command_buffer_update_mode=SKIP_TEMP $xf"
     [ "$name" != hlo ] || xf="--xla_dump_to=$scratch/hlo --xla_dump_hlo_module_re=.*jit__step.* --xla_dump_hlo_pass_re=^$ $xf"
     (cd "$tree" && if [ -n "$xf" ]; then export XLA_FLAGS="$xf"; fi
         PYTHONPATH=/tmp/site:$PWD CUDA_VISIBLE_DEVICES=$devices timeout "$left" $cmd) \
