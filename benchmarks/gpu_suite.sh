@@ -43,7 +43,9 @@
 #             PYTHONPATH), the server and aiperf each on half of the CPUs, 15 s of py-spy
 #             of both engines (py-spy in .whl)
 #
-# SUITE_XLA_FLAGS: XLA flags for every section (XLA_FLAGS), e.g. an A/B of a flag as two calls.
+# SUITE_XLA_FLAGS: XLA flags for every section (XLA_FLAGS). NAME%SET runs section NAME with
+# the XLA flags in $SUITE_FLAGS_SET besides them: an A/B of a flag in one call, e.g.
+# SUITE_FLAGS_sep=--xla_gpu_temp_buffer_use_separate_color=true ... q24 q24%sep q24.
 #
 # NAME@DIR runs section NAME from the tree in DIR (a worktree of another commit, e.g.
 # q24@.ab/off q24@.ab/on q24@.ab/off2: an A/B in one call, the baseline before and after).
@@ -98,10 +100,12 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
 
 pack() { tar czf "$out/suite.tgz" -C "$scratch" . ; }
 
-run() {  # section[@tree] visible-devices
-    local name=${1%@*} tree=. devices=$2 cmd t0 tag=$1
-    [ "$1" = "$name" ] || tree=${1#*@}
-    tag=${tag//[\/.]/_}
+run() {  # section[%set][@tree] visible-devices
+    local spec=${1%%@*} tree=. devices=$2 cmd t0 tag=$1 fset=
+    [ "$1" = "$spec" ] || tree=${1#*@}
+    local name=${spec%%%*}
+    [ "$spec" = "$name" ] || fset=SUITE_FLAGS_${spec#*%}
+    tag=${tag//[\/.%]/_}
     t0=$(date +%s)
     local left=$(( deadline - (t0 - start) ))
     [ "$left" -lt "$limit" ] || left=$limit
@@ -113,6 +117,7 @@ run() {  # section[@tree] visible-devices
     # XLA flags (several, so not through $cmd's word splitting): SUITE_XLA_FLAGS for every
     # section, and hlo's and bufdump's dumps, cbufskip's update mode
     local xf=${SUITE_XLA_FLAGS:-}
+    [ -z "$fset" ] || xf="${!fset:-} $xf"
     [ "$name" != bufdump ] || xf="--xla_dump_to=$scratch/bufdump --xla_dump_hlo_module_re=.*jit__step.* $xf"
     [ "$name" != cbufskip ] || xf="--xla_gpu_command_buffer_update_mode=SKIP_TEMP $xf"
     [ "$name" != hlo ] || xf="--xla_dump_to=$scratch/hlo --xla_dump_hlo_module_re=.*jit__step.* --xla_dump_hlo_pass_re=^$ $xf"
