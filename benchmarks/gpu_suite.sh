@@ -42,6 +42,9 @@
 #             model (80B layer shapes, 8 layers), SGLang's workload at c8 (aiperf on
 #             PYTHONPATH), the server and aiperf each on half of the CPUs, 15 s of py-spy
 #             of both engines (py-spy in .whl)
+#   httpsplit the same with --split-cpus: the server on half of the physical cores, aiperf on
+#             the other half (SMT siblings with their core: with the CPU numbers halved, aiperf
+#             may run on the siblings of the engine's cores)
 #
 # SUITE_XLA_FLAGS: XLA flags for every section (XLA_FLAGS). NAME%SET runs section NAME with
 # the XLA flags in $SUITE_FLAGS_SET besides them: an A/B of a flag in one call, e.g.
@@ -93,7 +96,9 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         cbuf) echo "python -m benchmarks.cmdbuf_updates --max-seconds $((budget - 10)) --log $scratch/cbuf_child.log --out $j -- $cb --scheduling sync async" ;;
         cbufskip) echo "python -m benchmarks.cmdbuf_updates --max-seconds $((budget - 10)) --log $scratch/cbufskip_child.log --out $j -- $cb --cache-gib 60 --scheduling async" ;;
         q24) echo "python -m benchmarks.serving_throughput --model qwen3-next-80b --layers 24 --concurrency 8 --min-seq-bucket 8 --profile-steps 8 --max-seconds $((budget - 20)) --out $j" ;;
-        http) echo "python -m benchmarks.http_serving --model $scratch/bench8 --load-format dummy --dtype bfloat16 --block-size 64 --max-num-batched-tokens 2048 --input-len 1000 --output-len 2000 --concurrency 8 --num-prompts 16 --max-seconds $((budget - 20)) --artifact-dir $scratch/http_artifacts $pin --py-spy 15 --out $j" ;;
+        http | httpsplit)
+            [ "$1" = http ] || pin=--split-cpus
+            echo "python -m benchmarks.http_serving --model $scratch/bench8 --load-format dummy --dtype bfloat16 --block-size 64 --max-num-batched-tokens 2048 --input-len 1000 --output-len 2000 --concurrency 8 --num-prompts 16 --max-seconds $((budget - 20)) --artifact-dir $scratch/${1}_artifacts $pin --py-spy 15 --out $j" ;;
         *) return 1 ;;
     esac
 }
@@ -113,7 +118,7 @@ run() {  # section[%set][@tree] visible-devices
     budget=$left
     cmd=$(command_of "$name") || { echo "$name: unknown section"; return; }
     cmd=${cmd//$scratch\/$name.json/$scratch\/$tag.json}
-    [ "$name" != http ] || python -m benchmarks.full_size --write-config "$scratch/bench8" --model bench > /dev/null
+    [ "${name#http}" = "$name" ] || python -m benchmarks.full_size --write-config "$scratch/bench8" --model bench > /dev/null
     # XLA flags (several, so not through $cmd's word splitting): SUITE_XLA_FLAGS for every
     # section, and hlo's and bufdump's dumps, cbufskip's update mode
     local xf=${SUITE_XLA_FLAGS:-}

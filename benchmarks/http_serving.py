@@ -84,6 +84,34 @@ def cpu_set(spec: str | None) -> set[int] | None:
     return cpus
 
 
+def core_groups(
+    sysfs: str = "/sys/devices/system/cpu", cpus: set[int] | None = None
+) -> list[list[int]]:
+    """``cpus`` (default: those this process may use), grouped by physical core (SMT siblings
+    together), the groups in order of their first CPU; a group a CPU where the topology is not
+    readable."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0) if cpus is None else cpus):
+        topo = Path(sysfs) / f"cpu{cpu}" / "topology"
+        try:
+            key = ((topo / "physical_package_id").read_text().strip(),
+                   (topo / "core_id").read_text().strip())  # fmt: skip
+        except OSError:
+            key = ("cpu", str(cpu))
+        groups.setdefault(key, []).append(cpu)
+    return sorted(groups.values())
+
+
+def split_cores(groups: list[list[int]]) -> tuple[set[int], set[int]]:
+    """The first half of the physical cores (with their SMT siblings) for the server, the
+    rest for the client: a client on the siblings of the engine's cores would slow the
+    engine's launch thread as no remote client does."""
+    if len(groups) < 2:
+        raise ValueError(f"--split-cpus needs two physical cores or more, found {groups}")
+    half = len(groups) // 2
+    return {c for g in groups[:half] for c in g}, {c for g in groups[half:] for c in g}
+
+
 def _pinned(cpus: set[int] | None):
     """A ``preexec_fn`` that pins the child (and what it spawns) to ``cpus``."""
     return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
@@ -345,6 +373,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     )
     p.add_argument("--client-cpus", default=None, help="pin aiperf to these CPUs, e.g. 8-15")
     p.add_argument(
+        "--split-cpus",
+        action="store_true",
+        help="the server on the first half of the physical cores, aiperf on the other half, "
+        "SMT siblings with their core (instead of --server-cpus / --client-cpus)",
+    )
+    p.add_argument(
         "--py-spy",
         type=float,
         default=0.0,
@@ -355,6 +389,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     args = p.parse_args(argv)
     if args.url and not args.url.startswith("http://127.0.0.1:"):
         p.error("--url must be a server on this machine (http://127.0.0.1:PORT)")
+    if args.split_cpus:
+        if args.server_cpus or args.client_cpus:
+            p.error("--split-cpus replaces --server-cpus and --client-cpus")
+        split = split_cores(core_groups())
+        args.server_cpus, args.client_cpus = (",".join(map(str, sorted(c))) for c in split)
     budget = args.max_num_batched_tokens
     kwargs = engine_kwargs(args, warmup=False, progress=False)
     kwargs["max_num_seqs"] = args.max_num_seqs or args.concurrency
@@ -377,7 +416,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "output_len": args.output_len, "concurrency": args.concurrency,
                      "ignore_eos": True, "temperature": 0.0, "endpoint": "/v1/completions",
                      "stream": True, "warmup_requests": args.concurrency,
-                     "server_cpus": args.server_cpus, "client_cpus": args.client_cpus},
+                     "server_cpus": args.server_cpus, "client_cpus": args.client_cpus,
+                     "physical_cores": core_groups()},
     }  # fmt: skip
     proc, url = None, args.url
     if url is None:

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.http_serving import aiperf_summary, parse_args, serve_flags
+from benchmarks.http_serving import (
+    aiperf_summary,
+    core_groups,
+    parse_args,
+    serve_flags,
+    split_cores,
+)
 from serving.engine.engine_args import engine_kwargs
 from serving.entrypoints.cli import build_parser
 
@@ -64,3 +70,30 @@ def test_aiperf_summary_names():
     assert s["ttft_ms"] == {"p50": 1.0, "p90": 3.0, "p99": 4.0, "mean": 2.0}
     assert s["itl_ms"]["p50"] == 1.5  # vLLM's ITL: the gaps between streamed chunks
     assert s["tpot_ms"]["p50"] == 2.5  # aiperf's "inter token latency" is vLLM's TPOT
+
+
+def _topology(root, cores):  # cores: {cpu: (package, core)}
+    for cpu, (pkg, core) in cores.items():
+        d = root / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "physical_package_id").write_text(f"{pkg}\n")
+        (d / "core_id").write_text(f"{core}\n")
+
+
+def test_split_cpus_keeps_smt_siblings_on_one_side(tmp_path):
+    # 4 cores of 2 threads, the siblings numbered apart (0 and 4 share a core), as on most hosts
+    _topology(tmp_path, {c: (0, c % 4) for c in range(8)})
+    groups = core_groups(str(tmp_path), cpus=set(range(8)))
+    assert groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert split_cores(groups) == ({0, 4, 1, 5}, {2, 6, 3, 7})
+    # two packages whose core ids repeat: one core each side of every id
+    _topology(tmp_path / "two", {0: (0, 0), 1: (1, 0), 2: (0, 1), 3: (1, 1)})
+    assert core_groups(str(tmp_path / "two"), cpus={0, 1, 2, 3}) == [[0], [1], [2], [3]]
+
+
+def test_split_cpus_needs_two_cores(tmp_path):
+    _topology(tmp_path, {0: (0, 0), 1: (0, 0)})
+    with pytest.raises(ValueError, match="two physical cores"):
+        split_cores(core_groups(str(tmp_path), cpus={0, 1}))
+    # unreadable topology: a core a CPU
+    assert core_groups(str(tmp_path / "none"), cpus={3, 1}) == [[1], [3]]
