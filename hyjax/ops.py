@@ -54,7 +54,7 @@ from pallas_kernels.attention.reference import (
     ragged_paged_attention_reference,
     write_kv_reference,
 )
-from pallas_kernels.common import multi_decode_gpu
+from pallas_kernels.common import copy_gpu, multi_decode_gpu
 from pallas_kernels.conv1d import gpu as conv1d_gpu
 from pallas_kernels.conv1d import tpu as conv1d_tpu
 from pallas_kernels.conv1d.reference import (
@@ -114,6 +114,12 @@ class Ops:
     # one device): pinned, so that propagation from the split logits does not split the
     # tables the step returns (donated: another sharding out than in compiles again).
     whole_tables: Callable
+    # ``(buf, blank=(n, ...)) -> (buf, i32[n], ...)``: the step's packed plan, then a buffer
+    # of each size for the step's results to be written into. On NVIDIA one kernel at the
+    # start of the step makes them all (the plan copied), so the results' buffers are live
+    # from the start and XLA places none of the step's temporaries in them
+    # (serving.worker.runner._step_body says why that matters); elsewhere zeros.
+    step_buffers: Callable
     # The precision of every matmul of the step that does not pin its own, XLA's and the
     # Pallas GPU kernels' alike (``jax_default_matmul_precision`` while the step is traced):
     # None is the platform's default (f32 products in TF32 on NVIDIA, in bf16 passes on TPU),
@@ -153,6 +159,10 @@ class Row:
 
 def _whole(x: jax.Array) -> jax.Array:
     return x
+
+
+def _step_buffers(buf: jax.Array, blank: tuple[int, ...] = ()) -> tuple[jax.Array, ...]:
+    return (buf, *(jnp.zeros(n, jnp.int32) for n in blank))
 
 
 # Decode-only steps on NVIDIA: the attention kernel without its (empty) prefill launch (~8 us
@@ -296,6 +306,7 @@ GRID: dict[str, Row] = {
     "whole_tables": Row(
         reference=_whole,  # hyjax.sharding swaps in the constraint under tensor parallelism
     ),
+    "step_buffers": Row(reference=_step_buffers, gpu=copy_gpu.copy_flat),
 }
 
 

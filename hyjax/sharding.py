@@ -229,6 +229,14 @@ def _sharded_ops(ops, mesh: Mesh, family: FamilySharding, logits_spec: P):
     # Without this pin, propagation runs the gather's "whole" back into the LM head's dot,
     # which then all-gathers its [D, V] weight every step (bf16 151936 x 2048: 622 MB).
     wrapped["head_logits"] = lambda x: jax.lax.with_sharding_constraint(x, head)
+
+    # The plan and the results' buffers are whole on every device; each makes its own (a
+    # Pallas kernel under jit's partitioner would need a rule of its own).
+    def step_buffers(buf, blank=()):
+        fn = functools.partial(ops.step_buffers, blank=blank)
+        return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(buf)
+
+    wrapped["step_buffers"] = step_buffers
     return dataclasses.replace(ops, **wrapped)
 
 

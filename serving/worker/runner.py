@@ -129,8 +129,25 @@ def _step_body(
     row's next K tokens on device (:func:`_mtp_drafts`), returned as a fifth output."""
     graphdef, treedef, layout, num_mtp_drafts, _ = static.value
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, state_leaves))
-    arrays = _unpack(buf, layout)
+    # The step's results go into two buffers made by the step's first kernel (on NVIDIA,
+    # ``ops.step_buffers``). Under async scheduling the results of step N are still held when
+    # step N + 1 runs, so its result buffers are at other addresses than the last step's;
+    # before launching a CUDA graph XLA:GPU re-records each of its nodes that touches a
+    # buffer that moved (host work a node, a conditional's whole branches), and XLA's buffer
+    # assignment placed dozens of the step's small temporaries (every layer's route-plan
+    # scalars, the sampler's) in the result buffers whenever they were made last (H200, the
+    # bench model at 8 layers, c8: 65 nodes a step, 0.42-0.69 ms of host,
+    # benchmarks.cmdbuf_updates). Made first, they are live for the whole step and hold
+    # nothing else; each has a word more than it is written, so XLA cannot replace the
+    # in-place update with a new buffer.
+    s_rows = dict((name, shape) for name, _, shape in layout)["seq_lens"][0]
+    num_spec = dict((name, shape) for name, _, shape in layout)["draft_ids"][1]
+    p_rows = 0 if decode_only else dict((n, sh) for n, _, sh in layout)["prompt_lp_targets"][0]
     (r,) = prev.shape
+    r -= 1  # the guard word
+    words = result_words(s_rows, num_spec, p_rows, MAX_LOGPROBS)
+    buf, results, next_prev = ops.step_buffers(buf, blank=(words + 1, r + 1))
+    arrays = _unpack(buf, layout)
     at, rows = buf[buf.shape[0] - 2 * r : buf.shape[0] - r], buf[buf.shape[0] - r :]
     arrays["input_ids"] = arrays["input_ids"].at[at].set(prev[rows], mode="drop")
     batch = Batch.from_arrays(arrays, max_row_tokens=max_row_tokens)
@@ -220,7 +237,11 @@ def _step_body(
     else:
         prompt = ()
     assert s <= r, f"{s=} rows exceed the splice's {r=}"
-    next_prev = jnp.zeros(r, jnp.int32).at[:s].set(tokens)
+    row_tokens = jnp.zeros(r, jnp.int32).at[:s].set(tokens)
+    next_prev = jax.lax.dynamic_update_slice(next_prev, row_tokens, (0,))
+    packed = jnp.concatenate([_as_words(x) for x in (all_tokens, *logprobs, *prompt)])
+    assert packed.shape[0] <= words, (packed.shape, words)
+    results = jax.lax.dynamic_update_slice(results, packed, (0,))
     drafts = None
     if num_mtp_drafts:
         with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
@@ -228,7 +249,50 @@ def _step_body(
                 model, batch, h, all_tokens, arrays, mtp_caches, ops,
                 num_draft=num_mtp_drafts, decode_only=decode_only,
             )  # fmt: skip
-    return caches, tables, mtp_caches, (all_tokens, *logprobs, *prompt), next_prev, drafts
+    return caches, tables, mtp_caches, results, next_prev, drafts
+
+
+def _as_words(x: jax.Array) -> jax.Array:
+    """``x`` (int32 or float32) as flat int32 words."""
+    if x.dtype != jnp.int32:
+        x = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return x.reshape(-1)
+
+
+def result_fields(s: int, num_spec: int, p: int, k: int) -> list[tuple[str, np.dtype, tuple]]:
+    """The ``StepResult`` fields packed, in order, into a step's results buffer: ``s`` rows,
+    ``num_spec`` drafts a verify row (0: none), ``p`` scored prompt positions, ``k`` top
+    logprobs (float32 fields travel as their bits)."""
+    i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
+    fields = [
+        ("tokens", i32, (s, num_spec + 1) if num_spec else (s,)),
+        ("logprobs", f32, (s,)),
+        ("top_ids", i32, (s, k)),
+        ("top_logprobs", f32, (s, k)),
+    ]
+    if p:
+        fields += [
+            ("prompt_logprobs", f32, (p,)),
+            ("prompt_ranks", i32, (p,)),
+            ("prompt_top_ids", i32, (p, k)),
+            ("prompt_top_logprobs", f32, (p, k)),
+        ]
+    return fields
+
+
+def result_words(s: int, num_spec: int, p: int, k: int) -> int:
+    return sum(math.prod(shape) for _, _, shape in result_fields(s, num_spec, p, k))
+
+
+def unpack_results(words: np.ndarray, fields: list, names: tuple[str, ...]) -> dict:
+    """The named fields of a fetched results buffer (``result_fields``' layout)."""
+    out, offset = {}, 0
+    for name, dtype, shape in fields:
+        n = math.prod(shape)
+        if name in names:
+            out[name] = words[offset : offset + n].view(dtype).reshape(shape)
+        offset += n
+    return out
 
 
 def _mtp_drafts(
@@ -303,9 +367,12 @@ class StepResult:
 class InFlightStep:
     """A dispatched step's outputs, still on the device (``ModelRunner.submit``)."""
 
-    out: tuple[jax.Array, ...]  # what ``fetch`` copies to the host
-    tokens: jax.Array  # i32[R]: the sampled tokens padded to max_num_seqs, for the next step
-    names: tuple[str, ...] = ("tokens",)  # the ``StepResult`` field of each entry of ``out``
+    # what ``fetch`` copies to the host: the results buffer, then the drafts (MTP)
+    out: tuple[jax.Array, ...]
+    # i32[R + 1]: the sampled tokens padded to max_num_seqs (and a word), for the next step
+    tokens: jax.Array
+    names: tuple[str, ...] = ("tokens",)  # the ``StepResult`` fields to unpack
+    fields: tuple = ()  # the results buffer's layout (``result_fields``)
 
 
 # ``_step``'s results in order (a step without prompt scoring stops after the fourth; the
@@ -366,7 +433,7 @@ class ModelRunner:
         # Multi-host serve: the leader ships each plan to the followers before running it, so
         # every process enters the step's collectives (serving/engine/multihost.py).
         self.on_execute: Callable[[StepPlan], None] | None = None
-        self._no_prev: jax.Array | None = None  # i32[max_num_seqs] zeros: no previous tokens
+        self._no_prev: jax.Array | None = None  # i32[max_num_seqs + 1] zeros: no previous tokens
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> i32[rows, ceil(V / 32)] of -1
         # Background warm-up: bucket -> its compile (None -> the closing log line).
         self._warming: dict[StepShape | None, Future] = {}
@@ -577,24 +644,30 @@ class ModelRunner:
         for row, init in plan.sampling.table_inits.items():
             values = table_row_values(init, self.cfg.vocab_size)
             self.tables = set_table_row(self.tables, np.int32(row), values)
-        self.caches, self.tables, self.mtp_caches, out, tokens, drafts = self._run(
+        self.caches, self.tables, self.mtp_caches, results, tokens, drafts = self._run(
             plan.shape, self.step_args(plan, from_prev, prev)
         )
-        # Copied to the host: the tokens, and what some row of the plan asked for.
+        # Unpacked on the host: the tokens, and what some row of the plan asked for.
         names = _RESULT_NAMES[:1]
         if (plan.sampling.logprobs >= 0).any():
             names += _RESULT_NAMES[1:4]
         if plan.num_prompt_logprobs:
             names += _RESULT_NAMES[4:8]
-        kept = tuple(out[_RESULT_NAMES.index(n)] for n in names)
-        if drafts is not None:
-            kept, names = kept + (drafts,), names + ("draft_tokens",)
-        return InFlightStep(kept, tokens, names)
+        shape = plan.shape
+        p = 0 if shape.decode_only else plan.prompt_lp_targets.shape[0]
+        k = min(MAX_LOGPROBS, self.cfg.vocab_size)
+        fields = tuple(result_fields(shape.num_seqs, plan.draft_ids.shape[1], p, k))
+        out = (results,) if drafts is None else (results, drafts)
+        return InFlightStep(out, tokens, names, fields)
 
     @staticmethod
     def fetch(step: InFlightStep) -> StepResult:
         """Waits for ``step`` and copies its results to the host."""
-        return StepResult(**dict(zip(step.names, _fetch(step.out), strict=True)))
+        got = _fetch(step.out)
+        fields = unpack_results(got[0], list(step.fields), step.names)
+        if len(got) > 1:
+            fields["draft_tokens"] = got[1]
+        return StepResult(**fields)
 
     def step_args(
         self,
@@ -626,7 +699,7 @@ class ModelRunner:
             # Committed to the device, as a step's tokens are: else a bucket warmed up with
             # these compiles again at its first step fed by the step before.
             if self._no_prev is None:
-                zeros = np.zeros(r, np.int32)
+                zeros = np.zeros(r + 1, np.int32)  # and the guard word
                 self._no_prev = (
                     replicate_tree(zeros, self.sharding.mesh)
                     if self.sharding is not None

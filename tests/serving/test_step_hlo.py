@@ -142,3 +142,42 @@ def test_gpu_step_has_no_loop(gpu_runner, decode_only):
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text  # the kernels are there
     assert text.count("stablehlo.while") == 0
+
+
+def _main_arg_uses(text: str) -> tuple[list[tuple[str, str]], dict[str, list[str]]]:
+    """The StableHLO module's ``main``: its arguments in order (name, tensor type), and the
+    lines that use each."""
+    start = text.index("func.func public @main(")
+    end = text.find("\n  func.func", start + 1)
+    main = text[start : end if end > 0 else len(text)]
+    header, body = main.split("\n", 1)
+    args = re.findall(r"(%arg\d+): tensor<([^>]*)>", header)
+    lines = body.splitlines()
+    uses = {a: [ln.strip() for ln in lines if re.search(rf"{a}\b", ln)] for a, _ in args}
+    return args, uses
+
+
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decode", "mixed"])
+def test_gpu_step_results_go_into_buffers_made_first(gpu_runner, decode_only):
+    """On NVIDIA the step's results (the packed results, the next step's tokens) are written
+    in place into buffers the step's first kernel makes (the one that reads the plan), so
+    they are live for the whole step: a buffer made last is where XLA also put dozens of the
+    step's small temporaries, and under async scheduling it moves every step, which makes
+    XLA re-record every CUDA-graph node that touches it."""
+    shape = next(s for s in gpu_runner.sched_cfg.step_shapes() if s.decode_only == decode_only)
+    args = gpu_runner.step_args(StepPlan.empty(shape))
+    text = _step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    main_args, uses = _main_arg_uses(text)
+    (buf, buf_type), _, _ = main_args[-3:]  # _step's plan, previous tokens, token mask
+    assert buf_type == f"{args[-3].shape[0]}xi32"
+    (first,) = uses[buf]  # the plan is read once: by the kernel that makes the buffers
+    made = re.match(r"(%\d+):3 = stablehlo\.custom_call @__gpu\$xla\.gpu\.triton\(" + buf, first)
+    assert made, first
+    start = text.index("func.func public @main(")
+    end = text.find("\n  func.func", start + 1)
+    main = text[start : end if end > 0 else len(text)]
+    returned = re.findall(r"^\s*return (%[^:]*) :", main, re.M)[-1].split(", ")
+    results, next_tokens = returned[-2:]  # no MTP drafts: the last two outputs
+    for value, index in ((results, 1), (next_tokens, 2)):
+        line = re.search(rf"{value} = (.*)", main).group(1)
+        assert line.startswith(f"stablehlo.dynamic_update_slice {made.group(1)}#{index},"), line
