@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh OUT_DIR SECTION [SECTION ...]
 #
 # Sections run one after another, each alone on the machine (a one-card section on card 0,
-# a multi-card one (tp48, tp48c64) on every card): a section beside another shares the host's
+# a multi-card one (tp48, tp48c64, cbuftp) on every card): a section beside another shares the host's
 # CPUs, and the engine's step is host-sensitive (2026-11-28: a 64-row decode step measured
 # 8.7 ms beside a compile on the other card, 5.9 under cProfile alone). SUITE_PARALLEL=1
 # runs the one-card sections as many at once as there are cards (CUDA_VISIBLE_DEVICES=0,
@@ -32,6 +32,8 @@
 #   q24       benchmarks.serving_throughput: 80B, 24 layers, one card, c8, an 8-step profile
 #   cbuf      benchmarks.cmdbuf_updates: XLA's CUDA-graph updates a step (which allocations
 #             move between launches, kernels re-recorded, their host time), sync and async
+#   cbuftp    the same at TP 2 on two cards, async (the graphs between the all-reduces; with
+#             --xla_gpu_enable_command_buffer=+COLLECTIVES in a flag set, the all-reduces inside)
 #   cbufskip  the same, async, with --xla_gpu_command_buffer_update_mode=SKIP_TEMP
 #   bufdump   XLA's buffer assignment of the cbuf workload's steps (which temporaries share the
 #             result buffers), under bufdump/
@@ -94,6 +96,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         bufdump) echo "python -m benchmarks.serving_throughput $cb --output-len 48 --scheduling async --out $j" ;;
         launch) echo "python -m benchmarks.launch_overhead --out $j" ;;
         cbuf) echo "python -m benchmarks.cmdbuf_updates --max-seconds $((budget - 10)) --log $scratch/cbuf_child.log --out $j -- $cb --scheduling sync async" ;;
+        cbuftp) echo "python -m benchmarks.cmdbuf_updates --max-seconds $((budget - 10)) --log $scratch/cbuftp_child.log --out $j -- $cb --tp 2 --scheduling async" ;;
         cbufskip) echo "python -m benchmarks.cmdbuf_updates --max-seconds $((budget - 10)) --log $scratch/cbufskip_child.log --out $j -- $cb --cache-gib 60 --scheduling async" ;;
         q24) echo "python -m benchmarks.serving_throughput --model qwen3-next-80b --layers 24 --concurrency 8 --min-seq-bucket 8 --profile-steps 8 --max-seconds $((budget - 20)) --out $j" ;;
         http | httpsplit)
@@ -118,6 +121,7 @@ run() {  # section[%set][@tree] visible-devices
     budget=$left
     cmd=$(command_of "$name") || { echo "$name: unknown section"; return; }
     cmd=${cmd//$scratch\/$name.json/$scratch\/$tag.json}
+    cmd=${cmd//$scratch\/${name}_child.log/$scratch\/${tag}_child.log}
     [ "${name#http}" = "$name" ] || python -m benchmarks.full_size --write-config "$scratch/bench8" --model bench > /dev/null
     # XLA flags (several, so not through $cmd's word splitting): SUITE_XLA_FLAGS for every
     # section, and hlo's and bufdump's dumps, cbufskip's update mode
@@ -141,12 +145,12 @@ for ((c = 0; c < cards; c++)); do free+=("$c"); done
 pids=()
 for name in "$@"; do
     if [ "${SUITE_PARALLEL:-0}" != 1 ]; then  # one section at a time, alone on the machine
-        case $name in tp48*) run "$name" "$all" ;; *) run "$name" 0 ;; esac
+        case $name in tp48* | cbuftp*) run "$name" "$all" ;; *) run "$name" 0 ;; esac
         pack
         continue
     fi
     case $name in
-        tp48*)  # every card: wait for the one-card sections first
+        tp48* | cbuftp*)  # every card: wait for the one-card sections first
             wait
             pids=()
             free=()
