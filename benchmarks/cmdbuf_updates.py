@@ -39,6 +39,7 @@ UPDATE = re.compile(r"num_commands=(\d+); updated_allocs=(\d+)")
 THUNK_TIME = re.compile(r"Updated command buffer in (\d+) \S+; num_commands=(\d+)")
 EXECUTOR = re.compile(r"Updated (\d+) commands in (\d+) \S+ \(skipped (\d+) command updates\)")
 EXECUTE = re.compile(r"Execute command buffer.*num_executions=(\d+)")
+DEVICE = re.compile(r"\] \[(\d+)\] ")  # the thunk's lines name the device ordinal
 
 
 def summarize(lines: list[str], steps: int | None) -> dict:
@@ -65,6 +66,22 @@ def summarize(lines: list[str], steps: int | None) -> dict:
         for k in ("graph_launches", "graph_updates", "update_us_total", "kernels_updated",
                   "kernels_skipped", "commands_in_updated_graphs"):  # fmt: skip
             out[k.removesuffix("_total") + "_per_step"] = round(out[k] / steps, 2)
+    # per device (each has its own launch thread under tensor parallelism; the slowest one
+    # paces the step): its re-recordings and their host time
+    by_device: dict[str, dict] = {}
+    for ln in lines:
+        if not (d := DEVICE.search(ln)):
+            continue
+        dev = by_device.setdefault(d.group(1), {"graph_updates": 0, "update_us": 0})
+        if UPDATE.search(ln):
+            dev["graph_updates"] += 1
+        elif m := THUNK_TIME.search(ln):
+            dev["update_us"] += int(m.group(1))
+    if steps:
+        for dev in by_device.values():
+            dev["graph_updates_per_step"] = round(dev["graph_updates"] / steps, 2)
+            dev["update_us_per_step"] = round(dev["update_us"] / steps, 2)
+    out["by_device"] = dict(sorted(by_device.items()))
     return out
 
 
