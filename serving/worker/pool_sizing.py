@@ -132,6 +132,15 @@ def default_cache_bytes(
         stats = device.memory_stats() if device.platform != "cpu" else None
         if stats and "bytes_limit" in stats:
             free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+        elif device.platform != "cpu":
+            # e.g. XLA's VMM allocator (which --xla_gpu_command_buffer_update_mode=SKIP_TEMP
+            # switches to) reports no limit: the pools then get the small CPU-style size below
+            log.warning(
+                "%s reports no memory limit (its allocator's stats: %s): the KV and state pools "
+                "are sized for the running sequences only, with little room for cached "
+                "prefixes; set the pools' size with --cache-bytes",
+                device, sorted(stats or ()),
+            )  # fmt: skip
     if free:
         return int(min(free) * 0.9) - reserved
     # CPU: every sequence at full length plus 25 % for cached prefixes, the running slots, and

@@ -104,6 +104,28 @@ def test_accelerator_default_leaves_the_sampler_token_tables_free(monkeypatch):
     assert seen["reserved"] == token_table_bytes(SCHED.max_num_seqs, CFG.vocab_size)
 
 
+def test_an_accelerator_without_a_memory_limit_is_named(caplog):
+    """XLA's VMM allocator (the command-buffer update modes) reports no ``bytes_limit``: the
+    pools fall back to the CPU-style size, and the log says so and names the flag."""
+    from serving.worker import pool_sizing
+
+    class Device:
+        platform = "gpu"
+
+        def memory_stats(self):
+            return {"bytes_in_use": 5}
+
+        def __str__(self):
+            return "cuda:0"
+
+    with caplog.at_level("WARNING", logger=pool_sizing.__name__):
+        got = pool_sizing.default_cache_bytes(SCHED, 1, 1, None, [Device()])
+    assert got > 0
+    (record,) = [r for r in caplog.records if "no memory limit" in r.getMessage()]
+    assert "cuda:0" in record.getMessage() and "--cache-bytes" in record.getMessage()
+    assert "bytes_in_use" in record.getMessage()
+
+
 def test_a_model_without_attention_layers_is_named():
     """A linear-attention-only model (the 80B's first layer alone) has no KV block to size:
     a clear error, not a division by zero."""
