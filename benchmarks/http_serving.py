@@ -392,7 +392,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     if args.split_cpus:
         if args.server_cpus or args.client_cpus:
             p.error("--split-cpus replaces --server-cpus and --client-cpus")
-        split = split_cores(core_groups())
+        try:
+            split = split_cores(core_groups())
+        except ValueError as e:
+            p.error(str(e))
         args.server_cpus, args.client_cpus = (",".join(map(str, sorted(c))) for c in split)
     budget = args.max_num_batched_tokens
     kwargs = engine_kwargs(args, warmup=False, progress=False)
