@@ -50,8 +50,9 @@
 #             may run on the siblings of the engine's cores)
 #
 # SUITE_XLA_FLAGS: XLA flags for every section (XLA_FLAGS). NAME%SET runs section NAME with
-# the XLA flags in $SUITE_FLAGS_SET besides them: an A/B of a flag in one call, e.g.
-# SUITE_FLAGS_sep=--xla_gpu_temp_buffer_use_separate_color=true ... q24 q24%sep q24.
+# the XLA flags in $SUITE_FLAGS_SET besides them, and $SUITE_ARGS_SET appended to its command:
+# an A/B of a flag in one call, e.g. SUITE_FLAGS_sep=--xla_gpu_temp_buffer_use_separate_color=true
+# ... q24 q24%sep q24 (a benchmark's own arguments: after cmdbuf's "--", serving_throughput's).
 #
 # NAME@DIR runs section NAME from the tree in DIR (a worktree of another commit, e.g.
 # q24@.ab/off q24@.ab/on q24@.ab/off2: an A/B in one call, the baseline before and after).
@@ -112,8 +113,8 @@ pack() { tar czf "$out/suite.tgz" -C "$scratch" . ; }
 run() {  # section[%set][@tree] visible-devices
     local spec=${1%%@*} tree=. devices=$2 cmd t0 tag=$1 fset=
     [ "$1" = "$spec" ] || tree=${1#*@}
-    local name=${spec%%%*}
-    [ "$spec" = "$name" ] || fset=SUITE_FLAGS_${spec#*%}
+    local name=${spec%%%*} fargs=
+    [ "$spec" = "$name" ] || { fset=SUITE_FLAGS_${spec#*%}; fargs=SUITE_ARGS_${spec#*%}; }
     tag=${tag//[\/.%]/_}
     t0=$(date +%s)
     local left=$(( deadline - (t0 - start) ))
@@ -123,6 +124,7 @@ run() {  # section[%set][@tree] visible-devices
     cmd=$(command_of "$name") || { echo "$name: unknown section"; return; }
     cmd=${cmd//$scratch\/$name.json/$scratch\/$tag.json}
     cmd=${cmd//$scratch\/${name}_child.log/$scratch\/${tag}_child.log}
+    [ -z "$fargs" ] || cmd="$cmd ${!fargs:-}"
     [ "${name#http}" = "$name" ] || python -m benchmarks.full_size --write-config "$scratch/bench8" --model bench > /dev/null
     # XLA flags (several, so not through $cmd's word splitting): SUITE_XLA_FLAGS for every
     # section, and hlo's and bufdump's dumps, cbufskip's update mode
