@@ -336,6 +336,25 @@ def write(results: dict, path: str | None) -> None:
             json.dump(results, f, indent=1)
 
 
+def wait_all_shards() -> None:
+    """``--wait-all-shards``: the runner's ``fetch`` also waits for every device's shard of a
+    step's results (it reads one device's), so they are freed at once when the step is
+    dropped. An experiment for TP: XLA re-records the second card's CUDA graphs every other
+    step because its temp buffer alternates between two addresses (BENCHMARKS.md); one
+    suspect is a deferred free of the last step's unread shards on that card interleaving
+    with its next allocations."""
+    from serving.worker.runner import ModelRunner
+
+    fetch = ModelRunner.fetch
+
+    def fetch_all(step):
+        got = fetch(step)
+        jax.block_until_ready(step.out)
+        return got
+
+    ModelRunner.fetch = staticmethod(fetch_all)
+
+
 def main() -> None:
     start = time.perf_counter()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -351,8 +370,15 @@ def main() -> None:
         help="run each concurrency once per mode, in this order (an A/B on one machine); "
         "default: once, as --[no-]async-scheduling says",
     )  # fmt: skip
+    p.add_argument(
+        "--wait-all-shards", action="store_true",
+        help="an experiment: the runner also waits for every device's shard of a step's "
+        "results before dropping them (wait_all_shards)",
+    )  # fmt: skip
     args = p.parse_args()
     deadline = start + args.max_seconds
+    if args.wait_all_shards:
+        wait_all_shards()
     model, cfg, info = build_for_engine(args, dtype=args.dtype)
     print(f"build: {info['build_s']} s, {info['param_gb_per_device']} GB of parameters per "
           "device", flush=True)  # fmt: skip
@@ -366,6 +392,7 @@ def main() -> None:
             "output_len": args.output_len,
             "ignore_eos": True,
             "num_prompts": args.num_prompts,
+            "wait_all_shards": args.wait_all_shards,
         },  # fmt: skip
         "runs": [],
         "partial": False,
