@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common.slots import StateSlots
+from pallas_kernels.common.slots import ROUND_EVERY, StateSlots
 
 
 def token_seq_ids(
@@ -85,3 +87,50 @@ def write_decode_states(
     idx = jnp.concatenate([ckpt_idx.reshape(-1), write_index(slots.dst_slot, live, num_slots)])
     vals = jnp.concatenate([jnp.repeat(new, m, axis=0), new]).astype(pool.dtype)
     return pool.at[idx].set(vals, mode="drop")
+
+
+def ragged_state_scan(
+    step: Callable[..., tuple[jax.Array, jax.Array]],
+    xs: tuple[jax.Array, ...],  # each [T, ...]: the step's per-token inputs
+    state: jax.Array,  # f32 | bf16[num_slots, ...]  the pool
+    query_start_loc: jax.Array,  # i32[S + 1]
+    slots: StateSlots,
+) -> tuple[jax.Array, jax.Array]:
+    """A recurrence run token by token over a flat ragged batch: the delta-rule references'
+    prefill (``step(cur, *x[t]) -> (cur, o)`` on a float32 state).
+
+    Each sequence starts from its ``src_slot`` (slot 0: zeros), writes its state at every
+    checkpoint offset and its last token's to ``dst_slot``; a bf16 pool's state is rounded to
+    bf16 every ``ROUND_EVERY`` tokens, as the chunked kernels carry it. Returns ``(o [T, ...]
+    float32, zeros for padding tokens; the pool)``."""
+    num_tokens = xs[0].shape[0]
+    num_slots = state.shape[0]
+    seq_id, local, live = token_seq_ids(query_start_loc, slots.num_seqs, num_tokens)
+    # [S, ...] f32, read before any write; the pool may be bf16 (--state-dtype)
+    init = read_slots(state, slots.src_slot).astype(jnp.float32)
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    row_live = jnp.arange(slots.num_rows) < slots.num_seqs
+
+    def body(carry, t):
+        cur, pool = carry
+        s, i = seq_id[t], local[t]
+        cur = jnp.where(i == 0, init[s], cur)
+        cur, o = step(cur, *(x[t] for x in xs))
+        ok = live[t] & row_live[s]
+        n = i + 1  # tokens of this sequence consumed so far
+        if state.dtype != jnp.float32:  # the carried state too, every ROUND_EVERY tokens
+            rounded = cur.astype(state.dtype).astype(jnp.float32)
+            cur = jnp.where(n % ROUND_EVERY == 0, rounded, cur)
+        idx = jnp.concatenate(
+            [
+                write_index(slots.ckpt_slots[s], ok & (slots.ckpt_offsets[s] == n), num_slots),
+                write_index(slots.dst_slot[s][None], ok & (n == q_len[s])[None], num_slots),
+            ]
+        )
+        vals = jnp.broadcast_to(cur, (idx.shape[0],) + cur.shape).astype(pool.dtype)
+        pool = pool.at[idx].set(vals, mode="drop")
+        return (cur, pool), jnp.where(live[t], o, 0.0)
+
+    cur0 = jnp.zeros(state.shape[1:], jnp.float32)
+    (_, state), o = jax.lax.scan(body, (cur0, state), jnp.arange(num_tokens))
+    return o, state

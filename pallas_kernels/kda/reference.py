@@ -29,13 +29,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common.ragged import (
-    read_slots,
-    token_seq_ids,
-    write_decode_states,
-    write_index,
-)
-from pallas_kernels.common.slots import ROUND_EVERY, StateSlots, check_state_dtype
+from pallas_kernels.common.ragged import ragged_state_scan, read_slots, write_decode_states
+from pallas_kernels.common.slots import StateSlots, check_state_dtype
 
 # IEEE float32 on every platform (no TF32 on NVIDIA): the recurrent state accumulates it.
 EXACT = jax.lax.Precision.HIGHEST
@@ -119,37 +114,8 @@ def kda_prefill_reference(
 ) -> tuple[jax.Array, jax.Array]:
     """Ragged prefill (any mix of lengths). Returns ``(o [T, H, Dv] in v.dtype, state)``."""
     check_kda_args(q, k, v, g, b, A_log, dt_bias, state, slots, query_start_loc)
-    num_tokens = q.shape[0]
-    num_slots = state.shape[0]
-    seq_id, local, live = token_seq_ids(query_start_loc, slots.num_seqs, num_tokens)
     q32, k32, v32, decay, beta = _prepare(q, k, v, g, b, A_log, dt_bias)
-    # [S, H, Dv, Dk] f32, read before any write; the pool may be bf16 (--state-dtype)
-    init = read_slots(state, slots.src_slot).astype(jnp.float32)
-    q_len = query_start_loc[1:] - query_start_loc[:-1]
-    row_live = jnp.arange(slots.num_rows) < slots.num_seqs
-
-    def body(carry, t):
-        cur, pool = carry
-        s, i = seq_id[t], local[t]
-        cur = jnp.where(i == 0, init[s], cur)
-        cur, o = _step(cur, q32[t], k32[t], v32[t], decay[t], beta[t])
-        ok = live[t] & row_live[s]
-        n = i + 1  # tokens of this sequence consumed so far
-        if state.dtype != jnp.float32:  # the carried state too, every ROUND_EVERY tokens
-            rounded = cur.astype(state.dtype).astype(jnp.float32)
-            cur = jnp.where(n % ROUND_EVERY == 0, rounded, cur)
-        idx = jnp.concatenate(
-            [
-                write_index(slots.ckpt_slots[s], ok & (slots.ckpt_offsets[s] == n), num_slots),
-                write_index(slots.dst_slot[s][None], ok & (n == q_len[s])[None], num_slots),
-            ]
-        )
-        vals = jnp.broadcast_to(cur, (idx.shape[0],) + cur.shape).astype(pool.dtype)
-        pool = pool.at[idx].set(vals, mode="drop")
-        return (cur, pool), jnp.where(live[t], o, 0.0)
-
-    cur0 = jnp.zeros(state.shape[1:], jnp.float32)
-    (_, state), o = jax.lax.scan(body, (cur0, state), jnp.arange(num_tokens))
+    o, state = ragged_state_scan(_step, (q32, k32, v32, decay, beta), state, query_start_loc, slots)
     return o.astype(v.dtype), state
 
 
