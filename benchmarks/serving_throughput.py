@@ -336,6 +336,18 @@ def write(results: dict, path: str | None) -> None:
             json.dump(results, f, indent=1)
 
 
+def floor_fields(floor_bytes: dict, tp: int, bandwidth: float, itl_ms: dict | None) -> dict:
+    """A run's decode byte floor a card (``step_profile.decode_floor_bytes`` of the whole step,
+    split evenly over the ``tp`` cards: every large array of the step is sharded over them) at
+    the copy ``bandwidth`` (bytes a second), and the run's ITL p50 over it."""
+    per_card = floor_bytes["total"] / tp
+    floor_ms = 1e3 * per_card / bandwidth
+    out = {"floor_gb_per_card": round(per_card / 1e9, 2), "floor_ms_per_card": round(floor_ms, 3)}
+    if itl_ms and itl_ms.get("p50"):
+        out["itl_p50_over_floor"] = round(itl_ms["p50"] / floor_ms, 2)
+    return out
+
+
 def wait_all_shards() -> None:
     """``--wait-all-shards``: the runner's ``fetch`` also waits for every device's shard of a
     step's results (it reads one device's), so they are freed at once when the step is
@@ -382,6 +394,13 @@ def main() -> None:
     model, cfg, info = build_for_engine(args, dtype=args.dtype)
     print(f"build: {info['build_s']} s, {info['param_gb_per_device']} GB of parameters per "
           "device", flush=True)  # fmt: skip
+    # The copy bandwidth for each run's byte floor (Qwen3-Next-shaped models on a GPU), timed
+    # before any engine takes the memory for its pools (it copies 1 GiB).
+    bandwidth = None
+    if jax.devices()[0].platform == "gpu" and hasattr(cfg, "linear_num_value_heads"):
+        from benchmarks.step_profile import copy_bandwidth
+
+        bandwidth = copy_bandwidth()
     results = {
         "device": device_name(),
         "num_devices": jax.device_count(),
@@ -397,6 +416,8 @@ def main() -> None:
         "runs": [],
         "partial": False,
     }
+    if bandwidth:
+        results["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     write(results, args.out)
     # --scheduling sync async: both engines per concurrency, one after the other on this
     # machine (the second compiles little: the step's executables are shared in-process)
@@ -408,6 +429,11 @@ def main() -> None:
                 break
             args.async_scheduling = mode
             r = run_one(model, cfg, args, c, deadline)
+            if bandwidth:  # the decode steps' mean context: the prompt and half the output
+                from benchmarks.step_profile import decode_floor_bytes
+
+                floor = decode_floor_bytes(model, cfg, c, args.input_len + args.output_len // 2)
+                r |= floor_fields(floor, args.tp, bandwidth, r.get("itl_ms"))
             print(json.dumps(r), flush=True)
             results["runs"].append(r)
             results["partial"] |= bool(r.get("partial"))
