@@ -279,7 +279,6 @@ def profile_decode(engine: LLMEngine, model, cfg, args, concurrency: int) -> dic
     import tempfile
 
     from benchmarks.step_profile import (
-        copy_bandwidth,
         decode_floor_bytes,
         device_events,
         step_thunks,
@@ -320,12 +319,12 @@ def profile_decode(engine: LLMEngine, model, cfg, args, concurrency: int) -> dic
     res["wall_ms_per_step_traced"] = round(1e3 * seconds / n, 2)
     res["device_ms_per_step"] = round(res["device_busy_us"] / 1e3 / n, 3)
     res["kernels_per_step"] = round(res["kernels"] / n, 1)
-    if hasattr(cfg, "linear_num_value_heads") and args.tp == 1:
-        bandwidth = copy_bandwidth()
+    if args.copy_bandwidth:  # timed by main() before any pool; the floor a card
         floor = decode_floor_bytes(model, cfg, concurrency, args.input_len + n)
-        res["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
         res["floor_bytes"] = floor
-        res["floor_ms"] = round(1e3 * floor["total"] / bandwidth, 3)
+        res["floor_ms"] = floor_fields(floor, args.tp, args.copy_bandwidth, None)[
+            "floor_ms_per_card"
+        ]
         res["device_over_floor"] = round(res["device_ms_per_step"] / res["floor_ms"], 2)
     return res
 
@@ -396,11 +395,11 @@ def main() -> None:
           "device", flush=True)  # fmt: skip
     # The copy bandwidth for each run's byte floor (Qwen3-Next-shaped models on a GPU), timed
     # before any engine takes the memory for its pools (it copies 1 GiB).
-    bandwidth = None
+    bandwidth = args.copy_bandwidth = None
     if jax.devices()[0].platform == "gpu" and hasattr(cfg, "linear_num_value_heads"):
         from benchmarks.step_profile import copy_bandwidth
 
-        bandwidth = copy_bandwidth()
+        bandwidth = args.copy_bandwidth = copy_bandwidth()
     results = {
         "device": device_name(),
         "num_devices": jax.device_count(),

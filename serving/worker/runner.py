@@ -140,9 +140,9 @@ def _step_body(
     # benchmarks.cmdbuf_updates). Made first, they are live for the whole step and hold
     # nothing else; each has a word more than it is written, so XLA cannot replace the
     # in-place update with a new buffer.
-    s_rows = dict((name, shape) for name, _, shape in layout)["seq_lens"][0]
-    num_spec = dict((name, shape) for name, _, shape in layout)["draft_ids"][1]
-    p_rows = 0 if decode_only else dict((n, sh) for n, _, sh in layout)["prompt_lp_targets"][0]
+    shapes = {name: shape for name, _, shape in layout}
+    s_rows, num_spec = shapes["seq_lens"][0], shapes["draft_ids"][1]
+    p_rows = 0 if decode_only else shapes["prompt_lp_targets"][0]
     (r,) = prev.shape
     r -= 1  # the guard word
     words = result_words(s_rows, num_spec, p_rows, MAX_LOGPROBS)
@@ -259,7 +259,8 @@ def _as_words(x: jax.Array) -> jax.Array:
     return x.reshape(-1)
 
 
-def result_fields(s: int, num_spec: int, p: int, k: int) -> list[tuple[str, np.dtype, tuple]]:
+@functools.cache  # one per bucket: asked again at every step's submit
+def result_fields(s: int, num_spec: int, p: int, k: int) -> tuple[tuple[str, np.dtype, tuple], ...]:
     """The ``StepResult`` fields packed, in order, into a step's results buffer: ``s`` rows,
     ``num_spec`` drafts a verify row (0: none), ``p`` scored prompt positions, ``k`` top
     logprobs (float32 fields travel as their bits)."""
@@ -277,14 +278,14 @@ def result_fields(s: int, num_spec: int, p: int, k: int) -> list[tuple[str, np.d
             ("prompt_top_ids", i32, (p, k)),
             ("prompt_top_logprobs", f32, (p, k)),
         ]
-    return fields
+    return tuple(fields)
 
 
 def result_words(s: int, num_spec: int, p: int, k: int) -> int:
     return sum(math.prod(shape) for _, _, shape in result_fields(s, num_spec, p, k))
 
 
-def unpack_results(words: np.ndarray, fields: list, names: tuple[str, ...]) -> dict:
+def unpack_results(words: np.ndarray, fields: tuple, names: tuple[str, ...]) -> dict:
     """The named fields of a fetched results buffer (``result_fields``' layout)."""
     out, offset = {}, 0
     for name, dtype, shape in fields:
@@ -656,7 +657,7 @@ class ModelRunner:
         shape = plan.shape
         p = 0 if shape.decode_only else plan.prompt_lp_targets.shape[0]
         k = min(MAX_LOGPROBS, self.cfg.vocab_size)
-        fields = tuple(result_fields(shape.num_seqs, plan.draft_ids.shape[1], p, k))
+        fields = result_fields(shape.num_seqs, plan.draft_ids.shape[1], p, k)
         out = (results,) if drafts is None else (results, drafts)
         return InFlightStep(out, tokens, names, fields)
 
@@ -664,7 +665,7 @@ class ModelRunner:
     def fetch(step: InFlightStep) -> StepResult:
         """Waits for ``step`` and copies its results to the host."""
         got = _fetch(step.out)
-        fields = unpack_results(got[0], list(step.fields), step.names)
+        fields = unpack_results(got[0], step.fields, step.names)
         if len(got) > 1:
             fields["draft_tokens"] = got[1]
         return StepResult(**fields)
