@@ -153,11 +153,63 @@ def time_prefill(batch, seq_len, channels, *, reference: bool, ckpt_every: int, 
     return out
 
 
-SWEEP = [  # (block_t, block_c, num_warps, num_stages); 16-byte loads need BC = 256 x warps
-    (16, 256, 2, 1), (16, 512, 2, 1), (8, 256, 2, 1), (32, 256, 2, 1), (8, 512, 2, 1),
-    (16, 128, 1, 1), (8, 128, 1, 1), (32, 128, 1, 1), (16, 256, 1, 1), (8, 1024, 4, 1),
-    (16, 256, 2, 2), (16, 512, 4, 1),
+# (taps, block_t, block_c, num_warps, num_stages); "rows": 16-byte loads need BC = 256 x warps
+SWEEP = [
+    ("rows", 16, 256, 2, 1), ("rows", 16, 512, 2, 1), ("rows", 8, 256, 2, 1),
+    ("rows", 8, 1024, 4, 1), ("rows", 16, 128, 1, 1),
+    ("tiles", 16, 256, 2, 1), ("tiles", 32, 256, 4, 1), ("tiles", 64, 256, 4, 1),
+    ("tiles", 64, 256, 8, 1), ("tiles", 32, 512, 4, 1), ("tiles", 32, 512, 8, 1),
+    ("tiles", 64, 128, 4, 1), ("tiles", 128, 128, 4, 1), ("tiles", 128, 256, 8, 1),
+    ("tiles", 32, 128, 2, 1), ("tiles", 64, 512, 8, 1), ("tiles", 16, 512, 4, 1),
 ]  # fmt: skip
+# The same bytes through the simplest kernels: y = silu(x) tile by tile in Pallas (the
+# Triton lowering's ceiling for one read and one write of [T, C] at that tiling), and XLA's.
+CEILING = [(16, 256, 2), (32, 256, 4), (64, 256, 4), (64, 256, 8), (128, 128, 4)]
+
+
+def silu_pallas(x, *, block_t: int, block_c: int, num_warps: int):
+    """``silu(x)`` for ``[T, C]`` in ``[block_t, block_c]`` tiles (T and C divisible)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltr
+
+    def kernel(x_ref, y_ref):
+        v = x_ref[...].astype(jnp.float32)
+        y_ref[...] = (v * jax.nn.sigmoid(v)).astype(y_ref.dtype)
+
+    spec = pl.BlockSpec((block_t, block_c), lambda i, j: (i, j))
+    return pl.pallas_call(
+        kernel,
+        grid=(x.shape[0] // block_t, x.shape[1] // block_c),
+        in_specs=[spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=INTERPRET,
+        name="silu_ceiling",
+    )(x)
+
+
+def time_ceiling(batch, seq_len, channels, *, bw, tiles=None) -> dict:
+    """One read and one write of the conv's ``x``: Pallas ``silu`` at ``tiles`` (block_t,
+    block_c, num_warps), or XLA's ``silu`` with ``tiles=None``."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (batch * seq_len, channels), DTYPE)
+    if tiles is None:
+        fn = jax.nn.silu
+    else:
+        bt, bc, nw = tiles
+        fn = functools.partial(silu_pallas, block_t=bt, block_c=bc, num_warps=nw)
+
+    def step(x):
+        y = fn(x)
+        return y, y[:1, :1]
+
+    iters, repeats = (1, 1) if INTERPRET else (20, 5)
+    t = time_stateful(step, x, (), iters=iters, repeats=repeats)
+    moved = 2 * x.nbytes
+    out = {"bytes_moved_MB": moved / 1e6, "us": 1e6 * t, "GBps": moved / t / 1e9}
+    if bw:
+        out["pct_of_copy_bw"] = 100 * moved / t / bw
+    return out
 
 
 def main() -> None:
@@ -201,14 +253,37 @@ def main() -> None:
         )
     if args.sweep:
         b, t = shapes[0]
-        for bt, bc, nw, ns in SWEEP:
-            tiles = dict(block_t=bt, block_c=bc, num_warps=nw, num_stages=ns)
+        timed = {}
+        for taps, bt, bc, nw, ns in SWEEP:
+            tiles = dict(taps=taps, block_t=bt, block_c=bc, num_warps=nw, num_stages=ns)
+            name = f"sweep_B{b}_T{t}_{taps}_bt{bt}_bc{bc}_w{nw}_s{ns}"
             guarded(
-                f"sweep_B{b}_T{t}_bt{bt}_bc{bc}_w{nw}_s{ns}",
+                name,
                 lambda tiles=tiles: time_prefill(
                     b, t, channels, reference=False, ckpt_every=ckpt_every, bw=bw, **tiles
                 ),
             )
+            if "pallas_us" in summary[name]:
+                timed[name] = (summary[name]["pallas_us"], tiles)
+        for bt, bc, nw in CEILING:
+            guarded(
+                f"ceiling_B{b}_T{t}_silu_pallas_bt{bt}_bc{bc}_w{nw}",
+                lambda tiles=(bt, bc, nw): time_ceiling(b, t, channels, bw=bw, tiles=tiles),
+            )
+        guarded(f"ceiling_B{b}_T{t}_silu_xla", lambda: time_ceiling(b, t, channels, bw=bw))
+        # The two fastest tilings of each way of reading the taps, at every shape.
+        for taps in ("rows", "tiles"):
+            ranked = sorted(v for k, v in timed.items() if f"_{taps}_" in k)
+            for _, tiles in ranked[:2]:
+                tag = "_".join(f"{k}{v}" for k, v in tiles.items())
+                for bb, tt in shapes[1:]:
+                    guarded(
+                        f"best_B{bb}_T{tt}_{tag}",
+                        lambda bb=bb, tt=tt, tiles=tiles: time_prefill(
+                            bb, tt, channels, reference=False, ckpt_every=ckpt_every, bw=bw,
+                            **tiles,
+                        ),
+                    )  # fmt: skip
     text = json.dumps(summary, indent=2)
     print(text)
     if args.out:

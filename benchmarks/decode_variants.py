@@ -128,6 +128,18 @@ SWEEP: dict[str, list[DecodeTiling]] = {
         T("vk", 32, 4, tiles=4, prefetch=True),
         T("vk", 32, 4, reduce="dot"),
     ],
+    # The winning [V, K] tilings with the state's load and stores marked evict-first (the
+    # state is streamed once a step; the token's inputs stay in L2).
+    "gdn_ef": [
+        T("vk", 16, 1),
+        T("vk", 16, 1, evict_first=True),
+        T("vk", 8, 1, evict_first=True),
+        T("vk", 32, 4, evict_first=True),
+    ],
+    "kda_ef": [
+        T("vk", 16, 1),
+        T("vk", 16, 1, evict_first=True),
+    ],
     "kda_kv": [
         T("kv", 64, 4),
         T("kv", 32, 4),

@@ -89,6 +89,7 @@ class DecodeTiling:
     prefetch: bool = False
     reduce: str = "sum"
     fused_output: bool = True
+    evict_first: bool = False  # the state tile's load and stores marked streaming (L2)
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -104,7 +105,7 @@ class DecodeTiling:
     def name(self) -> str:
         """A readable id, e.g. ``vk_bv32_w4_s1_t1`` or ``kv_bv64_w4_s3_t4_pf_dot``."""
         extra = "_pf" * self.prefetch + f"_{self.reduce}" * (self.reduce != "sum")
-        extra += "_unfused" * (not self.fused_output)
+        extra += "_unfused" * (not self.fused_output) + "_ef" * self.evict_first
         return (
             f"{self.layout}_bv{self.block_v}_w{self.num_warps}_s{self.num_stages}"
             f"_t{self.tiles}{extra}"
@@ -124,21 +125,24 @@ def to_layout(state: jax.Array, layout: str) -> jax.Array:
 # ----------------------------------------------------------------------------- tile math
 
 
-def _load_tile(pool_in, slot, h, vs, vk: bool, enabled):
+def _load_tile(pool_in, slot, h, vs, vk: bool, enabled, evict: str | None = None):
     """The f32 state tile of ``slot``: ``[BV, Dk]`` (vk) or ``[Dk, BV]`` (kv); zeros and no
-    read where not ``enabled``."""
+    read where not ``enabled``; ``evict``: the load's L2 eviction policy."""
     dk = pool_in.shape[3] if vk else pool_in.shape[2]
     ref, shape = (
         (pool_in.at[slot, h, vs, :], (vs.size, dk))
         if vk
         else (pool_in.at[slot, h, :, vs], (dk, vs.size))
     )
-    return pltr.load(ref, mask=jnp.full(shape, enabled), other=0.0).astype(jnp.float32)
+    mask = jnp.full(shape, enabled)
+    return pltr.load(ref, mask=mask, other=0.0, eviction_policy=evict).astype(jnp.float32)
 
 
-def _store_tile(pool_out, slot, h, vs, vk: bool, s, enabled):
+def _store_tile(pool_out, slot, h, vs, vk: bool, s, enabled, evict: str | None = None):
     ref = pool_out.at[slot, h, vs, :] if vk else pool_out.at[slot, h, :, vs]
-    pltr.store(ref, s.astype(pool_out.dtype), mask=jnp.full(s.shape, enabled))
+    pltr.store(
+        ref, s.astype(pool_out.dtype), mask=jnp.full(s.shape, enabled), eviction_policy=evict
+    )
 
 
 def _along_k(x, vk: bool):
@@ -188,6 +192,7 @@ def _kernel(
     *in_refs, pool_in, o_ref, pool_out = refs
     i, h = pl.program_id(0), pl.program_id(1)
     bv, vk = tiling.block_v, tiling.layout == "vk"
+    evict = "evict_first" if tiling.evict_first else None
     dv = pool_in.shape[2] if vk else pool_in.shape[3]
     nvb = dv // bv
     token = functools.partial(inputs, *in_refs)
@@ -203,7 +208,7 @@ def _kernel(
     def load(j, enabled=True):
         r, vs, _, live = locate(j)
         src = p.src[r]
-        return _load_tile(pool_in, src, h, vs, vk, enabled & live & (src > 0))
+        return _load_tile(pool_in, src, h, vs, vk, enabled & live & (src > 0), evict)
 
     def finish(j, s):
         """Decay, update and store tile ``j`` (already loaded as ``s``)."""
@@ -213,10 +218,11 @@ def _kernel(
         o = jnp.where(live, o, 0.0).astype(o_ref.dtype)  # padding rows: zeros
         pltr.store(o_ref.at[r, h, vs], o, mask=jnp.full(o.shape, ok))
         dst = p.dst[r]
-        _store_tile(pool_out, dst, h, vs, vk, s, live & (dst > 0))
+        _store_tile(pool_out, dst, h, vs, vk, s, live & (dst > 0), evict)
         for m in range(p.ck_off.shape[1]):
             slot = p.ck_slot[r, m]
-            _store_tile(pool_out, slot, h, vs, vk, s, live & (slot > 0) & (p.ck_off[r, m] == 1))
+            ck = live & (slot > 0) & (p.ck_off[r, m] == 1)
+            _store_tile(pool_out, slot, h, vs, vk, s, ck, evict)
 
     if tiling.tiles == 1:
         finish(0, load(0))
