@@ -8,7 +8,8 @@ checkpoints, at the device's copy bandwidth. This script
    ``x * 1.0001`` on 1 GiB of float32, in a ``fori_loop``);
 2. checks the kernel (``pallas_kernels/conv1d/gpu.py``) against the reference on a ragged
    batch with in-place rows, rows shorter than the kernel width and checkpoints;
-3. times the kernel and the XLA reference (the GPU path before the kernel) in the same
+3. times the kernel, the XLA reference (the GPU path before the kernel) and the shifted-slice
+   XLA version (``pallas_kernels/conv1d/xla.py``) in the same
    process with :func:`benchmarks.common.time_stateful` (pool donated, every output consumed)
    at B=1 T=4096, B=1 T=16384 and B=8 T=4096, 8192 channels, width 4, bf16, and reports the
    bytes moved per second as a percentage of the copy bandwidth.
@@ -36,6 +37,7 @@ from benchmarks.common import device_name, time_stateful
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d import gpu
 from pallas_kernels.conv1d.reference import causal_conv1d_prefill_reference
+from pallas_kernels.conv1d.xla import causal_conv1d_prefill_shifted
 
 # Qwen3-Next-80B's GDN conv: q and k (16 heads x 128) and v (32 heads x 128), width 4.
 CHANNELS, WIDTH, DTYPE = 2 * 16 * 128 + 32 * 128, 4, jnp.bfloat16
@@ -105,8 +107,14 @@ def check(channels: int, **tiles) -> dict:
     want_y, want_s = jax.jit(causal_conv1d_prefill_reference)(*args)
     kernel = functools.partial(gpu.causal_conv1d_prefill, interpret=INTERPRET, **tiles)
     got_y, got_s = jax.jit(kernel)(*args)
+    sh_y, sh_s = jax.jit(causal_conv1d_prefill_shifted)(*args)
     got_y, want_y = np.asarray(got_y, np.float32), np.asarray(want_y, np.float32)
+    sh_y = np.asarray(sh_y, np.float32)
     return {
+        "shifted_output_max_abs_err": float(np.abs(sh_y - want_y).max()),
+        "shifted_output_bits_equal_fraction": float(np.mean(sh_y == want_y)),
+        "shifted_pool_bit_exact": bool(np.array_equal(np.asarray(sh_s, np.float32),
+                                                      np.asarray(want_s, np.float32))),
         "output_max_abs_err": float(np.abs(got_y - want_y).max()),
         "output_max_abs": float(np.abs(want_y).max()),
         "output_bits_equal_fraction": float(np.mean(got_y == want_y)),
@@ -135,6 +143,7 @@ def time_prefill(batch, seq_len, channels, *, reference: bool, ckpt_every: int, 
     fns = {"pallas": functools.partial(gpu.causal_conv1d_prefill, interpret=INTERPRET, **tiles)}
     if reference:
         fns["xla"] = causal_conv1d_prefill_reference
+        fns["xla_shifted"] = causal_conv1d_prefill_shifted
     out = {"bytes_moved_MB": moved / 1e6}
     for name, fn in fns.items():
         t = time_stateful(
@@ -150,6 +159,7 @@ def time_prefill(batch, seq_len, channels, *, reference: bool, ckpt_every: int, 
             out[f"{name}_pct_of_copy_bw"] = 100 * moved / t / bw
     if reference:
         out["speedup"] = out["xla_us"] / out["pallas_us"]
+        out["shifted_over_pallas"] = out["pallas_us"] / out["xla_shifted_us"]
     return out
 
 

@@ -18,6 +18,7 @@
 #             lax.top_k against blocked_top_k
 #   route     benchmarks.moe_kernels --route-only: the sorted route plan against the pairwise
 #   conv1d    benchmarks.conv1d_kernels --sweep
+#   conv1dq   benchmarks.conv1d_kernels: the default tiles, XLA's reference and shifted version
 #   gdn       benchmarks.gdn_kernels --sweep
 #   decode    benchmarks.decode_variants
 #   step      benchmarks.step_profile --layers 8 --decode-rows 64,256 --host-profile
@@ -88,6 +89,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         sampler) echo "python -m benchmarks.sampler_ops --out $j" ;;
         route) echo "python -m benchmarks.moe_kernels --route-only --no-torch --out $j" ;;
         conv1d) echo "python -m benchmarks.conv1d_kernels --sweep --out $j" ;;
+        conv1dq) echo "python -m benchmarks.conv1d_kernels --out $j" ;;
         gdn) echo "python -m benchmarks.gdn_kernels --sweep --out $j" ;;
         decode) echo "python -m benchmarks.decode_variants --out $j" ;;
         step) echo "python -m benchmarks.step_profile --layers 8 --decode-rows 64,256 --top 60 --host-profile --out $j" ;;
@@ -134,6 +136,7 @@ run() {  # section[%set][@tree] visible-devices
     # section, and hlo's and bufdump's dumps, cbufskip's update mode
     local xf=${SUITE_XLA_FLAGS:-}
     [ -z "$fset" ] || xf="${!fset:-} $xf"
+    xf=$(echo $xf)  # no flags: empty (XLA reads a blank XLA_FLAGS as a file name)
     [ "$name" != bufdump ] || xf="--xla_dump_to=$scratch/bufdump --xla_dump_hlo_module_re=.*jit__step.* $xf"
     [ "$name" != cbufskip ] || xf="--xla_gpu_command_buffer_update_mode=SKIP_TEMP $xf"
     [ "$name" != hlo ] || xf="--xla_dump_to=$scratch/hlo --xla_dump_hlo_module_re=.*jit__step.* --xla_dump_hlo_pass_re=^$ $xf"

@@ -77,10 +77,11 @@ from pallas_kernels.common.ragged import read_slots
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import check_conv1d_args
 
-# The sweep (benchmarks.conv1d_kernels --sweep) on an H200 at B=1 T=4096, C=8192 bf16: 256
-# channels x 16 tokens on 2 warps took 72.6 us (47 % of the copy bandwidth), 512 x 16 on 2
-# warps 115-132 us: half the registers a thread, more programs resident on an SM.
-BLOCK_T = 16
+# The sweeps (benchmarks.conv1d_kernels --sweep) on an H200, C=8192 bf16: 256 channels x 8
+# tokens on 2 warps beat 16 tokens at B=1 T=4096 / T=16384 / B=8 T=4096 (69 / 224 / 437 vs 78-89
+# / 243-254 / 462-464 us, one process, 2026-11-29); 512-channel tiles are slower (half the
+# registers a thread, more programs resident on an SM), as are the [BT, BC] tap tiles.
+BLOCK_T = 8
 BLOCK_C = 256
 SUB_C = 128  # the channels of one [BT, SUB_C] tile of the general path
 TAPS_CHOICES = ("rows", "tiles")
