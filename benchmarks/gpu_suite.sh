@@ -46,9 +46,6 @@
 #             model (80B layer shapes, 8 layers), SGLang's workload at c8 (aiperf on
 #             PYTHONPATH), the server and aiperf each on half of the CPUs, 15 s of py-spy
 #             of both engines (py-spy in .whl)
-#   httpeng   the same with hyjax serve --engine-cpus: its engine process on the server's
-#             CPUs but the last two, the HTTP process on those two (the in-process engine on
-#             the engine's CPUs)
 #   httpsplit the same with --split-cpus: the server on half of the physical cores, aiperf on
 #             the other half (SMT siblings with their core: with the CPU numbers halved, aiperf
 #             may run on the siblings of the engine's cores)
@@ -106,9 +103,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         cbuftp) echo "python -m benchmarks.cmdbuf_updates --max-seconds $((budget - 10)) --log $scratch/cbuftp_child.log --out $j -- $cb --tp 2 --scheduling async" ;;
         cbufskip) echo "python -m benchmarks.cmdbuf_updates --max-seconds $((budget - 10)) --log $scratch/cbufskip_child.log --out $j -- $cb --cache-gib 60 --scheduling async" ;;
         q24) echo "python -m benchmarks.serving_throughput --model qwen3-next-80b --layers 24 --concurrency 8 --min-seq-bucket 8 --profile-steps 8 --max-seconds $((budget - 20)) --out $j" ;;
-        http | httpsplit | httpeng)
-            [ "$1" != httpsplit ] || pin=--split-cpus
-            [ "$1" != httpeng ] || pin="$pin --engine-cpus 0-$((n / 2 - 3))"
+        http | httpsplit)
+            [ "$1" = http ] || pin=--split-cpus
             echo "python -m benchmarks.http_serving --model $scratch/bench8 --load-format dummy --dtype bfloat16 --block-size 64 --max-num-batched-tokens 2048 --input-len 1000 --output-len 2000 --concurrency 8 --num-prompts 16 --max-seconds $((budget - 20)) --artifact-dir $scratch/${1}_artifacts $pin --py-spy 15 --out $j" ;;
         *) return 1 ;;
     esac

@@ -48,7 +48,6 @@ import time
 from pathlib import Path
 
 from benchmarks.cold_start import _cpu_name, _gpu_names
-from serving.engine.cpus import pin_process, split_engine_cpus
 from serving.engine.engine_args import EngineArgs, add_engine_args, engine_kwargs, flag_fields
 from tests.serving.server_helpers import free_port, request
 
@@ -119,16 +118,13 @@ def _pinned(cpus: set[int] | None):
 
 
 def start_server(
-    kwargs: dict, timeout: float, log_path: Path, cpus: set[int] | None = None,
-    engine_cpus: str | None = None,
-) -> tuple[subprocess.Popen, str]:  # fmt: skip
+    kwargs: dict, timeout: float, log_path: Path, cpus: set[int] | None = None
+) -> tuple[subprocess.Popen, str]:
     """``hyjax serve`` on a free local port, every bucket compiled before it answers; returns
     the process and its URL once ``/health`` answers."""
     port = free_port()
     cmd = [sys.executable, "-m", "serving.entrypoints.cli", "serve", "--port", str(port),
            "--warmup", "all", "--quiet", *serve_flags(kwargs)]  # fmt: skip
-    if engine_cpus:
-        cmd += ["--engine-cpus", engine_cpus]
     print("server:", shlex.join(cmd[1:]), flush=True)
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_pinned(cpus))
@@ -377,13 +373,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     )
     p.add_argument("--client-cpus", default=None, help="pin aiperf to these CPUs, e.g. 8-15")
     p.add_argument(
-        "--engine-cpus",
-        default=None,
-        help="hyjax serve --engine-cpus: its engine process on these CPUs (a subset of "
-        "--server-cpus), the HTTP process on the server's others; the in-process engine run "
-        "on them too",
-    )
-    p.add_argument(
         "--split-cpus",
         action="store_true",
         help="the server on the first half of the physical cores, aiperf on the other half, "
@@ -408,12 +397,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
         except ValueError as e:
             p.error(str(e))
         args.server_cpus, args.client_cpus = (",".join(map(str, sorted(c))) for c in split)
-    if args.engine_cpus:
-        server = cpu_set(args.server_cpus) or set(os.sched_getaffinity(0))
-        try:
-            split_engine_cpus(args.engine_cpus, server)
-        except ValueError as e:
-            p.error(f"{e} (the server's CPUs)")
     budget = args.max_num_batched_tokens
     kwargs = engine_kwargs(args, warmup=False, progress=False)
     kwargs["max_num_seqs"] = args.max_num_seqs or args.concurrency
@@ -437,16 +420,14 @@ def main(argv: list[str] | None = None) -> dict:
                      "ignore_eos": True, "temperature": 0.0, "endpoint": "/v1/completions",
                      "stream": True, "warmup_requests": args.concurrency,
                      "server_cpus": args.server_cpus, "client_cpus": args.client_cpus,
-                     "engine_cpus": args.engine_cpus,
                      "physical_cores": core_groups()},
     }  # fmt: skip
     proc, url = None, args.url
     if url is None:
         t0 = time.monotonic()
         proc, url = start_server(
-            kwargs, args.server_timeout, Path(out_dir) / "server.log", cpu_set(args.server_cpus),
-            args.engine_cpus,
-        )  # fmt: skip
+            kwargs, args.server_timeout, Path(out_dir) / "server.log", cpu_set(args.server_cpus)
+        )
         results["server_start_s"] = round(time.monotonic() - t0, 1)
     try:
         status, models = request("GET", url + "/v1/models")
@@ -483,9 +464,8 @@ def main(argv: list[str] | None = None) -> dict:
     print("server:", json.dumps(results["server"]), flush=True)
     print("server's engine steps:", json.dumps(results.get("server_engine_steps")), flush=True)
     if not args.no_engine:
-        # the engine on the server's engine cores (or all of the server's)
-        if (cpus := cpu_set(args.engine_cpus or args.server_cpus)) is not None:
-            pin_process(cpus)
+        if (cpus := cpu_set(args.server_cpus)) is not None:
+            os.sched_setaffinity(0, cpus)  # the engine on the server's cores
         results["engine"] = run_engine(kwargs, sent_prompts(out_dir), args, out_dir)
         print("engine:", json.dumps(results["engine"]), flush=True)
         server_tps, engine_tps = (results[k]["output_tok_per_s"] for k in ("server", "engine"))

@@ -113,14 +113,13 @@ class EngineClient:
     ``client.attach()``; ``async for delta in client.generate(...)``; ``client.close()``.
     """
 
-    def __init__(self, engine_kwargs: dict, cpus: set[int] | None = None) -> None:
-        """``cpus``: the CPUs the engine process runs on (None: those of this process)."""
+    def __init__(self, engine_kwargs: dict) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._inbox = ctx.Queue()
         self._outbox = PipeOutbox(ctx)
         self._proc = ctx.Process(
             target=_engine_main,
-            args=(engine_kwargs, self._inbox, self._outbox, logging.getLogger().level, cpus),
+            args=(engine_kwargs, self._inbox, self._outbox, logging.getLogger().level),
             name="hyjax-engine",
             daemon=True,
         )
@@ -338,13 +337,7 @@ class EngineClient:
             self.on_dead(reason)
 
 
-def _engine_main(
-    engine_kwargs: dict, inbox, outbox, log_level: int, cpus: set[int] | None = None
-) -> None:
-    if cpus is not None:  # before jax is imported: XLA's threads start on these CPUs
-        from serving.engine.cpus import pin_process
-
-        pin_process(cpus)
+def _engine_main(engine_kwargs: dict, inbox, outbox, log_level: int) -> None:
     # Imported in the child only: serving.engine.engine_process pulls in nothing heavy itself,
     # but keeping the import here makes the parent's module graph obviously jax-free.
     from serving.engine.engine_process import engine_main

@@ -210,13 +210,6 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     background = ns.warmup == "background" and multihost is None
     lazy = ns.warmup == "none" and multihost is None  # each bucket compiles when first met
     kwargs = engine_kwargs(ns, progress=not ns.quiet, background_warmup=background, warmup=not lazy)
-    if ns.engine_cpus:
-        from serving.engine.cpus import split_engine_cpus
-
-        try:
-            engine_cpus, _ = split_engine_cpus(ns.engine_cpus)
-        except ValueError as e:
-            raise SystemExit(f"hyjax serve: {e}") from None
     if multihost is not None and multihost.process_id > 0:
         import signal
 
@@ -225,10 +218,6 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         # A Ctrl-C sent to the whole group must not kill a follower under the leader's drain;
         # the leader's shutdown message ends it (SIGTERM still does, failing the leader).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if ns.engine_cpus:  # a follower is all engine
-            from serving.engine.cpus import pin_process
-
-            pin_process(engine_cpus)
         try:
             code = run_follower(kwargs, multihost)
         except BaseException:  # noqa: BLE001  (a failed step: the job cannot go on)
@@ -266,7 +255,6 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             shutdown_timeout=ns.shutdown_timeout,
             log_level="warning" if ns.quiet else "info",
             chat_parsing=chat_parsing,
-            engine_cpus=ns.engine_cpus,
         )
     except EngineStartError as e:
         print(f"hyjax serve: the engine failed to start: {e}", file=sys.stderr)
@@ -290,12 +278,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds in-flight requests may finish before they are aborted",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar, warnings only")
-    p.add_argument(
-        "--engine-cpus",
-        default=None,
-        help="run the engine process on these CPUs (e.g. 0-5 or 0,2,4-7) and the HTTP server "
-        "on the others: the step's launch never waits for a core the streaming takes",
-    )
     p.add_argument(
         "--tool-call-parser",
         default=None,

@@ -38,7 +38,6 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyjax.tokenizer import Tokenizer, load_tokenizer
-from serving.engine.cpus import pin_process, split_engine_cpus
 from serving.engine.engine_client import EngineClient, EngineDeadError
 from serving.entrypoints.chat_output import ChatParsing
 from serving.entrypoints.http_metrics import CONTENT_TYPE, ServerMetrics
@@ -314,12 +313,9 @@ def serve(
     shutdown_timeout: float = 30.0,
     log_level: str = "info",
     chat_parsing: ChatParsing | None = None,
-    engine_cpus: str | None = None,
 ) -> int:
     """Binds the port, starts the engine process, then serves until SIGTERM/SIGINT. Returns
-    the exit code (1: the port is taken, the engine failed or died). ``engine_cpus`` (e.g.
-    ``"0-5"``): the engine process runs on these CPUs, this process on the others it may use
-    (:mod:`serving.engine.cpus`)."""
+    the exit code (1: the port is taken, the engine failed or died)."""
     model_dir = engine_kwargs["model"]
     name = served_model_name or os.path.basename(os.path.normpath(model_dir))
     tokenizer = load_tokenizer(model_dir, dummy=engine_kwargs.get("load_format") == "dummy")
@@ -328,13 +324,9 @@ def serve(
     except OSError as e:
         log.error("cannot listen on %s:%d: %s", host, port, e.strerror or e)
         return 1
-    cpus = split_engine_cpus(engine_cpus) if engine_cpus else None
-    client = EngineClient(engine_kwargs, cpus=cpus[0] if cpus else None)
+    client = EngineClient(engine_kwargs)
     try:
         info = client.start()
-        if cpus:
-            pin_process(cpus[1])
-            log.info("engine process on CPUs %s, HTTP on %s", sorted(cpus[0]), sorted(cpus[1]))
         log.info("engine ready: %s", info)
         state = ServerState(
             client,
