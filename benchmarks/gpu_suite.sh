@@ -18,7 +18,7 @@
 #             lax.top_k against blocked_top_k
 #   route     benchmarks.moe_kernels --route-only: the sorted route plan against the pairwise
 #   conv1d    benchmarks.conv1d_kernels --sweep
-#   conv1dq   benchmarks.conv1d_kernels: the default tiles, XLA's reference and shifted version
+#   conv1dq   benchmarks.conv1d_kernels: the default tiles against XLA's reference, no sweep
 #   gdn       benchmarks.gdn_kernels --sweep
 #   decode    benchmarks.decode_variants
 #   step      benchmarks.step_profile --layers 8 --decode-rows 64,256 --host-profile
@@ -118,6 +118,8 @@ run() {  # section[%set][@tree] visible-devices
     local name=${spec%%%*} fargs=
     [ "$spec" = "$name" ] || { fset=SUITE_FLAGS_${spec#*%}; fargs=SUITE_ARGS_${spec#*%}; }
     tag=${tag//[\/.%]/_}
+    local k=2 base=$tag  # a section named twice: its second run's files get _2, then _3 ...
+    while [ -e "$scratch/$tag.log" ]; do tag=${base}_$k; k=$((k + 1)); done
     t0=$(date +%s)
     local left=$(( deadline - (t0 - start) ))
     [ "$left" -lt "$limit" ] || left=$limit
@@ -126,6 +128,7 @@ run() {  # section[%set][@tree] visible-devices
     cmd=$(command_of "$name") || { echo "$name: unknown section"; return; }
     cmd=${cmd//$scratch\/$name.json/$scratch\/$tag.json}
     cmd=${cmd//$scratch\/${name}_child.log/$scratch\/${tag}_child.log}
+    cmd=${cmd//$scratch\/${name}_artifacts/$scratch\/${tag}_artifacts}
     [ -z "$fargs" ] || cmd="$cmd ${!fargs:-}"
     [ "${name#http}" = "$name" ] || python -m benchmarks.full_size --write-config "$scratch/bench8" --model bench > /dev/null
     # XLA flags (several, so not through $cmd's word splitting): SUITE_XLA_FLAGS for every

@@ -26,9 +26,8 @@ A token program takes one of two paths:
   the tile's first token comes from a scalar bisection over ``query_start_loc``): the
   ``BT + K-1`` rows ``x[t0 - (K-1) .. t0 + BT)`` are loaded once each, as separate ``[BC]``
   vectors, and tap ``j`` of token ``i`` is vector ``i + j``: no reloads (the HBM and L2 bytes
-  are the floor's, plus ``K-1`` halo rows per tile), no row masks (``taps="rows"``); or with
-  ``taps="tiles"`` one ``[BT, BC]`` load per tap, the tile shifted up by ``K-1-j`` rows
-  (the same HBM bytes, the shifted reloads served by L1; wide loads, one 2-D store);
+  are the floor's, plus ``K-1`` halo rows per tile), no row masks (loading the ``[BT, BC]`` tile
+  once a tap, shifted by a row each time, was slower: BENCHMARKS.md);
 - any other tile (a row start, padding tokens, the batch's end): each token finds its row by
   a vector bisection; every tap is a masked ``[BT, 128]`` load from ``x`` plus one from the
   source window.
@@ -80,12 +79,10 @@ from pallas_kernels.conv1d.reference import check_conv1d_args
 # The sweeps (benchmarks.conv1d_kernels --sweep) on an H200, C=8192 bf16: 256 channels x 8
 # tokens on 2 warps beat 16 tokens at B=1 T=4096 / T=16384 / B=8 T=4096 (69 / 224 / 437 vs 78-89
 # / 243-254 / 462-464 us, one process, 2026-11-29); 512-channel tiles are slower (half the
-# registers a thread, more programs resident on an SM), as are the [BT, BC] tap tiles.
+# registers a thread, more programs resident on an SM), as are [BT, BC] loads a tap (9151e45).
 BLOCK_T = 8
 BLOCK_C = 256
 SUB_C = 128  # the channels of one [BT, SUB_C] tile of the general path
-TAPS_CHOICES = ("rows", "tiles")
-TAPS = "rows"
 
 
 def _pow2_at_least(n: int) -> int:
@@ -122,7 +119,7 @@ def _prefill_kernel(
     pool_in,  # [num_slots, K-1, C]  aliased to pool_out; never read
     y_ref,  # [T, C]
     pool_out,  # [num_slots, K-1, C]
-    *, block_t: int, block_c: int, sub_c: int, taps: str,
+    *, block_t: int, block_c: int, sub_c: int,
 ):  # fmt: skip
     del pool_in
     num_tokens, c = x_ref.shape
@@ -180,39 +177,20 @@ def _prefill_kernel(
     row0 = _row_of(qsl_ref, t0, rows)
     inner = (t0 - qsl_ref[row0] >= km1) & (t0 + block_t <= jnp.minimum(qsl_ref[row0 + 1], n_live))
 
-    if taps == "tiles":
-
-        @pl.when((pid >= num_windows) & inner)
-        def _():
-            # One [BT, BC] load per tap, each the tile shifted up by K-1-j rows: x is read from
-            # HBM once (the K-1 rows above the tile twice), the shifted reloads hit L1.
-            cols, col_ok, chans = channels(0, block_c, 2)
-            ok = jnp.broadcast_to(col_ok, (block_t, block_c))
-            tok = t0 + jax.lax.broadcasted_iota(jnp.int32, (block_t, 1), 0)
-            w = weights(cols, col_ok)
-            acc = None
-            for j in range(kw):  # same order of sums as the reference
-                v = pltr.load(x_ref.at[tok + (j - km1), cols], mask=ok, other=0).astype(f32)
-                acc = v * w[0] if j == 0 else acc + v * w[j]
-            pltr.store(y_ref.at[pl.ds(t0, block_t), chans], _silu(acc).astype(y_ref.dtype), mask=ok)
-
-    else:
-
-        @pl.when((pid >= num_windows) & inner)
-        def _():
-            # Rows as separate [BC] vectors, loaded once (the K-1 above the tile too): the taps
-            # are the same vectors shifted by a list index, no reload, no mask but the channels'.
-            cols, col_ok, chans = channels(0, block_c, 1)
-            xs = [
-                pltr.load(x_ref.at[t0 + i, cols], mask=col_ok, other=0)
-                for i in range(-km1, block_t)
-            ]  # xs[i + K-1] = x[t0 + i]
-            w = weights(cols, col_ok)
-            for i in range(block_t):
-                acc = xs[i].astype(f32) * w[0]  # same order of sums as the reference
-                for j in range(1, kw):
-                    acc = acc + xs[i + j].astype(f32) * w[j]
-                pltr.store(y_ref.at[t0 + i, chans], _silu(acc).astype(y_ref.dtype), mask=col_ok)
+    @pl.when((pid >= num_windows) & inner)
+    def _():
+        # Rows as separate [BC] vectors, loaded once (the K-1 above the tile too): the taps
+        # are the same vectors shifted by a list index, no reload, no mask but the channels'.
+        cols, col_ok, chans = channels(0, block_c, 1)
+        xs = [
+            pltr.load(x_ref.at[t0 + i, cols], mask=col_ok, other=0) for i in range(-km1, block_t)
+        ]  # xs[i + K-1] = x[t0 + i]
+        w = weights(cols, col_ok)
+        for i in range(block_t):
+            acc = xs[i].astype(f32) * w[0]  # same order of sums as the reference
+            for j in range(1, kw):
+                acc = acc + xs[i + j].astype(f32) * w[j]
+            pltr.store(y_ref.at[t0 + i, chans], _silu(acc).astype(y_ref.dtype), mask=col_ok)
 
     @pl.when((pid >= num_windows) & ~inner)
     def _():
@@ -252,19 +230,15 @@ def causal_conv1d_prefill(
     block_c: int = BLOCK_C,
     num_warps: int = 2,
     num_stages: int = 1,
-    taps: str = TAPS,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Ragged prefill; see the module docstring. Returns ``(y [T, C], conv_state)``.
 
     Writes the window after the last token to ``dst_slot`` and after ``ckpt_offsets`` tokens
     to ``ckpt_slots`` for live rows; padding tokens give 0. ``block_t`` and ``block_c`` (powers
-    of two) are the token x channel tile, shrunk to the problem when it is smaller; ``taps``
-    how an inner tile reads its taps (``"rows"`` or ``"tiles"``, see the module docstring).
+    of two) are the token x channel tile, shrunk to the problem when it is smaller.
     """
     check_conv1d_args(x, weight, conv_state, slots, query_start_loc)
-    if taps not in TAPS_CHOICES:
-        raise ValueError(f"taps={taps!r} must be one of {TAPS_CHOICES}")
     for name, b in (("block_t", block_t), ("block_c", block_c)):
         if b < 1 or b & (b - 1):
             raise ValueError(f"{name}={b} must be a power of two")
@@ -279,7 +253,7 @@ def causal_conv1d_prefill(
     args = (query_start_loc.astype(jnp.int32), num_seqs, dst, ck_off, ck_slot, x, weight, init,
             conv_state)  # fmt: skip
     return pl.pallas_call(
-        functools.partial(_prefill_kernel, block_t=bt, block_c=bc, sub_c=sub_c, taps=taps),
+        functools.partial(_prefill_kernel, block_t=bt, block_c=bc, sub_c=sub_c),
         grid=(num_windows + pl.cdiv(n, bt), pl.cdiv(c, bc)),
         out_shape=[
             jax.ShapeDtypeStruct(x.shape, x.dtype),

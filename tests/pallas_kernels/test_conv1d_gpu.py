@@ -7,8 +7,6 @@ bit-identical to the reference's (NaN-poisoned slots nobody reads or writes incl
 outputs are the same float32 sums in the same order.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,19 +66,16 @@ IDS = [
 ]
 
 
-@pytest.mark.parametrize("taps", gpu.TAPS_CHOICES)
 @pytest.mark.parametrize("lens,c,kw,dtype,bt,bc", CASES, ids=IDS)
-def test_prefill_matches_reference(lens, c, kw, dtype, bt, bc, taps):
+def test_prefill_matches_reference(lens, c, kw, dtype, bt, bc):
     """Ragged rows (src 0 and src > 0, dst 0 and dst > 0, padding rows and tokens),
-    checkpoints at offsets 1, 64, len // 2 and len; both ways of reading an inner tile's taps."""
+    checkpoints at offsets 1, 64, len // 2 and len."""
     rng = np.random.default_rng(sum(lens) + c + kw)
     case = ragged_case(lens, max_ckpt=3)
     x = jnp.asarray(rng.normal(size=(case.num_tokens, c)), dtype)
     w = jnp.asarray(rng.normal(size=(c, kw)), dtype)
     pool = jnp.asarray(case.pool(rng, (kw - 1, c), np.float32), dtype)
-    got, want = _run_both(
-        x, w, pool, case.query_start_loc, case.slots(), block_t=bt, block_c=bc, taps=taps
-    )
+    got, want = _run_both(x, w, pool, case.query_start_loc, case.slots(), block_t=bt, block_c=bc)
     _check(got, want, dtype)
     y = np.asarray(got[0], np.float32)
     assert np.all(y[case.query_start_loc[-1] :] == 0), "padding tokens must give 0"
@@ -151,7 +146,6 @@ BAD = {
     "state_shape": (dict(conv_state=jnp.zeros((4, 2, 8))), "conv_state .* must be"),
     "qsl_shape": (dict(query_start_loc=jnp.zeros(2, jnp.int32)), "query_start_loc .* must be"),
     "block_c": (dict(block_c=48), "block_c=48 must be a power of two"),
-    "taps": (dict(taps="cols"), "taps=.cols. must be one of"),
 }
 
 
@@ -166,15 +160,14 @@ def test_prefill_rejects_bad_shapes(bad, match):
         gpu.causal_conv1d_prefill(**{**kw, **bad}, interpret=True)
 
 
-@pytest.mark.parametrize("taps", gpu.TAPS_CHOICES)
-def test_kernel_lowers_to_triton_at_80b_shapes(taps):
+def test_kernel_lowers_to_triton_at_80b_shapes():
     """Qwen3-Next-80B's GDN conv: 2 * 16 * 128 + 32 * 128 = 8192 channels, width 4, bf16."""
     c, kw, n, rows, m = 8192, 4, 4096, 8, 2
     sd = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     args = [sd((n, c), bf), sd((c, kw), bf), sd((20, kw - 1, c), bf),
             sd((rows + 1,), jnp.int32), abstract_slots(rows, m)]  # fmt: skip
-    lowered = jax.jit(functools.partial(gpu.causal_conv1d_prefill, taps=taps)).trace(*args)
+    lowered = jax.jit(gpu.causal_conv1d_prefill).trace(*args)
     assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
