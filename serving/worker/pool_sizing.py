@@ -19,6 +19,7 @@ from hyjax.config import ModelConfig
 from hyjax.sharding import ShardingPlan
 from serving.core.config import SchedulerConfig
 from serving.core.memory_planner import MemoryPlan, plan_memory
+from serving.worker.cuda_memory import cuda_free_bytes
 from serving.worker.sampler import token_table_bytes
 
 log = logging.getLogger(__name__)
@@ -125,16 +126,22 @@ def default_cache_bytes(
     reserved: int = 0,
 ) -> int:
     """Bytes for the pools on each of ``devices``: on accelerators 90 % of the least free
-    memory, less ``reserved`` (what the runner allocates beside the pools: the sampler's token
-    tables)."""
+    memory (the allocator's limit less its use, or the CUDA driver's free bytes where the
+    allocator reports no limit), less ``reserved`` (what the runner allocates beside the
+    pools: the sampler's token tables)."""
     free = []
     for device in devices:
         stats = device.memory_stats() if device.platform != "cpu" else None
         if stats and "bytes_limit" in stats:
             free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+        elif (driver_free := cuda_free_bytes(device)) is not None:
+            # XLA's VMM allocator (which --xla_gpu_command_buffer_update_mode=SKIP_TEMP
+            # switches to) reports no statistics: ask the CUDA driver
+            log.info("%s: no allocator limit; %.1f GB free per the CUDA driver", device,
+                     driver_free / 1e9)  # fmt: skip
+            free.append(driver_free)
         elif device.platform != "cpu":
-            # e.g. XLA's VMM allocator (which --xla_gpu_command_buffer_update_mode=SKIP_TEMP
-            # switches to) reports no limit: the pools then get the small CPU-style size below
+            # no limit and no driver to ask: the pools get the small CPU-style size below
             log.warning(
                 "%s reports no memory limit (its allocator's stats: %s): the KV and state pools "
                 "are sized for the running sequences only, with little room for cached "

@@ -1,5 +1,6 @@
 """Pool sizing from a model's config and the flags, before any weights exist (CPU)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -135,3 +136,33 @@ def test_a_model_without_attention_layers_is_named():
     assert cfg.cache_spec.num_attention_layers == 0
     with pytest.raises(ValueError, match="1 layers has no attention layer"):
         size_pools(cfg, SCHED, jnp.float32)
+
+
+def test_an_allocator_without_stats_takes_the_cuda_drivers_free_bytes(monkeypatch, caplog):
+    """XLA's VMM allocator returns no stats at all (``memory_stats()`` is None): the pools
+    get 90 % of what the CUDA driver reports free, and nothing is warned."""
+    from serving.worker import pool_sizing
+
+    class Device:
+        platform = "gpu"
+
+        def memory_stats(self):
+            return None
+
+    monkeypatch.setattr(pool_sizing, "cuda_free_bytes", lambda d: 2_000_000_000)
+    with caplog.at_level("WARNING", logger=pool_sizing.__name__):
+        got = pool_sizing.default_cache_bytes(SCHED, 1, 1, None, [Device()], reserved=10)
+    assert got == 1_800_000_000 - 10
+    assert not caplog.records
+
+
+def test_the_driver_is_asked_about_cuda_devices_only():
+    """Not a GPU, or a GPU without a hardware id: no answer (and no driver call)."""
+    from serving.worker.cuda_memory import cuda_free_bytes
+
+    assert cuda_free_bytes(jax.devices("cpu")[0]) is None
+
+    class NoId:
+        platform = "gpu"
+
+    assert cuda_free_bytes(NoId()) is None
