@@ -135,7 +135,7 @@ run() {  # section[%set][@tree] visible-devices
     # section, and hlo's and bufdump's dumps, cbufskip's update mode
     local xf=${SUITE_XLA_FLAGS:-}
     [ -z "$fset" ] || xf="${!fset:-} $xf"
-    xf=$(echo $xf)  # no flags: empty (XLA reads a blank XLA_FLAGS as a file name)
+    [ -n "${xf// /}" ] || xf=  # blank: none (XLA reads a blank XLA_FLAGS as a file name)
     [ "$name" != bufdump ] || xf="--xla_dump_to=$scratch/bufdump --xla_dump_hlo_module_re=.*jit__step.* $xf"
     [ "$name" != cbufskip ] || xf="--xla_gpu_command_buffer_update_mode=SKIP_TEMP $xf"
     [ "$name" != hlo ] || xf="--xla_dump_to=$scratch/hlo --xla_dump_hlo_module_re=.*jit__step.* --xla_dump_hlo_pass_re=^$ $xf"
