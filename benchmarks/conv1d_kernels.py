@@ -249,7 +249,7 @@ def main() -> None:
         )
     if args.sweep:
         b, t = shapes[0]
-        timed = {}
+        timed = []  # (us, tiles) of every tiling that ran
         for bt, bc, nw, ns in SWEEP:
             tiles = dict(block_t=bt, block_c=bc, num_warps=nw, num_stages=ns)
             name = f"sweep_B{b}_T{t}_bt{bt}_bc{bc}_w{nw}_s{ns}"
@@ -260,7 +260,7 @@ def main() -> None:
                 ),
             )
             if "pallas_us" in summary[name]:
-                timed[name] = (summary[name]["pallas_us"], tiles)
+                timed.append((summary[name]["pallas_us"], tiles))
         for bt, bc, nw in CEILING:
             guarded(
                 f"ceiling_B{b}_T{t}_silu_pallas_bt{bt}_bc{bc}_w{nw}",
@@ -268,7 +268,7 @@ def main() -> None:
             )
         guarded(f"ceiling_B{b}_T{t}_silu_xla", lambda: time_ceiling(b, t, channels, bw=bw))
         # The three fastest tilings at every shape.
-        for _, tiles in sorted(timed.values(), key=lambda v: v[0])[:3]:
+        for _, tiles in sorted(timed, key=lambda v: v[0])[:3]:
             tag = "_".join(f"{k}{v}" for k, v in tiles.items())
             for bb, tt in shapes[1:]:
                 guarded(

@@ -88,6 +88,7 @@ def causal_conv1d_prefill_reference(
 ) -> tuple[jax.Array, jax.Array]:
     """Returns ``(y [T, C] in x.dtype, updated conv_state)``; padding tokens give 0."""
     num_tokens, _ = x.shape
+    num_slots = conv_state.shape[0]
     seq_id, local, live = token_seq_ids(query_start_loc, slots.num_seqs, num_tokens)
     init = read_slots(conv_state, slots.src_slot)  # [S, K-1, C]
 
@@ -96,19 +97,7 @@ def causal_conv1d_prefill_reference(
     window = jnp.concatenate([prev, x[:, None, :]], axis=1)  # [T, K, C]
     y = _silu(_taps(window, weight))
     y = jnp.where(live[:, None], y, 0).astype(x.dtype)
-    return y, write_windows(x, init, conv_state, query_start_loc, slots)
 
-
-def write_windows(
-    x: jax.Array,  # [T, C]
-    init: jax.Array,  # [S, K-1, C]  the source windows (read_slots)
-    conv_state: jax.Array,  # [num_slots, K-1, C]
-    query_start_loc: jax.Array,  # i32[S+1]
-    slots: StateSlots,
-) -> jax.Array:
-    """The pool after a prefill: each live row's window after its last token to ``dst``, and
-    after each checkpoint's offset to that checkpoint's slot."""
-    num_slots = conv_state.shape[0]
     # Final windows -> dst, checkpoint windows -> their slots.
     rows = jnp.arange(slots.num_rows, dtype=jnp.int32)
     row_live = rows < slots.num_seqs
@@ -123,7 +112,8 @@ def write_windows(
         ]
     )
     vals = jnp.concatenate([ckpt, final]).astype(conv_state.dtype)
-    return conv_state.at[idx].set(vals, mode="drop")
+    conv_state = conv_state.at[idx].set(vals, mode="drop")
+    return y, conv_state
 
 
 def causal_conv1d_update_reference(

@@ -156,13 +156,51 @@ def test_an_allocator_without_stats_takes_the_cuda_drivers_free_bytes(monkeypatc
     assert not caplog.records
 
 
-def test_the_driver_is_asked_about_cuda_devices_only():
-    """Not a GPU, or a GPU without a hardware id: no answer (and no driver call)."""
-    from serving.worker.cuda_memory import cuda_free_bytes
+class _FakeDriver:
+    """``libcuda``'s five calls: records them, answers ``free`` bytes for ordinal 3 only."""
 
-    assert cuda_free_bytes(jax.devices("cpu")[0]) is None
+    def __init__(self, free: int):
+        self.free, self.calls = free, []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            if name == "cuDeviceGet":
+                args[0]._obj.value = 7 if args[1] == 3 else -1
+                return 0 if args[1] == 3 else 101  # CUDA_ERROR_INVALID_DEVICE
+            if name == "cuMemGetInfo_v2":
+                args[0]._obj.value, args[1]._obj.value = self.free, 2 * self.free
+            return 0
+
+        return call
+
+
+def test_the_driver_reads_free_bytes_in_the_devices_primary_context(monkeypatch):
+    """The ordinal is the device's local hardware id; the context is pushed, popped and
+    released around the query; an unknown ordinal gives None; CPU devices and devices without
+    an id never reach the driver."""
+    from serving.worker import cuda_memory
+
+    fake = _FakeDriver(123_456)
+    monkeypatch.setattr(cuda_memory, "_driver", lambda: fake)
+
+    class Gpu:
+        platform = "gpu"
+
+        def __init__(self, hid):
+            self.local_hardware_id = hid
+
+    assert cuda_memory.cuda_free_bytes(Gpu(3)) == 123_456
+    assert fake.calls == [
+        "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxPushCurrent_v2", "cuMemGetInfo_v2",
+        "cuCtxPopCurrent_v2", "cuDevicePrimaryCtxRelease_v2",
+    ]  # fmt: skip
+    assert cuda_memory.cuda_free_bytes(Gpu(0)) is None
+    fake.calls.clear()
+    assert cuda_memory.cuda_free_bytes(jax.devices("cpu")[0]) is None
 
     class NoId:
         platform = "gpu"
 
-    assert cuda_free_bytes(NoId()) is None
+    assert cuda_memory.cuda_free_bytes(NoId()) is None
+    assert fake.calls == []
