@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from hyjax.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
+from pallas_kernels.common.slots import StateSlots
 
 
 def bench_config(num_layers: int = 8, num_experts: int = 64) -> Qwen3NextConfig:
@@ -111,6 +112,61 @@ def time_stateful(step, state, operands, *, iters: int, repeats: int = 3) -> flo
         jax.block_until_ready((state, acc))
         times.append((time.perf_counter() - t0) / iters)
     return float(np.median(times))
+
+
+def prefill_batch(batch, seq_len, max_ckpt=2, ckpt_every=None):
+    """``batch`` sequences of ``seq_len`` tokens for a prefill kernel: ``(query_start_loc,
+    slots, num_slots)``; slots 1..B are src (even rows; odd rows start from zeros) and dst,
+    and with ``ckpt_every`` each row checkpoints at its multiples (up to ``max_ckpt``) into
+    slots of its own."""
+    s = batch
+    qsl = jnp.arange(s + 1, dtype=jnp.int32) * seq_len
+    src = jnp.where(jnp.arange(s) % 2 == 0, 1 + jnp.arange(s), 0).astype(jnp.int32)
+    dst = (1 + jnp.arange(s)).astype(jnp.int32)
+    ck_off = jnp.zeros((s, max_ckpt), jnp.int32)
+    ck_slot = jnp.zeros((s, max_ckpt), jnp.int32)
+    if ckpt_every:
+        offs = jnp.arange(1, max_ckpt + 1, dtype=jnp.int32) * ckpt_every
+        ck_off = jnp.broadcast_to(jnp.where(offs <= seq_len, offs, 0), (s, max_ckpt))
+        slots = s + 1 + jnp.arange(s * max_ckpt, dtype=jnp.int32).reshape(s, max_ckpt)
+        ck_slot = jnp.where(ck_off > 0, slots, 0)
+    num_slots = 1 + s + s * max_ckpt
+    return qsl, StateSlots(src, dst, ck_off, ck_slot, jnp.int32(s)), num_slots
+
+
+def torch_graph_ms(torch, fn, iters: int) -> tuple[float, str]:
+    """Device ms per call of a torch ``fn``: ``iters`` calls replayed from one CUDA graph (no
+    Python launch overhead, like the jitted chains of :func:`time_stateful`), and the mode
+    (``"cuda_graph"``; ``"eager"``, back-to-back calls, if the capture fails)."""
+    fn()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                fn()
+        run, mode = graph.replay, "cuda_graph"
+    except Exception:  # noqa: BLE001 - fall back to eager timing, and say so
+        torch.cuda.synchronize()
+
+        def run():
+            for _ in range(iters):
+                fn()
+
+        mode = "eager"
+    run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters, mode
 
 
 def add_engine_workload_args(p, *, layers: int, prefill_requests: int, output_len: int,

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import device_name, time_stateful
+from benchmarks.common import device_name, prefill_batch, time_stateful, torch_graph_ms
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
@@ -69,23 +69,6 @@ def _activations(key, n, dtype=jnp.bfloat16):
     A_log = jnp.log(jnp.linspace(1.0, 16.0, HV, dtype=jnp.float32))
     dt_bias = jnp.ones(HV, jnp.float32)
     return q, k, v, a, b, A_log, dt_bias
-
-
-def _prefill_batch(batch, seq_len, max_ckpt=2, ckpt_every=None):
-    """``batch`` sequences of ``seq_len`` tokens; slots 1..B are src (even rows) and dst."""
-    s = batch
-    qsl = jnp.arange(s + 1, dtype=jnp.int32) * seq_len
-    src = jnp.where(jnp.arange(s) % 2 == 0, 1 + jnp.arange(s), 0).astype(jnp.int32)
-    dst = (1 + jnp.arange(s)).astype(jnp.int32)
-    ck_off = jnp.zeros((s, max_ckpt), jnp.int32)
-    ck_slot = jnp.zeros((s, max_ckpt), jnp.int32)
-    if ckpt_every:
-        offs = jnp.arange(1, max_ckpt + 1, dtype=jnp.int32) * ckpt_every
-        ck_off = jnp.broadcast_to(jnp.where(offs <= seq_len, offs, 0), (s, max_ckpt))
-        slots = s + 1 + jnp.arange(s * max_ckpt, dtype=jnp.int32).reshape(s, max_ckpt)
-        ck_slot = jnp.where(ck_off > 0, slots, 0)
-    num_slots = 1 + s + s * max_ckpt
-    return qsl, StateSlots(src, dst, ck_off, ck_slot, jnp.int32(s)), num_slots
 
 
 def _running_slots(rows) -> StateSlots:
@@ -223,7 +206,7 @@ def time_prefill(
 ) -> dict:
     """``checkpoints`` per sequence at multiples of 64 tokens inside it (the default path)."""
     every = (seq_len // (checkpoints + 1)) // 64 * 64 if checkpoints else None
-    qsl, slot_args, num_slots = _prefill_batch(
+    qsl, slot_args, num_slots = prefill_batch(
         batch, seq_len, max_ckpt=checkpoints or 2, ckpt_every=every
     )
     acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
@@ -270,7 +253,7 @@ def sweep_prefill(batch, seq_len) -> dict:
     """The default prefill's two launches tuned apart: the intra launch timed alone at each
     (warps, stages), then the whole prefill at each serial variant of ``SERIAL_SWEEP`` (its
     outputs and state checked against the default's: a variant that miscompiles shows)."""
-    qsl, slots, num_slots = _prefill_batch(batch, seq_len)
+    qsl, slots, num_slots = prefill_batch(batch, seq_len)
     acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
     kernel = functools.partial(gpu.gdn_prefill, precision=None, interpret=INTERPRET)
     want_o, want_s = jax.jit(kernel)(*acts, _pool(jax.random.PRNGKey(5), num_slots), qsl, slots)
@@ -432,38 +415,9 @@ def time_fla(prefill_shapes, decode_rows) -> dict:
     out = {}
 
     def cuda_time(fn, iters):
-        """Device ms per call: ``iters`` calls replayed from one CUDA graph (no Python launch
-        overhead, like the jitted loops above); eager back-to-back calls if capture fails."""
-        fn()
-        torch.cuda.synchronize()
-        try:
-            graph = torch.cuda.CUDAGraph()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            with torch.cuda.graph(graph):
-                for _ in range(iters):
-                    fn()
-            run, mode = graph.replay, "cuda_graph"
-        except Exception:  # noqa: BLE001 - fall back to eager timing, and say so
-            torch.cuda.synchronize()
-
-            def run():
-                for _ in range(iters):
-                    fn()
-
-            mode = "eager"
-        run()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
+        ms, mode = torch_graph_ms(torch, fn, iters)
         out.setdefault("timing_modes", []).append(mode)
-        return start.elapsed_time(end) / iters  # ms
+        return ms
 
     def inputs(b, t, hk=HK):
         q = torch.randn(b, t, hk, D, device=dev, dtype=torch.bfloat16)

@@ -20,6 +20,8 @@
 #   conv1d    benchmarks.conv1d_kernels --sweep
 #   conv1dq   benchmarks.conv1d_kernels: the default tiles against XLA's reference, no sweep
 #   gdn       benchmarks.gdn_kernels --sweep
+#   gdnp      benchmarks.gdn_kernels: the default prefill at its four shapes and FLA, no sweep
+#   kda       benchmarks.kda_kernels --sweep (FLA's chunk_kda beside it: its wheels in .whl)
 #   decode    benchmarks.decode_variants
 #   step      benchmarks.step_profile --layers 8 --decode-rows 64,256 --host-profile
 #   stepdt    the same with --dispatch-thread, no host profile (the launch beside the host's
@@ -88,6 +90,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         conv1d) echo "python -m benchmarks.conv1d_kernels --sweep --out $j" ;;
         conv1dq) echo "python -m benchmarks.conv1d_kernels --out $j" ;;
         gdn) echo "python -m benchmarks.gdn_kernels --sweep --out $j" ;;
+        gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default,prefill_B1_T32768_default,fla --out $j" ;;
+        kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
         decode) echo "python -m benchmarks.decode_variants --out $j" ;;
         step) echo "python -m benchmarks.step_profile --layers 8 --decode-rows 64,256 --top 60 --host-profile --out $j" ;;
         stepdt) echo "python -m benchmarks.step_profile --layers 8 --decode-rows 64,256 --top 20 --dispatch-thread --out $j" ;;

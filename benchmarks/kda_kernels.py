@@ -8,13 +8,15 @@ For the Pallas GPU kernels (``pallas_kernels/kda/gpu.py``) this script
    ``fused_recurrent_kda`` (gate, l2norm and sigmoid in their kernels) on the same inputs,
    when ``fla`` imports: the semantics, not just the speed, are the same;
 3. times prefill and decode with the state donated (:func:`benchmarks.common.time_stateful`:
-   unrolled calls, every output consumed), per matmul precision and prefill path
-   (``VARIANTS``: the three-launch default, the single serial launch, bf16 dot operands), and
-   FLA's two kernels on the same shapes in the same run.
+   unrolled calls, every output consumed), per prefill path (``VARIANTS``), prefill with 0, 1
+   and 4 checkpoints a sequence, and FLA's two kernels on the same shapes in the same run from
+   a CUDA graph (:func:`benchmarks.common.torch_graph_ms`);
+4. with ``--sweep``, tunes the default prefill's two launches apart (the intra launch timed
+   alone, then each serial variant, checked against the default's output and state).
 
 It prints one JSON summary (and writes it to ``--out``)::
 
-    python -m benchmarks.kda_kernels --out KDA_KERNELS.json
+    python -m benchmarks.kda_kernels --sweep --out KDA_KERNELS.json
     python -m benchmarks.kda_kernels --quick --interpret    # CPU smoke run
 """
 
@@ -29,21 +31,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import device_name, time_stateful
+from benchmarks.common import device_name, prefill_batch, time_stateful, torch_graph_ms
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.kda import gpu
 from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
 
 H, D = 32, 128  # Kimi-Linear-48B: 32 KDA heads of 128 (Dk = Dv)
 INTERPRET = False
-PRECISIONS = {"f32": jax.lax.Precision.HIGHEST, "tf32": jax.lax.Precision.DEFAULT}
-# The prefill paths side by side: parallel intra / serial state / parallel output (default),
-# the old single serial launch of 16-token chunks, and the default with bf16 dot operands
-# (FLA's chunk_kda runs that way).
+# The prefill paths side by side on bf16 activations: the default (parallel intra launch, then
+# the serial one that finishes each chunk's output; bf16 dot operands, as FLA's chunk_kda), the
+# output in a parallel launch of its own, and f32 dot operands at TF32 (a float32 model's path).
 VARIANTS = {
-    "three": {"operand_dtype": jnp.float32},
-    "serial": {"three_launches": False},
-    "bf16ops": {"operand_dtype": jnp.bfloat16},
+    "default": {"precision": None},
+    "three": {"precision": None, "three_launches": True},
+    "f32ops_tf32": {"precision": jax.lax.Precision.DEFAULT, "operand_dtype": jnp.float32},
 }
 
 
@@ -90,7 +91,7 @@ def _swap(out):
 # ----------------------------------------------------------------------------- checks
 
 
-def check_prefill(precision, lens, **variant) -> dict:
+def check_prefill(lens, **variant) -> dict:
     n = sum(lens) + 7
     acts = _activations(jax.random.PRNGKey(0), n)
     qsl = jnp.array([0, *np.cumsum(lens), sum(lens)], jnp.int32)
@@ -108,7 +109,7 @@ def check_prefill(precision, lens, **variant) -> dict:
     slots = StateSlots(*(jnp.asarray(x) for x in (src, dst, ck_off, ck_slot)), jnp.int32(len(lens)))
     args = (*acts, pool, qsl, slots)
     want_o, want_s = jax.jit(kda_prefill_reference)(*args)
-    kernel = functools.partial(gpu.kda_prefill, precision=precision, interpret=INTERPRET, **variant)
+    kernel = functools.partial(gpu.kda_prefill, interpret=INTERPRET, **variant)
     got_o, got_s = jax.jit(kernel)(*args)
     got_s, want_s = np.asarray(got_s), np.asarray(want_s)
     nan = np.isnan(want_s).reshape(len(want_s), -1).all(1)  # slots the reference left alone
@@ -199,15 +200,9 @@ def time_fla(prefill_shapes, decode_rows) -> dict:
     out = {}
 
     def cuda_time(fn, iters):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters  # ms
+        ms, mode = torch_graph_ms(torch, fn, iters)
+        out.setdefault("timing_modes", []).append(mode)
+        return ms
 
     def inputs(bsz, t):
         dev, bf = "cuda", torch.bfloat16
@@ -230,16 +225,75 @@ def time_fla(prefill_shapes, decode_rows) -> dict:
 # ----------------------------------------------------------------------------- timings
 
 
-def time_prefill(bsz, seq_len, precision, **tuning) -> dict:
-    qsl = jnp.arange(bsz + 1, dtype=jnp.int32) * seq_len
-    slots = (1 + jnp.arange(bsz)).astype(jnp.int32)
-    zeros = jnp.zeros((bsz, 2), jnp.int32)
+def _prefill_step(kernel):
+    def one(st, acts, qsl, slots):
+        o, st = kernel(*acts, st, qsl, slots)
+        return st, o
+
+    return one
+
+
+def time_prefill(bsz, seq_len, checkpoints: int = 0, **tuning) -> dict:
+    """``checkpoints`` per sequence at multiples of 64 tokens inside it."""
+    every = (seq_len // (checkpoints + 1)) // 64 * 64 if checkpoints else None
+    qsl, slots, num_slots = prefill_batch(bsz, seq_len, checkpoints or 2, every)
     acts = _activations(jax.random.PRNGKey(4), bsz * seq_len)
-    pool = _pool(jax.random.PRNGKey(5), bsz + 1)
-    args = (qsl, StateSlots(slots, slots, zeros, zeros, jnp.int32(bsz)))
-    kernel = functools.partial(gpu.kda_prefill, precision=precision, interpret=INTERPRET, **tuning)
-    t = _time_stateful(lambda st, a, s: _swap(kernel(*a, st, *s)), pool, (acts, args), iters=5)
+    kernel = functools.partial(gpu.kda_prefill, interpret=INTERPRET, **tuning)
+    t = _time_stateful(
+        _prefill_step(kernel), _pool(jax.random.PRNGKey(5), num_slots), (acts, qsl, slots),
+        iters=10,
+    )  # fmt: skip
     return {"pallas_ms": 1e3 * t, "pallas_Mtok_per_s": bsz * seq_len / t / 1e6}
+
+
+# The serial launch's variants: (Dv block, warps, stages); the intra launch's (warps, stages).
+SERIAL_SWEEP = [(32, 4, 2), (64, 4, 2), (64, 4, 1), (32, 4, 3), (16, 2, 2), (128, 8, 1)]
+INTRA_SWEEP = [(4, 2), (8, 1), (8, 2), (8, 3)]
+
+
+def sweep_prefill(bsz, seq_len) -> dict:
+    """The default prefill's two launches tuned apart: the intra launch timed alone at each
+    (warps, stages), then the whole prefill at each serial variant of ``SERIAL_SWEEP`` (its
+    outputs and state checked against the default's: a variant that miscompiles shows)."""
+    qsl, slots, num_slots = prefill_batch(bsz, seq_len)
+    acts = _activations(jax.random.PRNGKey(4), bsz * seq_len)
+    kernel = functools.partial(gpu.kda_prefill, precision=None, interpret=INTERPRET)
+    want_o, want_s = jax.jit(kernel)(*acts, _pool(jax.random.PRNGKey(5), num_slots), qsl, slots)
+    n = bsz * seq_len
+    out = {"tokens": n}
+
+    def intra(nw, ns):
+        def one(st, acts, qsl, slots):
+            q, k, v, g, b, A_log, dt_bias = acts
+            plan = gpu.plan_chunks(qsl, slots, num_tokens=n, chunk=gpu.CHUNK)
+            nc = gpu.max_chunks(n, slots.num_rows, slots.ckpt_offsets.shape[1], gpu.CHUNK)
+            (q, k, g, v, b), _ = gpu.pad_tokens((q, k, g, v, b), gpu.CHUNK)
+            neg_a = -jnp.exp(A_log)
+            x = gpu.intra_launch(
+                q, k, v, g, b, neg_a, dt_bias, plan, num_chunks=nc, operand_dtype=v.dtype,
+                precision=None, num_warps=nw, num_stages=ns, interpret=INTERPRET,
+            )  # fmt: skip
+            return st, tuple(x)
+
+        return one
+
+    for nw, ns in INTRA_SWEEP:
+        t = _time_stateful(intra(nw, ns), _pool(jax.random.PRNGKey(5), num_slots),
+                           (acts, qsl, slots), iters=10)  # fmt: skip
+        out[f"intra_w{nw}_s{ns}_ms"] = 1e3 * t
+    for bv, nw, ns in SERIAL_SWEEP:
+        name = f"serial_bv{bv}_w{nw}_s{ns}"
+        fn = functools.partial(kernel, block_v=bv, num_warps=nw, num_stages=ns)
+        try:
+            o, st = jax.jit(fn)(*acts, _pool(jax.random.PRNGKey(5), num_slots), qsl, slots)
+            errs = (_err_ratio(o, want_o), _err_ratio(st, want_s))
+            t = _time_stateful(_prefill_step(fn), _pool(jax.random.PRNGKey(5), num_slots),
+                               (acts, qsl, slots), iters=10)  # fmt: skip
+            out[name] = {"ms": 1e3 * t, "Mtok_per_s": n / t / 1e6, "err_vs_default": errs}
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
+            out[name] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(name, out[name], flush=True)
+    return out
 
 
 def time_decode(rows) -> dict:
@@ -264,6 +318,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
+    p.add_argument("--sweep", action="store_true", help="tune the prefill's launches")
     p.add_argument("--out", default=None)
     p.add_argument("--only", default=None, help="comma-separated name prefixes to run")
     args = p.parse_args()
@@ -272,10 +327,13 @@ def main() -> None:
     INTERPRET = args.interpret
     if args.interpret:  # the interpreter runs every program in Python: tiny heads only
         H, D = 2, 16
-    prefill_shapes, decode_rows = [(1, 4096), (8, 1024)], [1, 64, 256]
+    prefill_shapes = [(1, 4096), (1, 16384), (8, 1024), (8, 4096)]
+    decode_rows = [1, 64, 256]
     check_lens = [1, 63, 64, 65, 700, 1500]
+    ckpt_shape, sweep_shapes = (8, 4096), [(1, 4096), (8, 4096)]
     if args.quick:
-        prefill_shapes, decode_rows, check_lens = [(1, 64)], [2], [1, 17, 40]
+        prefill_shapes, decode_rows, check_lens = [(1, 128)], [2], [1, 17, 40, 130]
+        ckpt_shape, sweep_shapes = (2, 256), [(1, 128)]
     summary = {"device": device_name(), "jax": jax.__version__, "shapes": f"H={H} D={D}"}
 
     def guarded(name, fn):
@@ -289,39 +347,29 @@ def main() -> None:
         print(name, json.dumps(summary[name]), flush=True)
 
     guarded("check_decode", check_decode)
-    for vname, variant in VARIANTS.items():
-        for name, prec in PRECISIONS.items():
-            guarded(
-                f"check_prefill_{vname}_{name}",
-                lambda prec=prec, variant=variant: check_prefill(prec, check_lens, **variant),
-            )
+    checks = {
+        **VARIANTS,
+        "f32ops_ieee": {"precision": jax.lax.Precision.HIGHEST, "operand_dtype": jnp.float32},
+    }
+    for vname, variant in checks.items():
+        guarded(f"check_prefill_{vname}", lambda v=variant: check_prefill(check_lens, **v))
     guarded("check_reference_vs_fla", check_against_fla)
-    for bsz, t in prefill_shapes:
+    for i, (bsz, t) in enumerate(prefill_shapes):
         for vname, variant in VARIANTS.items():
-            for name, prec in PRECISIONS.items():
-                guarded(
-                    f"prefill_B{bsz}_T{t}_{vname}_{name}",
-                    lambda b=bsz, t=t, p=prec, v=variant: time_prefill(b, t, p, **v),
-                )
-    if not args.quick:  # launch tuning of the three-launch path at B=1 T=4096, TF32
-        sweep = [
-            (4, 2, 32, 64, 8),
-            (8, 2, 32, 64, 8),
-            (4, 1, 64, 64, 8),
-            (4, 2, 16, 32, 8),
-            (8, 1, 64, 128, 8),
-            (2, 2, 32, 64, 8),
-            (4, 2, 32, 64, 4),
-            (4, 2, 32, 64, 16),
-        ]
-        for nw, ns, bv, bo, iw in sweep:  # serial/output warps, stages, tiles; intra warps
-            tuning = dict(
-                num_warps=nw, num_stages=ns, block_v=bv, block_v_out=bo, intra_num_warps=iw
-            )
+            if vname.startswith("f32ops") and i > 0:  # a float32 model's path: one shape
+                continue
             guarded(
-                f"sweep_tf32_w{nw}_s{ns}_bv{bv}_bo{bo}_iw{iw}",
-                lambda t=tuning: time_prefill(*prefill_shapes[0], PRECISIONS["tf32"], **t),
+                f"prefill_B{bsz}_T{t}_{vname}",
+                lambda b=bsz, t=t, v=variant: time_prefill(b, t, **v),
             )
+    for n_ckpt in (0, 1, 4):  # checkpoints inside each sequence (multiples of 64 tokens)
+        guarded(
+            f"prefill_B{ckpt_shape[0]}_T{ckpt_shape[1]}_ckpt{n_ckpt}",
+            lambda n=n_ckpt: time_prefill(*ckpt_shape, checkpoints=n, precision=None),
+        )
+    if args.sweep:
+        for bsz, t in sweep_shapes:
+            guarded(f"sweep_prefill_B{bsz}_T{t}", lambda b=bsz, t=t: sweep_prefill(b, t))
     for rows in decode_rows:
         guarded(f"decode_B{rows}", lambda rows=rows: time_decode(rows))
     guarded("fla", lambda: time_fla(prefill_shapes, decode_rows))

@@ -32,19 +32,18 @@ shorter batches).
    intra-chunk scores ``Aqk = incl_lower(q k^T * decay)`` and the chunk's state decay
    ``e^gam_last``. Stored head-major (``[Hv, T, D]``: a chunk's rows are contiguous) in the
    *operand dtype*, valid rows only, so the scratch is proportional to the tokens.
-2. ``_serial_kernel``, one program per (row, value head, Dv block), the blocks on the fastest
-   grid axis (``serial_grid``; BV 64 when that fills the SMs, else 32: ``serial_block_v``):
-   a program walks its row's chunks in order with
-   ``S [Dk, BV]`` (f32) in registers (transposed from and to the pool's ``[BV, Dk]`` rows):
-   ``V' = U - W S``, ``o = (q e^gam) S + Aqk V'``,
+2. The serial launch (:mod:`pallas_kernels.common.chunk_scan_gpu`, shared with KDA), one
+   program per (row, value head, Dv block), the blocks on the fastest grid axis
+   (``serial_grid``; BV 64 when that fills the SMs, else 32: ``serial_block_v``): a program
+   walks its row's chunks in order with ``S [Dk, BV]`` (f32) in registers (transposed from and
+   to the pool's ``[BV, Dk]`` rows): ``V' = U - W S``, ``o = (q e^gam) S + Aqk V'``,
    ``S = e^gam_last S + (k e^(gam_last - gam))^T V'``, writing checkpoints and ``dst``. Two of
    the four products (``W S``, then the state update) are the serial chain; the other two hang
    off it.
 
-``three_launches`` moves the output out of the serial launch (``_state_kernel`` stores each
-chunk's starting state, ``[NC, Hv, Dk, Dv]`` in the operand dtype, then ``_output_kernel``
-runs every (chunk, head, Dv block) in parallel): a shorter serial chain, for a scratch that
-grows with the chunks; the default takes it while that scratch fits ``max_scratch_bytes``.
+``three_launches`` moves the output out of the serial launch into a parallel one (each chunk's
+starting state stored, ``[NC, Hv, Dk, Dv]`` in the operand dtype): a shorter serial chain, for
+a scratch that grows with the chunks; not the default (slower at every measured shape).
 
 The operand dtype (:func:`operand_dtype_for`) is that of the products' inputs after the UT
 transform: bf16 for bf16 activations (FLA's and FlashInfer's choice: bf16 tensor-core products,
@@ -58,19 +57,16 @@ which head dims ``hyjax.ops`` must leave to the reference.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, scan_launches
 from pallas_kernels.common.chunking import max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
     NT,
-    TN,
-    chunk_recurrence,
-    group_refs,
     l2norm,
     mm,
     softplus,
@@ -81,7 +77,6 @@ from pallas_kernels.common.delta_rule_gpu import (
     DECODE_NUM_WARPS,
     SERIAL_VB_FIRST,
     DecodeSlots,
-    RowPlan,
     check_key_dim,
     compiler_params,
     decode_program,
@@ -90,10 +85,7 @@ from pallas_kernels.common.delta_rule_gpu import (
     pad_tokens,
     pick_block_v,
     row_plan,
-    scan_row_chunks,
     serial_block_v,
-    serial_grid,
-    serial_ids,
     window,
 )
 from pallas_kernels.common.delta_rule_gpu import unsupported_reason as unsupported_reason
@@ -246,105 +238,6 @@ def _intra_kernel(
         dl_ref[ci, h] = jnp.exp(gam_last)
 
 
-class ChunkRefs(NamedTuple):
-    """What the intra launch leaves for the later launches (see :func:`_intra_kernel`)."""
-
-    w: jax.Array  # [Hv, Tp, Dk]
-    u: jax.Array  # [Hv, Tp, Dv]
-    q_dec: jax.Array  # [Hv, Tp, Dk]
-    k_dec: jax.Array  # [Hv, Tp, Dk]
-    a_qk: jax.Array  # [Hv, Tp, C]
-    decay: jax.Array  # f32[NC, Hv]
-
-
-def _chunk_loads(x: ChunkRefs, ci, win, h, vs):
-    """The chunk's operands for value head ``h`` and Dv columns ``vs`` (rows outside the
-    chunk read as zeros)."""
-    rows = win.valid[:, None]
-
-    def ld(ref, cols=slice(None)):
-        return pltr.load(ref.at[h, win.rows, cols], mask=rows, other=0.0)
-
-    return ld(x.w), ld(x.u, vs), ld(x.q_dec), ld(x.k_dec), ld(x.a_qk), x.decay[ci, h]
-
-
-def _serial_kernel(
-    p: RowPlan,
-    x: ChunkRefs,
-    pool_in,  # [num_slots, Hv, Dv, Dk]
-    o_ref,  # [Tp, Hv, Dv]  (rows outside every chunk are left unwritten)
-    pool_out,
-    *, bv: int, precision, vb_first: bool,
-):  # fmt: skip
-    """Kernel 2 of the two-launch path, one program per (row, value head, Dv block): the state
-    walks the row's chunks and the chunk's output is finished on the way
-    (``chunk_recurrence``; every operand but the state comes from the intra launch)."""
-    r, h, vb = serial_ids(vb_first)
-    vs = pl.ds(vb * bv, bv)
-
-    def step(ci, win, s):
-        w, u, q_dec, k_dec, a_qk, decay = _chunk_loads(x, ci, win, h, vs)
-        o, s = chunk_recurrence(s, w, u, q_dec, a_qk, k_dec, decay, precision, x.w.dtype)
-        pltr.store(o_ref.at[win.rows, h, vs], o.astype(o_ref.dtype), mask=win.valid[:, None])
-        return s
-
-    scan_row_chunks(p, pool_in, pool_out, r=r, h=h, vs=vs, num_tokens=o_ref.shape[0],
-                    chunk=CHUNK, step=step)  # fmt: skip
-
-
-def _state_kernel(
-    p: RowPlan,
-    x: ChunkRefs,
-    pool_in,  # [num_slots, Hv, Dv, Dk]
-    h_ref,  # [NC, Hv, Dk, Dv]  out: the state before each chunk (operand dtype)
-    vnew_ref,  # [Hv, Tp, Dv]   out: V' = U - W S
-    pool_out,
-    *, bv: int, precision, vb_first: bool,
-):  # fmt: skip
-    """Kernel 2 of the three-launch path: only the state recurrence is serial."""
-    r, h, vb = serial_ids(vb_first)
-    vs = pl.ds(vb * bv, bv)
-    op = x.w.dtype
-
-    def step(ci, win, s):
-        w, u, _, k_dec, _, decay = _chunk_loads(x, ci, win, h, vs)
-        sb = s.astype(op)
-        h_ref[ci, h, :, vs] = sb
-        vnew = (u.astype(jnp.float32) - mm(w, sb, precision=precision)).astype(op)  # [C, BV]
-        pltr.store(vnew_ref.at[h, win.rows, vs], vnew, mask=win.valid[:, None])
-        return s * decay + mm(k_dec, vnew, TN, precision)
-
-    scan_row_chunks(p, pool_in, pool_out, r=r, h=h, vs=vs, num_tokens=vnew_ref.shape[1],
-                    chunk=CHUNK, step=step)  # fmt: skip
-
-
-def _output_kernel(
-    c_start_ref, c_len_ref,  # i32[NC]
-    qd_ref,  # [Hv, Tp, Dk]
-    aqk_ref,  # [Hv, Tp, C]
-    h_ref,  # [NC, Hv, Dk, Dv]
-    vnew_ref,  # [Hv, Tp, Dv]
-    o_ref,  # [Tp, Hv, Dv]
-    *, bv: int, precision,
-):  # fmt: skip
-    """Kernel 3 of the three-launch path, every (chunk, head, Dv block) in parallel:
-    ``o = (q e^gam) S + Aqk V'``."""
-    ci, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    vs = pl.ds(vb * bv, bv)
-    start, length = c_start_ref[ci], c_len_ref[ci]
-
-    @pl.when(length > 0)
-    def _():
-        win = window(start, length, o_ref.shape[0], CHUNK)
-        rows = win.valid[:, None]
-        q_dec = pltr.load(qd_ref.at[h, win.rows, :], mask=rows, other=0.0)
-        a_qk = pltr.load(aqk_ref.at[h, win.rows, :], mask=rows, other=0.0)
-        vnew = pltr.load(vnew_ref.at[h, win.rows, vs], mask=rows, other=0.0)
-        o = mm(q_dec, h_ref[ci, h, :, vs], precision=precision)
-        o = o + mm(a_qk, vnew, precision=precision)
-        pltr.store(o_ref.at[win.rows, h, vs], o.astype(o_ref.dtype), mask=rows)
-
-
 def intra_launch(
     q, k, v, a, b, A_log, dt_bias, plan, *, num_chunks: int, operand_dtype, precision,
     num_warps: int = 8, num_stages: int = 2, interpret: bool = False,
@@ -430,50 +323,10 @@ def gdn_prefill(
         precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
         interpret=interpret,
     )  # fmt: skip
-    grid = serial_grid(rows, hv, dv // bv, vb_first)
-    params = compiler_params(num_warps, num_stages)
-    sds = jax.ShapeDtypeStruct
-    state_out = sds(state.shape, state.dtype)
-    kw = dict(bv=bv, precision=precision, vb_first=vb_first)
-    if not three_launches:
-        args = (*rp, *x, state)
-        o, state = pl.pallas_call(
-            group_refs(_rows_and_chunks(_serial_kernel), RowPlan, **kw),
-            grid=grid,
-            out_shape=[sds((tp, hv, dv), v.dtype), state_out],
-            input_output_aliases={len(args) - 1: 1},
-            compiler_params=params,
-            interpret=interpret,
-            name="gdn_prefill_serial_gpu",
-        )(*args)
-    else:
-        args = (*rp, *x, state)
-        h_all, vnew, state = pl.pallas_call(
-            group_refs(_rows_and_chunks(_state_kernel), RowPlan, **kw),
-            grid=grid,
-            out_shape=[sds((nc, hv, dk, dv), op), sds((hv, tp, dv), op), state_out],
-            input_output_aliases={len(args) - 1: 2},
-            compiler_params=params,
-            interpret=interpret,
-            name="gdn_prefill_state_gpu",
-        )(*args)
-        bo = pick_block_v(dv, block_v_out, default=64)
-        o = pl.pallas_call(
-            functools.partial(_output_kernel, bv=bo, precision=precision),
-            grid=(nc, hv, dv // bo),
-            out_shape=sds((tp, hv, dv), v.dtype),
-            compiler_params=params,
-            interpret=interpret,
-            name="gdn_prefill_output_gpu",
-        )(plan.start, plan.length, x.q_dec, x.a_qk, h_all, vnew)
+    o, state = scan_launches(
+        rp, x, state, plan.start, plan.length, out_dtype=v.dtype, bv=bv, precision=precision,
+        num_warps=num_warps, num_stages=num_stages, vb_first=vb_first,
+        three_launches=three_launches, block_v_out=block_v_out, interpret=interpret,
+        name="gdn_prefill",
+    )  # fmt: skip
     return jnp.where(plan.live[:, None, None], o[:n], 0).astype(v.dtype), state
-
-
-def _rows_and_chunks(kernel):
-    """``kernel(p, x: ChunkRefs, *rest)`` taking its :class:`ChunkRefs` as one group too."""
-
-    def grouped(p, *refs, **params):
-        n = len(ChunkRefs._fields)
-        return kernel(p, ChunkRefs(*refs[:n]), *refs[n:], **params)
-
-    return grouped

@@ -15,8 +15,8 @@ grid = (S * Dv / BV, H); a program owns ``state[slot, h, v0:v0+BV, :]`` of one r
 contiguous ``[BV, Dk]`` tile of ``S^T``, by default 16 rows on one warp) and decays it per key
 channel: ``S = diag(exp(g)) S``, i.e. ``S^T``'s columns.
 
-Prefill (chunked WY/UT form, three launches)
---------------------------------------------
+Prefill (chunked WY/UT form, two launches)
+------------------------------------------
 The per-channel decay sits inside the intra-chunk dot products, so they are not plain
 matmuls. Chunks of at most 64 tokens, read as 64-row windows (``T >= 64``: the wrapper pads)
 of four 16-row sub-blocks; ``gam = cumsum(g)`` from the window's first row (rows outside the
@@ -36,26 +36,23 @@ chunk have ``g = beta = 0`` and zero q/k/v, so ``gam`` restarts at the chunk)::
 
    Then ``Tm = (I + Akk)^-1`` by blocks (``T_II = unit_lower_inverse(A_II)``,
    ``T_IJ = -T_II sum_{J<=K<I} A_IK T_KJ``), ``W = Tm (beta k e^gam)``, ``U = Tm (beta v)``.
-   Stored token-major (valid rows only, so the scratch scales with the tokens): W, U,
-   ``q e^gam``, ``k e^(gam_last - gam)``, Aqk (``[T, H, 64]``, columns = window rows; the
-   blocks above the diagonal are never written), and ``e^gam_last`` per chunk.
-2. ``_state_kernel``, one program per (row, head, Dv block) (``serial_grid``: the blocks on
-   the fastest axis): a program walks its row's chunks in order
-   (:func:`~pallas_kernels.common.delta_rule_gpu.scan_row_chunks`: slot loads, checkpoint
-   and ``dst`` stores, the tile transposed where it meets the pool) with ``S [Dk, BV]`` in
-   registers, storing each chunk's starting state
-   ``h`` (``[NC, H, Dk, Dv]``) and ``Vnew = U - W S``; then
-   ``S = diag(e^gam_last) S + (k e^(gam_last - gam))^T Vnew``. Two Dk x BV matmuls a chunk.
-3. ``_output_kernel``, grid = (NC, H, Dv // BV_out), in parallel:
-   ``o = (q e^gam) h + Aqk Vnew``.
+   Stored head-major (``[H, T, D]``, valid rows only, so the scratch scales with the tokens):
+   W, U, ``q e^gam``, ``k e^(gam_last - gam)``, Aqk (``[H, T, 64]``, columns = window rows,
+   zeros above the diagonal blocks), and ``e^gam_last`` per chunk and key channel: GDN's
+   :class:`~pallas_kernels.common.chunk_scan_gpu.ChunkRefs` with a ``[Dk]`` decay.
+2. The serial launch, GDN's (:mod:`pallas_kernels.common.chunk_scan_gpu`): one program per
+   (row, head, Dv block) walks its row's chunks in order with ``S [Dk, BV]`` in registers:
+   ``V' = U - W S``, ``o = (q e^gam) S + Aqk V'``,
+   ``S = diag(e^gam_last) S + (k e^(gam_last - gam))^T V'``, storing checkpoints and ``dst``.
+   No per-chunk scratch of states: no length or batch needs another path.
+   ``three_launches=True`` splits it into a state launch and a parallel output launch, as for
+   GDN.
 
-``operand_dtype=jnp.bfloat16`` casts the dot operands (W, U, Vnew, the decayed rows, Aqk,
-``h``) to bf16 with f32 accumulation and stores that scratch in bf16, as FLA's ``chunk_kda``
-runs; the carried state and the inverse stay f32. ``three_launches=False`` (the default only
-when ``h`` would exceed ``max_scratch_bytes``) runs the earlier single serial launch: 16-token
-chunks, the whole chunk step (decays ``[C, C, Dk]`` in registers, the inverse, W, U, o, S)
-inside the per-(row, head, Dv block) scan, recomputed per Dv block. :func:`unsupported_reason`
-says which head dims ``hyjax.ops`` must leave to the reference.
+``operand_dtype`` (:func:`operand_dtype_for`; bf16 for bf16 activations) is that of the dot
+operands after the gates (the off-diagonal scores, W, U, V', the decayed rows, Aqk) and of the
+scratch, with f32 accumulation, as FLA's ``chunk_kda`` runs; the carried state and the inverse
+stay f32. :func:`unsupported_reason` says which head dims ``hyjax.ops`` must leave to the
+reference.
 """
 
 from __future__ import annotations
@@ -67,14 +64,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, scan_launches
 from pallas_kernels.common.chunking import max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
     NN,
     NT,
-    TN,
-    GatedChunk,
-    delta_rule_chunk,
-    group_refs,
     l2norm,
     mm,
     softplus,
@@ -85,7 +79,6 @@ from pallas_kernels.common.delta_rule_gpu import (
     DECODE_NUM_WARPS,
     SERIAL_VB_FIRST,
     DecodeSlots,
-    RowPlan,
     check_key_dim,
     compiler_params,
     decode_program,
@@ -94,19 +87,16 @@ from pallas_kernels.common.delta_rule_gpu import (
     pad_tokens,
     pick_block_v,
     row_plan,
-    scan_row_chunks,
-    serial_grid,
-    serial_ids,
+    serial_block_v,
     window,
 )
 from pallas_kernels.common.delta_rule_gpu import unsupported_reason as unsupported_reason
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.kda.reference import check_kda_args
 
-CHUNK = 64  # the three-launch path: 64-token chunks of four 16-row sub-blocks
+CHUNK = 64  # the prefill's chunks: four 16-row sub-blocks
 SUB = 16
 NSUB = CHUNK // SUB
-SERIAL_CHUNK = 16  # the single-launch path
 
 
 def _operand_precision(precision, operand_dtype):
@@ -197,72 +187,7 @@ def kda_decode(
     )
 
 
-# ----------------------------------------------------------------------------- prefill: 1 launch
-
-
-def _serial_kernel(
-    p: RowPlan,
-    neg_a_ref,  # f32[H]
-    dt_ref,  # f32[H, Dk]
-    q_ref, k_ref, g_ref,  # [Tp, H, Dk]
-    v_ref,  # [Tp, H, Dv]
-    b_ref,  # [Tp, H]
-    pool_in,  # f32 | bf16[num_slots, H, Dv, Dk]
-    o_ref,  # [Tp, H, Dv]  (rows outside every chunk are left unwritten)
-    pool_out,
-    *, bv: int, scale: float, precision, vb_first: bool,
-):  # fmt: skip
-    """The single-launch path: the whole 16-token chunk step inside the serial scan."""
-    r, h, vb = serial_ids(vb_first)
-    vs = pl.ds(vb * bv, bv)
-    num_tokens = q_ref.shape[0]
-    c = SERIAL_CHUNK
-    ii = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    jj = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    lower_ones = (ii >= jj).astype(jnp.float32)
-    neg_a = neg_a_ref[h]
-    dt = dt_ref[h, :]  # [Dk]
-
-    def step(ci, win, s):
-        valid = win.valid  # [C]
-        rows_ok = valid[:, None]
-        q = pltr.load(q_ref.at[win.rows, h, :], mask=rows_ok, other=0.0).astype(jnp.float32)
-        k = pltr.load(k_ref.at[win.rows, h, :], mask=rows_ok, other=0.0).astype(jnp.float32)
-        graw = pltr.load(g_ref.at[win.rows, h, :], mask=rows_ok, other=0.0).astype(jnp.float32)
-        v = pltr.load(v_ref.at[win.rows, h, vs], mask=rows_ok, other=0.0).astype(jnp.float32)
-        b = pltr.load(b_ref.at[win.rows, h], mask=valid, other=0.0).astype(jnp.float32)
-        q = l2norm(q) * scale
-        k = l2norm(k)
-        g = jnp.where(rows_ok, neg_a * softplus(graw + dt[None, :]), 0.0)  # [C, Dk]
-        beta = jnp.where(valid, jax.nn.sigmoid(b), 0.0)  # [C]
-        gam = mm(lower_ones, g, precision=precision)  # [C, Dk] inclusive cumsum over rows
-        gam_last = jnp.sum(g, axis=0)  # [Dk]: masked rows have g = 0
-        # Pairwise per-channel decays, selected to 0 above the diagonal before the exp.
-        lower3 = (ii >= jj)[:, :, None]
-        e = jnp.exp(jnp.where(lower3, gam[:, None, :] - gam[None, :, :], -1e30))  # [C, C, Dk]
-        kj = k[None, :, :] * e
-        a_kk = jnp.sum(k[:, None, :] * kj, axis=2)  # [C, C]
-        a_qk = jnp.sum(q[:, None, :] * kj, axis=2)  # inclusive lower, 0 above
-        eg = jnp.exp(gam)  # [C, Dk]
-        gc = GatedChunk(
-            a_kk=jnp.where(ii > jj, beta[:, None] * a_kk, 0.0),
-            a_qk=a_qk,
-            q_dec=q * eg,
-            kb_dec=k * eg * beta[:, None],
-            k_dec=k * jnp.exp(gam_last[None, :] - gam),  # [C, Dk]
-            s_decay=jnp.exp(gam_last)[:, None],
-        )
-        o, s = delta_rule_chunk(gc, v * beta[:, None], s, precision)
-        pltr.store(o_ref.at[win.rows, h, vs], o.astype(o_ref.dtype), mask=rows_ok)
-        return s
-
-    scan_row_chunks(
-        p, pool_in, pool_out, r=r, h=h, vs=vs, num_tokens=num_tokens, chunk=SERIAL_CHUNK,
-        step=step,
-    )  # fmt: skip
-
-
-# ----------------------------------------------------------------------------- prefill: 3 launches
+# ----------------------------------------------------------------------------- prefill
 
 
 def _sub_rows(w0, b: int, start, length):
@@ -306,16 +231,17 @@ def _intra_kernel(
     q_ref, k_ref, g_ref,  # [Tp, H, Dk]
     v_ref,  # [Tp, H, Dv]
     b_ref,  # [Tp, H]
-    w_ref,  # [Tp, H, Dk]   out: W = Tm (beta k e^gam)        token-major, valid rows only
-    u_ref,  # [Tp, H, Dv]   out: U = Tm (beta v)
-    qd_ref,  # [Tp, H, Dk]  out: q e^gam  (scaled, l2-normed q)
-    kd_ref,  # [Tp, H, Dk]  out: k e^(gam_last - gam)
-    aqk_ref,  # [Tp, H, C]  out: Aqk's row of the token, columns = the chunk's window rows
+    w_ref,  # [H, Tp, Dk]   out: W = Tm (beta k e^gam)    head-major, valid rows only
+    u_ref,  # [H, Tp, Dv]   out: U = Tm (beta v)
+    qd_ref,  # [H, Tp, Dk]  out: q e^gam  (scaled, l2-normed q)
+    kd_ref,  # [H, Tp, Dk]  out: k e^(gam_last - gam)
+    aqk_ref,  # [H, Tp, C]  out: Aqk's row of the token, columns = the chunk's window rows
     decay_ref,  # f32[NC, H, Dk]  out: e^gam_last
     *, scale: float, precision, operand_dtype,
 ):  # fmt: skip
     """Launch 1, one program per (chunk, head), all in parallel: the chunk's UT form and the
-    decayed operands of the other two launches (module docstring)."""
+    decayed operands of the serial launch (module docstring), as
+    :class:`~pallas_kernels.common.chunk_scan_gpu.ChunkRefs`."""
     ci, h = pl.program_id(0), pl.program_id(1)
     start, length = c_start_ref[ci], c_len_ref[ci]
     num_tokens = q_ref.shape[0]
@@ -393,87 +319,50 @@ def _intra_kernel(
         for bi in range(NSUB):
             r, ok = rows[bi], valid[bi][:, None]
             w = sum(opmm(t[bi, bj], kb_dec[bj]) for bj in range(bi + 1))  # [16, Dk]
-            pltr.store(w_ref.at[r, h, :], w.astype(w_ref.dtype), mask=ok)
+            pltr.store(w_ref.at[h, r, :], w.astype(w_ref.dtype), mask=ok)
             for vb in range(dv // bv):
                 u = sum(opmm(t[bi, bj], v_beta[bj, vb]) for bj in range(bi + 1))  # [16, BV]
-                pltr.store(u_ref.at[r, h, pl.ds(vb * bv, bv)], u.astype(u_ref.dtype), mask=ok)
+                pltr.store(u_ref.at[h, r, pl.ds(vb * bv, bv)], u.astype(u_ref.dtype), mask=ok)
             q_dec = q[bi] * jnp.exp(gam[bi])
             k_dec = k[bi] * jnp.exp(gam_last[None, :] - gam[bi])
-            pltr.store(qd_ref.at[r, h, :], q_dec.astype(qd_ref.dtype), mask=ok)
-            pltr.store(kd_ref.at[r, h, :], k_dec.astype(kd_ref.dtype), mask=ok)
-            for bj in range(bi + 1):  # the blocks above are never written: see _output_kernel
+            pltr.store(qd_ref.at[h, r, :], q_dec.astype(qd_ref.dtype), mask=ok)
+            pltr.store(kd_ref.at[h, r, :], k_dec.astype(kd_ref.dtype), mask=ok)
+            for bj in range(NSUB):  # Aqk is inclusive lower: the blocks above it are zeros
+                blk = a_qk[bi, bj] if bj <= bi else jnp.zeros((SUB, SUB), jnp.float32)
                 cols = pl.ds(bj * SUB, SUB)
-                pltr.store(aqk_ref.at[r, h, cols], a_qk[bi, bj].astype(aqk_ref.dtype), mask=ok)
+                pltr.store(aqk_ref.at[h, r, cols], blk.astype(aqk_ref.dtype), mask=ok)
 
 
-def _state_kernel(
-    p: RowPlan,
-    w_ref,  # [Tp, H, Dk]
-    u_ref,  # [Tp, H, Dv]
-    kd_ref,  # [Tp, H, Dk]
-    decay_ref,  # f32[NC, H, Dk]
-    pool_in,  # f32 | bf16[num_slots, H, Dv, Dk]
-    h_ref,  # [NC, H, Dk, Dv]  out: the state before each chunk
-    vnew_ref,  # [Tp, H, Dv]    out: Vnew = U - W S, token-major
-    pool_out,
-    *, bv: int, precision, operand_dtype, vb_first: bool,
-):  # fmt: skip
-    """Launch 2, one program per (row, head, Dv block): only the state recurrence is serial."""
-    r, h, vb = serial_ids(vb_first)
-    vs = pl.ds(vb * bv, bv)
-    num_tokens = w_ref.shape[0]
+def intra_launch(
+    q, k, v, g, b, neg_a, dt, plan, *, num_chunks: int, operand_dtype, precision,
+    num_warps: int = 8, num_stages: int = 2, interpret: bool = False,
+) -> ChunkRefs:  # fmt: skip
+    """Launch 1 (:func:`_intra_kernel`) over grid ``(NC, H)`` on inputs padded to at least one
+    chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`)."""
+    tp, h, dk = q.shape
+    dv = v.shape[2]
     op = operand_dtype
-    op_prec = _operand_precision(precision, op)
-
-    def step(ci, win, s):
-        ok = win.valid[:, None]
-        s_op = s.astype(op)
-        h_ref[ci, h, :, vs] = s_op.astype(h_ref.dtype)
-        w = pltr.load(w_ref.at[win.rows, h, :], mask=ok, other=0.0)  # [C, Dk]
-        u = pltr.load(u_ref.at[win.rows, h, vs], mask=ok, other=0.0)  # [C, BV]
-        k_dec = pltr.load(kd_ref.at[win.rows, h, :], mask=ok, other=0.0)  # [C, Dk]
-        vnew = u.astype(jnp.float32) - mm(w.astype(op), s_op, precision=op_prec)  # [C, BV]
-        vnew = vnew.astype(op)
-        pltr.store(vnew_ref.at[win.rows, h, vs], vnew.astype(vnew_ref.dtype), mask=ok)
-        decay = decay_ref[ci, h, :]  # [Dk]
-        return s * decay[:, None] + mm(k_dec.astype(op), vnew, TN, op_prec)
-
-    scan_row_chunks(
-        p, pool_in, pool_out, r=r, h=h, vs=vs, num_tokens=num_tokens, chunk=CHUNK, step=step
+    sds = jax.ShapeDtypeStruct
+    kernel = functools.partial(
+        _intra_kernel, scale=float(dk) ** -0.5, precision=precision, operand_dtype=op
     )
-
-
-def _output_kernel(
-    c_start_ref, c_len_ref,  # i32[NC]
-    qd_ref,  # [Tp, H, Dk]
-    aqk_ref,  # [Tp, H, C]
-    h_ref,  # [NC, H, Dk, Dv]
-    vnew_ref,  # [Tp, H, Dv]
-    o_ref,  # [Tp, H, Dv]
-    *, bv: int, precision, operand_dtype,
-):  # fmt: skip
-    """Launch 3, every (chunk, head, Dv block) in parallel: ``o = (q e^gam) h + Aqk Vnew``."""
-    ci, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    vs = pl.ds(vb * bv, bv)
-    start, length = c_start_ref[ci], c_len_ref[ci]
-    op = operand_dtype
-    op_prec = _operand_precision(precision, op)
-
-    @pl.when(length > 0)
-    def _():
-        win = window(start, length, qd_ref.shape[0], CHUNK)
-        ok = win.valid[:, None]
-        q_dec = pltr.load(qd_ref.at[win.rows, h, :], mask=ok, other=0.0)  # [C, Dk]
-        a_qk = pltr.load(aqk_ref.at[win.rows, h, :], mask=ok, other=0.0)  # [C, C]
-        # Above the diagonal blocks the scratch was never written: select, don't multiply.
-        ii = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
-        jj = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
-        a_qk = jnp.where(ii >= jj, a_qk, 0.0)
-        vnew = pltr.load(vnew_ref.at[win.rows, h, vs], mask=ok, other=0.0)  # [C, BV]
-        s = h_ref[ci, h, :, vs]  # [Dk, BV]
-        o = mm(q_dec.astype(op), s.astype(op), precision=op_prec)
-        o = o + mm(a_qk.astype(op), vnew.astype(op), precision=op_prec)
-        pltr.store(o_ref.at[win.rows, h, vs], o.astype(o_ref.dtype), mask=ok)
+    return ChunkRefs(
+        *pl.pallas_call(
+            kernel,
+            grid=(num_chunks, h),
+            out_shape=[
+                sds((h, tp, dk), op),
+                sds((h, tp, dv), op),
+                sds((h, tp, dk), op),
+                sds((h, tp, dk), op),
+                sds((h, tp, CHUNK), op),
+                sds((num_chunks, h, dk), jnp.float32),
+            ],  # fmt: skip
+            compiler_params=compiler_params(num_warps, num_stages),
+            interpret=interpret,
+            name="kda_prefill_intra_gpu",
+        )(plan.start, plan.length, neg_a, dt, q, k, g, v, b)
+    )
 
 
 def kda_prefill(
@@ -489,119 +378,52 @@ def kda_prefill(
     slots: StateSlots,  # DESIGN.md §3
     *,
     block_v: int | None = None,
-    block_v_out: int | None = None,
     precision=jax.lax.Precision.HIGHEST,
     operand_dtype=None,
-    three_launches: bool | None = None,
-    max_scratch_bytes: int = 512 * 1024 * 1024,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
     intra_num_warps: int = 8,
+    intra_num_stages: int = 2,
     vb_first: bool = SERIAL_VB_FIRST,
+    three_launches: bool = False,
+    block_v_out: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, H, Dv], state)``.
 
     ``precision`` is the matmul precision inside the chunk (``HIGHEST``: IEEE f32; None or
-    ``DEFAULT``: TF32 on NVIDIA). ``operand_dtype`` (three-launch path only): None keeps every
-    dot's operands in f32; ``jnp.bfloat16`` casts the operands of the intra-chunk and
-    recurrence dots (W, U, Vnew, the decayed q/k rows, Aqk, the chunk states) to bf16 with f32
-    accumulation and stores those scratch arrays in bf16, as FLA's ``chunk_kda`` runs; the
-    state carried between chunks stays f32. ``three_launches`` (default: when the scratch of
-    every chunk's starting state, ``[NC, H, Dk, Dv]``, fits ``max_scratch_bytes``) picks the
-    parallel/serial/parallel path; False runs the single serial launch of 16-token chunks.
-    ``block_v`` / ``block_v_out`` are the Dv tiles of the serial and output launches;
-    ``num_warps`` / ``num_stages`` their launch parameters (default 4 / 2; the single launch:
-    8 / 1), ``intra_num_warps`` the intra launch's (it holds a whole chunk: four 16-row
-    sub-blocks of q, k, gam and v). None of these is tuned on a GPU yet. ``vb_first``: the
-    serial launch's grid order (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`).
+    ``DEFAULT``: TF32 on NVIDIA). ``operand_dtype`` (:func:`operand_dtype_for`: bf16 for bf16
+    activations, float32 for float32 ones) is that of the dot operands after the gates (the
+    off-diagonal scores, W, U, V', the decayed rows, Aqk) and of the scratch between launches,
+    as FLA's ``chunk_kda`` runs; the inverse and the state carried between chunks stay f32.
+    ``three_launches`` moves the output out of the serial launch into a parallel one, at the
+    cost of a scratch of every chunk's starting state (``[NC, H, Dk, Dv]``). ``block_v``
+    (default: :func:`~pallas_kernels.common.delta_rule_gpu.serial_block_v` by the launch's
+    size), ``num_warps`` and ``num_stages`` tune the serial launch, ``intra_num_warps`` /
+    ``intra_num_stages`` the intra launch (it holds a whole chunk: four 16-row sub-blocks of
+    q, k, gam and v), ``vb_first`` the serial grid's order
+    (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`).
     """
     _check(q, k, v, g, b, A_log, dt_bias, state, slots, query_start_loc)
     n, h, dk = q.shape
     dv = v.shape[2]
     rows, max_ckpt = slots.ckpt_offsets.shape
     op = operand_dtype_for(v.dtype, operand_dtype)
-    if three_launches is None:
-        nc = max_chunks(n, rows, max_ckpt, CHUNK)
-        three_launches = nc * h * dk * dv * op.itemsize <= max_scratch_bytes
+    prec = _operand_precision(precision, op)
+    bv = serial_block_v(rows, h, dv, block_v)
     neg_a, dt = -jnp.exp(A_log.astype(jnp.float32)), dt_bias.astype(jnp.float32)
-    if not three_launches:
-        return _prefill_serial(
-            q, k, v, g, b, neg_a, dt, state, query_start_loc, slots, block_v=block_v,
-            precision=precision, num_warps=num_warps or 8, num_stages=num_stages or 1,
-            vb_first=vb_first, interpret=interpret,
-        )  # fmt: skip
-    bv = pick_block_v(dv, block_v)
-    bo = pick_block_v(dv, block_v_out, default=64)
     plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK)
     nc = max_chunks(n, rows, max_ckpt, CHUNK)
-    (q, k, g, v, b), tp = pad_tokens((q, k, g, v, b), CHUNK)  # the 64-row window needs T >= 64
-    params = compiler_params(num_warps or 4, num_stages or 2)
-    kw = dict(precision=precision, operand_dtype=op)
-    sd = jax.ShapeDtypeStruct
-    w, u, q_dec, k_dec, a_qk, decay = pl.pallas_call(
-        functools.partial(_intra_kernel, scale=float(dk) ** -0.5, **kw),
-        grid=(nc, h),
-        out_shape=[
-            sd((tp, h, dk), op),
-            sd((tp, h, dv), op),
-            sd((tp, h, dk), op),
-            sd((tp, h, dk), op),
-            sd((tp, h, CHUNK), op),
-            sd((nc, h, dk), jnp.float32),
-        ],  # fmt: skip
-        compiler_params=compiler_params(intra_num_warps, num_stages or 2),
-        interpret=interpret,
-        name="kda_prefill_intra_gpu",
-    )(plan.start, plan.length, neg_a, dt, q, k, g, v, b)
-    args = (*row_plan(plan, slots, nc), w, u, k_dec, decay, state)
-    h_all, vnew, state = pl.pallas_call(
-        group_refs(_state_kernel, RowPlan, bv=bv, vb_first=vb_first, **kw),
-        grid=serial_grid(rows, h, dv // bv, vb_first),
-        out_shape=[sd((nc, h, dk, dv), op), sd((tp, h, dv), op), sd(state.shape, state.dtype)],
-        input_output_aliases={len(args) - 1: 2},
-        compiler_params=params,
-        interpret=interpret,
-        name="kda_prefill_state_gpu",
-    )(*args)
-    o = pl.pallas_call(
-        functools.partial(_output_kernel, bv=bo, **kw),
-        grid=(nc, h, dv // bo),
-        out_shape=sd((tp, h, dv), v.dtype),
-        compiler_params=params,
-        interpret=interpret,
-        name="kda_prefill_output_gpu",
-    )(plan.start, plan.length, q_dec, a_qk, h_all, vnew)
-    return jnp.where(plan.live[:, None, None], o[:n], 0).astype(v.dtype), state
-
-
-def _prefill_serial(
-    q, k, v, g, b, neg_a, dt, state, query_start_loc, slots, *, block_v, precision, num_warps,
-    num_stages, vb_first, interpret,
-):  # fmt: skip
-    """The single-launch path (``three_launches=False``): :func:`_serial_kernel`."""
-    n, h, dk = q.shape
-    dv = v.shape[2]
-    rows, max_ckpt = slots.ckpt_offsets.shape
-    bv = pick_block_v(dv, block_v)
-    plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=SERIAL_CHUNK)
-    nc = max_chunks(n, rows, max_ckpt, SERIAL_CHUNK)
-    tokens, tp = pad_tokens((q, k, g, v, b), SERIAL_CHUNK)  # the 16-row window needs T >= 16
-    args = (*row_plan(plan, slots, nc), neg_a, dt, *tokens, state)
-    kernel = group_refs(
-        _serial_kernel, RowPlan, bv=bv, scale=float(dk) ** -0.5, precision=precision,
-        vb_first=vb_first,
+    rp = row_plan(plan, slots, nc)
+    (q, k, g, v, b), _ = pad_tokens((q, k, g, v, b), CHUNK)  # the 64-row window needs T >= 64
+    x = intra_launch(
+        q, k, v, g, b, neg_a, dt, plan, num_chunks=nc, operand_dtype=op, precision=precision,
+        num_warps=intra_num_warps, num_stages=intra_num_stages, interpret=interpret,
     )  # fmt: skip
-    o, state = pl.pallas_call(
-        kernel,
-        grid=serial_grid(rows, h, dv // bv, vb_first),
-        out_shape=[
-            jax.ShapeDtypeStruct((tp, h, dv), v.dtype),
-            jax.ShapeDtypeStruct(state.shape, state.dtype),
-        ],
-        input_output_aliases={len(args) - 1: 1},
-        compiler_params=compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        name="kda_prefill_gpu",
-    )(*args)
+    o, state = scan_launches(
+        rp, x, state, plan.start, plan.length, out_dtype=v.dtype, bv=bv, precision=prec,
+        num_warps=num_warps, num_stages=num_stages, vb_first=vb_first,
+        three_launches=three_launches, block_v_out=block_v_out, interpret=interpret,
+        name="kda_prefill",
+    )  # fmt: skip
     return jnp.where(plan.live[:, None, None], o[:n], 0).astype(v.dtype), state

@@ -44,23 +44,23 @@ PREFILL_CASES = [
 PREFILL_IDS = [
     f"{lens=}_{h=}_{jnp.dtype(dt).name}_{bv=}" for lens, h, _, _, dt, bv in PREFILL_CASES
 ]
-# The three-launch path (default), the single serial launch, and bf16 dot operands.
+# The two-launch path (default), the output in a launch of its own, and bf16 dot operands.
 PATHS = {
-    "three": {},
-    "serial": {"three_launches": False},
+    "two": {},
+    "three": {"three_launches": True},
     "bf16_operands": {"operand_dtype": jnp.bfloat16},
 }
 
 
-# Each three-launch case takes ~40 s of XLA compilation in interpret mode: bf16 operands run on
-# the float32 cases with several chunks per row only (a bf16 case's default path already takes
-# bf16 operands), the single serial launch on two cases.
+# Each case takes ~40 s of XLA compilation in interpret mode: bf16 operands run on the float32
+# cases with several chunks per row only (a bf16 case's default path already takes bf16
+# operands), the three-launch path on two cases.
 PREFILL_PATH_CASES = [
     pytest.param(*case, path, id=f"{case_id}-{path}")
     for i, (case, case_id) in enumerate(zip(PREFILL_CASES, PREFILL_IDS))
     for path in PATHS
     if (path != "bf16_operands" or (max(case[0]) > 64 and case[4] == jnp.float32))
-    and (path != "serial" or i in (0, 2))
+    and (path != "three" or i in (0, 2))
 ]
 
 
