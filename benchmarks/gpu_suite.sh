@@ -67,6 +67,7 @@
 #   bash benchmarks/gpu_suite.sh $OUT sampler route conv1d step tp48
 set -u
 out=$1
+mkdir -p "$out"  # a sub-folder of $OUT: tar cannot create it, and every result would be lost
 shift
 limit=${SUITE_LIMIT_S:-280}
 budget=$limit  # the running section's limit (command_of's --max-seconds)

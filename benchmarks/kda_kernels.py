@@ -354,6 +354,7 @@ def main() -> None:
     for vname, variant in checks.items():
         guarded(f"check_prefill_{vname}", lambda v=variant: check_prefill(check_lens, **v))
     guarded("check_reference_vs_fla", check_against_fla)
+    guarded("fla", lambda: time_fla(prefill_shapes, decode_rows))  # the baseline first
     for i, (bsz, t) in enumerate(prefill_shapes):
         for vname, variant in VARIANTS.items():
             if vname.startswith("f32ops") and i > 0:  # a float32 model's path: one shape
@@ -372,7 +373,6 @@ def main() -> None:
             guarded(f"sweep_prefill_B{bsz}_T{t}", lambda b=bsz, t=t: sweep_prefill(b, t))
     for rows in decode_rows:
         guarded(f"decode_B{rows}", lambda rows=rows: time_decode(rows))
-    guarded("fla", lambda: time_fla(prefill_shapes, decode_rows))
     text = json.dumps(summary, indent=2)
     print(text)
     if args.out:
