@@ -88,6 +88,22 @@ def unit_lower_inverse(a, precision=HIGHEST):
     return x
 
 
+def block_unit_lower_inverse(a, nsub: int, precision=HIGHEST):
+    """``(I + A)^-1`` of a strictly lower ``A`` held as blocks: ``a[i, j]`` (``i >= j``, each
+    ``[s, s]``; the diagonal ones strictly lower) of an ``nsub x nsub`` block grid. Returns the
+    inverse's blocks ``t[i, j]`` (``i >= j``; those above are zero): ``T_II = (I + A_II)^-1``
+    (:func:`unit_lower_inverse`), then ``T_IJ = -T_II sum_{J <= K < I} A_IK T_KJ`` (block forward
+    substitution). For a chunk of 64 in blocks of 16: ~30 small products instead of the 12
+    full-size ones of :func:`unit_lower_inverse` on ``[64, 64]``, whose masks multiply zeros."""
+    t = {}
+    for bi in range(nsub):
+        t[bi, bi] = unit_lower_inverse(a[bi, bi], precision)
+        for bj in range(bi - 1, -1, -1):
+            acc = sum(mm(a[bi, m], t[m, bj], precision=precision) for m in range(bj, bi))
+            t[bi, bj] = -mm(t[bi, bi], acc, precision=precision)
+    return t
+
+
 class GatedChunk(NamedTuple):
     """A chunk's operands with the gate's decays applied: what the chunk step needs besides
     ``beta v`` and the state. ``e_ij = exp(gam_i - gam_j)``, per key channel ``d`` for KDA."""

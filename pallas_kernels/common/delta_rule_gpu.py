@@ -243,6 +243,13 @@ def window(start, length, num_tokens: int, chunk: int) -> Window:
     return Window(pl.ds(w0, chunk), tok, (tok >= start) & (tok < start + length), start, length)
 
 
+def sub_rows(w0, b: int, sub: int, start, length):
+    """Sub-block ``b`` of ``sub`` rows of a window starting at ``w0``: its rows and their
+    valid mask (inside the chunk ``[start, start + length)``)."""
+    tok = w0 + b * sub + jnp.arange(sub, dtype=jnp.int32)
+    return pl.ds(w0 + b * sub, sub), (tok >= start) & (tok < start + length)
+
+
 class RowPlan(NamedTuple):
     """A serial launch's plan refs (:func:`row_plan`)."""
 

@@ -69,10 +69,10 @@ from pallas_kernels.common.chunking import max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
     NN,
     NT,
+    block_unit_lower_inverse,
     l2norm,
     mm,
     softplus,
-    unit_lower_inverse,
 )
 from pallas_kernels.common.delta_rule_gpu import (
     DECODE_BLOCK_V,
@@ -88,6 +88,7 @@ from pallas_kernels.common.delta_rule_gpu import (
     pick_block_v,
     row_plan,
     serial_block_v,
+    sub_rows,
     window,
 )
 from pallas_kernels.common.delta_rule_gpu import unsupported_reason as unsupported_reason
@@ -190,12 +191,6 @@ def kda_decode(
 # ----------------------------------------------------------------------------- prefill
 
 
-def _sub_rows(w0, b: int, start, length):
-    """Sub-block ``b`` of a window starting at ``w0``: its 16 rows and their valid mask."""
-    tok = w0 + b * SUB + jnp.arange(SUB, dtype=jnp.int32)
-    return pl.ds(w0 + b * SUB, SUB), (tok >= start) & (tok < start + length)
-
-
 def _row(x, i: int):
     """Row ``i`` of a ``[16, D]`` tile as ``[D]`` (a masked sum: Triton has no value slicing)."""
     sel = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) == i
@@ -263,7 +258,7 @@ def _intra_kernel(
         rows, valid, q, k, beta, gam = [], [], [], [], [], []
         carry = jnp.zeros((dk,), jnp.float32)
         for b in range(NSUB):
-            r, ok = _sub_rows(w0, b, start, length)
+            r, ok = sub_rows(w0, b, SUB, start, length)
             qb = pltr.load(q_ref.at[r, h, :], mask=ok[:, None], other=0.0)
             kb = pltr.load(k_ref.at[r, h, :], mask=ok[:, None], other=0.0)
             gb = pltr.load(g_ref.at[r, h, :], mask=ok[:, None], other=0.0)
@@ -301,12 +296,7 @@ def _intra_kernel(
 
         # Tm = (I + Akk)^-1 by blocks: T_II = (I + A_II)^-1, then
         # T_IJ = -T_II sum_{J <= K < I} A_IK T_KJ (block forward substitution).
-        t = {}
-        for bi in range(NSUB):
-            t[bi, bi] = unit_lower_inverse(a_kk[bi, bi], precision)
-            for bj in range(bi - 1, -1, -1):
-                acc = sum(mm(a_kk[bi, m], t[m, bj], precision=precision) for m in range(bj, bi))
-                t[bi, bj] = -mm(t[bi, bi], acc, precision=precision)
+        t = block_unit_lower_inverse(a_kk, NSUB, precision)
 
         kb_dec = [k[b] * (beta[b][:, None] * jnp.exp(gam[b])) for b in range(NSUB)]
         bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
