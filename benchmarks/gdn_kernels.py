@@ -246,11 +246,10 @@ SERIAL_SWEEP = [
     (True, 16, 2, 2),
     (True, 16, 4, 2),
 ]
-# The intra launch's (warps, stages, UT transform by 16-row blocks or on the whole chunk).
-INTRA_SWEEP = [(8, 2, True), (4, 2, True), (8, 1, True), (8, 2, False), (4, 2, False)]
+INTRA_SWEEP = [(4, 2), (4, 1), (8, 2)]  # the intra launch's (warps, stages)
 
 
-def sweep_prefill(batch, seq_len, serial: bool = True) -> dict:
+def sweep_prefill(batch, seq_len) -> dict:
     """The default prefill's two launches tuned apart: the intra launch timed alone at each
     (warps, stages), then the whole prefill at each serial variant of ``SERIAL_SWEEP`` (its
     outputs and state checked against the default's: a variant that miscompiles shows)."""
@@ -261,7 +260,7 @@ def sweep_prefill(batch, seq_len, serial: bool = True) -> dict:
     n = batch * seq_len
     out = {"tokens": n}
 
-    def intra(nw, ns, blocked):
+    def intra(nw, ns):
         def one(st, acts, qsl, slots):
             q, k, v, a, b, A_log, dt_bias = acts
             plan = gpu.plan_chunks(qsl, slots, num_tokens=n, chunk=gpu.CHUNK)
@@ -269,18 +268,17 @@ def sweep_prefill(batch, seq_len, serial: bool = True) -> dict:
             (q, k, v, a, b), _ = gpu.pad_tokens((q, k, v, a, b), gpu.CHUNK)
             x = gpu.intra_launch(
                 q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=v.dtype,
-                precision=None, num_warps=nw, num_stages=ns, blocked=blocked,
-                interpret=INTERPRET,
+                precision=None, num_warps=nw, num_stages=ns, interpret=INTERPRET,
             )  # fmt: skip
             return st, tuple(x)
 
         return one
 
-    for nw, ns, blocked in INTRA_SWEEP:
-        t = _time_stateful(intra(nw, ns, blocked), _pool(jax.random.PRNGKey(5), num_slots),
+    for nw, ns in INTRA_SWEEP:
+        t = _time_stateful(intra(nw, ns), _pool(jax.random.PRNGKey(5), num_slots),
                            (acts, qsl, slots), iters=10)  # fmt: skip
-        out[f"intra_w{nw}_s{ns}{'' if blocked else '_whole'}_ms"] = 1e3 * t
-    for vb_first, bv, nw, ns in SERIAL_SWEEP if serial else []:
+        out[f"intra_w{nw}_s{ns}_ms"] = 1e3 * t
+    for vb_first, bv, nw, ns in SERIAL_SWEEP:
         name = f"{'vbfirst' if vb_first else 'rowsfirst'}_bv{bv}_w{nw}_s{ns}"
         fn = functools.partial(kernel, vb_first=vb_first, block_v=bv, num_warps=nw, num_stages=ns)
         try:
@@ -460,9 +458,6 @@ def main() -> None:
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
     p.add_argument("--skip-floors", action="store_true")
     p.add_argument("--sweep", action="store_true", help="prefill tuning sweep at B1 T4096")
-    p.add_argument(
-        "--intra-sweep", action="store_true", help="the sweep's intra launches only (no serial)"
-    )
     p.add_argument("--only", default=None, help="comma-separated name prefixes to run")
     args = p.parse_args()
     only = tuple(args.only.split(",")) if args.only else None
@@ -500,23 +495,15 @@ def main() -> None:
                     b, t, prec, reference=False, operand_dtype=op, three_launches=three
                 ),
             )
-    for b, t in prefill_shapes:  # the UT transform on the whole 64 x 64 chunk (before `blocked`)
-        guarded(
-            f"prefill_B{b}_T{t}_whole_ut",
-            lambda b=b, t=t: time_prefill(b, t, None, reference=False, intra_blocked=False),
-        )
     b, t = prefill_shapes[-1] if args.quick else (8, 4096)
     for n_ckpt in (0, 1, 4):  # checkpoints inside each sequence (multiples of 64 tokens)
         guarded(
             f"prefill_B{b}_T{t}_ckpt{n_ckpt}",
             lambda n_ckpt=n_ckpt: time_prefill(b, t, None, reference=False, checkpoints=n_ckpt),
         )
-    if args.sweep or args.intra_sweep:  # tuning: each launch of the default prefill apart
+    if args.sweep:  # tuning: each launch of the default (two-launch) prefill apart
         for b, t in [(1, 256)] if args.quick else [(1, 4096), (2, 4096), (8, 4096)]:
-            guarded(
-                f"sweep_prefill_B{b}_T{t}",
-                lambda b=b, t=t: sweep_prefill(b, t, serial=not args.intra_sweep),
-            )
+            guarded(f"sweep_prefill_B{b}_T{t}", lambda b=b, t=t: sweep_prefill(b, t))
         for rows in (64, 256):
             for bv, nw in [
                 (16, 1),

@@ -67,7 +67,6 @@ from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, scan_launches
 from pallas_kernels.common.chunking import max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
     NT,
-    block_unit_lower_inverse,
     l2norm,
     mm,
     softplus,
@@ -87,7 +86,6 @@ from pallas_kernels.common.delta_rule_gpu import (
     pick_block_v,
     row_plan,
     serial_block_v,
-    sub_rows,
     window,
 )
 from pallas_kernels.common.delta_rule_gpu import unsupported_reason as unsupported_reason
@@ -240,86 +238,9 @@ def _intra_kernel(
         dl_ref[ci, h] = jnp.exp(gam_last)
 
 
-SUB = 16  # the blocked UT transform's sub-blocks (Triton's smallest dot is 16 x 16)
-NSUB = CHUNK // SUB
-
-
-def _intra_kernel_blocked(
-    c_start_ref, c_len_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
-    w_ref, u_ref, qd_ref, kd_ref, aqk_ref, dl_ref, *, ratio: int, scale: float, precision,
-):  # fmt: skip
-    """:func:`_intra_kernel` on four 16-row sub-blocks: the same outputs, with ``k k^T``,
-    ``q k^T`` and the inverse by blocks (:func:`block_unit_lower_inverse`: no product of the
-    zeros above the diagonal blocks), W and U a block row at a time."""
-    ci, h = pl.program_id(0), pl.program_id(1)
-    start, length = c_start_ref[ci], c_len_ref[ci]
-    num_tokens = k_ref.shape[0]
-    op = w_ref.dtype
-
-    @pl.when(length > 0)
-    def _():
-        w0 = window(start, length, num_tokens, CHUNK).rows.start
-        hk = h // ratio
-        ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-        jj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-        rows, ok, q, k, beta, gam = [], [], [], [], [], []
-        carry = jnp.zeros((), jnp.float32)
-        for sb in range(NSUB):
-            r, valid = sub_rows(w0, sb, SUB, start, length)
-            kb = pltr.load(k_ref.at[r, hk, :], mask=valid[:, None], other=0.0)
-            qb = pltr.load(q_ref.at[r, hk, :], mask=valid[:, None], other=0.0)
-            ab = pltr.load(a_ref.at[r, h], mask=valid, other=0.0)
-            bb = pltr.load(b_ref.at[r, h], mask=valid, other=0.0)
-            g, be = _gates(alog_ref, dtb_ref, h, ab, bb)
-            g = jnp.where(valid, g, 0.0)
-            gam.append(carry + jnp.cumsum(g))  # [16]; rows outside the chunk add 0
-            carry = carry + jnp.sum(g)
-            rows.append(r)
-            ok.append(valid[:, None])
-            k.append(l2norm(kb.astype(jnp.float32)))
-            q.append(l2norm(qb.astype(jnp.float32)) * scale)
-            beta.append(jnp.where(valid, be, 0.0))
-        gam_last = carry
-        # gam is non-increasing, so every exponent below is <= 0 (no overflow).
-        a_kk, a_qk = {}, {}
-        for bi in range(NSUB):
-            for bj in range(bi + 1):
-                diff = gam[bi][:, None] - gam[bj][None, :]
-                strict = (ii > jj) if bi == bj else (ii >= 0)
-                incl = (ii >= jj) if bi == bj else (ii >= 0)
-                kk = mm(k[bi], k[bj], NT, precision) * jnp.exp(jnp.where(strict, diff, -1e30))
-                a_kk[bi, bj] = beta[bi][:, None] * kk
-                a_qk[bi, bj] = mm(q[bi], k[bj], NT, precision) * jnp.exp(
-                    jnp.where(incl, diff, -1e30)
-                )
-        t = block_unit_lower_inverse(a_kk, NSUB, precision)
-        kb_dec = [k[sb] * (beta[sb] * jnp.exp(gam[sb]))[:, None] for sb in range(NSUB)]
-        dv = v_ref.shape[-1]
-        bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
-        v_beta = {}
-        for sb in range(NSUB):
-            for vb in range(dv // bv):
-                vt = pltr.load(v_ref.at[rows[sb], h, pl.ds(vb * bv, bv)], mask=ok[sb], other=0.0)
-                v_beta[sb, vb] = vt.astype(jnp.float32) * beta[sb][:, None]
-        for bi in range(NSUB):
-            r, m = rows[bi], ok[bi]
-            w = sum(mm(t[bi, bj], kb_dec[bj], precision=precision) for bj in range(bi + 1))
-            pltr.store(w_ref.at[h, r, :], w.astype(op), mask=m)
-            for vb in range(dv // bv):
-                u = sum(mm(t[bi, bj], v_beta[bj, vb], precision=precision) for bj in range(bi + 1))
-                pltr.store(u_ref.at[h, r, pl.ds(vb * bv, bv)], u.astype(op), mask=m)
-            pltr.store(qd_ref.at[h, r, :], (q[bi] * jnp.exp(gam[bi])[:, None]).astype(op), mask=m)
-            k_dec = k[bi] * jnp.exp(gam_last - gam[bi])[:, None]
-            pltr.store(kd_ref.at[h, r, :], k_dec.astype(op), mask=m)
-            for bj in range(NSUB):  # Aqk is inclusive lower: the blocks above it are zeros
-                blk = a_qk[bi, bj] if bj <= bi else jnp.zeros((SUB, SUB), jnp.float32)
-                pltr.store(aqk_ref.at[h, r, pl.ds(bj * SUB, SUB)], blk.astype(op), mask=m)
-        dl_ref[ci, h] = jnp.exp(gam_last)
-
-
 def intra_launch(
     q, k, v, a, b, A_log, dt_bias, plan, *, num_chunks: int, operand_dtype, precision,
-    num_warps: int = 8, num_stages: int = 2, blocked: bool = True, interpret: bool = False,
+    num_warps: int = 8, num_stages: int = 2, interpret: bool = False,
 ) -> ChunkRefs:  # fmt: skip
     """Launch 1 (:func:`_intra_kernel`) over grid ``(NC, Hv)`` on inputs padded to at least one
     chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`)."""
@@ -330,10 +251,7 @@ def intra_launch(
     return ChunkRefs(
         *pl.pallas_call(
             functools.partial(
-                _intra_kernel_blocked if blocked else _intra_kernel,
-                ratio=hv // hk,
-                scale=float(dk) ** -0.5,
-                precision=precision,
+                _intra_kernel, ratio=hv // hk, scale=float(dk) ** -0.5, precision=precision
             ),
             grid=(num_chunks, hv),
             out_shape=[
@@ -370,7 +288,6 @@ def gdn_prefill(
     num_stages: int = 2,
     intra_num_warps: int = 8,
     intra_num_stages: int = 2,
-    intra_blocked: bool = True,
     vb_first: bool = SERIAL_VB_FIRST,
     three_launches: bool = False,
     block_v_out: int | None = None,
@@ -404,7 +321,7 @@ def gdn_prefill(
     x = intra_launch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=op,
         precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
-        blocked=intra_blocked, interpret=interpret,
+        interpret=interpret,
     )  # fmt: skip
     o, state = scan_launches(
         rp, x, state, plan.start, plan.length, out_dtype=v.dtype, bv=bv, precision=precision,
