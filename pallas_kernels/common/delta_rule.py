@@ -20,10 +20,11 @@ channel, inside the dot products)::
 
 A kernel builds the gate-specific operands (:class:`GatedChunk`: ``A``, ``Aqk`` and the
 decayed rows; how the pairwise decays are formed is what differs) and hands them to
-:func:`delta_rule_chunk`, the rest of the step, written once: the GDN and KDA TPU kernels and
-the KDA GPU kernel run it whole; the GDN GPU prefill, whose parallel launch computes
-everything but the state's products, runs its serial part :func:`chunk_recurrence` (its
-three-launch path splits that part once more: ``Vnew`` and ``S`` serially, ``o`` in parallel).
+:func:`delta_rule_chunk`, the rest of the step, written once: the GDN and KDA TPU kernels run
+it whole; the GPU prefills of both, whose parallel launch computes everything but the state's
+products, run its serial part :func:`chunk_recurrence`
+(:mod:`pallas_kernels.common.chunk_scan_gpu`; its three-launch path splits that part once
+more: ``Vnew`` and ``S`` serially, ``o`` in parallel).
 Padded rows have ``g = beta = 0`` and ``q = k = v = 0``: they contribute nothing.
 
 Everything here is traced inside a kernel body and uses only what both Mosaic and Triton lower

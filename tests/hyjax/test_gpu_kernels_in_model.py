@@ -19,7 +19,7 @@ from hyjax.models.qwen3_next import Qwen3NextForCausalLM
 from hyjax.ops import REFERENCE, ops_for_model
 from hyjax.testing import SeqChunk, make_batch
 from pallas_kernels.attention import gpu as attention_gpu
-from tests.pallas_kernels.ragged_cases import assert_close
+from tests.pallas_kernels.ragged_cases import abstract_slots, assert_close
 from tests.pallas_kernels.test_gdn_fused_decode import _case as gdn_case
 from tests.pallas_kernels.test_kda_fused_decode import _case as kda_case
 
@@ -83,8 +83,9 @@ def _assert_matches(got, want, got_caches, want_caches) -> None:
 
 
 def test_gpu_kernels_match_reference_in_the_model():
-    """The three-launch prefill (what short prompts get; the two-launch plan is covered by
-    tests/pallas_kernels/test_gdn_gpu.py) and the decode: the conv update kernel, then the
+    """The three-launch prefill (the default two-launch one is covered by
+    tests/pallas_kernels/test_gdn_gpu.py, and in a model by KDA's test below: one serial launch
+    for both) and the decode: the conv update kernel, then the
     GDN decode kernel."""
     cfg = qwen3_next_tiny()
     graphdef, state = nnx.split(Qwen3NextForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
@@ -110,6 +111,17 @@ def test_kimi_gpu_kernels_match_reference_in_the_model():
     assert _gpu_kernels(ops.conv_kda_decode, *case) == [
         "causal_conv1d_update_gpu",
         "kda_decode_gpu",
+    ]
+    # The prefill is the two-launch one: the intra launch, then the serial launch shared with
+    # GDN (no per-chunk state scratch, nothing long enough to need another path).
+    t, h, d = 100, 2, 16
+    sd = jax.ShapeDtypeStruct
+    acts = [sd((t, h, d), jnp.float32)] * 4 + [sd((t, h), jnp.float32)]
+    gates = [sd((h,), jnp.float32), sd((h, d), jnp.float32)]
+    prefill_args = (*acts, *gates, sd((4, h, d, d), jnp.float32), sd((3,), jnp.int32))
+    assert _gpu_kernels(ops.kda_prefill, *prefill_args, abstract_slots(2, 2)) == [
+        "kda_prefill_intra_gpu",
+        "kda_prefill_serial_gpu",
     ]
     got, got_caches = _run(state, graphdef, cfg, ops)
     _assert_matches(got, want, got_caches, want_caches)
