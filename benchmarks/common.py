@@ -134,6 +134,46 @@ def prefill_batch(batch, seq_len, max_ckpt=2, ckpt_every=None):
     return qsl, StateSlots(src, dst, ck_off, ck_slot, jnp.int32(s)), num_slots
 
 
+def err_ratio(got, want) -> float:
+    """FLA's error ratio: ``rms(got - want) / rms(want)``, in float64."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.sqrt(np.mean((got - want) ** 2)) / max(np.sqrt(np.mean(want**2)), 1e-30))
+
+
+def sweep_launches(kernel, intra, operands, make_pool, *, intra_sweep, serial_variants,
+                   time_fn) -> dict:  # fmt: skip
+    """A delta-rule prefill's two launches tuned apart on ``operands = (acts, qsl, slots)``:
+    ``intra(warps, stages)`` (a :func:`time_stateful` step running the intra launch alone) timed
+    at each of ``intra_sweep``, then the whole ``kernel(*acts, pool, qsl, slots)`` at each of
+    ``serial_variants`` (name -> its keyword arguments), its output and state checked against
+    the default's (a variant that miscompiles shows; one that does not compile is a result).
+    ``make_pool()`` makes a fresh state pool (each timing donates its own); ``time_fn`` is the
+    script's :func:`time_stateful`."""
+    acts, qsl, slots = operands
+    want_o, want_s = jax.jit(kernel)(*acts, make_pool(), qsl, slots)
+    n = int(qsl[-1])
+    out = {"tokens": n}
+    for nw, ns in intra_sweep:
+        t = time_fn(intra(nw, ns), make_pool(), operands, iters=10)
+        out[f"intra_w{nw}_s{ns}_ms"] = 1e3 * t
+
+    def whole(st, acts, qsl, slots, fn):
+        o, st = fn(*acts, st, qsl, slots)
+        return st, o
+
+    for name, tuning in serial_variants.items():
+        fn = functools.partial(kernel, **tuning)
+        try:
+            o, st = jax.jit(fn)(*acts, make_pool(), qsl, slots)
+            errs = (err_ratio(o, want_o), err_ratio(st, want_s))
+            t = time_fn(functools.partial(whole, fn=fn), make_pool(), operands, iters=10)
+            out[name] = {"ms": 1e3 * t, "Mtok_per_s": n / t / 1e6, "err_vs_default": errs}
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
+            out[name] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(name, out[name], flush=True)
+    return out
+
+
 def torch_graph_ms(torch, fn, iters: int) -> tuple[float, str]:
     """Device ms per call of a torch ``fn``: ``iters`` calls replayed from one CUDA graph (no
     Python launch overhead, like the jitted chains of :func:`time_stateful`), and the mode

@@ -29,7 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import device_name, prefill_batch, time_stateful, torch_graph_ms
+from benchmarks.common import (
+    device_name,
+    err_ratio,
+    prefill_batch,
+    sweep_launches,
+    time_stateful,
+    torch_graph_ms,
+)
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
@@ -81,11 +88,6 @@ def _running_slots(rows) -> StateSlots:
 def _pool(key, num_slots, dtype=jnp.float32):
     """A state pool, ``[num_slots, Hv, Dv, Dk]`` (states stored transposed, ``hyjax.cache``)."""
     return (0.1 * jax.random.normal(key, (num_slots, HV, D, D), jnp.float32)).astype(dtype)
-
-
-def _err_ratio(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.sqrt(np.mean((got - want) ** 2)) / max(np.sqrt(np.mean(want**2)), 1e-30))
 
 
 # ----------------------------------------------------------------------------- timing
@@ -173,8 +175,8 @@ def check_prefill(precision, operand_dtype=None) -> dict:
     got_o, got_s = jax.jit(kernel)(*args)
     written = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9])
     return {
-        "output_err_ratio": _err_ratio(got_o, want_o),
-        "state_err_ratio": _err_ratio(np.asarray(got_s)[written], np.asarray(want_s)[written]),
+        "output_err_ratio": err_ratio(got_o, want_o),
+        "state_err_ratio": err_ratio(np.asarray(got_s)[written], np.asarray(want_s)[written]),
         "untouched_slot0_still_nan": bool(np.isnan(np.asarray(got_s)[0]).all()),
         "output_has_nan": bool(np.isnan(np.asarray(got_o, np.float32)).any()),
     }  # fmt: skip
@@ -193,8 +195,8 @@ def check_decode() -> dict:
     want_o, want_s = jax.jit(gdn_decode_reference)(*args)
     got_o, got_s = jax.jit(functools.partial(gpu.gdn_decode, interpret=INTERPRET))(*args)
     return {
-        "output_err_ratio": _err_ratio(got_o, want_o),
-        "state_err_ratio": _err_ratio(got_s, want_s),
+        "output_err_ratio": err_ratio(got_o, want_o),
+        "state_err_ratio": err_ratio(got_s, want_s),
     }
 
 
@@ -250,15 +252,11 @@ INTRA_SWEEP = [(4, 2), (4, 1), (8, 2)]  # the intra launch's (warps, stages)
 
 
 def sweep_prefill(batch, seq_len) -> dict:
-    """The default prefill's two launches tuned apart: the intra launch timed alone at each
-    (warps, stages), then the whole prefill at each serial variant of ``SERIAL_SWEEP`` (its
-    outputs and state checked against the default's: a variant that miscompiles shows)."""
+    """The default prefill's two launches tuned apart (:func:`benchmarks.common.sweep_launches`):
+    the intra launch alone at each of ``INTRA_SWEEP``, the whole at each of ``SERIAL_SWEEP``."""
     qsl, slots, num_slots = prefill_batch(batch, seq_len)
     acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
-    kernel = functools.partial(gpu.gdn_prefill, precision=None, interpret=INTERPRET)
-    want_o, want_s = jax.jit(kernel)(*acts, _pool(jax.random.PRNGKey(5), num_slots), qsl, slots)
     n = batch * seq_len
-    out = {"tokens": n}
 
     def intra(nw, ns):
         def one(st, acts, qsl, slots):
@@ -274,28 +272,21 @@ def sweep_prefill(batch, seq_len) -> dict:
 
         return one
 
-    for nw, ns in INTRA_SWEEP:
-        t = _time_stateful(intra(nw, ns), _pool(jax.random.PRNGKey(5), num_slots),
-                           (acts, qsl, slots), iters=10)  # fmt: skip
-        out[f"intra_w{nw}_s{ns}_ms"] = 1e3 * t
-    for vb_first, bv, nw, ns in SERIAL_SWEEP:
-        name = f"{'vbfirst' if vb_first else 'rowsfirst'}_bv{bv}_w{nw}_s{ns}"
-        fn = functools.partial(kernel, vb_first=vb_first, block_v=bv, num_warps=nw, num_stages=ns)
-        try:
-            o, st = jax.jit(fn)(*acts, _pool(jax.random.PRNGKey(5), num_slots), qsl, slots)
-            errs = (_err_ratio(o, want_o), _err_ratio(st, want_s))
-
-            def one(st, acts, qsl, slots, fn=fn):
-                o, st = fn(*acts, st, qsl, slots)
-                return st, o
-
-            t = _time_stateful(one, _pool(jax.random.PRNGKey(5), num_slots),
-                               (acts, qsl, slots), iters=10)  # fmt: skip
-            out[name] = {"ms": 1e3 * t, "Mtok_per_s": n / t / 1e6, "err_vs_default": errs}
-        except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
-            out[name] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
-        print(name, out[name], flush=True)
-    return out
+    variants = {
+        f"{'vbfirst' if vb_first else 'rowsfirst'}_bv{bv}_w{nw}_s{ns}": dict(
+            vb_first=vb_first, block_v=bv, num_warps=nw, num_stages=ns
+        )
+        for vb_first, bv, nw, ns in SERIAL_SWEEP
+    }
+    return sweep_launches(
+        functools.partial(gpu.gdn_prefill, precision=None, interpret=INTERPRET),
+        intra,
+        (acts, qsl, slots),
+        lambda: _pool(jax.random.PRNGKey(5), num_slots),
+        intra_sweep=INTRA_SWEEP,
+        serial_variants=variants,
+        time_fn=_time_stateful,
+    )
 
 
 def time_decode(rows, state_dtype=jnp.float32, **tuning) -> dict:
@@ -349,7 +340,7 @@ def check_fused_decode() -> dict:
     kernel = functools.partial(fused_decode.conv_gdn_decode, num_k_heads=HK, interpret=INTERPRET)
     got = jax.jit(kernel)(*args)
     return {
-        f"{name}_err_ratio": _err_ratio(g, w)
+        f"{name}_err_ratio": err_ratio(g, w)
         for name, g, w in zip(["output", "conv_state", "ssm_state"], got, want)
     }
 

@@ -31,7 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import device_name, prefill_batch, time_stateful, torch_graph_ms
+from benchmarks.common import (
+    device_name,
+    err_ratio,
+    prefill_batch,
+    sweep_launches,
+    time_stateful,
+    torch_graph_ms,
+)
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.kda import gpu
 from pallas_kernels.kda.reference import kda_decode_reference, kda_prefill_reference
@@ -69,11 +76,6 @@ def _pool(key, num_slots):
 def _kv(states):
     """Pool-layout states ``[..., Dv, Dk]`` as FLA holds them, ``[..., Dk, Dv]`` (and back)."""
     return jnp.swapaxes(jnp.asarray(states), -1, -2)
-
-
-def _err_ratio(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.sqrt(np.mean((got - want) ** 2)) / max(np.sqrt(np.mean(want**2)), 1e-30))
 
 
 def _time_stateful(step, state, operands, *, iters: int) -> float:
@@ -114,8 +116,8 @@ def check_prefill(lens, **variant) -> dict:
     got_s, want_s = np.asarray(got_s), np.asarray(want_s)
     nan = np.isnan(want_s).reshape(len(want_s), -1).all(1)  # slots the reference left alone
     return {
-        "output_err_ratio": _err_ratio(got_o, want_o),
-        "state_err_ratio": _err_ratio(got_s[~nan], want_s[~nan]),
+        "output_err_ratio": err_ratio(got_o, want_o),
+        "state_err_ratio": err_ratio(got_s[~nan], want_s[~nan]),
         "untouched_slots_still_nan": bool(np.isnan(got_s[nan]).all()),
         "output_has_nan": bool(np.isnan(np.asarray(got_o, np.float32)).any()),
     }
@@ -135,8 +137,8 @@ def check_decode() -> dict:
     want_o, want_s = jax.jit(kda_decode_reference)(*args)
     got_o, got_s = jax.jit(functools.partial(gpu.kda_decode, interpret=INTERPRET))(*args)
     return {
-        "output_err_ratio": _err_ratio(got_o, want_o),
-        "state_err_ratio": _err_ratio(got_s, want_s),
+        "output_err_ratio": err_ratio(got_o, want_o),
+        "state_err_ratio": err_ratio(got_s, want_s),
     }
 
 
@@ -179,8 +181,8 @@ def check_against_fla(t: int = 300, rows: int = 8) -> dict:
     q, k, v, g, b, A_log, dt_bias = (_to_torch(torch, x) for x in acts)
     o, s = _fla_call(chunk_kda, torch, q[None], k[None], v[None], g[None], b[None], A_log,
                      dt_bias, _to_torch(torch, _kv(h0[1:2])))  # fmt: skip
-    out["chunk_kda_output_err_ratio"] = _err_ratio(o[0].float().cpu().numpy(), want_o)
-    out["chunk_kda_state_err_ratio"] = _err_ratio(s[0].float().cpu().numpy(), _kv(want_s[1]))
+    out["chunk_kda_output_err_ratio"] = err_ratio(o[0].float().cpu().numpy(), want_o)
+    out["chunk_kda_state_err_ratio"] = err_ratio(s[0].float().cpu().numpy(), _kv(want_s[1]))
     acts = _activations(jax.random.PRNGKey(12), rows)
     pool = _pool(jax.random.PRNGKey(13), rows + 1)
     slots = jnp.arange(1, rows + 1, dtype=jnp.int32)
@@ -190,8 +192,8 @@ def check_against_fla(t: int = 300, rows: int = 8) -> dict:
     q, k, v, g, b, A_log, dt_bias = (_to_torch(torch, x) for x in acts)
     o, s = _fla_call(fused_recurrent_kda, torch, q[:, None], k[:, None], v[:, None], g[:, None],
                      b[:, None], A_log, dt_bias, _to_torch(torch, _kv(pool[1:])))  # fmt: skip
-    out["fused_recurrent_output_err_ratio"] = _err_ratio(o[:, 0].float().cpu().numpy(), want_o)
-    out["fused_recurrent_state_err_ratio"] = _err_ratio(s.float().cpu().numpy(), _kv(want_s[1:]))
+    out["fused_recurrent_output_err_ratio"] = err_ratio(o[:, 0].float().cpu().numpy(), want_o)
+    out["fused_recurrent_state_err_ratio"] = err_ratio(s.float().cpu().numpy(), _kv(want_s[1:]))
     return out
 
 
@@ -252,15 +254,11 @@ INTRA_SWEEP = [(4, 2), (8, 1), (8, 2), (8, 3)]
 
 
 def sweep_prefill(bsz, seq_len) -> dict:
-    """The default prefill's two launches tuned apart: the intra launch timed alone at each
-    (warps, stages), then the whole prefill at each serial variant of ``SERIAL_SWEEP`` (its
-    outputs and state checked against the default's: a variant that miscompiles shows)."""
+    """The default prefill's two launches tuned apart (:func:`benchmarks.common.sweep_launches`):
+    the intra launch alone at each of ``INTRA_SWEEP``, the whole at each of ``SERIAL_SWEEP``."""
     qsl, slots, num_slots = prefill_batch(bsz, seq_len)
     acts = _activations(jax.random.PRNGKey(4), bsz * seq_len)
-    kernel = functools.partial(gpu.kda_prefill, precision=None, interpret=INTERPRET)
-    want_o, want_s = jax.jit(kernel)(*acts, _pool(jax.random.PRNGKey(5), num_slots), qsl, slots)
     n = bsz * seq_len
-    out = {"tokens": n}
 
     def intra(nw, ns):
         def one(st, acts, qsl, slots):
@@ -277,23 +275,18 @@ def sweep_prefill(bsz, seq_len) -> dict:
 
         return one
 
-    for nw, ns in INTRA_SWEEP:
-        t = _time_stateful(intra(nw, ns), _pool(jax.random.PRNGKey(5), num_slots),
-                           (acts, qsl, slots), iters=10)  # fmt: skip
-        out[f"intra_w{nw}_s{ns}_ms"] = 1e3 * t
-    for bv, nw, ns in SERIAL_SWEEP:
-        name = f"serial_bv{bv}_w{nw}_s{ns}"
-        fn = functools.partial(kernel, block_v=bv, num_warps=nw, num_stages=ns)
-        try:
-            o, st = jax.jit(fn)(*acts, _pool(jax.random.PRNGKey(5), num_slots), qsl, slots)
-            errs = (_err_ratio(o, want_o), _err_ratio(st, want_s))
-            t = _time_stateful(_prefill_step(fn), _pool(jax.random.PRNGKey(5), num_slots),
-                               (acts, qsl, slots), iters=10)  # fmt: skip
-            out[name] = {"ms": 1e3 * t, "Mtok_per_s": n / t / 1e6, "err_vs_default": errs}
-        except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
-            out[name] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
-        print(name, out[name], flush=True)
-    return out
+    return sweep_launches(
+        functools.partial(gpu.kda_prefill, precision=None, interpret=INTERPRET),
+        intra,
+        (acts, qsl, slots),
+        lambda: _pool(jax.random.PRNGKey(5), num_slots),
+        intra_sweep=INTRA_SWEEP,
+        serial_variants={
+            f"serial_bv{bv}_w{nw}_s{ns}": dict(block_v=bv, num_warps=nw, num_stages=ns)
+            for bv, nw, ns in SERIAL_SWEEP
+        },
+        time_fn=_time_stateful,
+    )
 
 
 def time_decode(rows) -> dict:

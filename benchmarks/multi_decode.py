@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import device_name, time_stateful
+from benchmarks.common import device_name, err_ratio, time_stateful
 from pallas_kernels.common import multi_decode_gpu as md
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.gdn import gpu as gdn_gpu
@@ -106,11 +106,6 @@ def verify_slots(rows: int, k: int):
     return qsl, StateSlots(running, running, ck_off, ck_slot, jnp.int32(rows)), 1 + rows * (k + 1)
 
 
-def _err_ratio(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.sqrt(np.mean((got - want) ** 2)) / max(np.sqrt(np.mean(want**2)), 1e-30))
-
-
 # ----------------------------------------------------------------------------- timing
 
 
@@ -168,8 +163,8 @@ def check(family: str) -> dict:
     got_s, want_s = np.asarray(got_s), np.asarray(want_s)
     nan = np.isnan(want_s).reshape(len(want_s), -1).all(1)  # slots the reference left alone
     return {
-        "output_err_ratio": _err_ratio(got_o, want_o),
-        "state_err_ratio": _err_ratio(got_s[~nan], want_s[~nan]),
+        "output_err_ratio": err_ratio(got_o, want_o),
+        "state_err_ratio": err_ratio(got_s[~nan], want_s[~nan]),
         "untouched_slots_still_nan": bool(np.isnan(got_s[nan]).all()),
         "output_has_nan": bool(np.isnan(np.asarray(got_o, np.float32)).any()),
     }
