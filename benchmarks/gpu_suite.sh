@@ -22,7 +22,7 @@
 #   gdn       benchmarks.gdn_kernels --sweep
 #   gdnp      benchmarks.gdn_kernels: the default prefill at its four shapes and FLA, no sweep
 #   kda       benchmarks.kda_kernels --sweep (FLA's chunk_kda beside it: its wheels in .whl);
-#             give it SUITE_LIMIT_S >= 600 (its Triton compiles ran past 400 s on 2026-11-29)
+#             with its sweep it ran past 400 s on 2026-11-29: give it a call of its own
 #   decode    benchmarks.decode_variants
 #   step      benchmarks.step_profile --layers 8 --decode-rows 64,256 --host-profile
 #   stepdt    the same with --dispatch-thread, no host profile (the launch beside the host's
