@@ -163,8 +163,14 @@ SWEEP = [
 CEILING = [(16, 256, 2), (32, 256, 4), (64, 256, 4), (64, 256, 8), (128, 128, 4)]
 
 
+def _check_tiles(x, block_t: int, block_c: int) -> None:
+    if x.shape[0] % block_t or x.shape[1] % block_c:
+        raise ValueError(f"tiles ({block_t}, {block_c}) do not divide x's shape {x.shape}")
+
+
 def silu_pallas(x, *, block_t: int, block_c: int, num_warps: int):
     """``silu(x)`` for ``[T, C]`` in ``[block_t, block_c]`` tiles (T and C divisible)."""
+    _check_tiles(x, block_t, block_c)
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltr
 
@@ -185,12 +191,47 @@ def silu_pallas(x, *, block_t: int, block_c: int, num_warps: int):
     )(x)
 
 
-def time_ceiling(batch, seq_len, channels, *, bw, tiles=None) -> dict:
-    """One read and one write of the conv's ``x``: Pallas ``silu`` at ``tiles`` (block_t,
-    block_c, num_warps), or XLA's ``silu`` with ``tiles=None``."""
+# The same ceiling through Pallas' Mosaic GPU lowering (TMA copies, pipelined by the grid's
+# BlockSpecs): (block_t, block_c, max_concurrent_steps); an async copy moves <= 256 a dimension.
+MGPU_CEILING = [(64, 256, 2), (128, 256, 2), (64, 256, 4), (128, 128, 4), (256, 128, 2)]
+
+
+def silu_mosaic_gpu(x, *, block_t: int, block_c: int, steps: int, interpret: bool = False):
+    """``silu(x)`` for ``[T, C]`` in ``[block_t, block_c]`` tiles through Mosaic GPU: the
+    pipeline of ``pallas_call``'s grid streams the tiles by TMA, ``steps`` in flight."""
+    _check_tiles(x, block_t, block_c)
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def kernel(x_ref, y_ref):
+        v = x_ref[...].astype(jnp.float32)
+        y_ref[...] = (v * jax.nn.sigmoid(v)).astype(y_ref.dtype)
+
+    spec = pl.BlockSpec((block_t, block_c), lambda i, j: (i, j))
+    return pl.pallas_call(
+        kernel,
+        grid=(x.shape[0] // block_t, x.shape[1] // block_c),
+        in_specs=[spec],
+        out_specs=spec,
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        compiler_params=plgpu.CompilerParams(max_concurrent_steps=steps),
+        interpret=interpret,
+        name="silu_ceiling_mgpu",
+    )(x)
+
+
+def time_ceiling(batch, seq_len, channels, *, bw, tiles=None, backend="triton") -> dict:
+    """One read and one write of the conv's ``x``: Pallas ``silu`` at ``tiles`` (Triton:
+    block_t, block_c, num_warps; ``backend="mosaic_gpu"``: block_t, block_c, steps in
+    flight), or XLA's ``silu`` with ``tiles=None``."""
     x = jax.random.normal(jax.random.PRNGKey(0), (batch * seq_len, channels), DTYPE)
     if tiles is None:
         fn = jax.nn.silu
+    elif backend == "mosaic_gpu":
+        bt, bc, steps = tiles
+        fn = functools.partial(
+            silu_mosaic_gpu, block_t=bt, block_c=bc, steps=steps, interpret=INTERPRET
+        )
     else:
         bt, bc, nw = tiles
         fn = functools.partial(silu_pallas, block_t=bt, block_c=bc, num_warps=nw)
@@ -208,11 +249,39 @@ def time_ceiling(batch, seq_len, channels, *, bw, tiles=None) -> dict:
     return out
 
 
+TRITON_BEST = [(16, 256, 2), (64, 256, 8)]  # CEILING's fastest two on an H200 (2026-11-29)
+
+
+def ceiling_pass(guarded, b, t, channels, bw) -> None:
+    """The ``silu`` ceilings at one shape: the Triton lowering's best tiles, every Mosaic GPU
+    variant, and XLA's fusion."""
+    for tiles in TRITON_BEST:
+        name = "bt{}_bc{}_w{}".format(*tiles)
+        guarded(
+            f"ceiling_B{b}_T{t}_silu_pallas_{name}",
+            lambda tiles=tiles: time_ceiling(b, t, channels, bw=bw, tiles=tiles),
+        )
+    for tiles in MGPU_CEILING:
+        name = "bt{}_bc{}_s{}".format(*tiles)
+        guarded(
+            f"ceiling_B{b}_T{t}_silu_mgpu_{name}",
+            lambda tiles=tiles: time_ceiling(
+                b, t, channels, bw=bw, tiles=tiles, backend="mosaic_gpu"
+            ),
+        )
+    guarded(f"ceiling_B{b}_T{t}_silu_xla", lambda: time_ceiling(b, t, channels, bw=bw))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
     p.add_argument("--sweep", action="store_true", help="tile / warp sweep at B=1 T=4096")
+    p.add_argument(
+        "--ceiling-only",
+        action="store_true",
+        help="only the silu ceilings (Triton, Mosaic GPU, XLA) at every shape, no conv",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     global INTERPRET
@@ -239,7 +308,12 @@ def main() -> None:
     guarded("copy_bandwidth_GBps", lambda: copy_bandwidth(2**20 if args.quick else 2**30) / 1e9)
     bw = summary["copy_bandwidth_GBps"]
     bw = bw * 1e9 if isinstance(bw, float) else None
-    guarded("check", lambda: check(channels))
+    if args.ceiling_only:  # which lowering moves [T, C] bytes fastest, at every shape
+        for b, t in shapes:
+            ceiling_pass(guarded, b, t, channels, bw)
+        shapes = []  # and no conv
+    else:
+        guarded("check", lambda: check(channels))
     for b, t in shapes:
         guarded(
             f"prefill_B{b}_T{t}",
@@ -247,7 +321,7 @@ def main() -> None:
                 b, t, channels, reference=True, ckpt_every=ckpt_every, bw=bw
             ),
         )
-    if args.sweep:
+    if args.sweep and shapes:
         b, t = shapes[0]
         timed = []  # (us, tiles) of every tiling that ran
         for bt, bc, nw, ns in SWEEP:

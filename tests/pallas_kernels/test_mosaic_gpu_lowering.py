@@ -1,0 +1,44 @@
+"""Mosaic GPU kernels lower on a CPU host: the conv benchmark's Mosaic GPU ``silu`` ceiling.
+
+``benchmarks/conv1d_kernels.py --ceiling-only`` times Pallas' two GPU lowerings (Triton and
+Mosaic GPU) and XLA moving the conv's ``[T, C]`` bytes once (BENCHMARKS.md: the Triton
+lowering's ceiling is 63-65 % of copy bandwidth on an H200). Here, without a GPU: every Mosaic
+GPU tiling it times lowers to a Mosaic GPU custom call at the benchmark's shape (Mosaic GPU's
+own checks run at lowering: shared memory, TMA copy sizes), and the kernel computes ``silu``
+in Pallas' interpreter.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks.conv1d_kernels import CHANNELS, MGPU_CEILING, silu_mosaic_gpu
+
+
+@pytest.mark.parametrize("tiles", MGPU_CEILING, ids=lambda t: "bt{}_bc{}_s{}".format(*t))
+def test_silu_ceiling_lowers_to_mosaic_gpu(tiles):
+    bt, bc, steps = tiles
+    x = jax.ShapeDtypeStruct((4096, CHANNELS), jnp.bfloat16)
+    fn = jax.jit(lambda x: silu_mosaic_gpu(x, block_t=bt, block_c=bc, steps=steps))
+    text = fn.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @mosaic_gpu" in text
+
+
+def test_mosaic_gpu_lowering_checks_shared_memory():
+    """A tiling over the shared memory is refused at lowering, on this host: the test above
+    would catch a ceiling variant that cannot run."""
+    x = jax.ShapeDtypeStruct((4096, 512), jnp.float32)
+    fn = jax.jit(lambda x: silu_mosaic_gpu(x, block_t=256, block_c=256, steps=4))
+    with pytest.raises(ValueError, match="shared memory"):
+        fn.trace(x).lower(lowering_platforms=("cuda",))
+
+
+def test_silu_ceiling_computes_silu():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(256, 512)), jnp.bfloat16)
+    got = silu_mosaic_gpu(x, block_t=64, block_c=256, steps=2, interpret=True)
+    want = jax.nn.silu(x.astype(jnp.float32)).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match="do not divide"):
+        silu_mosaic_gpu(x, block_t=96, block_c=256, steps=2, interpret=True)
