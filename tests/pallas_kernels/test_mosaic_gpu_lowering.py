@@ -31,9 +31,7 @@ def test_silu_ceiling_lowers_to_mosaic_gpu(tiles):
     assert "custom_call @mosaic_gpu" in text
 
 
-@pytest.mark.parametrize(
-    "tiles", MGPU_KERNEL_CEILING, ids=lambda t: "bt{}_bc{}_s{}_g{}".format(*t)
-)
+@pytest.mark.parametrize("tiles", MGPU_KERNEL_CEILING, ids=lambda t: "bt{}_bc{}_s{}_g{}".format(*t))
 def test_silu_ceiling_through_plgpu_kernel_lowers(tiles):
     """The same through ``plgpu.kernel`` and ``emit_pipeline`` (``pallas_call`` for Mosaic GPU
     is deprecated in jax 0.10: the benchmark times both, in case the GPU's jax dropped it)."""
