@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import device_name, time_stateful
+from hyjax.layers.conv_channels import pack_conv_channels, split_qkvz
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d import gpu
 from pallas_kernels.conv1d.reference import causal_conv1d_prefill_reference
@@ -150,6 +151,71 @@ def time_prefill(batch, seq_len, channels, *, reference: bool, ckpt_every: int, 
             out[f"{name}_pct_of_copy_bw"] = 100 * moved / t / bw
     if reference:
         out["speedup"] = out["xla_us"] / out["pallas_us"]
+    return out
+
+
+# The GDN layer's conv as the engine runs it (the 80B's heads: 16 key heads of 128, 2 value
+# heads each): XLA packs q | k | v out of the projection's output, the conv kernel runs, XLA
+# slices its output back into q, k, v; against the kernel reading the projection's output in
+# place and writing q, k, v apart (`causal_conv1d_prefill_qkvz`), at these tilings
+# (block_t, block_c, num_warps).
+QKVZ_HEADS = (16, 128, 128, 2)  # (Hk, Dk, Dv, r)
+QKVZ_TILES = [(8, 256, 2), (8, 128, 1), (8, 256, 4), (16, 256, 2), (8, 512, 4)]
+
+
+def _pack_qkvz(qkvz, hk, dk, dv, ratio):
+    """The layer's split and packing of the projection's output (one shard)."""
+    q, k, v, _ = split_qkvz(qkvz, hk, dk, dv, ratio)
+    return pack_conv_channels(q, k, v, 1)
+
+
+def time_qkvz(batch, seq_len, *, ckpt_every: int, bw) -> dict:
+    """The packed path against the in-place kernel at each of ``QKVZ_TILES``: us per call,
+    outputs checked equal first. q, k, v leave through an optimization barrier, as they leave
+    for the delta-rule kernel (a custom call takes dense arrays): XLA must write them whole."""
+    hk, dk, dv, r = QKVZ_HEADS
+    c = 2 * hk * dk + hk * r * dv
+    x, weight, pool, qsl, slots, writes = prefill_batch(batch, seq_len, c, ckpt_every)
+    key = jax.random.PRNGKey(7)
+    qkvz = jax.random.normal(key, (batch * seq_len, hk * (2 * dk + 2 * r * dv)), DTYPE)
+    splits = (hk * dk, hk * dk, hk * r * dv)
+
+    def packed(pool, qkvz, weight):
+        y, pool = gpu.causal_conv1d_prefill(
+            _pack_qkvz(qkvz, hk, dk, dv, r), weight, pool, qsl, slots, interpret=INTERPRET
+        )
+        bounds = np.cumsum((0, *splits))
+        parts = tuple(y[:, a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+        return pool, jax.lax.optimization_barrier(parts)
+
+    def in_place(pool, qkvz, weight, tiles):
+        bt, bc, nw = tiles
+        *parts, pool = gpu.causal_conv1d_prefill_qkvz(
+            qkvz, weight, pool, qsl, slots, num_k_heads=hk, head_dims=(dk, dv), block_t=bt,
+            block_c=bc, num_warps=nw, interpret=INTERPRET,
+        )  # fmt: skip
+        return pool, jax.lax.optimization_barrier(tuple(parts))
+
+    want = jax.jit(packed)(jnp.copy(pool), qkvz, weight)[1]
+    moved = bytes_moved(x, pool, batch, writes)
+    out = {"bytes_moved_MB": moved / 1e6}
+    iters, repeats = (1, 1) if INTERPRET else (20, 5)
+    variants = {"packed_xla_pack_and_slices": packed}
+    for tiles in QKVZ_TILES:
+        variants["in_place_bt{}_bc{}_w{}".format(*tiles)] = functools.partial(in_place, tiles=tiles)
+    for name, fn in variants.items():
+        try:
+            got = jax.jit(fn)(jnp.copy(pool), qkvz, weight)[1]
+            equal = all(
+                np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+                for a, b in zip(got, want, strict=True)
+            )
+            t = time_stateful(fn, jnp.copy(pool), (qkvz, weight), iters=iters, repeats=repeats)
+            out[name] = {"us": 1e6 * t, "outputs_equal_packed": equal}
+            if bw:
+                out[name]["pct_of_copy_bw"] = 100 * moved / t / bw
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
+            out[name] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
     return out
 
 
@@ -335,6 +401,11 @@ def main() -> None:
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
     p.add_argument("--sweep", action="store_true", help="tile / warp sweep at B=1 T=4096")
     p.add_argument(
+        "--qkvz-only",
+        action="store_true",
+        help="only the GDN layer's conv: packed by XLA against read in place, every shape",
+    )
+    p.add_argument(
         "--ceiling-only",
         action="store_true",
         help="only the silu ceilings (Triton, Mosaic GPU, XLA) at every shape, no conv",
@@ -365,7 +436,14 @@ def main() -> None:
     guarded("copy_bandwidth_GBps", lambda: copy_bandwidth(2**20 if args.quick else 2**30) / 1e9)
     bw = summary["copy_bandwidth_GBps"]
     bw = bw * 1e9 if isinstance(bw, float) else None
-    if args.ceiling_only:  # which lowering moves [T, C] bytes fastest, at every shape
+    if args.qkvz_only:  # the two extra passes around the GDN layer's conv, or none
+        for b, t in shapes:
+            guarded(
+                f"qkvz_B{b}_T{t}",
+                lambda b=b, t=t: time_qkvz(b, t, ckpt_every=ckpt_every, bw=bw),
+            )
+        shapes = []
+    elif args.ceiling_only:  # which lowering moves [T, C] bytes fastest, at every shape
         for b, t in shapes:
             ceiling_pass(guarded, b, t, channels, bw)
         shapes = []  # and no conv

@@ -28,6 +28,17 @@ def pack_conv_channels(
     return jnp.concatenate(parts, axis=-1).reshape(n, -1)
 
 
+def split_qkvz(qkvz: jax.Array, num_k_heads: int, dk: int, dv: int, ratio: int):
+    """A GDN input projection's output, ``[n, Hk * W]`` (``W = 2 Dk + 2 r Dv``: per key head
+    ``q | k | v of its r value heads | z``), as ``q, k [n, Hk, Dk]``, ``v, z [n, Hk r, Dv]``."""
+    n = qkvz.shape[0]
+    per_head = qkvz.reshape(n, num_k_heads, 2 * dk + 2 * ratio * dv)
+    q, k = per_head[..., :dk], per_head[..., dk : 2 * dk]
+    v = per_head[..., 2 * dk : 2 * dk + ratio * dv].reshape(n, num_k_heads * ratio, dv)
+    z = per_head[..., 2 * dk + ratio * dv :].reshape(n, num_k_heads * ratio, dv)
+    return q, k, v, z
+
+
 def conv_channel_order(
     qk_heads: tuple[int, int], v_heads: tuple[int, int], shards: int
 ) -> np.ndarray:

@@ -36,6 +36,15 @@ A window program writes ``[K-1, BC]`` rows ``off - (K-1) .. off - 1`` of its row
 or from the source window where negative) to its slot; ``off`` is the checkpoint's offset, or
 the row's length for ``dst``. Nothing else is written to the pool.
 
+The inputs need not be one ``[T, C]`` array: channel ``c`` is read at column
+``xcol[c // run] + c % run`` of ``x`` (runs of contiguous channels, one table entry each), and
+the outputs may be several arrays, consecutive channel ranges (``splits``).
+:func:`causal_conv1d_prefill` is the plain case (runs of a tile, one output);
+:func:`causal_conv1d_prefill_qkvz` reads a GDN layer's q | k | v where its input projection
+leaves them (interleaved per key head with z) and writes q, k and v apart: the conv without
+the layer's packing pass before it and slicing pass after it (an experiment of
+``benchmarks.conv1d_kernels --qkvz-only`` until measured on a GPU; not in the engine).
+
 Reads before writes: the source windows of all rows are gathered (``read_slots``, one small
 XLA fusion of ``S * (K-1) * C`` elements) before the launch, and the kernel reads that copy,
 never the pool. So a row that updates its slot in place (``src == dst``) cannot see its new
@@ -66,6 +75,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
@@ -113,34 +123,53 @@ def _prefill_kernel(
     nseq_ref,  # i32[1]
     dst_ref,  # i32[S]
     ck_off_ref, ck_slot_ref,  # i32[S, M]
-    x_ref,  # [T, C]
+    x_ref,  # [T, X]  the inputs: channel c of run p at column xcol[p] + c % run
+    xcol_ref,  # i32[ceil(C / run)]
     w_ref,  # [C, K]
     init_ref,  # [S, K-1, C]  the source windows (zeros where src == 0)
     pool_in,  # [num_slots, K-1, C]  aliased to pool_out; never read
-    y_ref,  # [T, C]
-    pool_out,  # [num_slots, K-1, C]
-    *, block_t: int, block_c: int, sub_c: int,
+    *refs,  # the outputs y (one [T, n] per split), then pool_out [num_slots, K-1, C]
+    block_t: int, block_c: int, sub_c: int, run: int, splits: tuple[int, ...],
 ):  # fmt: skip
     del pool_in
-    num_tokens, c = x_ref.shape
-    kw = w_ref.shape[1]
+    *ys, pool_out = refs
+    num_tokens = x_ref.shape[0]
+    c, kw = w_ref.shape
     km1 = kw - 1
     rows, max_ckpt = ck_off_ref.shape
     num_windows = rows * (max_ckpt + 1)
     pid, cb = pl.program_id(0), pl.program_id(1)
     f32 = jnp.float32
+    vw = min(block_c, run)  # the widest channel vector inside one run of x
+
+    def iota(width: int, ndim: int):
+        shape = (width,) if ndim == 1 else (1, width)
+        return jax.lax.broadcasted_iota(jnp.int32, shape, ndim - 1)
 
     def channels(first: int, width: int, ndim: int):
-        """Channel indices ``cb * BC + first + [0, width)`` as ``[width]`` or ``[1, width]``,
-        their in-bounds mask, and the same channels as a slice (for stores)."""
-        shape = (width,) if ndim == 1 else (1, width)
-        cols = cb * block_c + first + jax.lax.broadcasted_iota(jnp.int32, shape, ndim - 1)
-        return cols, cols < c, pl.ds(cb * block_c + first, width)
+        """Channels ``cb * BC + first + [0, width)`` as ``[width]`` or ``[1, width]``, their
+        in-bounds mask, and x's columns holding them (``width`` inside one run)."""
+        ch0 = cb * block_c + first
+        cols = ch0 + iota(width, ndim)
+        x0 = xcol_ref[jnp.minimum(ch0 // run, xcol_ref.shape[0] - 1)] + ch0 % run
+        return cols, cols < c, x0 + iota(width, ndim)
 
-    def tap_x(tok, cols, ok):
-        """``x[tok, cols]`` in f32 where ``ok`` (zeros elsewhere, nothing read)."""
+    def store_y(rows_, first: int, width: int, y, mask):
+        """``y`` into the output split holding channels ``cb * BC + first + [0, width)``."""
+        ch0 = cb * block_c + first
+        lo = 0
+        for out, n in zip(ys, splits, strict=True):
+
+            @pl.when((ch0 >= lo) & (ch0 < lo + n))
+            def _(out=out, lo=lo):
+                pltr.store(out.at[rows_, pl.ds(ch0 - lo, width)], y.astype(out.dtype), mask=mask)
+
+            lo += n
+
+    def tap_x(tok, xcols, ok):
+        """``x[tok, xcols]`` in f32 where ``ok`` (zeros elsewhere, nothing read)."""
         tok = jnp.clip(tok, 0, num_tokens - 1)
-        return pltr.load(x_ref.at[tok, cols], mask=ok, other=0).astype(f32)
+        return pltr.load(x_ref.at[tok, xcols], mask=ok, other=0).astype(f32)
 
     def tap_init(row, pos, cols, ok):
         """``init[row, K-1 + pos, cols]`` (``pos`` in [-(K-1), 0)) in f32 where ``ok``."""
@@ -165,11 +194,15 @@ def _prefill_kernel(
         kp = _pow2_at_least(km1)
         i = jax.lax.broadcasted_iota(jnp.int32, (kp, 1), 0)  # window row
         pos = off - km1 + i  # its position in the row's new tokens
-        ok = (i < km1) & (s < nseq_ref[0]) & (slot > 0)
-        cols, col_ok, chans = channels(0, block_c, 2)
-        ok = ok & col_ok
-        win = tap_x(start + pos, cols, ok & (pos >= 0)) + tap_init(s, pos, cols, ok & (pos < 0))
-        pltr.store(pool_out.at[slot, pl.ds(0, kp), chans], win.astype(pool_out.dtype), mask=ok)
+        row_ok = (i < km1) & (s < nseq_ref[0]) & (slot > 0)
+        for first in range(0, block_c, vw):
+            cols, col_ok, xcols = channels(first, vw, 2)
+            ok = row_ok & col_ok
+            win = tap_x(start + pos, xcols, ok & (pos >= 0)) + tap_init(
+                s, pos, cols, ok & (pos < 0)
+            )
+            chans = pl.ds(cb * block_c + first, vw)
+            pltr.store(pool_out.at[slot, pl.ds(0, kp), chans], win.astype(pool_out.dtype), mask=ok)
 
     t0 = (pid - num_windows) * block_t
     n_live = qsl_ref[nseq_ref[0]]
@@ -179,18 +212,21 @@ def _prefill_kernel(
 
     @pl.when((pid >= num_windows) & inner)
     def _():
-        # Rows as separate [BC] vectors, loaded once (the K-1 above the tile too): the taps
-        # are the same vectors shifted by a list index, no reload, no mask but the channels'.
-        cols, col_ok, chans = channels(0, block_c, 1)
-        xs = [
-            pltr.load(x_ref.at[t0 + i, cols], mask=col_ok, other=0) for i in range(-km1, block_t)
-        ]  # xs[i + K-1] = x[t0 + i]
-        w = weights(cols, col_ok)
-        for i in range(block_t):
-            acc = xs[i].astype(f32) * w[0]  # same order of sums as the reference
-            for j in range(1, kw):
-                acc = acc + xs[i + j].astype(f32) * w[j]
-            pltr.store(y_ref.at[t0 + i, chans], _silu(acc).astype(y_ref.dtype), mask=col_ok)
+        # Rows as separate [BC] vectors (in runs of x), loaded once (the K-1 above the tile
+        # too): the taps are the same vectors shifted by a list index, no reload, no mask but
+        # the channels'.
+        for first in range(0, block_c, vw):
+            cols, col_ok, xcols = channels(first, vw, 1)
+            xs = [
+                pltr.load(x_ref.at[t0 + i, xcols], mask=col_ok, other=0)
+                for i in range(-km1, block_t)
+            ]  # xs[i + K-1] = x[t0 + i]
+            w = weights(cols, col_ok)
+            for i in range(block_t):
+                acc = xs[i].astype(f32) * w[0]  # same order of sums as the reference
+                for j in range(1, kw):
+                    acc = acc + xs[i + j].astype(f32) * w[j]
+                store_y(t0 + i, first, vw, _silu(acc), col_ok)
 
     @pl.when((pid >= num_windows) & ~inner)
     def _():
@@ -201,22 +237,58 @@ def _prefill_kernel(
         row = _row_of(qsl_ref, t, rows)
         local = t - pltr.load(qsl_ref.at[row])  # index in the row's new tokens
         for first in range(0, block_c, sub_c):
-            cols, col_ok, chans = channels(first, sub_c, 2)
+            cols, col_ok, xcols = channels(first, sub_c, 2)
             w = weights(cols, col_ok)
             acc = jnp.zeros((block_t, sub_c), f32)
             for j in range(kw):  # same order of sums as the reference
                 d = j - km1
                 pos = local + d
-                v = tap_x(t + d, cols, live & (pos >= 0) & col_ok)
+                v = tap_x(t + d, xcols, live & (pos >= 0) & col_ok)
                 if d < 0:
                     v = v + tap_init(row, pos, cols, live & (pos < 0) & col_ok)
                 acc = v * w[j] if j == 0 else acc + v * w[j]
             y = jnp.where(live, _silu(acc), 0.0)
-            pltr.store(
-                y_ref.at[pl.ds(t0, block_t), chans],
-                y.astype(y_ref.dtype),
-                mask=(t < num_tokens) & col_ok,
-            )
+            store_y(pl.ds(t0, block_t), first, sub_c, y, (t < num_tokens) & col_ok)
+
+
+def _launch_prefill(
+    x, xcol, weight, conv_state, query_start_loc, slots, *, run: int, splits: tuple[int, ...],
+    block_t: int, block_c: int, num_warps: int, num_stages: int, interpret: bool,
+) -> tuple[jax.Array, ...]:  # fmt: skip
+    """:func:`_prefill_kernel` over grid ``(W + ceil(T / BT), ceil(C / BC))``: the outputs
+    (one per split), then the pool."""
+    n = x.shape[0]
+    c = weight.shape[0]
+    rows, max_ckpt = slots.ckpt_offsets.shape
+    num_windows = rows * (max_ckpt + 1)
+    src, dst, ck_off, ck_slot, num_seqs = slots.arrays()
+    init = read_slots(conv_state, src)  # [S, K-1, C], read before the pool is written
+    args = (query_start_loc.astype(jnp.int32), num_seqs, dst, ck_off, ck_slot, x,
+            jnp.asarray(xcol, jnp.int32), weight, init, conv_state)  # fmt: skip
+    kernel = functools.partial(
+        _prefill_kernel, block_t=block_t, block_c=block_c, sub_c=min(block_c, SUB_C, run),
+        run=run, splits=splits,
+    )  # fmt: skip
+    return tuple(
+        pl.pallas_call(
+            kernel,
+            grid=(num_windows + pl.cdiv(n, block_t), pl.cdiv(c, block_c)),
+            out_shape=[
+                *(jax.ShapeDtypeStruct((n, k), x.dtype) for k in splits),
+                jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+            ],
+            input_output_aliases={len(args) - 1: len(splits)},
+            compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            interpret=interpret,
+            name="causal_conv1d_prefill_gpu",
+        )(*args)
+    )
+
+
+def _check_blocks(block_t: int, block_c: int) -> None:
+    for name, b in (("block_t", block_t), ("block_c", block_c)):
+        if b < 1 or b & (b - 1):
+            raise ValueError(f"{name}={b} must be a power of two")
 
 
 def causal_conv1d_prefill(
@@ -239,31 +311,85 @@ def causal_conv1d_prefill(
     of two) are the token x channel tile, shrunk to the problem when it is smaller.
     """
     check_conv1d_args(x, weight, conv_state, slots, query_start_loc)
-    for name, b in (("block_t", block_t), ("block_c", block_c)):
-        if b < 1 or b & (b - 1):
-            raise ValueError(f"{name}={b} must be a power of two")
+    _check_blocks(block_t, block_c)
     n, c = x.shape
-    rows, max_ckpt = slots.ckpt_offsets.shape
     bt = min(block_t, _pow2_at_least(n))
     bc = min(block_c, _pow2_at_least(c))
-    sub_c = min(bc, SUB_C)
-    num_windows = rows * (max_ckpt + 1)
-    src, dst, ck_off, ck_slot, num_seqs = slots.arrays()
-    init = read_slots(conv_state, src)  # [S, K-1, C], read before the pool is written
-    args = (query_start_loc.astype(jnp.int32), num_seqs, dst, ck_off, ck_slot, x, weight, init,
-            conv_state)  # fmt: skip
-    return pl.pallas_call(
-        functools.partial(_prefill_kernel, block_t=bt, block_c=bc, sub_c=sub_c),
-        grid=(num_windows + pl.cdiv(n, bt), pl.cdiv(c, bc)),
-        out_shape=[
-            jax.ShapeDtypeStruct(x.shape, x.dtype),
-            jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
-        ],
-        input_output_aliases={len(args) - 1: 1},
-        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="causal_conv1d_prefill_gpu",
-    )(*args)
+    # x's columns are the channels: one run a channel tile, at its own column
+    xcol = np.arange(pl.cdiv(c, bc), dtype=np.int32) * bc
+    return _launch_prefill(
+        x, xcol, weight, conv_state, query_start_loc, slots, run=bc, splits=(c,), block_t=bt,
+        block_c=bc, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )  # fmt: skip
+
+
+def qkvz_columns(num_k_heads: int, dk: int, dv: int, ratio: int, run: int) -> np.ndarray:
+    """Where the GDN conv's channels sit in its projection's output, ``qkvz [T, Hk * W]``
+    (``W = 2 Dk + 2 r Dv``: per key head ``q | k | v of its r value heads | z``): the column of
+    the first channel of each ``run`` channels of ``q (all heads) | k | v`` (``run`` divides
+    ``Dk`` and ``r Dv``, so a run is contiguous in ``qkvz``)."""
+    w = 2 * dk + 2 * ratio * dv
+    cols = []
+    for width, offset in ((dk, 0), (dk, dk), (ratio * dv, 2 * dk)):  # q, k, v
+        for h in range(num_k_heads):
+            cols.extend(h * w + offset + np.arange(0, width, run))
+    return np.asarray(cols, np.int32)
+
+
+def qkvz_run(dk: int, dv: int, ratio: int, block_c: int = BLOCK_C) -> int | None:
+    """The contiguous run of :func:`causal_conv1d_prefill_qkvz`'s reads: the largest power of
+    two up to ``block_c`` dividing ``Dk`` and ``r Dv``, at least 8 (a Triton vector), else
+    None (the kernel cannot take these heads)."""
+    run = block_c
+    while run >= 8:
+        if dk % run == 0 and (ratio * dv) % run == 0:
+            return run
+        run //= 2
+    return None
+
+
+def causal_conv1d_prefill_qkvz(
+    qkvz: jax.Array,  # [T, Hk * (2 Dk + 2 r Dv)]  the GDN input projection's output
+    weight: jax.Array,  # [C, K]  C = 2 Hk Dk + Hv Dv, channels q | k | v
+    conv_state: jax.Array,  # [num_slots, K-1, C]  donated: updated in place
+    query_start_loc: jax.Array,  # i32[S+1]
+    slots: StateSlots,  # DESIGN.md §3
+    *,
+    num_k_heads: int,
+    head_dims: tuple[int, int],  # (Dk, Dv)
+    block_t: int = BLOCK_T,
+    block_c: int = BLOCK_C,
+    num_warps: int = 2,
+    num_stages: int = 1,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`causal_conv1d_prefill` of a GDN layer's ``q | k | v`` read where its input
+    projection leaves them (no packing pass before the conv) and handed back apart (no
+    slicing pass after it): ``(q [T, Hk Dk], k [T, Hk Dk], v [T, Hv Dv], conv_state)``. The
+    same windows, checkpoints and arithmetic as the packed call; an experiment of
+    ``benchmarks.conv1d_kernels`` until measured (not in the engine)."""
+    hk, (dk, dv) = num_k_heads, head_dims
+    c, _ = weight.shape
+    hv = (c - 2 * hk * dk) // dv
+    if hk < 1 or hv < 1 or c != 2 * hk * dk + hv * dv or hv % hk:
+        raise ValueError(f"{c} conv channels are not q | k | v of {hk} key heads with {head_dims=}")
+    ratio = hv // hk
+    if qkvz.shape[1] != hk * (2 * dk + 2 * ratio * dv):
+        raise ValueError(f"qkvz {qkvz.shape} is not [T, {hk} * (2 Dk + 2 r Dv)] for {head_dims=}")
+    _check_blocks(block_t, block_c)
+    run = qkvz_run(dk, dv, ratio, block_c)
+    if run is None:
+        raise ValueError(f"{head_dims=}: no power-of-two run of >= 8 divides Dk and r Dv")
+    check_conv1d_args(
+        jax.ShapeDtypeStruct((qkvz.shape[0], c), qkvz.dtype), weight, conv_state, slots,
+        query_start_loc,
+    )  # fmt: skip
+    bt = min(block_t, _pow2_at_least(qkvz.shape[0]))
+    return _launch_prefill(
+        qkvz, qkvz_columns(hk, dk, dv, ratio, run), weight, conv_state, query_start_loc, slots,
+        run=run, splits=(hk * dk, hk * dk, hv * dv), block_t=bt, block_c=block_c,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- decode update

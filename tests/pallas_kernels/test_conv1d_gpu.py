@@ -7,11 +7,14 @@ bit-identical to the reference's (NaN-poisoned slots nobody reads or writes incl
 outputs are the same float32 sums in the same order.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hyjax.layers.conv_channels import pack_conv_channels, split_qkvz
 from pallas_kernels.conv1d import gpu
 from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
@@ -236,3 +239,79 @@ def test_update_lowers_to_triton_at_80b_shapes():
     fn = jax.jit(lambda *a: gpu.causal_conv1d_update(*a, splits=(2048, 2048, 4096)))
     args = [sd((rows, c), bf), sd((c, kw), bf), sd((20, kw - 1, c), bf), abstract_slots(rows, 2)]
     assert "triton" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _pack_qkvz(qkvz, hk, dk, dv, ratio):
+    """The conv's q | k | v channels out of a GDN projection's ``[T, Hk * W]`` output, as the
+    layer packs them (the oracle's input)."""
+    q, k, v, _ = split_qkvz(qkvz, hk, dk, dv, ratio)
+    return pack_conv_channels(q, k, v, 1)
+
+
+QKVZ_CASES = [
+    # (lens, hk, dk, dv, ratio, dtype, block_t, block_c): run = min(Dk, r Dv, BC)
+    ([1, 63, 64, 65, 130], 2, 16, 8, 2, jnp.float32, 16, 32),  # run 16 < BC: two runs a tile
+    ([150, 3, 40], 2, 32, 16, 2, jnp.bfloat16, 16, 64),  # run 32: q and k tiles span heads
+    ([2, 1, 5, 1, 3], 1, 16, 16, 1, jnp.float32, 4, 16),  # rows shorter than K - 1
+]
+
+
+@pytest.mark.parametrize("lens,hk,dk,dv,ratio,dtype,bt,bc", QKVZ_CASES)
+def test_prefill_reads_qkvz_in_place(lens, hk, dk, dv, ratio, dtype, bt, bc):
+    """The conv of q | k | v read where the GDN projection leaves them and handed back apart:
+    the packed call's windows bit for bit, its outputs split, z never read."""
+    rng = np.random.default_rng(sum(lens) + dk)
+    case = ragged_case(lens, max_ckpt=3)
+    kw, hv = 4, hk * ratio
+    c = 2 * hk * dk + hv * dv
+    qkvz = jnp.asarray(rng.normal(size=(case.num_tokens, hk * (2 * dk + 2 * ratio * dv))), dtype)
+    w = jnp.asarray(rng.normal(size=(c, kw)), dtype)
+    pool = jnp.asarray(case.pool(rng, (kw - 1, c), np.float32), dtype)
+    qsl = jnp.asarray(case.query_start_loc, jnp.int32)
+    packed = _pack_qkvz(qkvz, hk, dk, dv, ratio)
+    want_y, want_s = jax.jit(causal_conv1d_prefill_reference)(packed, w, pool, qsl, case.slots())
+    fn = jax.jit(
+        lambda *a: gpu.causal_conv1d_prefill_qkvz(
+            *a, num_k_heads=hk, head_dims=(dk, dv), block_t=bt, block_c=bc, interpret=True
+        )
+    )
+    *got_ys, got_s = fn(qkvz, w, pool, qsl, case.slots())
+    assert [y.shape for y in got_ys] == [(case.num_tokens, n) for n in (hk * dk, hk * dk, hv * dv)]
+    _check((jnp.concatenate(got_ys, axis=1), got_s), (want_y, want_s), dtype)
+    # z is not an input: poisoning it changes nothing
+    z_cols = np.concatenate(
+        [h * (2 * dk + 2 * ratio * dv) + np.arange(2 * dk + ratio * dv, 2 * dk + 2 * ratio * dv)
+         for h in range(hk)]
+    )  # fmt: skip
+    *poisoned, _ = fn(qkvz.at[:, z_cols].set(jnp.nan), w, pool, qsl, case.slots())
+    for a, b in zip(poisoned, got_ys, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_prefill_qkvz_rejects_bad_shapes():
+    case = ragged_case([5, 3])
+    w = jnp.zeros((2 * 16 + 2 * 8, 4))  # hk=1, dk=16, hv=2, dv=8
+    pool = jnp.zeros((4, 3, 48))
+    qsl = jnp.asarray(case.query_start_loc, jnp.int32)
+    call = functools.partial(gpu.causal_conv1d_prefill_qkvz, interpret=True)
+    with pytest.raises(ValueError, match="is not q | k | v"):
+        call(jnp.zeros((8, 64)), w, pool, qsl, case.slots(), num_k_heads=1, head_dims=(16, 7))
+    with pytest.raises(ValueError, match=r"qkvz \(8, 60\) is not"):
+        call(jnp.zeros((8, 60)), w, pool, qsl, case.slots(), num_k_heads=1, head_dims=(16, 8))
+    with pytest.raises(ValueError, match="no power-of-two run"):
+        w12 = jnp.zeros((2 * 12 + 12, 4))
+        call(jnp.zeros((8, 48)), w12, jnp.zeros((4, 3, 36)), qsl, case.slots(), num_k_heads=1,
+             head_dims=(12, 12))  # fmt: skip
+
+
+def test_prefill_qkvz_lowers_to_triton_at_80b_shapes():
+    sd = jax.ShapeDtypeStruct
+    hk, dk, dv, ratio = 16, 128, 128, 2
+    c = 2 * hk * dk + hk * ratio * dv
+    qkvz = sd((512, hk * (2 * dk + 2 * ratio * dv)), jnp.bfloat16)
+    fn = functools.partial(gpu.causal_conv1d_prefill_qkvz, num_k_heads=hk, head_dims=(dk, dv))
+    lowered = jax.jit(fn).trace(
+        qkvz, sd((c, 4), jnp.bfloat16), sd((8, 3, c), jnp.bfloat16), sd((5,), jnp.int32),
+        abstract_slots(4, 2),
+    )  # fmt: skip
+    assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()

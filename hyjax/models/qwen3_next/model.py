@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hyjax.batch import Batch
-from hyjax.layers.conv_channels import pack_conv_channels
+from hyjax.layers.conv_channels import pack_conv_channels, split_qkvz
 from hyjax.layers.linear import Linear
 from hyjax.layers.moe import MLP, SparseMoe
 from hyjax.layers.norms import GatedRMSNorm, RMSNorm
@@ -78,11 +78,8 @@ class GatedDeltaNet(nnx.Module):
     ) -> tuple[StateCache, jax.Array]:
         n = x.shape[0]
         hk, hv, dk, dv, r = self.hk, self.hv, self.dk, self.dv, self.ratio
-        qkvz = self.in_proj_qkvz(x).reshape(n, hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = split_qkvz(self.in_proj_qkvz(x), hk, dk, dv, r)
         ba = self.in_proj_ba(x).reshape(n, hk, 2 * r)
-        q, k = qkvz[..., :dk], qkvz[..., dk : 2 * dk]
-        v = qkvz[..., 2 * dk : 2 * dk + r * dv].reshape(n, hv, dv)
-        z = qkvz[..., 2 * dk + r * dv :].reshape(n, hv, dv)
         b, a = ba[..., :r].reshape(n, hv), ba[..., r:].reshape(n, hv)
 
         mixed = pack_conv_channels(q, k, v, self.conv_shards)  # [n, C]
