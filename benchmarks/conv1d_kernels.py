@@ -234,27 +234,37 @@ def _check_tiles(x, block_t: int, block_c: int) -> None:
         raise ValueError(f"tiles ({block_t}, {block_c}) do not divide x's shape {x.shape}")
 
 
-def silu_pallas(x, *, block_t: int, block_c: int, num_warps: int):
-    """``silu(x)`` for ``[T, C]`` in ``[block_t, block_c]`` tiles (T and C divisible)."""
-    _check_tiles(x, block_t, block_c)
+def _silu_refs(x_ref, y_ref):
+    v = x_ref[...].astype(jnp.float32)
+    y_ref[...] = (v * jax.nn.sigmoid(v)).astype(y_ref.dtype)
+
+
+def _silu_tiled(x, *, block_t: int, block_c: int, compiler_params, interpret: bool, name: str):
+    """``silu(x)`` for ``[T, C]`` in ``[block_t, block_c]`` BlockSpec tiles (T and C
+    divisible), lowered as ``compiler_params`` choose (Triton or Mosaic GPU)."""
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as pltr
 
-    def kernel(x_ref, y_ref):
-        v = x_ref[...].astype(jnp.float32)
-        y_ref[...] = (v * jax.nn.sigmoid(v)).astype(y_ref.dtype)
-
+    _check_tiles(x, block_t, block_c)
     spec = pl.BlockSpec((block_t, block_c), lambda i, j: (i, j))
     return pl.pallas_call(
-        kernel,
+        _silu_refs,
         grid=(x.shape[0] // block_t, x.shape[1] // block_c),
         in_specs=[spec],
         out_specs=spec,
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=INTERPRET,
-        name="silu_ceiling",
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name=name,
     )(x)
+
+
+def silu_pallas(x, *, block_t: int, block_c: int, num_warps: int):
+    """The Triton lowering's ceiling (:func:`_silu_tiled`)."""
+    from jax.experimental.pallas import triton as pltr
+
+    params = pltr.CompilerParams(num_warps=num_warps, num_stages=1)
+    return _silu_tiled(x, block_t=block_t, block_c=block_c, compiler_params=params,
+                       interpret=INTERPRET, name="silu_ceiling")  # fmt: skip
 
 
 # The same ceiling through Pallas' Mosaic GPU lowering (TMA copies, pipelined by the grid's
@@ -263,27 +273,13 @@ MGPU_CEILING = [(64, 256, 2), (128, 256, 2), (64, 256, 4), (128, 128, 4), (256, 
 
 
 def silu_mosaic_gpu(x, *, block_t: int, block_c: int, steps: int, interpret: bool = False):
-    """``silu(x)`` for ``[T, C]`` in ``[block_t, block_c]`` tiles through Mosaic GPU: the
-    pipeline of ``pallas_call``'s grid streams the tiles by TMA, ``steps`` in flight."""
-    _check_tiles(x, block_t, block_c)
-    from jax.experimental import pallas as pl
+    """The Mosaic GPU lowering's (:func:`_silu_tiled`): the pipeline of ``pallas_call``'s grid
+    streams the tiles by TMA, ``steps`` in flight."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    def kernel(x_ref, y_ref):
-        v = x_ref[...].astype(jnp.float32)
-        y_ref[...] = (v * jax.nn.sigmoid(v)).astype(y_ref.dtype)
-
-    spec = pl.BlockSpec((block_t, block_c), lambda i, j: (i, j))
-    return pl.pallas_call(
-        kernel,
-        grid=(x.shape[0] // block_t, x.shape[1] // block_c),
-        in_specs=[spec],
-        out_specs=spec,
-        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        compiler_params=plgpu.CompilerParams(max_concurrent_steps=steps),
-        interpret=interpret,
-        name="silu_ceiling_mgpu",
-    )(x)
+    params = plgpu.CompilerParams(max_concurrent_steps=steps)
+    return _silu_tiled(x, block_t=block_t, block_c=block_c, compiler_params=params,
+                       interpret=interpret, name="silu_ceiling_mgpu")  # fmt: skip
 
 
 # The same through ``plgpu.kernel`` (the API jax 0.10 points Mosaic GPU users to; ``pallas_call``
@@ -308,8 +304,7 @@ def silu_mosaic_gpu_kernel(x, *, block_t: int, block_c: int, steps: int, groups:
         part = (pl.ds(i * block_t, block_t), pl.ds(g * width, width))
 
         def step(_, x_smem, y_smem):
-            v = x_smem[...].astype(jnp.float32)
-            y_smem[...] = (v * jax.nn.sigmoid(v)).astype(y_smem.dtype)
+            _silu_refs(x_smem, y_smem)
 
         spec = pl.BlockSpec((block_t, block_c), lambda j: (0, j))
         plgpu.emit_pipeline(

@@ -57,6 +57,21 @@ class ChunkRefs(NamedTuple):
     decay: jax.Array  # f32[NC, H] (one gate per head) | f32[NC, H, Dk] (one per key channel)
 
 
+def chunk_refs_shapes(heads, tokens, dk, dv, chunk, num_chunks, dtype, per_channel_decay):
+    """The intra launch's outputs, :class:`ChunkRefs` order: the scratch in ``dtype`` and the
+    decay in f32, ``[NC, H]`` or (``per_channel_decay``) ``[NC, H, Dk]``."""
+    sds = jax.ShapeDtypeStruct
+    decay = (num_chunks, heads, dk) if per_channel_decay else (num_chunks, heads)
+    return ChunkRefs(
+        w=sds((heads, tokens, dk), dtype),
+        u=sds((heads, tokens, dv), dtype),
+        q_dec=sds((heads, tokens, dk), dtype),
+        k_dec=sds((heads, tokens, dk), dtype),
+        a_qk=sds((heads, tokens, chunk), dtype),
+        decay=sds(decay, jnp.float32),
+    )
+
+
 def chunk_loads(x: ChunkRefs, ci, win, h, vs):
     """Chunk ``ci``'s operands for head ``h`` and Dv columns ``vs`` (rows outside the chunk
     read as zeros); the decay as a scalar or a ``[Dk, 1]`` column (it scales ``S``'s rows)."""

@@ -39,7 +39,8 @@ the row's length for ``dst``. Nothing else is written to the pool.
 The inputs need not be one ``[T, C]`` array: channel ``c`` is read at column
 ``xcol[c // run] + c % run`` of ``x`` (runs of contiguous channels, one table entry each), and
 the outputs may be several arrays, consecutive channel ranges (``splits``).
-:func:`causal_conv1d_prefill` is the plain case (runs of a tile, one output);
+:func:`causal_conv1d_prefill` is the plain case (x's columns are the channels, one output:
+no table read, no branch on the output);
 :func:`causal_conv1d_prefill_qkvz` reads a GDN layer's q | k | v where its input projection
 leaves them (interleaved per key head with z) and writes q, k and v apart: the conv without
 the layer's packing pass before it and slicing pass after it (an experiment of
@@ -124,15 +125,15 @@ def _prefill_kernel(
     dst_ref,  # i32[S]
     ck_off_ref, ck_slot_ref,  # i32[S, M]
     x_ref,  # [T, X]  the inputs: channel c of run p at column xcol[p] + c % run
-    xcol_ref,  # i32[ceil(C / run)]
-    w_ref,  # [C, K]
-    init_ref,  # [S, K-1, C]  the source windows (zeros where src == 0)
-    pool_in,  # [num_slots, K-1, C]  aliased to pool_out; never read
-    *refs,  # the outputs y (one [T, n] per split), then pool_out [num_slots, K-1, C]
-    block_t: int, block_c: int, sub_c: int, run: int, splits: tuple[int, ...],
+    *refs,  # xcol i32[C / run] (with a run), w [C, K], init [S, K-1, C] (the source windows,
+    #         zeros where src == 0), pool_in (aliased to pool_out, never read), the outputs y
+    #         (one [T, n] per split), pool_out [num_slots, K-1, C]
+    block_t: int, block_c: int, sub_c: int, run: int | None, splits: tuple[int, ...],
 ):  # fmt: skip
-    del pool_in
-    *ys, pool_out = refs
+    xcol_ref = None
+    if run is not None:
+        xcol_ref, *refs = refs
+    w_ref, init_ref, _, *ys, pool_out = refs
     num_tokens = x_ref.shape[0]
     c, kw = w_ref.shape
     km1 = kw - 1
@@ -140,7 +141,7 @@ def _prefill_kernel(
     num_windows = rows * (max_ckpt + 1)
     pid, cb = pl.program_id(0), pl.program_id(1)
     f32 = jnp.float32
-    vw = min(block_c, run)  # the widest channel vector inside one run of x
+    vw = block_c if run is None else min(block_c, run)  # the widest vector inside one run
 
     def iota(width: int, ndim: int):
         shape = (width,) if ndim == 1 else (1, width)
@@ -151,12 +152,17 @@ def _prefill_kernel(
         in-bounds mask, and x's columns holding them (``width`` inside one run)."""
         ch0 = cb * block_c + first
         cols = ch0 + iota(width, ndim)
+        if xcol_ref is None:  # x is [T, C]: its columns are the channels
+            return cols, cols < c, cols
         x0 = xcol_ref[jnp.minimum(ch0 // run, xcol_ref.shape[0] - 1)] + ch0 % run
         return cols, cols < c, x0 + iota(width, ndim)
 
     def store_y(rows_, first: int, width: int, y, mask):
         """``y`` into the output split holding channels ``cb * BC + first + [0, width)``."""
         ch0 = cb * block_c + first
+        if len(ys) == 1:  # one output: every channel of the launch is in it
+            pltr.store(ys[0].at[rows_, pl.ds(ch0, width)], y.astype(ys[0].dtype), mask=mask)
+            return
         lo = 0
         for out, n in zip(ys, splits, strict=True):
 
@@ -252,22 +258,24 @@ def _prefill_kernel(
 
 
 def _launch_prefill(
-    x, xcol, weight, conv_state, query_start_loc, slots, *, run: int, splits: tuple[int, ...],
-    block_t: int, block_c: int, num_warps: int, num_stages: int, interpret: bool,
+    x, xcol, weight, conv_state, query_start_loc, slots, *, run: int | None,
+    splits: tuple[int, ...], block_t: int, block_c: int, num_warps: int, num_stages: int,
+    interpret: bool,
 ) -> tuple[jax.Array, ...]:  # fmt: skip
     """:func:`_prefill_kernel` over grid ``(W + ceil(T / BT), ceil(C / BC))``: the outputs
-    (one per split), then the pool."""
+    (one per split), then the pool. ``run=None`` (and no ``xcol``): x is ``[T, C]``."""
     n = x.shape[0]
     c = weight.shape[0]
     rows, max_ckpt = slots.ckpt_offsets.shape
     num_windows = rows * (max_ckpt + 1)
     src, dst, ck_off, ck_slot, num_seqs = slots.arrays()
     init = read_slots(conv_state, src)  # [S, K-1, C], read before the pool is written
-    args = (query_start_loc.astype(jnp.int32), num_seqs, dst, ck_off, ck_slot, x,
-            jnp.asarray(xcol, jnp.int32), weight, init, conv_state)  # fmt: skip
+    table = () if run is None else (jnp.asarray(xcol, jnp.int32),)
+    args = (query_start_loc.astype(jnp.int32), num_seqs, dst, ck_off, ck_slot, x, *table,
+            weight, init, conv_state)  # fmt: skip
     kernel = functools.partial(
-        _prefill_kernel, block_t=block_t, block_c=block_c, sub_c=min(block_c, SUB_C, run),
-        run=run, splits=splits,
+        _prefill_kernel, block_t=block_t, block_c=block_c,
+        sub_c=min(block_c, SUB_C, run or block_c), run=run, splits=splits,
     )  # fmt: skip
     return tuple(
         pl.pallas_call(
@@ -315,10 +323,8 @@ def causal_conv1d_prefill(
     n, c = x.shape
     bt = min(block_t, _pow2_at_least(n))
     bc = min(block_c, _pow2_at_least(c))
-    # x's columns are the channels: one run a channel tile, at its own column
-    xcol = np.arange(pl.cdiv(c, bc), dtype=np.int32) * bc
     return _launch_prefill(
-        x, xcol, weight, conv_state, query_start_loc, slots, run=bc, splits=(c,), block_t=bt,
+        x, None, weight, conv_state, query_start_loc, slots, run=None, splits=(c,), block_t=bt,
         block_c=bc, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )  # fmt: skip
 

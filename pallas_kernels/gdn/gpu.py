@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, scan_launches
+from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, chunk_refs_shapes, scan_launches
 from pallas_kernels.common.chunking import max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
     NT,
@@ -247,21 +247,13 @@ def intra_launch(
     tp, hk, dk = q.shape
     _, hv, dv = v.shape
     op = operand_dtype
-    sds = jax.ShapeDtypeStruct
     return ChunkRefs(
         *pl.pallas_call(
             functools.partial(
                 _intra_kernel, ratio=hv // hk, scale=float(dk) ** -0.5, precision=precision
             ),
             grid=(num_chunks, hv),
-            out_shape=[
-                sds((hv, tp, dk), op),
-                sds((hv, tp, dv), op),
-                sds((hv, tp, dk), op),
-                sds((hv, tp, dk), op),
-                sds((hv, tp, CHUNK), op),
-                sds((num_chunks, hv), jnp.float32),
-            ],  # fmt: skip
+            out_shape=list(chunk_refs_shapes(hv, tp, dk, dv, CHUNK, num_chunks, op, False)),
             compiler_params=compiler_params(num_warps, num_stages),
             interpret=interpret,
             name="gdn_prefill_intra_gpu",

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, scan_launches
+from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, chunk_refs_shapes, scan_launches
 from pallas_kernels.common.chunking import max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
     NN,
@@ -332,7 +332,6 @@ def intra_launch(
     tp, h, dk = q.shape
     dv = v.shape[2]
     op = operand_dtype
-    sds = jax.ShapeDtypeStruct
     kernel = functools.partial(
         _intra_kernel, scale=float(dk) ** -0.5, precision=precision, operand_dtype=op
     )
@@ -340,14 +339,7 @@ def intra_launch(
         *pl.pallas_call(
             kernel,
             grid=(num_chunks, h),
-            out_shape=[
-                sds((h, tp, dk), op),
-                sds((h, tp, dv), op),
-                sds((h, tp, dk), op),
-                sds((h, tp, dk), op),
-                sds((h, tp, CHUNK), op),
-                sds((num_chunks, h, dk), jnp.float32),
-            ],  # fmt: skip
+            out_shape=list(chunk_refs_shapes(h, tp, dk, dv, CHUNK, num_chunks, op, True)),
             compiler_params=compiler_params(num_warps, num_stages),
             interpret=interpret,
             name="kda_prefill_intra_gpu",

@@ -56,7 +56,9 @@ def test_silu_ceiling_computes_silu():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(256, 512)), jnp.bfloat16)
     got = silu_mosaic_gpu(x, block_t=64, block_c=256, steps=2, interpret=True)
-    want = jax.nn.silu(x.astype(jnp.float32)).astype(jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    want = np.asarray(jax.nn.silu(x.astype(jnp.float32)), np.float32)
+    # The kernel rounds its f32 silu to bf16 once: within one bf16 step (2^-7 relative) of
+    # the f32 value, whatever exp / logistic the host's XLA vectorizes to.
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-7, atol=1e-6)
     with pytest.raises(ValueError, match="do not divide"):
         silu_mosaic_gpu(x, block_t=96, block_c=256, steps=2, interpret=True)
