@@ -55,6 +55,51 @@ def device_name() -> str:
     return f"{d.platform}:{getattr(d, 'device_kind', '?')}"
 
 
+def copy_bandwidth(num_bytes: int = 2**30, *, iters: int = 10, repeats: int = 5) -> float:
+    """Device copy bandwidth in bytes / s: read + write of ``num_bytes`` of float32, one jitted
+    program of ``iters`` chained elementwise passes, the array donated and returned.
+
+    Unrolled with an optimization barrier after each pass (XLA would otherwise fuse the chain
+    into one pass), not a ``fori_loop``: on a GPU each trip of an XLA while loop syncs with the
+    host, and that time counted as the copy's (an H200, 2026-11-29: the loop read 4.0 TB/s,
+    below XLA's own ``silu`` over 1 GiB of bf16 at 4.43 TB/s, so every "% of copy" measured
+    against it came out high).
+    """
+    x = jnp.ones((max(num_bytes // 4, 1),), jnp.float32)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def chain(x):
+        for i in range(iters):
+            x = jax.lax.optimization_barrier(x * (1.0 + 1e-7 * (i + 1)))
+        return x
+
+    x = jax.block_until_ready(chain(x))  # compile + warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x = jax.block_until_ready(chain(x))
+        times.append((time.perf_counter() - t0) / iters)
+    return 2 * x.nbytes / float(np.median(times))
+
+
+def copy_bandwidth_fori(num_bytes: int = 2**30, *, iters: int = 20, repeats: int = 3) -> float:
+    """The same passes in a ``fori_loop``: the way the copy floor was measured before
+    2026-11-29 (reported beside :func:`copy_bandwidth`, to correct the figures it gave)."""
+    x = jnp.ones((max(num_bytes // 4, 1),), jnp.float32)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def loop(x):
+        return jax.lax.fori_loop(0, iters, lambda i, x: x * 1.0001, x)
+
+    x = jax.block_until_ready(loop(x))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x = jax.block_until_ready(loop(x))
+        times.append((time.perf_counter() - t0) / iters)
+    return 2 * x.nbytes / float(np.median(times))
+
+
 def time_chained(fn, args, iters: int, repeats: int = 3) -> float:
     """Median seconds per call of ``fn(*args)``: one jitted program of ``iters`` chained calls.
 

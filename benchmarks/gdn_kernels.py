@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import (
+    copy_bandwidth,
     device_name,
     err_ratio,
     prefill_batch,
@@ -100,35 +101,10 @@ def _time_stateful(step, state, operands, *, iters: int) -> float:
     return time_stateful(step, state, operands, iters=iters)
 
 
-def _time_loop(step, state, operands, *, iters: int, repeats: int = 3) -> float:
-    """Median seconds of one ``state = step(state, *operands)`` in a ``fori_loop`` (the copy
-    bandwidth floor only: unrolled, XLA would fuse the chained copies into one)."""
-
-    if INTERPRET:  # CPU smoke run: exercise the code path only
-        iters, repeats = 1, 1
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def loop(state, operands):
-        return jax.lax.fori_loop(0, iters, lambda i, s: step(s, *operands), state)
-
-    state = loop(state, operands)  # compile + warm up
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        state = loop(state, operands)
-        jax.block_until_ready(state)
-        times.append((time.perf_counter() - t0) / iters)
-    return float(np.median(times))
-
-
 def floors() -> dict:
     """Copy bandwidth (read + write bytes / s) and dense matmul rates."""
-    out = {}
-    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)  # 1 GiB
-
-    t = _time_loop(lambda x: x * 1.0001, x, (), iters=20)
-    out["copy_bandwidth_GBps"] = 2 * x.nbytes / t / 1e9
+    iters = dict(iters=1, repeats=1) if INTERPRET else {}
+    out = {"copy_bandwidth_GBps": copy_bandwidth(2**30, **iters) / 1e9}  # 1 GiB
     for name, dtype, n in [("bf16", jnp.bfloat16, 8192), ("f32", jnp.float32, 4096)]:
         a = jnp.ones((n, n), dtype)
         mm = jax.jit(

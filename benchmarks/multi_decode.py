@@ -31,14 +31,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import device_name, err_ratio, time_stateful
+from benchmarks.common import copy_bandwidth, device_name, err_ratio, time_stateful
 from pallas_kernels.common import multi_decode_gpu as md
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.gdn import gpu as gdn_gpu
@@ -115,23 +114,11 @@ def _time_stateful(step, state, operands, *, iters: int) -> float:
     return time_stateful(step, state, operands, iters=iters)
 
 
-def copy_bandwidth() -> dict:
-    """Read + write bytes / s of ``x * 1.0001`` on 1 GiB in a ``fori_loop``, as
-    ``benchmarks.gdn_kernels.floors`` measures it (unrolled, XLA would fuse the copies)."""
-    n, iters, repeats = (1 << 20, 1, 1) if INTERPRET else (256 << 20, 20, 3)
-    x = jnp.ones((n,), jnp.float32)
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def loop(x):
-        return jax.lax.fori_loop(0, iters, lambda i, x: x * 1.0001, x)
-
-    x = jax.block_until_ready(loop(x))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x = jax.block_until_ready(loop(x))
-        times.append((time.perf_counter() - t0) / iters)
-    return {"copy_bandwidth_GBps": 2 * x.nbytes / float(np.median(times)) / 1e9}
+def floors() -> dict:
+    """Read + write bytes / s of an elementwise pass over 1 GiB of float32
+    (:func:`benchmarks.common.copy_bandwidth`, as ``benchmarks.gdn_kernels.floors``)."""
+    num_bytes, iters = (1 << 22, dict(iters=1, repeats=1)) if INTERPRET else (1 << 30, {})
+    return {"copy_bandwidth_GBps": copy_bandwidth(num_bytes, **iters) / 1e9}
 
 
 # ----------------------------------------------------------------------------- checks
@@ -251,7 +238,7 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(summary, f, indent=2)
 
-    guarded("floors", copy_bandwidth)
+    guarded("floors", floors)
     bw = summary["floors"].get("copy_bandwidth_GBps")
     for family in FAMILIES:
         guarded(f"check_{family}", lambda f=family: check(f))

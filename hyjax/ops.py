@@ -58,8 +58,10 @@ from pallas_kernels.common import copy_gpu, multi_decode_gpu
 from pallas_kernels.conv1d import gpu as conv1d_gpu
 from pallas_kernels.conv1d import tpu as conv1d_tpu
 from pallas_kernels.conv1d.reference import (
+    causal_conv1d_prefill_qkvz_reference,
     causal_conv1d_prefill_reference,
     causal_conv1d_update_reference,
+    packed_qkvz,
 )
 from pallas_kernels.gdn import fused_decode
 from pallas_kernels.gdn import gpu as gdn_gpu
@@ -80,6 +82,9 @@ class Ops:
     """Every op a layer calls, each with its reference's signature (built from :data:`GRID`)."""
 
     conv1d_prefill: Callable
+    # A GDN layer's prefill conv, read from its input projection's output (q | k | v
+    # interleaved per key head with z) and handed back as q, k, v apart
+    conv1d_prefill_qkvz: Callable
     conv1d_update: Callable
     gdn_prefill: Callable
     gdn_decode: Callable
@@ -202,6 +207,14 @@ GRID: dict[str, Row] = {
         # BENCHMARKS.md): 1.11x / 1.06x / 1.20x at B=1 T=4096, B=1 T=16384, B=8 T=4096 with
         # 512-channel tiles, 1.75x at B=1 T=4096 with the 256 now the default
         gpu=conv1d_gpu.causal_conv1d_prefill,
+    ),
+    "conv1d_prefill_qkvz": Row(
+        reference=causal_conv1d_prefill_qkvz_reference,  # XLA packs q | k | v around the conv
+        tpu=Composed(packed_qkvz, (conv1d_tpu.causal_conv1d_prefill,)),
+        # q | k | v read in place, written apart: 80.3 us against the packed path's 123.7 (XLA's
+        # packing, the kernel, XLA's slices) at B=1 T=4096 on an H200 (benchmarks.conv1d_kernels
+        # --qkvz-only, one process); heads no power-of-two run divides take the packed path
+        gpu=conv1d_gpu.causal_conv1d_prefill_qkvz,
     ),
     "conv1d_update": Row(
         reference=causal_conv1d_update_reference,

@@ -15,6 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.conv1d.reference import split_qkvz
+
+__all__ = ["conv_channel_order", "pack_conv_channels", "split_qkvz"]
+
 
 def pack_conv_channels(
     q: jax.Array,  # [n, Hk, Dk]
@@ -26,17 +30,6 @@ def pack_conv_channels(
     n = q.shape[0]
     parts = [t.reshape(n, shards, -1) for t in (q, k, v)]  # [n, shards, local channels]
     return jnp.concatenate(parts, axis=-1).reshape(n, -1)
-
-
-def split_qkvz(qkvz: jax.Array, num_k_heads: int, dk: int, dv: int, ratio: int):
-    """A GDN input projection's output, ``[n, Hk * W]`` (``W = 2 Dk + 2 r Dv``: per key head
-    ``q | k | v of its r value heads | z``), as ``q, k [n, Hk, Dk]``, ``v, z [n, Hk r, Dv]``."""
-    n = qkvz.shape[0]
-    per_head = qkvz.reshape(n, num_k_heads, 2 * dk + 2 * ratio * dv)
-    q, k = per_head[..., :dk], per_head[..., dk : 2 * dk]
-    v = per_head[..., 2 * dk : 2 * dk + ratio * dv].reshape(n, num_k_heads * ratio, dv)
-    z = per_head[..., 2 * dk + ratio * dv :].reshape(n, num_k_heads * ratio, dv)
-    return q, k, v, z
 
 
 def conv_channel_order(

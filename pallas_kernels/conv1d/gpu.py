@@ -43,8 +43,8 @@ the outputs may be several arrays, consecutive channel ranges (``splits``).
 no table read, no branch on the output);
 :func:`causal_conv1d_prefill_qkvz` reads a GDN layer's q | k | v where its input projection
 leaves them (interleaved per key head with z) and writes q, k and v apart: the conv without
-the layer's packing pass before it and slicing pass after it (an experiment of
-``benchmarks.conv1d_kernels --qkvz-only`` until measured on a GPU; not in the engine).
+the layer's packing pass before it and slicing pass after it (the GDN layer's prefill conv
+on NVIDIA: 1.54x the packed path at B=1 T=4096 on an H200, BENCHMARKS.md).
 
 Reads before writes: the source windows of all rows are gathered (``read_slots``, one small
 XLA fusion of ``S * (K-1) * C`` elements) before the launch, and the kernel reads that copy,
@@ -73,6 +73,7 @@ the data), and resolves a clamped duplicate index of a masked store in no fixed 
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -85,7 +86,9 @@ from pallas_kernels.common.delta_rule import group_refs
 from pallas_kernels.common.delta_rule_gpu import DecodeSlots
 from pallas_kernels.common.ragged import read_slots
 from pallas_kernels.common.slots import StateSlots
-from pallas_kernels.conv1d.reference import check_conv1d_args
+from pallas_kernels.conv1d.reference import check_conv1d_args, check_qkvz_args, packed_qkvz
+
+log = logging.getLogger(__name__)
 
 # The sweeps (benchmarks.conv1d_kernels --sweep) on an H200, C=8192 bf16: 256 channels x 8
 # tokens on 2 warps beat 16 tokens at B=1 T=4096 / T=16384 / B=8 T=4096 (69 / 224 / 437 vs 78-89
@@ -372,20 +375,23 @@ def causal_conv1d_prefill_qkvz(
     """:func:`causal_conv1d_prefill` of a GDN layer's ``q | k | v`` read where its input
     projection leaves them (no packing pass before the conv) and handed back apart (no
     slicing pass after it): ``(q [T, Hk Dk], k [T, Hk Dk], v [T, Hv Dv], conv_state)``. The
-    same windows, checkpoints and arithmetic as the packed call; an experiment of
-    ``benchmarks.conv1d_kernels`` until measured (not in the engine)."""
+    same windows, checkpoints and arithmetic as the packed call (bit for bit).
+
+    Heads whose ``Dk`` and ``r Dv`` share no power-of-two run of at least 8 channels (a Triton
+    vector) take the packed path instead (XLA's packing, :func:`causal_conv1d_prefill`, XLA's
+    slices), with one log line."""
     hk, (dk, dv) = num_k_heads, head_dims
-    c, _ = weight.shape
-    hv = (c - 2 * hk * dk) // dv
-    if hk < 1 or hv < 1 or c != 2 * hk * dk + hv * dv or hv % hk:
-        raise ValueError(f"{c} conv channels are not q | k | v of {hk} key heads with {head_dims=}")
-    ratio = hv // hk
-    if qkvz.shape[1] != hk * (2 * dk + 2 * ratio * dv):
-        raise ValueError(f"qkvz {qkvz.shape} is not [T, {hk} * (2 Dk + 2 r Dv)] for {head_dims=}")
+    ratio = check_qkvz_args(qkvz, weight, hk, head_dims)
     _check_blocks(block_t, block_c)
     run = qkvz_run(dk, dv, ratio, block_c)
+    tiles = dict(block_t=block_t, block_c=block_c, num_warps=num_warps, num_stages=num_stages)
     if run is None:
-        raise ValueError(f"{head_dims=}: no power-of-two run of >= 8 divides Dk and r Dv")
+        _log_packed(head_dims, ratio)
+        packed = packed_qkvz(functools.partial(causal_conv1d_prefill, interpret=interpret, **tiles))
+        return packed(qkvz, weight, conv_state, query_start_loc, slots, num_k_heads=hk,
+                      head_dims=head_dims)  # fmt: skip
+    c = weight.shape[0]
+    hv = (c - 2 * hk * dk) // dv
     check_conv1d_args(
         jax.ShapeDtypeStruct((qkvz.shape[0], c), qkvz.dtype), weight, conv_state, slots,
         query_start_loc,
@@ -395,6 +401,16 @@ def causal_conv1d_prefill_qkvz(
         qkvz, qkvz_columns(hk, dk, dv, ratio, run), weight, conv_state, query_start_loc, slots,
         run=run, splits=(hk * dk, hk * dk, hv * dv), block_t=bt, block_c=block_c,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )  # fmt: skip
+
+
+@functools.cache
+def _log_packed(head_dims: tuple[int, int], ratio: int) -> None:
+    log.warning(
+        "causal_conv1d_prefill_qkvz: packed path (XLA packs q | k | v around the conv kernel) "
+        "for head dims %s with %d value heads a key head: no power-of-two run of >= 8 "
+        "channels divides Dk and r Dv",
+        head_dims, ratio,
     )  # fmt: skip
 
 

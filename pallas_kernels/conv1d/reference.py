@@ -18,6 +18,8 @@ Window arithmetic for one sequence with K = 4 and 3 new tokens x0 x1 x2::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -133,3 +135,62 @@ def causal_conv1d_update_reference(
     y = jnp.where(live[:, None], y, 0).astype(x.dtype)
     conv_state = write_decode_states(conv_state, window[:, 1:], slots)
     return y, conv_state
+
+
+# ----------------------------------------------------------------------------- GDN's q | k | v
+
+
+def split_qkvz(qkvz: jax.Array, num_k_heads: int, dk: int, dv: int, ratio: int):
+    """A GDN input projection's output, ``[n, Hk * W]`` (``W = 2 Dk + 2 r Dv``: per key head
+    ``q | k | v of its r value heads | z``), as ``q, k [n, Hk, Dk]``, ``v, z [n, Hk r, Dv]``."""
+    n = qkvz.shape[0]
+    per_head = qkvz.reshape(n, num_k_heads, 2 * dk + 2 * ratio * dv)
+    q, k = per_head[..., :dk], per_head[..., dk : 2 * dk]
+    v = per_head[..., 2 * dk : 2 * dk + ratio * dv].reshape(n, num_k_heads * ratio, dv)
+    z = per_head[..., 2 * dk + ratio * dv :].reshape(n, num_k_heads * ratio, dv)
+    return q, k, v, z
+
+
+def check_qkvz_args(qkvz: jax.Array, weight: jax.Array, num_k_heads: int, head_dims) -> int:
+    """Raises ``ValueError`` unless ``weight``'s channels are ``q | k | v`` of ``num_k_heads``
+    key heads of ``head_dims = (Dk, Dv)`` and ``qkvz`` is their projection's output; returns
+    the value heads per key head ``r``."""
+    hk, (dk, dv) = num_k_heads, head_dims
+    c = weight.shape[0]
+    hv = (c - 2 * hk * dk) // dv if dv > 0 else 0
+    if hk < 1 or hv < 1 or c != 2 * hk * dk + hv * dv or hv % hk:
+        raise ValueError(f"{c} conv channels are not q | k | v of {hk} key heads with {head_dims=}")
+    ratio = hv // hk
+    if qkvz.ndim != 2 or qkvz.shape[1] != hk * (2 * dk + 2 * ratio * dv):
+        raise ValueError(f"qkvz {qkvz.shape} is not [T, {hk} * (2 Dk + 2 r Dv)] for {head_dims=}")
+    return ratio
+
+
+def packed_qkvz(conv_prefill: Callable) -> Callable:
+    """The GDN conv of a projection's output ``qkvz`` through ``conv_prefill`` (the signature
+    of :func:`causal_conv1d_prefill_reference`): ``q | k | v`` packed into ``[T, C]``, the
+    conv, its output split back. The signature of ``causal_conv1d_prefill_qkvz``."""
+
+    def conv1d_prefill_qkvz(
+        qkvz: jax.Array,  # [T, Hk * (2 Dk + 2 r Dv)]
+        weight: jax.Array,  # [C, K]  C = 2 Hk Dk + Hv Dv, channels q | k | v
+        conv_state: jax.Array,  # [num_slots, K-1, C]
+        query_start_loc: jax.Array,  # i32[S+1]
+        slots: StateSlots,
+        *,
+        num_k_heads: int,
+        head_dims: tuple[int, int],  # (Dk, Dv)
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """``(q [T, Hk Dk], k [T, Hk Dk], v [T, Hv Dv], conv_state)``."""
+        hk, (dk, dv) = num_k_heads, head_dims
+        ratio = check_qkvz_args(qkvz, weight, hk, head_dims)
+        n = qkvz.shape[0]
+        q, k, v, _ = split_qkvz(qkvz, hk, dk, dv, ratio)
+        x = jnp.concatenate([t.reshape(n, -1) for t in (q, k, v)], axis=1)
+        y, conv_state = conv_prefill(x, weight, conv_state, query_start_loc, slots)
+        return y[:, : hk * dk], y[:, hk * dk : 2 * hk * dk], y[:, 2 * hk * dk :], conv_state
+
+    return conv1d_prefill_qkvz
+
+
+causal_conv1d_prefill_qkvz_reference = packed_qkvz(causal_conv1d_prefill_reference)

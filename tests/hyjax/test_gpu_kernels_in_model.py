@@ -95,6 +95,16 @@ def test_gpu_kernels_match_reference_in_the_model():
     case = gdn_case(np.random.default_rng(0), hk=1, hv=2, dk=16, dv=16, kernel=4, dtype=jnp.float32)
     kernels = _gpu_kernels(ops.conv_gdn_decode, *case, num_k_heads=1)
     assert kernels == ["causal_conv1d_update_gpu", "gdn_decode_gpu"]
+    # The prefill conv reads q | k | v in the projection's output: no packing around it.
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, c = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.conv_dim
+    sd, f32 = jax.ShapeDtypeStruct, jnp.float32
+    qkvz = sd((50, 2 * hk * dk + 2 * hv * dv), f32)
+    conv_args = (qkvz, sd((c, 4), f32), sd((6, 3, c), f32), sd((3,), jnp.int32))
+    conv_args += (abstract_slots(2, 2),)
+    conv = functools.partial(ops.conv1d_prefill_qkvz, num_k_heads=hk, head_dims=(dk, dv))
+    assert _gpu_kernels(conv, *conv_args) == ["causal_conv1d_prefill_gpu"]
+    assert "concatenate" not in str(jax.make_jaxpr(conv)(*conv_args))
     got, got_caches = _run(state, graphdef, cfg, ops)
     _assert_matches(got, want, got_caches, want_caches)
 

@@ -8,6 +8,7 @@ outputs are the same float32 sums in the same order.
 """
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -298,10 +299,31 @@ def test_prefill_qkvz_rejects_bad_shapes():
         call(jnp.zeros((8, 64)), w, pool, qsl, case.slots(), num_k_heads=1, head_dims=(16, 7))
     with pytest.raises(ValueError, match=r"qkvz \(8, 60\) is not"):
         call(jnp.zeros((8, 60)), w, pool, qsl, case.slots(), num_k_heads=1, head_dims=(16, 8))
-    with pytest.raises(ValueError, match="no power-of-two run"):
-        w12 = jnp.zeros((2 * 12 + 12, 4))
-        call(jnp.zeros((8, 48)), w12, jnp.zeros((4, 3, 36)), qsl, case.slots(), num_k_heads=1,
-             head_dims=(12, 12))  # fmt: skip
+
+
+def test_prefill_qkvz_packs_heads_without_a_run(caplog):
+    """Dk = r Dv = 12: no run of >= 8 channels divides both, so XLA packs q | k | v around the
+    plain kernel, with one log line, and the result is the reference's."""
+    hk, dk, dv, ratio = 2, 12, 12, 1
+    rng = np.random.default_rng(12)
+    case = ragged_case([5, 70, 1], max_ckpt=2)
+    c = 2 * hk * dk + hk * ratio * dv
+    qkvz = jnp.asarray(rng.normal(size=(case.num_tokens, hk * (2 * dk + 2 * ratio * dv))))
+    qkvz = qkvz.astype(jnp.float32)
+    w = jnp.asarray(rng.normal(size=(c, 4)), jnp.float32)
+    pool = jnp.asarray(case.pool(rng, (3, c), np.float32))
+    qsl = jnp.asarray(case.query_start_loc, jnp.int32)
+    want = causal_conv1d_prefill_reference(
+        _pack_qkvz(qkvz, hk, dk, dv, ratio), w, pool, qsl, case.slots()
+    )
+    gpu._log_packed.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=gpu.__name__):
+        *ys, state = gpu.causal_conv1d_prefill_qkvz(
+            qkvz, w, pool, qsl, case.slots(), num_k_heads=hk, head_dims=(dk, dv), interpret=True
+        )
+    assert [y.shape for y in ys] == [(case.num_tokens, n) for n in (hk * dk, hk * dk, hk * dv)]
+    _check((jnp.concatenate(ys, axis=1), state), want, jnp.float32)
+    assert sum("packed path" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_prefill_qkvz_lowers_to_triton_at_80b_shapes():

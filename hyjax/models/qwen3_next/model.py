@@ -26,7 +26,6 @@ from hyjax.layers.norms import GatedRMSNorm, RMSNorm
 from hyjax.layers.rope import apply_partial_rope
 from hyjax.models.hybrid import HybridDecoderLayer, HybridForCausalLM
 from hyjax.models.qwen3_next.config import Qwen3NextConfig
-from pallas_kernels.gdn.fused_decode import unpack_conv_channels
 
 if TYPE_CHECKING:
     from hyjax.ops import Ops
@@ -78,22 +77,26 @@ class GatedDeltaNet(nnx.Module):
     ) -> tuple[StateCache, jax.Array]:
         n = x.shape[0]
         hk, hv, dk, dv, r = self.hk, self.hv, self.dk, self.dv, self.ratio
-        q, k, v, z = split_qkvz(self.in_proj_qkvz(x), hk, dk, dv, r)
+        qkvz = self.in_proj_qkvz(x)
+        q, k, v, z = split_qkvz(qkvz, hk, dk, dv, r)
         ba = self.in_proj_ba(x).reshape(n, hk, 2 * r)
         b, a = ba[..., :r].reshape(n, hv), ba[..., r:].reshape(n, hv)
 
-        mixed = pack_conv_channels(q, k, v, self.conv_shards)  # [n, C]
         conv_state, ssm_state = cache
         slots, qsl = batch.slots, batch.query_start_loc
         gates = (self.A_log[...], self.dt_bias[...])
         if decode_only:  # one token per row: conv and delta rule in one pass over the slots
+            mixed = pack_conv_channels(q, k, v, self.conv_shards)  # [n, C]
             o, conv_state, ssm_state = ops.conv_gdn_decode(
                 mixed, self.conv1d[...], conv_state, a, b, *gates, ssm_state, slots,
                 num_k_heads=hk,
             )  # fmt: skip
-        else:
-            mixed, conv_state = ops.conv1d_prefill(mixed, self.conv1d[...], conv_state, qsl, slots)
-            q, k, v = unpack_conv_channels(mixed, (hk, dk), (hv, dv), self.conv_shards)
+        else:  # the conv reads q | k | v from the projection's output (on each device, its heads)
+            q, k, v, conv_state = ops.conv1d_prefill_qkvz(
+                qkvz, self.conv1d[...], conv_state, qsl, slots, num_k_heads=hk,
+                head_dims=(dk, dv),
+            )  # fmt: skip
+            q, k, v = q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv)
             if batch.max_row_tokens:  # verify rows (a few tokens each): token by token
                 o, ssm_state = ops.gdn_multi_decode(
                     q, k, v, a, b, *gates, ssm_state, qsl, slots, max_tokens=batch.max_row_tokens

@@ -127,6 +127,7 @@ SHARDING = FamilySharding(
     ssm_spec=SSM,
     ops={
         **CONV1D_OPS,
+        "conv1d_prefill_qkvz": ((H2, P(M, None), CONV_STATE, R, SLOTS), (H2, H2, H2, CONV_STATE)),
         "gdn_prefill": ((H3, H3, H3, H2, H2, H1, H1, SSM, R, SLOTS), (H3, SSM)),
         "gdn_multi_decode": ((H3, H3, H3, H2, H2, H1, H1, SSM, R, SLOTS), (H3, SSM)),
         "gdn_decode": ((H3, H3, H3, H2, H2, H1, H1, SSM, SLOTS), (H3, SSM)),
