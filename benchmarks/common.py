@@ -60,10 +60,9 @@ def copy_bandwidth(num_bytes: int = 2**30, *, iters: int = 10, repeats: int = 5)
     program of ``iters`` chained elementwise passes, the array donated and returned.
 
     Unrolled with an optimization barrier after each pass (XLA would otherwise fuse the chain
-    into one pass), not a ``fori_loop``: on a GPU each trip of an XLA while loop syncs with the
-    host, and that time counted as the copy's (an H200, 2026-11-29: the loop read 4.0 TB/s,
-    below XLA's own ``silu`` over 1 GiB of bf16 at 4.43 TB/s, so every "% of copy" measured
-    against it came out high).
+    into one pass), not a ``fori_loop``, whose every trip syncs with the host on a GPU. On an
+    H200 (2026-11-29) the two ways read the same within their spread (3.95 / 3.92 and 3.81 /
+    3.97 TB/s in two processes): a 1 GiB pass is long beside a round trip.
     """
     x = jnp.ones((max(num_bytes // 4, 1),), jnp.float32)
 
@@ -84,7 +83,7 @@ def copy_bandwidth(num_bytes: int = 2**30, *, iters: int = 10, repeats: int = 5)
 
 def copy_bandwidth_fori(num_bytes: int = 2**30, *, iters: int = 20, repeats: int = 3) -> float:
     """The same passes in a ``fori_loop``: the way the copy floor was measured before
-    2026-11-29 (reported beside :func:`copy_bandwidth`, to correct the figures it gave)."""
+    2026-11-29, reported beside :func:`copy_bandwidth` (the floors of older figures)."""
     x = jnp.ones((max(num_bytes // 4, 1),), jnp.float32)
 
     @functools.partial(jax.jit, donate_argnums=0)

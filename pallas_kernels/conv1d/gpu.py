@@ -345,10 +345,17 @@ def qkvz_columns(num_k_heads: int, dk: int, dv: int, ratio: int, run: int) -> np
     return np.asarray(cols, np.int32)
 
 
+# A tile of the in-place call is unrolled run by run (its loads, the table lookups, the
+# stores into the splits): its channels are cut to at most this many runs, or the Triton
+# kernel grows with BC / run (16 runs of 16 channels in a 256-channel tile took minutes to
+# compile on an H200).
+MAX_RUNS_PER_TILE = 4
+
+
 def qkvz_run(dk: int, dv: int, ratio: int, block_c: int = BLOCK_C) -> int | None:
     """The contiguous run of :func:`causal_conv1d_prefill_qkvz`'s reads: the largest power of
     two up to ``block_c`` dividing ``Dk`` and ``r Dv``, at least 8 (a Triton vector), else
-    None (the kernel cannot take these heads)."""
+    None (the packed path)."""
     run = block_c
     while run >= 8:
         if dk % run == 0 and (ratio * dv) % run == 0:
@@ -377,9 +384,10 @@ def causal_conv1d_prefill_qkvz(
     slicing pass after it): ``(q [T, Hk Dk], k [T, Hk Dk], v [T, Hv Dv], conv_state)``. The
     same windows, checkpoints and arithmetic as the packed call (bit for bit).
 
+    A channel tile holds at most ``MAX_RUNS_PER_TILE`` runs (``block_c`` is cut to that).
     Heads whose ``Dk`` and ``r Dv`` share no power-of-two run of at least 8 channels (a Triton
-    vector) take the packed path instead (XLA's packing, :func:`causal_conv1d_prefill`, XLA's
-    slices), with one log line."""
+    vector, :func:`qkvz_run`) take the packed path instead (XLA's packing,
+    :func:`causal_conv1d_prefill`, XLA's slices), with one log line."""
     hk, (dk, dv) = num_k_heads, head_dims
     ratio = check_qkvz_args(qkvz, weight, hk, head_dims)
     _check_blocks(block_t, block_c)
@@ -397,9 +405,10 @@ def causal_conv1d_prefill_qkvz(
         query_start_loc,
     )  # fmt: skip
     bt = min(block_t, _pow2_at_least(qkvz.shape[0]))
+    bc = min(block_c, MAX_RUNS_PER_TILE * run)
     return _launch_prefill(
         qkvz, qkvz_columns(hk, dk, dv, ratio, run), weight, conv_state, query_start_loc, slots,
-        run=run, splits=(hk * dk, hk * dk, hv * dv), block_t=bt, block_c=block_c,
+        run=run, splits=(hk * dk, hk * dk, hv * dv), block_t=bt, block_c=bc,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )  # fmt: skip
 

@@ -9,6 +9,7 @@ outputs are the same float32 sums in the same order.
 
 import functools
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -304,8 +305,9 @@ def test_prefill_qkvz_rejects_bad_shapes():
 def test_prefill_qkvz_packs_heads_without_a_run(caplog):
     """Dk = r Dv = 12: no run of >= 8 channels divides both, so XLA packs q | k | v around the
     plain kernel, with one log line, and the result is the reference's."""
-    hk, dk, dv, ratio = 2, 12, 12, 1
-    rng = np.random.default_rng(12)
+    dk, dv, ratio = 12, 12, 1
+    hk = 2
+    rng = np.random.default_rng(dk)
     case = ragged_case([5, 70, 1], max_ckpt=2)
     c = 2 * hk * dk + hk * ratio * dv
     qkvz = jnp.asarray(rng.normal(size=(case.num_tokens, hk * (2 * dk + 2 * ratio * dv))))
@@ -321,9 +323,26 @@ def test_prefill_qkvz_packs_heads_without_a_run(caplog):
         *ys, state = gpu.causal_conv1d_prefill_qkvz(
             qkvz, w, pool, qsl, case.slots(), num_k_heads=hk, head_dims=(dk, dv), interpret=True
         )
-    assert [y.shape for y in ys] == [(case.num_tokens, n) for n in (hk * dk, hk * dk, hk * dv)]
+    shapes = [(case.num_tokens, n) for n in (hk * dk, hk * dk, hk * ratio * dv)]
+    assert [y.shape for y in ys] == shapes
+    call = functools.partial(gpu.causal_conv1d_prefill_qkvz, num_k_heads=hk, head_dims=(dk, dv))
+    assert "concatenate" in str(jax.make_jaxpr(call)(qkvz, w, pool, qsl, case.slots()))  # packed
     _check((jnp.concatenate(ys, axis=1), state), want, jnp.float32)
     assert sum("packed path" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_prefill_qkvz_cuts_the_tile_to_four_runs():
+    """Dk = 16 at the default 256-channel tile: 16 runs a tile would be unrolled; the launch
+    takes 64-channel tiles instead (the grid's channel axis: C / 64)."""
+    hk, dk, dv, ratio = 2, 16, 8, 2
+    c = 2 * hk * dk + hk * ratio * dv
+    sd = jax.ShapeDtypeStruct
+    call = functools.partial(gpu.causal_conv1d_prefill_qkvz, num_k_heads=hk, head_dims=(dk, dv))
+    args = (sd((40, hk * (2 * dk + 2 * ratio * dv)), jnp.float32), sd((c, 4), jnp.float32),
+            sd((6, 3, c), jnp.float32), sd((3,), jnp.int32), abstract_slots(2, 2))  # fmt: skip
+    text = str(jax.make_jaxpr(call)(*args))
+    grids = re.findall(r"GridMapping\(grid=\((\d+), (\d+)\)", text)
+    assert [int(g[1]) for g in grids] == [-(-c // (gpu.MAX_RUNS_PER_TILE * 16))]  # 96 / 64
 
 
 def test_prefill_qkvz_lowers_to_triton_at_80b_shapes():
