@@ -204,16 +204,16 @@ GRID: dict[str, Row] = {
         reference=causal_conv1d_prefill_reference,
         tpu=conv1d_tpu.causal_conv1d_prefill,
         # faster than XLA's fusion in one process on an H200 (benchmarks.conv1d_kernels,
-        # BENCHMARKS.md): 1.11x / 1.06x / 1.20x at B=1 T=4096, B=1 T=16384, B=8 T=4096 with
-        # 512-channel tiles, 1.75x at B=1 T=4096 with the 256 now the default
+        # BENCHMARKS.md): 1.74x / 1.74x / 2.12x at B=1 T=4096, B=1 T=16384, B=8 T=4096
         gpu=conv1d_gpu.causal_conv1d_prefill,
     ),
     "conv1d_prefill_qkvz": Row(
         reference=causal_conv1d_prefill_qkvz_reference,  # XLA packs q | k | v around the conv
         tpu=Composed(packed_qkvz, (conv1d_tpu.causal_conv1d_prefill,)),
-        # q | k | v read in place, written apart: 80.3 us against the packed path's 123.7 (XLA's
-        # packing, the kernel, XLA's slices) at B=1 T=4096 on an H200 (benchmarks.conv1d_kernels
-        # --qkvz-only, one process); heads no power-of-two run divides take the packed path
+        # q | k | v read in place, written apart: 95.5 / 271.9 / 495.8 us against the packed
+        # path's 136.4 / 416.2 / 807.7 (XLA's packing, the kernel, XLA's slices) at B=1 T=4096,
+        # B=1 T=16384, B=8 T=4096 on an H200 (benchmarks.conv1d_kernels --qkvz-only, one
+        # process); heads no power-of-two run of >= 8 divides take the packed path
         gpu=conv1d_gpu.causal_conv1d_prefill_qkvz,
     ),
     "conv1d_update": Row(

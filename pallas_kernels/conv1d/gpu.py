@@ -44,7 +44,8 @@ no table read, no branch on the output);
 :func:`causal_conv1d_prefill_qkvz` reads a GDN layer's q | k | v where its input projection
 leaves them (interleaved per key head with z) and writes q, k and v apart: the conv without
 the layer's packing pass before it and slicing pass after it (the GDN layer's prefill conv
-on NVIDIA: 1.54x the packed path at B=1 T=4096 on an H200, BENCHMARKS.md).
+on NVIDIA: 1.43x / 1.53x / 1.63x the packed path at B=1 T=4096, B=1 T=16384, B=8 T=4096 on an
+H200, BENCHMARKS.md).
 
 Reads before writes: the source windows of all rows are gathered (``read_slots``, one small
 XLA fusion of ``S * (K-1) * C`` elements) before the launch, and the kernel reads that copy,
