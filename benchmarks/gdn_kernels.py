@@ -51,16 +51,11 @@ INTERPRET = False  # --interpret: run the kernels in Pallas interpret mode (CPU 
 # The prefill variants timed: (precision, operand dtype, three launches). ``default`` is what
 # the engine calls for a bf16 model (hyjax.ops: precision None, operands in the activations'
 # dtype, the launch count by the scratch rule).
-PREFILL_VARIANTS = {  # name: (precision, gdn_prefill's tuning)
-    "default": (None, {}),
-    # the intra launch leaves no decayed q / k rows; the serial launch rebuilds them
-    "lean": (None, dict(lean_scratch=True)),
-    "bf16ops_serial": (None, dict(operand_dtype=jnp.bfloat16, three_launches=False)),
-    "bf16ops_three": (None, dict(operand_dtype=jnp.bfloat16, three_launches=True)),
-    "tf32_f32ops_three": (
-        jax.lax.Precision.DEFAULT,
-        dict(operand_dtype=jnp.float32, three_launches=True),
-    ),
+PREFILL_VARIANTS = {
+    "default": (None, None, None),
+    "bf16ops_serial": (None, jnp.bfloat16, False),
+    "bf16ops_three": (None, jnp.bfloat16, True),
+    "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True),
 }
 PRECISIONS = {
     "f32": jax.lax.Precision.HIGHEST,
@@ -133,7 +128,7 @@ def _median_time(fn, repeats: int = 10) -> float:
 # ----------------------------------------------------------------------------- checks
 
 
-def check_prefill(precision, operand_dtype=None, **tuning) -> dict:
+def check_prefill(precision, operand_dtype=None) -> dict:
     key = jax.random.PRNGKey(0)
     lens = [1, 63, 64, 65, 700, 2000]
     n = sum(lens) + 7
@@ -151,9 +146,8 @@ def check_prefill(precision, operand_dtype=None, **tuning) -> dict:
     args = (*acts, pool, qsl, slots)
     want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
     kernel = functools.partial(
-        gpu.gdn_prefill, precision=precision, operand_dtype=operand_dtype, interpret=INTERPRET,
-        **tuning,
-    )  # fmt: skip
+        gpu.gdn_prefill, precision=precision, operand_dtype=operand_dtype, interpret=INTERPRET
+    )
     got_o, got_s = jax.jit(kernel)(*args)
     written = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9])
     return {
@@ -460,13 +454,12 @@ def main() -> None:
     for name, prec in precisions.items():
         guarded(f"check_prefill_{name}", lambda prec=prec: check_prefill(prec))
     guarded("check_prefill_bf16ops", lambda: check_prefill(None, operand_dtype=jnp.bfloat16))
-    guarded("check_prefill_lean", lambda: check_prefill(None, jnp.bfloat16, lean_scratch=True))
     for b, t in prefill_shapes:
-        for variant, (prec, tuning) in PREFILL_VARIANTS.items():
+        for variant, (prec, op, three) in PREFILL_VARIANTS.items():
             guarded(
                 f"prefill_B{b}_T{t}_{variant}",
-                lambda b=b, t=t, prec=prec, tuning=tuning: time_prefill(
-                    b, t, prec, reference=False, **tuning
+                lambda b=b, t=t, prec=prec, op=op, three=three: time_prefill(
+                    b, t, prec, reference=False, operand_dtype=op, three_launches=three
                 ),
             )
     b, t = prefill_shapes[-1] if args.quick else (8, 4096)

@@ -24,8 +24,7 @@
 #   ceil      benchmarks.conv1d_kernels --ceiling-only: silu over the conv's bytes through
 #             Pallas' Triton and Mosaic GPU lowerings and XLA, at the three shapes
 #   gdn       benchmarks.gdn_kernels --sweep
-#   gdnp      benchmarks.gdn_kernels: the default prefill and the lean scratch at the four
-#             shapes and FLA, no sweep
+#   gdnp      benchmarks.gdn_kernels: the default prefill at its four shapes and FLA, no sweep
 #   kda       benchmarks.kda_kernels --sweep (FLA's chunk_kda beside it: its wheels in .whl);
 #             with its sweep it ran past 400 s on 2026-11-29: give it a call of its own
 #   decode    benchmarks.decode_variants
@@ -99,7 +98,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         ceil) echo "python -m benchmarks.conv1d_kernels --ceiling-only --out $j" ;;
         qkvz) echo "python -m benchmarks.conv1d_kernels --qkvz-only --out $j" ;;
         gdn) echo "python -m benchmarks.gdn_kernels --sweep --out $j" ;;
-        gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default,prefill_B1_T32768_default,prefill_B1_T4096_lean,prefill_B1_T16384_lean,prefill_B8_T4096_lean,prefill_B1_T32768_lean,fla --out $j" ;;
+        gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default,prefill_B1_T32768_default,fla --out $j" ;;
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
         decode) echo "python -m benchmarks.decode_variants --out $j" ;;
         step) echo "python -m benchmarks.step_profile --layers 8 --decode-rows 64,256 --top 60 --host-profile --out $j" ;;

@@ -21,10 +21,7 @@ so what follows the intra launch is written once, here (:func:`scan_launches`):
 
 The scratch is head-major (``[H, Tp, D]``: a chunk's rows are one contiguous run per head), in
 the operand dtype, written for the valid rows only; ``decay`` is ``e^gam_last`` per chunk and
-head, a scalar (``[NC, H]``, GDN) or per key channel (``[NC, H, Dk]``, KDA). GDN may leave a
-lean scratch instead (:class:`LeanChunkRefs`, two launches only): no decayed q / k rows, which
-the serial launch rebuilds from the layer's q, k and one f32 factor a row each (q, k are read
-per key head, half the value heads of the 80B, and never written).
+head, a scalar (``[NC, H]``, GDN) or per key channel (``[NC, H, Dk]``, KDA).
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.common.delta_rule import TN, chunk_recurrence, group_refs, l2norm, mm
+from pallas_kernels.common.delta_rule import TN, chunk_recurrence, group_refs, mm
 from pallas_kernels.common.delta_rule_gpu import (
     RowPlan,
     compiler_params,
@@ -60,23 +57,6 @@ class ChunkRefs(NamedTuple):
     decay: jax.Array  # f32[NC, H] (one gate per head) | f32[NC, H, Dk] (one per key channel)
 
 
-class LeanChunkRefs(NamedTuple):
-    """GDN's lean scratch: :class:`ChunkRefs` without the decayed q / k rows, which the serial
-    launch rebuilds from the layer's own q, k (the intra launch's inputs: read, not written)
-    and two f32 factors a row. Per token, 2 Hv Dk operand-dtype elements written and read
-    (16 KB at the 80B's 32 heads of 128 in bf16) become 2 Hv f32 factors plus a read of
-    ``q, k`` per key head."""
-
-    w: jax.Array  # [H, Tp, Dk]
-    u: jax.Array  # [H, Tp, Dv]
-    q: jax.Array  # [Tp, Hk, Dk]  the prefill's q (post-conv, before the l2norm)
-    k: jax.Array  # [Tp, Hk, Dk]
-    e_q: jax.Array  # f32[H, Tp]  e^gam
-    e_k: jax.Array  # f32[H, Tp]  e^(gam_last - gam)
-    a_qk: jax.Array  # [H, Tp, C]
-    decay: jax.Array  # f32[NC, H]
-
-
 def chunk_refs_shapes(heads, tokens, dk, dv, chunk, num_chunks, dtype, per_channel_decay):
     """The intra launch's outputs, :class:`ChunkRefs` order: the scratch in ``dtype`` and the
     decay in f32, ``[NC, H]`` or (``per_channel_decay``) ``[NC, H, Dk]``."""
@@ -92,22 +72,9 @@ def chunk_refs_shapes(heads, tokens, dk, dv, chunk, num_chunks, dtype, per_chann
     )
 
 
-def lean_shapes(heads, tokens, dtype):
-    """The lean scratch's per-row factors ``e_q, e_k``: f32 ``[H, Tp]`` each."""
-    return (jax.ShapeDtypeStruct((heads, tokens), jnp.float32),) * 2
-
-
-def decayed_qk(q, k, e_q, e_k, op):
-    """The decayed rows from the l2-normed (q also scaled) rows and their f32 factors, in the
-    operand dtype: the same products in the same order in either launch."""
-    return (q * e_q[:, None]).astype(op), (k * e_k[:, None]).astype(op)
-
-
-def chunk_loads(x: ChunkRefs | LeanChunkRefs, ci, win, h, vs):
+def chunk_loads(x: ChunkRefs, ci, win, h, vs):
     """Chunk ``ci``'s operands for head ``h`` and Dv columns ``vs`` (rows outside the chunk
-    read as zeros); the decay as a scalar or a ``[Dk, 1]`` column (it scales ``S``'s rows).
-    From :class:`LeanChunkRefs`, the decayed q / k rows are rebuilt as the intra launch built
-    them (:func:`decayed_qk`)."""
+    read as zeros); the decay as a scalar or a ``[Dk, 1]`` column (it scales ``S``'s rows)."""
     rows = win.valid[:, None]
 
     def ld(ref, cols=slice(None)):
@@ -117,27 +84,12 @@ def chunk_loads(x: ChunkRefs | LeanChunkRefs, ci, win, h, vs):
         decay = x.decay[ci, h]
     else:
         decay = x.decay[ci, h, :][:, None]
-    if isinstance(x, LeanChunkRefs):
-        hk = h // (x.w.shape[0] // x.q.shape[1])  # GVA: value head h reads key head h // r
-        scale = float(x.q.shape[2]) ** -0.5
-
-        def ld_qk(ref):
-            return pltr.load(ref.at[win.rows, hk, :], mask=rows, other=0.0).astype(jnp.float32)
-
-        def ld_row(ref):
-            return pltr.load(ref.at[h, win.rows], mask=win.valid, other=0.0)
-
-        q_dec, k_dec = decayed_qk(
-            l2norm(ld_qk(x.q)) * scale, l2norm(ld_qk(x.k)), ld_row(x.e_q), ld_row(x.e_k),
-            x.w.dtype,
-        )  # fmt: skip
-        return ld(x.w), ld(x.u, vs), q_dec, k_dec, ld(x.a_qk), decay
     return ld(x.w), ld(x.u, vs), ld(x.q_dec), ld(x.k_dec), ld(x.a_qk), decay
 
 
 def _serial_kernel(
     p: RowPlan,
-    x: ChunkRefs | LeanChunkRefs,
+    x: ChunkRefs,
     pool_in,  # [num_slots, H, Dv, Dk]
     o_ref,  # [Tp, H, Dv]  (rows outside every chunk are left unwritten)
     pool_out,
@@ -211,19 +163,19 @@ def _output_kernel(
         pltr.store(o_ref.at[win.rows, h, vs], o.astype(o_ref.dtype), mask=rows)
 
 
-def _rows_and_chunks(kernel, refs_type=ChunkRefs):
-    """``kernel(p, x: refs_type, *rest)`` taking its chunk refs as one group too."""
+def _rows_and_chunks(kernel):
+    """``kernel(p, x: ChunkRefs, *rest)`` taking its :class:`ChunkRefs` as one group too."""
 
     def grouped(p, *refs, **params):
-        n = len(refs_type._fields)
-        return kernel(p, refs_type(*refs[:n]), *refs[n:], **params)
+        n = len(ChunkRefs._fields)
+        return kernel(p, ChunkRefs(*refs[:n]), *refs[n:], **params)
 
     return grouped
 
 
 def scan_launches(
     rp: RowPlan,
-    x: ChunkRefs | LeanChunkRefs,
+    x: ChunkRefs,
     state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  donated: updated in place
     plan_start: jax.Array,  # i32[NC]  the chunk plan's starts and lengths (output launch)
     plan_length: jax.Array,
@@ -252,11 +204,9 @@ def scan_launches(
     state_out = sds(state.shape, state.dtype)
     kw = dict(bv=bv, precision=precision, vb_first=vb_first)
     args = (*rp, *x, state)
-    if isinstance(x, LeanChunkRefs) and three_launches:
-        raise ValueError("the lean scratch has no decayed q rows for the output launch")
     if not three_launches:
         return pl.pallas_call(
-            group_refs(_rows_and_chunks(_serial_kernel, type(x)), RowPlan, **kw),
+            group_refs(_rows_and_chunks(_serial_kernel), RowPlan, **kw),
             grid=grid,
             out_shape=[sds((tp, h, dv), out_dtype), state_out],
             input_output_aliases={len(args) - 1: 1},

@@ -63,14 +63,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.common.chunk_scan_gpu import (
-    ChunkRefs,
-    LeanChunkRefs,
-    chunk_refs_shapes,
-    decayed_qk,
-    lean_shapes,
-    scan_launches,
-)
+from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, chunk_refs_shapes, scan_launches
 from pallas_kernels.common.chunking import max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
     NT,
@@ -190,16 +183,15 @@ def _intra_kernel(
     a_ref, b_ref,  # [Tp, Hv]
     w_ref,  # [Hv, Tp, Dk]  out: W = Tm (beta e^gam k), head-major, valid rows only
     u_ref,  # [Hv, Tp, Dv]  out: U = Tm (beta v)
-    qd_ref,  # [Hv, Tp, Dk] out: q e^gam (l2-normed, scaled) | lean: f32[Hv, Tp] e^gam
-    kd_ref,  # [Hv, Tp, Dk] out: k e^(gam_last - gam) (l2-normed) | lean: f32 e^(gam_last - gam)
+    qd_ref,  # [Hv, Tp, Dk] out: q e^gam (l2-normed, scaled)
+    kd_ref,  # [Hv, Tp, Dk] out: k e^(gam_last - gam) (l2-normed)
     aqk_ref,  # [Hv, Tp, C] out: incl_lower(q k^T e^(gam_i - gam_j)), window columns
     dl_ref,  # f32[NC, Hv]  out: e^gam_last, the chunk's state decay
-    *, ratio: int, scale: float, precision, lean: bool,
+    *, ratio: int, scale: float, precision,
 ):  # fmt: skip
     """Kernel 1, one program per (chunk, value head), all in parallel: everything of the chunk
-    that does not depend on the state (the gates, the UT transform, the decayed q / k rows, or
-    with ``lean`` their f32 factors only, and the intra-chunk scores), so the serial launch
-    does only the state's products."""
+    that does not depend on the state (the gates, the UT transform, the decayed q / k rows and
+    the intra-chunk scores), so the serial launch does only the state's products."""
     ci, h = pl.program_id(0), pl.program_id(1)
     start, length = c_start_ref[ci], c_len_ref[ci]
     num_tokens = k_ref.shape[0]
@@ -232,14 +224,9 @@ def _intra_kernel(
         rows = valid[:, None]
         w = mm(tm, k * (beta * jnp.exp(gam))[:, None], precision=precision)  # [C, Dk]
         pltr.store(w_ref.at[h, win.rows, :], w.astype(op), mask=rows)
-        e_q, e_k = jnp.exp(gam), jnp.exp(gam_last - gam)
-        if lean:  # the serial launch rebuilds the rows from q, k and these
-            pltr.store(qd_ref.at[h, win.rows], e_q, mask=valid)
-            pltr.store(kd_ref.at[h, win.rows], e_k, mask=valid)
-        else:
-            q_dec, k_dec = decayed_qk(q, k, e_q, e_k, op)
-            pltr.store(qd_ref.at[h, win.rows, :], q_dec, mask=rows)
-            pltr.store(kd_ref.at[h, win.rows, :], k_dec, mask=rows)
+        pltr.store(qd_ref.at[h, win.rows, :], (q * jnp.exp(gam)[:, None]).astype(op), mask=rows)
+        k_dec = k * jnp.exp(gam_last - gam)[:, None]
+        pltr.store(kd_ref.at[h, win.rows, :], k_dec.astype(op), mask=rows)
         pltr.store(aqk_ref.at[h, win.rows, :], a_qk.astype(op), mask=rows)
         dv = v_ref.shape[-1]
         bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
@@ -253,34 +240,25 @@ def _intra_kernel(
 
 def intra_launch(
     q, k, v, a, b, A_log, dt_bias, plan, *, num_chunks: int, operand_dtype, precision,
-    num_warps: int = 8, num_stages: int = 2, lean: bool = False, interpret: bool = False,
-) -> ChunkRefs | LeanChunkRefs:  # fmt: skip
+    num_warps: int = 8, num_stages: int = 2, interpret: bool = False,
+) -> ChunkRefs:  # fmt: skip
     """Launch 1 (:func:`_intra_kernel`) over grid ``(NC, Hv)`` on inputs padded to at least one
-    chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`); ``lean``: the scratch
-    without the decayed q / k rows (:class:`LeanChunkRefs`)."""
+    chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`)."""
     tp, hk, dk = q.shape
     _, hv, dv = v.shape
     op = operand_dtype
-    shapes = chunk_refs_shapes(hv, tp, dk, dv, CHUNK, num_chunks, op, False)
-    if lean:
-        shapes = shapes._replace(**dict(zip(("q_dec", "k_dec"), lean_shapes(hv, tp, op))))
-    w, u, qd, kd, a_qk, decay = pl.pallas_call(
-        functools.partial(
-            _intra_kernel,
-            ratio=hv // hk,
-            scale=float(dk) ** -0.5,
-            precision=precision,
-            lean=lean,
-        ),  # fmt: skip
-        grid=(num_chunks, hv),
-        out_shape=list(shapes),
-        compiler_params=compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        name="gdn_prefill_intra_gpu",
-    )(plan.start, plan.length, A_log, dt_bias, q, k, v, a, b)
-    if lean:
-        return LeanChunkRefs(w, u, q, k, qd, kd, a_qk, decay)
-    return ChunkRefs(w, u, qd, kd, a_qk, decay)
+    return ChunkRefs(
+        *pl.pallas_call(
+            functools.partial(
+                _intra_kernel, ratio=hv // hk, scale=float(dk) ** -0.5, precision=precision
+            ),
+            grid=(num_chunks, hv),
+            out_shape=list(chunk_refs_shapes(hv, tp, dk, dv, CHUNK, num_chunks, op, False)),
+            compiler_params=compiler_params(num_warps, num_stages),
+            interpret=interpret,
+            name="gdn_prefill_intra_gpu",
+        )(plan.start, plan.length, A_log, dt_bias, q, k, v, a, b)
+    )
 
 
 def gdn_prefill(
@@ -304,7 +282,6 @@ def gdn_prefill(
     intra_num_stages: int = 2,
     vb_first: bool = SERIAL_VB_FIRST,
     three_launches: bool = False,
-    lean_scratch: bool = False,
     block_v_out: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -321,10 +298,6 @@ def gdn_prefill(
     by the launch's size), ``num_warps`` and ``num_stages`` tune the serial launch,
     ``intra_num_warps`` / ``intra_num_stages`` the intra launch, ``vb_first`` the serial
     grid's order (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`).
-    ``lean_scratch`` (two launches only): the intra launch leaves no decayed q / k rows; the
-    serial launch rebuilds them from ``q``, ``k`` and an f32 factor a row
-    (:class:`~pallas_kernels.common.chunk_scan_gpu.LeanChunkRefs`): fewer bytes through HBM,
-    more work in the serial launch.
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, hk, dk = q.shape
@@ -340,7 +313,7 @@ def gdn_prefill(
     x = intra_launch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=op,
         precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
-        lean=lean_scratch, interpret=interpret,
+        interpret=interpret,
     )  # fmt: skip
     o, state = scan_launches(
         rp, x, state, plan.start, plan.length, out_dtype=v.dtype, bv=bv, precision=precision,

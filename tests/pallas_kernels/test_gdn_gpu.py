@@ -44,19 +44,18 @@ PREFILL_IDS = [
 ]
 
 
-# (three launches, the serial grid's Dv blocks on its fastest axis, the lean scratch)
+# (three launches, the serial grid's Dv blocks on its fastest axis)
 PREFILL_PATHS = {
-    "scan_output": (False, True, False),
-    "three_launches": (True, True, False),
-    "scan_output_rows_first": (False, False, False),
-    "lean_scratch": (False, True, True),
+    "scan_output": (False, True),
+    "three_launches": (True, True),
+    "scan_output_rows_first": (False, False),
 }
 
 
 @pytest.mark.parametrize("path", PREFILL_PATHS)
 @pytest.mark.parametrize("lens,hk,hv,dk,dv,dtype,bv", PREFILL_CASES, ids=PREFILL_IDS)
 def test_prefill_matches_reference(lens, hk, hv, dk, dv, dtype, bv, path):
-    three, vb_first, lean = PREFILL_PATHS[path]
+    three, vb_first = PREFILL_PATHS[path]
     rng = np.random.default_rng(sum(lens))
     case = ragged_case(lens)
     inputs = _inputs(rng, case.num_tokens, hk, hv, dk, dv, dtype)
@@ -64,9 +63,8 @@ def test_prefill_matches_reference(lens, hk, hv, dk, dv, dtype, bv, path):
     args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
     want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
     kernel = functools.partial(
-        gpu.gdn_prefill, block_v=bv, three_launches=three, vb_first=vb_first, interpret=True,
-        lean_scratch=lean,
-    )  # fmt: skip
+        gpu.gdn_prefill, block_v=bv, three_launches=three, vb_first=vb_first, interpret=True
+    )
     got_o, got_s = jax.jit(kernel)(*args)
     assert not np.isnan(np.asarray(got_o, np.float32)).any(), "a poisoned slot was read"
     if dtype == jnp.float32:
@@ -75,25 +73,6 @@ def test_prefill_matches_reference(lens, hk, hv, dk, dv, dtype, bv, path):
     else:
         assert_rel_close(got_o, want_o, tol=2e-2, what="outputs")
         assert_rel_close(got_s, want_s, tol=2e-2, what="state pool")
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_lean_scratch_is_the_same_arithmetic(dtype):
-    """The serial launch rebuilds the decayed q / k rows from q, k and their factors exactly as
-    the intra launch builds them: the same outputs and states, bit for bit. GVA (2 value heads
-    a key head) and a chunk that starts mid-window check the key head and rows it reads."""
-    rng = np.random.default_rng(5)
-    case = ragged_case([70, 3, 130])
-    inputs = _inputs(rng, case.num_tokens, 2, 4, 16, 16, dtype)
-    pool = jnp.asarray(case.pool(rng, (4, 16, 16), np.float32))
-    args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
-    kernel = functools.partial(gpu.gdn_prefill, block_v=8, interpret=True)
-    full = jax.jit(kernel)(*args)
-    lean = jax.jit(functools.partial(kernel, lean_scratch=True))(*args)
-    for got, want in zip(lean, full, strict=True):
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    with pytest.raises(ValueError, match="lean scratch"):
-        jax.jit(functools.partial(kernel, lean_scratch=True, three_launches=True))(*args)
 
 
 def test_decode_matches_reference():
@@ -133,17 +112,10 @@ def test_kernels_lower_to_triton_at_80b_shapes():
     gates = [sd((hv,), f32)] * 2
     slots = abstract_slots(rows, m)
     pool = sd((8, hv, d, d), f32)
-
-    def acts_prefill(t):
-        return [sd((t, hk, d), bf)] * 2 + [sd((t, hv, d), bf)] + [sd((t, hv), bf)] * 2
-
     for t, f, extra in [(n, gpu.gdn_prefill, [sd((rows + 1,), i32)]), (rows, gpu.gdn_decode, [])]:
         acts = [sd((t, hk, d), bf)] * 2 + [sd((t, hv, d), bf)] + [sd((t, hv), bf)] * 2
         lowered = jax.jit(f).trace(*acts, *gates, pool, *extra, slots)
         assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()
-    lean = functools.partial(gpu.gdn_prefill, lean_scratch=True)
-    lowered = jax.jit(lean).trace(*acts_prefill(n), *gates, pool, sd((rows + 1,), i32), slots)
-    assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_serial_block_v_widens_when_the_launch_fills_the_sms(monkeypatch):
