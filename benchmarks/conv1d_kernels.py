@@ -204,6 +204,55 @@ def time_qkvz(batch, seq_len, *, ckpt_every: int, bw) -> dict:
     return out
 
 
+# Kimi-Linear-48B's KDA conv: q, k, v projections of 32 heads x 128 each, held apart.
+SPLIT_WIDTHS = (4096, 4096, 4096)
+
+
+def time_split(batch, seq_len, *, ckpt_every: int, bw) -> dict:
+    """A KDA layer's conv as the engine ran it (XLA concatenates q, k, v, the kernel, XLA
+    slices them back out) against ``causal_conv1d_prefill_split`` (each read and written in
+    place): us per call, outputs checked equal first, q, k, v leaving through an optimization
+    barrier (as they leave for the KDA kernel)."""
+    c = sum(SPLIT_WIDTHS)
+    x, weight, pool, qsl, slots, writes = prefill_batch(batch, seq_len, c, ckpt_every)
+    keys = jax.random.split(jax.random.PRNGKey(9), len(SPLIT_WIDTHS))
+    xs = tuple(
+        jax.random.normal(k, (batch * seq_len, n), DTYPE)
+        for k, n in zip(keys, SPLIT_WIDTHS, strict=True)
+    )
+
+    def packed(pool, xs, weight):
+        y, pool = gpu.causal_conv1d_prefill(
+            jnp.concatenate(xs, axis=1), weight, pool, qsl, slots, interpret=INTERPRET
+        )
+        bounds = np.cumsum((0, *SPLIT_WIDTHS))
+        parts = tuple(y[:, a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+        return pool, jax.lax.optimization_barrier(parts)
+
+    def apart(pool, xs, weight):
+        ys, pool = gpu.causal_conv1d_prefill_split(
+            xs, weight, pool, qsl, slots, interpret=INTERPRET
+        )
+        return pool, jax.lax.optimization_barrier(ys)
+
+    want = jax.jit(packed)(jnp.copy(pool), xs, weight)[1]
+    moved = bytes_moved(x, pool, batch, writes)
+    out = {"bytes_moved_MB": moved / 1e6}
+    iters, repeats = (1, 1) if INTERPRET else (10, 5)
+    for name, fn in {"packed_xla_concat_and_slices": packed, "apart": apart}.items():
+        try:
+            got = jax.block_until_ready(jax.jit(fn)(jnp.copy(pool), xs, weight)[1])
+            equal = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, want, strict=True))
+            t = time_stateful(fn, jnp.copy(pool), (xs, weight), iters=iters, repeats=repeats)
+            out[name] = {"us": 1e6 * t, "outputs_equal_packed": equal}
+            if bw:
+                out[name]["pct_of_copy_bw"] = 100 * moved / t / bw
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
+            out[name] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"  {name}: {out[name]}", flush=True)
+    return out
+
+
 # (block_t, block_c, num_warps, num_stages); 16-byte loads need BC = 256 x warps
 SWEEP = [
     (8, 256, 2, 1), (16, 256, 2, 1), (16, 512, 2, 1), (8, 512, 2, 1), (8, 1024, 4, 1),
@@ -388,6 +437,11 @@ def main() -> None:
         help="only the GDN layer's conv: packed by XLA against read in place, every shape",
     )
     p.add_argument(
+        "--split-only",
+        action="store_true",
+        help="only the KDA layer's conv: concatenated by XLA against read apart, every shape",
+    )
+    p.add_argument(
         "--ceiling-only",
         action="store_true",
         help="only the silu ceilings (Triton, Mosaic GPU, XLA) at every shape, no conv",
@@ -426,6 +480,13 @@ def main() -> None:
             guarded(
                 f"qkvz_B{b}_T{t}",
                 lambda b=b, t=t: time_qkvz(b, t, ckpt_every=ckpt_every, bw=bw),
+            )
+        shapes = []
+    elif args.split_only:  # the KDA layer's q, k, v: concatenated around the conv, or not
+        for b, t in shapes:
+            guarded(
+                f"split_B{b}_T{t}",
+                lambda b=b, t=t: time_split(b, t, ckpt_every=ckpt_every, bw=bw),
             )
         shapes = []
     elif args.ceiling_only:  # which lowering moves [T, C] bytes fastest, at every shape

@@ -21,6 +21,8 @@
 #   conv1dq   benchmarks.conv1d_kernels: the default tiles against XLA's reference, no sweep
 #   qkvz      benchmarks.conv1d_kernels --qkvz-only: the GDN layer's conv packed by XLA around
 #             the kernel against the kernel reading the projection's output in place
+#   split     benchmarks.conv1d_kernels --split-only: the KDA layer's conv (Kimi-Linear-48B's
+#             q, k, v apart) concatenated by XLA around the kernel against read and written apart
 #   ceil      benchmarks.conv1d_kernels --ceiling-only: silu over the conv's bytes through
 #             Pallas' Triton and Mosaic GPU lowerings and XLA, at the three shapes
 #   gdn       benchmarks.gdn_kernels --sweep
@@ -100,6 +102,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         conv1dq) echo "python -m benchmarks.conv1d_kernels --out $j" ;;
         ceil) echo "python -m benchmarks.conv1d_kernels --ceiling-only --out $j" ;;
         qkvz) echo "python -m benchmarks.conv1d_kernels --qkvz-only --out $j" ;;
+        split) echo "python -m benchmarks.conv1d_kernels --split-only --out $j" ;;
         gdn) echo "python -m benchmarks.gdn_kernels --sweep --out $j" ;;
         gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default,prefill_B1_T32768_default,fla --out $j" ;;
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;

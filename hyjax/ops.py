@@ -60,7 +60,9 @@ from pallas_kernels.conv1d import tpu as conv1d_tpu
 from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_qkvz_reference,
     causal_conv1d_prefill_reference,
+    causal_conv1d_prefill_split_reference,
     causal_conv1d_update_reference,
+    packed_inputs,
     packed_qkvz,
 )
 from pallas_kernels.gdn import fused_decode
@@ -85,6 +87,8 @@ class Ops:
     # A GDN layer's prefill conv, read from its input projection's output (q | k | v
     # interleaved per key head with z) and handed back as q, k, v apart
     conv1d_prefill_qkvz: Callable
+    # A KDA layer's prefill conv of its q, k, v projections held apart, handed back apart
+    conv1d_prefill_split: Callable
     conv1d_update: Callable
     gdn_prefill: Callable
     gdn_decode: Callable
@@ -215,6 +219,13 @@ GRID: dict[str, Row] = {
         # B=1 T=16384, B=8 T=4096 on an H200 (benchmarks.conv1d_kernels --qkvz-only, one
         # process); heads no power-of-two run of >= 8 divides take the packed path
         gpu=conv1d_gpu.causal_conv1d_prefill_qkvz,
+    ),
+    "conv1d_prefill_split": Row(
+        reference=causal_conv1d_prefill_split_reference,  # XLA concatenates around the conv
+        tpu=Composed(packed_inputs, (conv1d_tpu.causal_conv1d_prefill,)),
+        # each input read in place, each output written apart: no concatenation before the
+        # kernel nor slices after it (the same two passes the in-place GDN conv saves above)
+        gpu=conv1d_gpu.causal_conv1d_prefill_split,
     ),
     "conv1d_update": Row(
         reference=causal_conv1d_update_reference,

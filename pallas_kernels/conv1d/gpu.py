@@ -87,7 +87,13 @@ from pallas_kernels.common.delta_rule import group_refs
 from pallas_kernels.common.delta_rule_gpu import DecodeSlots
 from pallas_kernels.common.ragged import read_slots
 from pallas_kernels.common.slots import StateSlots
-from pallas_kernels.conv1d.reference import check_conv1d_args, check_qkvz_args, packed_qkvz
+from pallas_kernels.conv1d.reference import (
+    check_conv1d_args,
+    check_qkvz_args,
+    check_split_args,
+    packed_inputs,
+    packed_qkvz,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,22 +134,53 @@ def _prefill_kernel(
     nseq_ref,  # i32[1]
     dst_ref,  # i32[S]
     ck_off_ref, ck_slot_ref,  # i32[S, M]
-    x_ref,  # [T, X]  the inputs: channel c of run p at column xcol[p] + c % run
-    *refs,  # xcol i32[C / run] (with a run), w [C, K], init [S, K-1, C] (the source windows,
-    #         zeros where src == 0), pool_in (aliased to pool_out, never read), the outputs y
-    #         (one [T, n] per split), pool_out [num_slots, K-1, C]
+    *refs,  # the inputs x: one [T, X] (channel c of run p at column xcol[p] + c % run) or
+    #         one [T, n] per input split; xcol i32[C / run] (with a run), w [C, K], init
+    #         [S, K-1, C] (the source windows, zeros where src == 0), pool_in (aliased to
+    #         pool_out, never read), the outputs y (one [T, n] per split), pool_out
+    #         [num_slots, K-1, C]
     block_t: int, block_c: int, sub_c: int, run: int | None, splits: tuple[int, ...],
+    in_splits: tuple[int, ...],
 ):  # fmt: skip
+    x_refs, refs = refs[: len(in_splits)], refs[len(in_splits) :]
     xcol_ref = None
     if run is not None:
         xcol_ref, *refs = refs
     w_ref, init_ref, _, *ys, pool_out = refs
+    # (the program ids read here: Pallas' interpreter has none inside a pl.when)
+    pid, cb = pl.program_id(0), pl.program_id(1)
+    program = functools.partial(
+        _prefill_program, pid, cb, qsl_ref, nseq_ref, dst_ref, ck_off_ref, ck_slot_ref,
+        xcol_ref=xcol_ref, w_ref=w_ref, init_ref=init_ref, ys=ys, pool_out=pool_out,
+        block_t=block_t, block_c=block_c, sub_c=sub_c, run=run, splits=splits,
+    )  # fmt: skip
+    if len(x_refs) == 1:  # one input: every channel tile reads it
+        program(x_refs[0], 0)
+        return
+    lo = 0  # several: a channel tile lies in one input (its split is a multiple of BC)
+    for x_ref, n in zip(x_refs, in_splits, strict=True):
+
+        @pl.when((cb * block_c >= lo) & (cb * block_c < lo + n))
+        def _(x_ref=x_ref, lo=lo):
+            program(x_ref, lo)
+
+        lo += n
+
+
+def _prefill_program(
+    pid, cb,  # the program's ids: window or token tile, channel tile
+    qsl_ref, nseq_ref, dst_ref, ck_off_ref, ck_slot_ref,
+    x_ref,  # the input holding this program's channels, from channel x_lo on
+    x_lo: int,
+    *, xcol_ref, w_ref, init_ref, ys, pool_out, block_t: int, block_c: int, sub_c: int,
+    run: int | None, splits: tuple[int, ...],
+):  # fmt: skip
+    """One program of :func:`_prefill_kernel` on the input ``x_ref``."""
     num_tokens = x_ref.shape[0]
     c, kw = w_ref.shape
     km1 = kw - 1
     rows, max_ckpt = ck_off_ref.shape
     num_windows = rows * (max_ckpt + 1)
-    pid, cb = pl.program_id(0), pl.program_id(1)
     f32 = jnp.float32
     vw = block_c if run is None else min(block_c, run)  # the widest vector inside one run
 
@@ -156,8 +193,8 @@ def _prefill_kernel(
         in-bounds mask, and x's columns holding them (``width`` inside one run)."""
         ch0 = cb * block_c + first
         cols = ch0 + iota(width, ndim)
-        if xcol_ref is None:  # x is [T, C]: its columns are the channels
-            return cols, cols < c, cols
+        if xcol_ref is None:  # x's columns are the channels from x_lo on
+            return cols, cols < c, cols - x_lo
         x0 = xcol_ref[jnp.minimum(ch0 // run, xcol_ref.shape[0] - 1)] + ch0 % run
         return cols, cols < c, x0 + iota(width, ndim)
 
@@ -262,31 +299,34 @@ def _prefill_kernel(
 
 
 def _launch_prefill(
-    x, xcol, weight, conv_state, query_start_loc, slots, *, run: int | None,
+    xs, xcol, weight, conv_state, query_start_loc, slots, *, run: int | None,
     splits: tuple[int, ...], block_t: int, block_c: int, num_warps: int, num_stages: int,
     interpret: bool,
 ) -> tuple[jax.Array, ...]:  # fmt: skip
     """:func:`_prefill_kernel` over grid ``(W + ceil(T / BT), ceil(C / BC))``: the outputs
-    (one per split), then the pool. ``run=None`` (and no ``xcol``): x is ``[T, C]``."""
-    n = x.shape[0]
+    (one per split), then the pool. ``xs``: the inputs, one ``[T, X]`` read through ``xcol``
+    (with a ``run``), or ``[T, n]`` arrays whose columns are the channels in turn (every one
+    but the last a multiple of BC wide, so that a channel tile lies in one)."""
+    n = xs[0].shape[0]
     c = weight.shape[0]
     rows, max_ckpt = slots.ckpt_offsets.shape
     num_windows = rows * (max_ckpt + 1)
     src, dst, ck_off, ck_slot, num_seqs = slots.arrays()
     init = read_slots(conv_state, src)  # [S, K-1, C], read before the pool is written
     table = () if run is None else (jnp.asarray(xcol, jnp.int32),)
-    args = (query_start_loc.astype(jnp.int32), num_seqs, dst, ck_off, ck_slot, x, *table,
+    args = (query_start_loc.astype(jnp.int32), num_seqs, dst, ck_off, ck_slot, *xs, *table,
             weight, init, conv_state)  # fmt: skip
     kernel = functools.partial(
         _prefill_kernel, block_t=block_t, block_c=block_c,
         sub_c=min(block_c, SUB_C, run or block_c), run=run, splits=splits,
+        in_splits=tuple(x.shape[1] for x in xs) if run is None else (c,),
     )  # fmt: skip
     return tuple(
         pl.pallas_call(
             kernel,
             grid=(num_windows + pl.cdiv(n, block_t), pl.cdiv(c, block_c)),
             out_shape=[
-                *(jax.ShapeDtypeStruct((n, k), x.dtype) for k in splits),
+                *(jax.ShapeDtypeStruct((n, k), xs[0].dtype) for k in splits),
                 jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
             ],
             input_output_aliases={len(args) - 1: len(splits)},
@@ -328,7 +368,7 @@ def causal_conv1d_prefill(
     bt = min(block_t, _pow2_at_least(n))
     bc = min(block_c, _pow2_at_least(c))
     return _launch_prefill(
-        x, None, weight, conv_state, query_start_loc, slots, run=None, splits=(c,), block_t=bt,
+        (x,), None, weight, conv_state, query_start_loc, slots, run=None, splits=(c,), block_t=bt,
         block_c=bc, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )  # fmt: skip
 
@@ -344,6 +384,68 @@ def qkvz_columns(num_k_heads: int, dk: int, dv: int, ratio: int, run: int) -> np
         for h in range(num_k_heads):
             cols.extend(h * w + offset + np.arange(0, width, run))
     return np.asarray(cols, np.int32)
+
+
+def split_block_c(widths: tuple[int, ...], requested: int = BLOCK_C) -> int | None:
+    """The channel tile of :func:`causal_conv1d_prefill_split`: the largest power of two up to
+    ``requested`` dividing every input's width but the last (a tile then lies in one input),
+    at least 8 (a Triton vector), else None (the packed path)."""
+    b = requested
+    while b >= 8:
+        if all(n % b == 0 for n in widths[:-1]):
+            return b
+        b //= 2
+    return None
+
+
+def causal_conv1d_prefill_split(
+    xs: tuple[jax.Array, ...],  # [T, n_i]: the channels in turn (a layer's q, k, v)
+    weight: jax.Array,  # [C, K]  C = sum n_i
+    conv_state: jax.Array,  # [num_slots, K-1, C]  donated: updated in place
+    query_start_loc: jax.Array,  # i32[S+1]
+    slots: StateSlots,  # DESIGN.md §3
+    *,
+    block_t: int = BLOCK_T,
+    block_c: int = BLOCK_C,
+    num_warps: int = 2,
+    num_stages: int = 1,
+    interpret: bool = False,
+) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """:func:`causal_conv1d_prefill` of channels held in several arrays (a Kimi-Linear layer's
+    q, k, v projections), each read where it is and its output written apart: ``(ys,
+    conv_state)``, one ``[T, n_i]`` output per input. No concatenation before the conv nor
+    slices after it; the same windows and arithmetic as the packed call (bit for bit).
+
+    A channel tile lies in one input: ``block_c`` is cut to the largest power of two dividing
+    every width but the last (:func:`split_block_c`); when that is under 8, XLA packs the inputs
+    around :func:`causal_conv1d_prefill` instead, with one log line."""
+    check_split_args(xs, weight)
+    widths = tuple(x.shape[1] for x in xs)
+    _check_blocks(block_t, block_c)
+    tiles = dict(block_t=block_t, block_c=block_c, num_warps=num_warps, num_stages=num_stages)
+    bc = split_block_c(widths, block_c)
+    if bc is None:
+        _log_packed_inputs(widths)
+        conv = functools.partial(causal_conv1d_prefill, interpret=interpret, **tiles)
+        return packed_inputs(conv)(xs, weight, conv_state, query_start_loc, slots)
+    n = xs[0].shape[0]
+    check_conv1d_args(jax.ShapeDtypeStruct((n, weight.shape[0]), xs[0].dtype), weight, conv_state,
+                      slots, query_start_loc)  # fmt: skip
+    *ys, conv_state = _launch_prefill(
+        xs, None, weight, conv_state, query_start_loc, slots, run=None, splits=widths,
+        block_t=min(block_t, _pow2_at_least(n)), block_c=min(bc, _pow2_at_least(sum(widths))),
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )  # fmt: skip
+    return tuple(ys), conv_state
+
+
+@functools.cache
+def _log_packed_inputs(widths: tuple[int, ...]) -> None:
+    log.warning(
+        "causal_conv1d_prefill_split: packed path (XLA concatenates the inputs around the conv "
+        "kernel) for input widths %s: no power-of-two tile of >= 8 channels divides them",
+        widths,
+    )
 
 
 # A tile of the in-place call is unrolled run by run (its loads, the table lookups, the
@@ -408,7 +510,7 @@ def causal_conv1d_prefill_qkvz(
     bt = min(block_t, _pow2_at_least(qkvz.shape[0]))
     bc = min(block_c, MAX_RUNS_PER_TILE * run)
     return _launch_prefill(
-        qkvz, qkvz_columns(hk, dk, dv, ratio, run), weight, conv_state, query_start_loc, slots,
+        (qkvz,), qkvz_columns(hk, dk, dv, ratio, run), weight, conv_state, query_start_loc, slots,
         run=run, splits=(hk * dk, hk * dk, hv * dv), block_t=bt, block_c=bc,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )  # fmt: skip

@@ -194,3 +194,48 @@ def packed_qkvz(conv_prefill: Callable) -> Callable:
 
 
 causal_conv1d_prefill_qkvz_reference = packed_qkvz(causal_conv1d_prefill_reference)
+
+
+# ----------------------------------------------------------------------------- inputs apart
+
+
+def check_split_args(xs, weight) -> None:
+    """Raises ``ValueError`` unless ``xs`` are ``[T, n_i]`` arrays of one length and dtype whose
+    widths sum to ``weight``'s channels."""
+    if not xs or any(x.ndim != 2 for x in xs):
+        raise ValueError(f"inputs {[x.shape for x in xs]} must be one or more [T, n] arrays")
+    if len({(x.shape[0], x.dtype) for x in xs}) != 1:
+        raise ValueError(f"inputs {[(x.shape, str(x.dtype)) for x in xs]} differ in T or dtype")
+    if sum(x.shape[1] for x in xs) != weight.shape[0]:
+        raise ValueError(
+            f"inputs {[x.shape for x in xs]} are not the {weight.shape[0]} channels of weight"
+        )
+
+
+def packed_inputs(conv_prefill: Callable) -> Callable:
+    """The conv of channels held apart (``xs``: ``[T, n_i]``, in channel order) through
+    ``conv_prefill`` (the signature of :func:`causal_conv1d_prefill_reference`): the inputs
+    concatenated, the conv, its output split back. Returns ``(ys, conv_state)``, ``ys`` one
+    ``[T, n_i]`` array per input."""
+
+    def conv1d_prefill_split(
+        xs: tuple[jax.Array, ...],
+        weight: jax.Array,  # [C, K]  C = sum n_i
+        conv_state: jax.Array,  # [num_slots, K-1, C]
+        query_start_loc: jax.Array,  # i32[S+1]
+        slots: StateSlots,
+    ) -> tuple[tuple[jax.Array, ...], jax.Array]:
+        check_split_args(xs, weight)
+        y, conv_state = conv_prefill(
+            jnp.concatenate(xs, axis=1), weight, conv_state, query_start_loc, slots
+        )
+        ys, lo = [], 0
+        for x in xs:
+            ys.append(y[:, lo : lo + x.shape[1]])
+            lo += x.shape[1]
+        return tuple(ys), conv_state
+
+    return conv1d_prefill_split
+
+
+causal_conv1d_prefill_split_reference = packed_inputs(causal_conv1d_prefill_reference)

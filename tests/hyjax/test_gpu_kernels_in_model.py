@@ -133,5 +133,12 @@ def test_kimi_gpu_kernels_match_reference_in_the_model():
         "kda_prefill_intra_gpu",
         "kda_prefill_serial_gpu",
     ]
+    # The prefill conv reads q, k, v apart and writes them apart: no packing around it.
+    p = cfg.linear_num_heads * cfg.linear_head_dim
+    qkv = tuple(sd((50, p), jnp.float32) for _ in "qkv")
+    conv_args = (qkv, sd((3 * p, 4), jnp.float32), sd((6, 3, 3 * p), jnp.float32))
+    conv_args += (sd((3,), jnp.int32), abstract_slots(2, 2))
+    assert _gpu_kernels(ops.conv1d_prefill_split, *conv_args) == ["causal_conv1d_prefill_gpu"]
+    assert "concatenate" not in str(jax.make_jaxpr(ops.conv1d_prefill_split)(*conv_args))
     got, got_caches = _run(state, graphdef, cfg, ops)
     _assert_matches(got, want, got_caches, want_caches)

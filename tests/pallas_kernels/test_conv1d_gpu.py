@@ -356,3 +356,75 @@ def test_prefill_qkvz_lowers_to_triton_at_80b_shapes():
         abstract_slots(4, 2),
     )  # fmt: skip
     assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+SPLIT_CASES = [
+    # (lens, widths, dtype, block_t, block_c)
+    ([1, 63, 64, 65, 130], (32, 32, 32), jnp.float32, 16, 32),  # a Kimi layer's q, k, v
+    ([150, 3, 40], (64, 64, 40), jnp.bfloat16, 8, 256),  # tile cut to 64; the last one partial
+    ([2, 1, 5, 1, 3], (16, 48), jnp.float32, 4, 16),  # rows shorter than K - 1, two inputs
+]
+
+
+@pytest.mark.parametrize("lens,widths,dtype,bt,bc", SPLIT_CASES)
+def test_prefill_reads_inputs_apart(lens, widths, dtype, bt, bc):
+    """The conv of channels held in several arrays, each read in place and its output written
+    apart: the packed call's windows bit for bit, no concatenation in the program."""
+    rng = np.random.default_rng(sum(lens) + sum(widths))
+    case = ragged_case(lens, max_ckpt=3)
+    c = sum(widths)
+    xs = tuple(jnp.asarray(rng.normal(size=(case.num_tokens, n)), dtype) for n in widths)
+    w = jnp.asarray(rng.normal(size=(c, 4)), dtype)
+    pool = jnp.asarray(case.pool(rng, (3, c), np.float32), dtype)
+    qsl = jnp.asarray(case.query_start_loc, jnp.int32)
+    want = jax.jit(causal_conv1d_prefill_reference)(
+        jnp.concatenate(xs, axis=1), w, pool, qsl, case.slots()
+    )
+    call = functools.partial(
+        gpu.causal_conv1d_prefill_split, block_t=bt, block_c=bc, interpret=True
+    )
+    ys, state = jax.jit(call)(xs, w, pool, qsl, case.slots())
+    assert [y.shape for y in ys] == [x.shape for x in xs]
+    _check((jnp.concatenate(ys, axis=1), state), want, dtype)
+    jaxpr = str(jax.make_jaxpr(call)(xs, w, pool, qsl, case.slots()))
+    assert "concatenate" not in jaxpr and jaxpr.count("pallas_call") == 1
+
+
+def test_prefill_split_packs_widths_without_a_tile(caplog):
+    """Widths 12, 12, 12: no tile of >= 8 channels lies in one input, so XLA packs them around
+    the plain kernel, with one log line, and the result is the reference's."""
+    rng = np.random.default_rng(3)
+    case = ragged_case([5, 70, 1], max_ckpt=2)
+    xs = tuple(jnp.asarray(rng.normal(size=(case.num_tokens, 12)), jnp.float32) for _ in "qkv")
+    w = jnp.asarray(rng.normal(size=(36, 4)), jnp.float32)
+    pool = jnp.asarray(case.pool(rng, (3, 36), np.float32))
+    qsl = jnp.asarray(case.query_start_loc, jnp.int32)
+    want = causal_conv1d_prefill_reference(jnp.concatenate(xs, axis=1), w, pool, qsl, case.slots())
+    gpu._log_packed_inputs.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=gpu.__name__):
+        ys, state = gpu.causal_conv1d_prefill_split(xs, w, pool, qsl, case.slots(), interpret=True)
+    _check((jnp.concatenate(ys, axis=1), state), want, jnp.float32)
+    assert sum("packed path" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_prefill_split_rejects_bad_inputs():
+    case = ragged_case([5, 3])
+    qsl = jnp.asarray(case.query_start_loc, jnp.int32)
+    w, pool = jnp.zeros((64, 4)), jnp.zeros((4, 3, 64))
+    call = functools.partial(gpu.causal_conv1d_prefill_split, interpret=True)
+    with pytest.raises(ValueError, match="are not the 64 channels"):
+        call((jnp.zeros((8, 32)), jnp.zeros((8, 16))), w, pool, qsl, case.slots())
+    with pytest.raises(ValueError, match="differ in T or dtype"):
+        call((jnp.zeros((8, 32)), jnp.zeros((9, 32))), w, pool, qsl, case.slots())
+
+
+def test_prefill_split_lowers_to_triton_at_kimi_shapes():
+    """Kimi-Linear-48B's KDA conv: q, k, v of 32 heads x 128 apart."""
+    sd = jax.ShapeDtypeStruct
+    p = 32 * 128
+    xs = tuple(sd((512, p), jnp.bfloat16) for _ in "qkv")
+    lowered = jax.jit(gpu.causal_conv1d_prefill_split).trace(
+        xs, sd((3 * p, 4), jnp.bfloat16), sd((8, 3, 3 * p), jnp.bfloat16), sd((5,), jnp.int32),
+        abstract_slots(4, 2),
+    )  # fmt: skip
+    assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()

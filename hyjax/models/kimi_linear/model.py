@@ -25,7 +25,6 @@ from hyjax.layers.moe import MLP, SigmoidMoe
 from hyjax.layers.norms import RMSNorm, rms_normalize
 from hyjax.models.hybrid import HybridDecoderLayer, HybridForCausalLM
 from hyjax.models.kimi_linear.config import KimiLinearConfig
-from pallas_kernels.gdn.fused_decode import unpack_conv_channels
 
 if TYPE_CHECKING:
     from hyjax.ops import Ops
@@ -98,22 +97,23 @@ class KimiDeltaAttention(nnx.Module):
         n, h, d = x.shape[0], self.h, self.d
         p = h * d
         shards = self.conv_shards
-        # [T, 3P]: the conv channels q | k | v (per device's heads), one depthwise filter each.
-        mixed = pack_conv_channels(self.q_proj(x), self.k_proj(x), self.v_proj(x), shards)
+        qkv = (self.q_proj(x), self.k_proj(x), self.v_proj(x))  # [T, P] each
+        # The conv channels q | k | v (per device's heads), one depthwise filter each.
         filters = (self.q_conv1d[...].T, self.k_conv1d[...].T, self.v_conv1d[...].T)  # [K, P]
-        weight = pack_conv_channels(*filters, shards).T  # [3P, K], same channel order
+        weight = pack_conv_channels(*filters, shards).T  # [3P, K]
         g = self.f_b_proj(self.f_a_proj(x)).reshape(n, h, d)  # raw per-channel gate
         b = self.b_proj(x)  # [T, H] beta logits
         conv_state, ssm_state = cache
         slots, qsl = batch.slots, batch.query_start_loc
         gates = (self.A_log[...], self.dt_bias[...].reshape(h, d))
         if decode_only:  # the conv update and KDA in one op (one kernel pass on a GPU)
+            mixed = pack_conv_channels(*qkv, shards)  # [T, 3P]
             o, conv_state, ssm_state = ops.conv_kda_decode(
                 mixed, weight, conv_state, g, b, *gates, ssm_state, slots
             )
-        else:
-            mixed, conv_state = ops.conv1d_prefill(mixed, weight, conv_state, qsl, slots)
-            q, k, v = unpack_conv_channels(mixed, (h, d), (h, d), shards)  # [T, H, D] each
+        else:  # q, k, v read and written apart (on each device, its heads)
+            qkv, conv_state = ops.conv1d_prefill_split(qkv, weight, conv_state, qsl, slots)
+            q, k, v = (t.reshape(n, h, d) for t in qkv)  # [T, H, D] each
             if batch.max_row_tokens:  # verify rows (a few tokens each): token by token
                 o, ssm_state = ops.kda_multi_decode(
                     q, k, v, g, b, *gates, ssm_state, qsl, slots, max_tokens=batch.max_row_tokens

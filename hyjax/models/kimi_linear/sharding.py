@@ -100,6 +100,8 @@ SHARDING = FamilySharding(
     ssm_spec=SSM,
     ops={
         **CONV1D_OPS,
+        # (q, k, v) [T, P] each, by head; their filters [3P, K] by device (q | k | v each)
+        "conv1d_prefill_split": ((H2, P(M, None), CONV_STATE, R, SLOTS), (H2, CONV_STATE)),
         # q, k, v, g [T, H, D]; b [T, H]; A_log [H]; dt_bias [H, Dk]; state by head
         "kda_prefill": ((H3, H3, H3, H3, H2, H1, P(M, None), SSM, R, SLOTS), (H3, SSM)),
         "kda_multi_decode": ((H3, H3, H3, H3, H2, H1, P(M, None), SSM, R, SLOTS), (H3, SSM)),
