@@ -72,11 +72,17 @@ def copy_bandwidth(num_bytes: int = 2**30, *, iters: int = 10, repeats: int = 5)
             x = jax.lax.optimization_barrier(x * (1.0 + 1e-7 * (i + 1)))
         return x
 
-    x = jax.block_until_ready(chain(x))  # compile + warm up
+    return _copy_rate(chain, x, iters, repeats)
+
+
+def _copy_rate(program, x, iters: int, repeats: int) -> float:
+    """Read + write bytes / s of ``program`` (``iters`` passes over ``x``, donated): the
+    median of ``repeats`` runs after one to compile and warm up."""
+    x = jax.block_until_ready(program(x))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        x = jax.block_until_ready(chain(x))
+        x = jax.block_until_ready(program(x))
         times.append((time.perf_counter() - t0) / iters)
     return 2 * x.nbytes / float(np.median(times))
 
@@ -90,13 +96,7 @@ def copy_bandwidth_fori(num_bytes: int = 2**30, *, iters: int = 20, repeats: int
     def loop(x):
         return jax.lax.fori_loop(0, iters, lambda i, x: x * 1.0001, x)
 
-    x = jax.block_until_ready(loop(x))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x = jax.block_until_ready(loop(x))
-        times.append((time.perf_counter() - t0) / iters)
-    return 2 * x.nbytes / float(np.median(times))
+    return _copy_rate(loop, x, iters, repeats)
 
 
 def time_chained(fn, args, iters: int, repeats: int = 3) -> float:

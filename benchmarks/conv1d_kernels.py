@@ -136,6 +136,29 @@ def time_prefill(batch, seq_len, channels, *, reference: bool, ckpt_every: int, 
     return out
 
 
+def _time_variants(variants, want, pool, operands, moved: int, bw) -> dict:
+    """Each ``fn(pool, *operands) -> (pool, outputs)`` of ``variants``: its outputs compared
+    with ``want`` on the device, then us per call (10 chained calls a program, the pool
+    donated: 20 took the qkvz section past 200 s on 2026-11-29), the first call's seconds
+    (compile + one call) and % of copy bandwidth."""
+    iters, repeats = (1, 1) if INTERPRET else (10, 5)
+    out = {}
+    for name, fn in variants.items():
+        try:
+            t0 = time.perf_counter()
+            got = jax.block_until_ready(jax.jit(fn)(jnp.copy(pool), *operands)[1])
+            first_call_s = time.perf_counter() - t0
+            equal = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, want, strict=True))
+            t = time_stateful(fn, jnp.copy(pool), operands, iters=iters, repeats=repeats)
+            out[name] = {"us": 1e6 * t, "outputs_equal_packed": equal, "first_call_s": first_call_s}
+            if bw:
+                out[name]["pct_of_copy_bw"] = 100 * moved / t / bw
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
+            out[name] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"  {name}: {out[name]}", flush=True)
+    return out
+
+
 # The GDN layer's conv as the engine runs it (the 80B's heads: 16 key heads of 128, 2 value
 # heads each): XLA packs q | k | v out of the projection's output, the conv kernel runs, XLA
 # slices its output back into q, k, v; against the kernel reading the projection's output in
@@ -183,25 +206,10 @@ def time_qkvz(batch, seq_len, *, ckpt_every: int, bw) -> dict:
     want = jax.jit(packed)(jnp.copy(pool), qkvz, weight)[1]
     moved = bytes_moved(x, pool, batch, writes)
     out = {"bytes_moved_MB": moved / 1e6}
-    # 10 unrolled calls a program (20 took the section past 200 s on 2026-11-29)
-    iters, repeats = (1, 1) if INTERPRET else (10, 5)
     variants = {"packed_xla_pack_and_slices": packed}
     for tiles in QKVZ_TILES:
         variants["in_place_bt{}_bc{}_w{}".format(*tiles)] = functools.partial(in_place, tiles=tiles)
-    for name, fn in variants.items():
-        try:
-            t0 = time.perf_counter()
-            got = jax.block_until_ready(jax.jit(fn)(jnp.copy(pool), qkvz, weight)[1])
-            first_call_s = time.perf_counter() - t0  # compile + one call
-            equal = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, want, strict=True))
-            t = time_stateful(fn, jnp.copy(pool), (qkvz, weight), iters=iters, repeats=repeats)
-            out[name] = {"us": 1e6 * t, "outputs_equal_packed": equal, "first_call_s": first_call_s}
-            if bw:
-                out[name]["pct_of_copy_bw"] = 100 * moved / t / bw
-        except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
-            out[name] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
-        print(f"  {name}: {out[name]}", flush=True)
-    return out
+    return {**out, **_time_variants(variants, want, pool, (qkvz, weight), moved, bw)}
 
 
 # Kimi-Linear-48B's KDA conv: q, k, v projections of 32 heads x 128 each, held apart.
@@ -238,19 +246,8 @@ def time_split(batch, seq_len, *, ckpt_every: int, bw) -> dict:
     want = jax.jit(packed)(jnp.copy(pool), xs, weight)[1]
     moved = bytes_moved(x, pool, batch, writes)
     out = {"bytes_moved_MB": moved / 1e6}
-    iters, repeats = (1, 1) if INTERPRET else (10, 5)
-    for name, fn in {"packed_xla_concat_and_slices": packed, "apart": apart}.items():
-        try:
-            got = jax.block_until_ready(jax.jit(fn)(jnp.copy(pool), xs, weight)[1])
-            equal = all(bool(jnp.array_equal(a, b)) for a, b in zip(got, want, strict=True))
-            t = time_stateful(fn, jnp.copy(pool), (xs, weight), iters=iters, repeats=repeats)
-            out[name] = {"us": 1e6 * t, "outputs_equal_packed": equal}
-            if bw:
-                out[name]["pct_of_copy_bw"] = 100 * moved / t / bw
-        except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
-            out[name] = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
-        print(f"  {name}: {out[name]}", flush=True)
-    return out
+    variants = {"packed_xla_concat_and_slices": packed, "apart": apart}
+    return {**out, **_time_variants(variants, want, pool, (xs, weight), moved, bw)}
 
 
 # (block_t, block_c, num_warps, num_stages); 16-byte loads need BC = 256 x warps
