@@ -210,6 +210,68 @@ def time_prefill(
     return out
 
 
+def mgpu_scan(batch, seq_len) -> dict:
+    """The serial launch through Mosaic GPU (``pallas_kernels.common.chunk_scan_mgpu``: TMA
+    copies, ``wgmma`` products, the state the accumulator) against the Triton one, on the same
+    intra-launch scratch (bf16 operands, ``batch`` rows of ``seq_len`` tokens, no checkpoints):
+    each checked against the other (outputs, final states), then each timed alone (the intra
+    launch run once, outside the timing)."""
+    from pallas_kernels.common import chunk_scan_gpu, delta_rule_gpu
+    from pallas_kernels.common.chunk_scan_mgpu import serial_scan_mgpu
+
+    qsl, slots, num_slots = prefill_batch(batch, seq_len)
+    n = batch * seq_len
+    acts = _activations(jax.random.PRNGKey(4), n)
+    nc = gpu.max_chunks(n, batch, slots.ckpt_offsets.shape[1], gpu.CHUNK)
+    bv = delta_rule_gpu.serial_block_v(batch, HV, D, None)
+
+    @jax.jit
+    def scratch(acts, qsl, slots):
+        q, k, v, a, b, A_log, dt_bias = acts
+        plan = gpu.plan_chunks(qsl, slots, num_tokens=n, chunk=gpu.CHUNK)
+        x = gpu.intra_launch(
+            q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=jnp.bfloat16,
+            precision=None, interpret=INTERPRET,
+        )  # fmt: skip
+        return delta_rule_gpu.row_plan(plan, slots, nc), x, plan.start, plan.length
+
+    rp, x, start, length = scratch(acts, qsl, slots)
+    pool = _pool(jax.random.PRNGKey(5), num_slots)
+
+    def triton(pool, rp, x, start, length):
+        o, pool = chunk_scan_gpu.scan_launches(
+            rp, x, pool, start, length, out_dtype=jnp.bfloat16, bv=bv, precision=None,
+            num_warps=4, num_stages=2, vb_first=delta_rule_gpu.SERIAL_VB_FIRST,
+            three_launches=False, block_v_out=None, interpret=INTERPRET, name="gdn_prefill",
+        )  # fmt: skip
+        return pool, o
+
+    # the Mosaic GPU kernel's inputs: U^T, the decays by head, each row's starting state
+    u_t = jnp.swapaxes(x.u[:, :n], 1, 2)
+    decay = x.decay[: n // gpu.CHUNK].T
+    src = np.asarray(slots.src_slot)
+    s0 = jnp.where((src > 0)[:, None, None, None], pool[src], 0.0)
+
+    def mgpu(s0, w, u_t, q_dec, k_dec, a_qk, decay):
+        o_t, s = serial_scan_mgpu(w, u_t, q_dec, k_dec, a_qk, decay, s0, rows=batch)
+        return s, o_t
+
+    mg_in = (x.w[:, :n], u_t, x.q_dec[:, :n], x.k_dec[:, :n], x.a_qk[:, :n], decay)
+    want_pool, want_o = jax.jit(triton)(jnp.copy(pool), rp, x, start, length)
+    got_s, got_o_t = jax.jit(mgpu)(s0, *mg_in)
+    dst = np.asarray(slots.dst_slot)
+    out = {
+        "output_err_vs_triton": err_ratio(jnp.transpose(got_o_t, (2, 0, 1)), want_o[:n]),
+        "state_err_vs_triton": err_ratio(got_s, want_pool[dst]),
+    }
+    out["triton_serial_ms"] = 1e3 * _time_stateful(
+        triton, jnp.copy(pool), (rp, x, start, length), iters=10
+    )
+    out["mgpu_serial_ms"] = 1e3 * _time_stateful(mgpu, s0, mg_in, iters=10)
+    out["mgpu_over_triton"] = out["mgpu_serial_ms"] / out["triton_serial_ms"]
+    return out
+
+
 # The serial launch's variants: (Dv blocks on the fastest grid axis, Dv block, warps, stages).
 SERIAL_SWEEP = [
     (False, 32, 4, 2),  # the default before the grid order was a parameter
@@ -426,6 +488,10 @@ def main() -> None:
     p.add_argument("--skip-floors", action="store_true")
     p.add_argument("--sweep", action="store_true", help="prefill tuning sweep at B1 T4096")
     p.add_argument("--only", default=None, help="comma-separated name prefixes to run")
+    p.add_argument(
+        "--mgpu-scan", action="store_true",
+        help="only the serial launch, Mosaic GPU against Triton on the same scratch",
+    )  # fmt: skip
     args = p.parse_args()
     only = tuple(args.only.split(",")) if args.only else None
     global INTERPRET
@@ -446,6 +512,11 @@ def main() -> None:
             traceback.print_exc()
         print(name, json.dumps(summary[name]), flush=True)
 
+    if args.mgpu_scan:  # the experiment alone: the serial launch in the two lowerings
+        for b, t in [(1, 256)] if args.quick else [(1, 4096), (8, 4096), (1, 16384)]:
+            guarded(f"mgpu_scan_B{b}_T{t}", lambda b=b, t=t: mgpu_scan(b, t))
+        prefill_shapes, decode_rows, args.skip_floors = [], [], True
+        only = ("mgpu_scan",)
     if not args.skip_floors:
         guarded("floors", floors)
     guarded("check_decode", check_decode)

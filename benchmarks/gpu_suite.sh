@@ -29,6 +29,9 @@
 #   gdnp      benchmarks.gdn_kernels: the default prefill at its four shapes and FLA, no sweep
 #   kda       benchmarks.kda_kernels --sweep (FLA's chunk_kda beside it: its wheels in .whl);
 #             with its sweep it ran past 400 s on 2026-11-29: give it a call of its own
+#   mgpuscan  benchmarks.gdn_kernels --mgpu-scan: the serial launch in Mosaic GPU (TMA, wgmma,
+#             the state the accumulator) against the Triton one on the same scratch, checked
+#             against it, then each timed, at 1x4096, 8x4096, 1x16384
 #   ncugdn    ncu's counters (occupancy, launch statistics, warp states, memory) of the GDN
 #             prefill's intra and serial launches at SUITE_NCU_BATCH (default 8) x 4096 tokens
 #             (benchmarks.profile_prefill), in the section's log; ncukda the same for KDA
@@ -106,6 +109,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdn) echo "python -m benchmarks.gdn_kernels --sweep --out $j" ;;
         gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default,prefill_B1_T32768_default,fla --out $j" ;;
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
+        mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
         ncugdn | ncukda)  # ncu's counters of the default prefill's two launches, in the log
             echo "/usr/local/cuda/bin/ncu --clock-control none --kernel-name regex:prefill_ --launch-skip 2 --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis python -m benchmarks.profile_prefill --family ${1#ncu} --batch ${SUITE_NCU_BATCH:-8} --seq-len 4096" ;;
         decode) echo "python -m benchmarks.decode_variants --out $j" ;;

@@ -62,3 +62,23 @@ def test_silu_ceiling_computes_silu():
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-7, atol=1e-6)
     with pytest.raises(ValueError, match="do not divide"):
         silu_mosaic_gpu(x, block_t=96, block_c=256, steps=2, interpret=True)
+
+
+def test_serial_scan_experiment_lowers_to_mosaic_gpu():
+    """The delta-rule serial launch in Mosaic GPU (TMA copies, wgmma products, the state as the
+    accumulator: ``pallas_kernels.common.chunk_scan_mgpu``, an experiment timed by
+    ``benchmarks.gdn_kernels --mgpu-scan``) at the 80B's GDN heads, two rows of 4096 tokens:
+    its layouts, copies and shared memory pass Mosaic GPU's checks."""
+    from pallas_kernels.common.chunk_scan_mgpu import serial_scan_mgpu
+
+    sd = jax.ShapeDtypeStruct
+    h, t, d, rows = 32, 8192, 128, 2
+    bf = jnp.bfloat16
+    tiles = [sd((h, t, d), bf), sd((h, d, t), bf), sd((h, t, d), bf), sd((h, t, d), bf)]
+    f32 = jnp.float32
+    args = (*tiles, sd((h, t, 64), bf), sd((h, t // 64), f32), sd((rows, h, d, d), f32))
+    fn = jax.jit(lambda *a: serial_scan_mgpu(*a, rows=rows))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @mosaic_gpu" in text
+    with pytest.raises(ValueError, match="multiple of 64"):
+        serial_scan_mgpu(*(jnp.zeros(a.shape, a.dtype) for a in args), rows=3)
