@@ -154,3 +154,31 @@ def serial_scan_mgpu(
         grid=(rows, h, dv // BV),
         grid_names=("r", "h", "v"),
     )(w, u_t, q_dec, k_dec, a_qk, decay, state)
+
+
+def serial_scan_reference(w, u_t, q_dec, k_dec, a_qk, decay, state, *, rows: int):
+    """:func:`serial_scan_mgpu`'s arithmetic in plain JAX, chunk by chunk (its products and
+    bf16 roundings, f32 accumulation): the transposed recurrence checked on a CPU host."""
+    h, t, dk = w.shape
+    per_row = t // rows
+    nc = per_row // CHUNK
+    op = w.dtype
+    f32 = jnp.float32
+
+    def mm(a, b):
+        return jnp.einsum("hij,hjk->hik", a.astype(op), b.astype(op), preferred_element_type=f32)
+
+    outs, finals = [], []
+    for r in range(rows):
+        s = state[r]  # [H, Dv, Dk]
+        for c in range(nc):
+            tok = slice(r * per_row + c * CHUNK, r * per_row + (c + 1) * CHUNK)
+            sb = s.astype(op)
+            vb = (u_t[:, :, tok].astype(f32) - mm(sb, jnp.swapaxes(w[:, tok], 1, 2))).astype(op)
+            o_t = mm(sb, jnp.swapaxes(q_dec[:, tok], 1, 2)) + mm(
+                vb, jnp.swapaxes(a_qk[:, tok], 1, 2)
+            )
+            outs.append(o_t.astype(op))
+            s = s * decay[:, r * nc + c][:, None, None] + mm(vb, k_dec[:, tok])
+        finals.append(s)
+    return jnp.concatenate(outs, axis=2), jnp.stack(finals)

@@ -82,3 +82,47 @@ def test_serial_scan_experiment_lowers_to_mosaic_gpu():
     assert "custom_call @mosaic_gpu" in text
     with pytest.raises(ValueError, match="multiple of 64"):
         serial_scan_mgpu(*(jnp.zeros(a.shape, a.dtype) for a in args), rows=3)
+
+
+def test_serial_scan_experiment_arithmetic_is_the_triton_launchs():
+    """The Mosaic GPU experiment's transposed recurrence (``serial_scan_reference``, its
+    products and roundings in plain JAX) gives the Triton serial launch's outputs and final
+    states on the same intra-launch scratch: two rows of two chunks, one from a state, one
+    from zeros, GVA heads, bf16 operands."""
+    from benchmarks.common import prefill_batch
+    from pallas_kernels.common import chunk_scan_gpu, delta_rule_gpu
+    from pallas_kernels.common.chunk_scan_mgpu import serial_scan_reference
+    from pallas_kernels.gdn import gpu
+
+    rows, per_row, hk, hv, d = 2, 128, 1, 2, 16
+    n = rows * per_row
+    qsl, slots, num_slots = prefill_batch(rows, per_row)
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(rng.normal(size=(n, hk, d)), jnp.bfloat16) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(n, hv, d)), jnp.bfloat16)
+    a, b = (jnp.asarray(rng.normal(size=(n, hv)), jnp.bfloat16) for _ in range(2))
+    # slow gates (g ~ -1e-3 a token): each chunk's state reaches the next one's output
+    A_log, dt_bias = jnp.log(jnp.linspace(0.01, 0.05, hv)), jnp.full(hv, -3.0)
+    pool = jnp.asarray(0.1 * rng.normal(size=(num_slots, hv, d, d)), jnp.float32)
+    nc = gpu.max_chunks(n, rows, slots.ckpt_offsets.shape[1], gpu.CHUNK)
+    plan = gpu.plan_chunks(qsl, slots, num_tokens=n, chunk=gpu.CHUNK)
+    x = gpu.intra_launch(q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc,
+                         operand_dtype=jnp.bfloat16, precision=None, interpret=True)  # fmt: skip
+    o, pool_out = chunk_scan_gpu.scan_launches(
+        delta_rule_gpu.row_plan(plan, slots, nc), x, jnp.copy(pool), plan.start, plan.length,
+        out_dtype=jnp.bfloat16, bv=8, precision=None, num_warps=4, num_stages=1,
+        vb_first=True, three_launches=False, block_v_out=None, interpret=True,
+        name="gdn_prefill",
+    )  # fmt: skip
+    src = np.asarray(slots.src_slot)
+    assert src[0] > 0 and src[1] == 0  # one row from a state, one from zeros
+    s0 = jnp.where((src > 0)[:, None, None, None], pool[src], 0.0)
+    o_t, s = serial_scan_reference(
+        x.w[:, :n], jnp.swapaxes(x.u[:, :n], 1, 2), x.q_dec[:, :n], x.k_dec[:, :n],
+        x.a_qk[:, :n], x.decay[: n // 64].T, s0, rows=rows,
+    )  # fmt: skip
+    got_o = np.asarray(jnp.transpose(o_t, (2, 0, 1)), np.float32)
+    want_o = np.asarray(o[:n], np.float32)
+    assert np.linalg.norm(got_o - want_o) < 1e-2 * np.linalg.norm(want_o)
+    want_s = np.asarray(pool_out)[np.asarray(slots.dst_slot)]
+    np.testing.assert_allclose(np.asarray(s), want_s, rtol=1e-3, atol=1e-3)
