@@ -34,7 +34,9 @@
 #             against it, then each timed, at 1x4096, 8x4096, 1x16384
 #   ncugdn    ncu's counters (occupancy, launch statistics, warp states, memory) of the GDN
 #             prefill's intra and serial launches at SUITE_NCU_BATCH (default 8) x 4096 tokens
-#             (benchmarks.profile_prefill), in the section's log; ncukda the same for KDA
+#             (benchmarks.profile_delta_rule), in the section's log; ncukda the same for KDA
+#   ncugdndec the same of the GDN decode kernel at SUITE_NCU_ROWS (default 256) rows;
+#             ncukdadec of KDA's
 #   decode    benchmarks.decode_variants
 #   step      benchmarks.step_profile --layers 8 --decode-rows 64,256 --host-profile
 #   stepdt    the same with --dispatch-thread, no host profile (the launch beside the host's
@@ -94,6 +96,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
     local j=$scratch/$1.json
     local tp="--model qwen3-next-80b --layers 48 --tp 2 --min-seq-bucket"
     local n pin
+    local ncu="/usr/local/cuda/bin/ncu --clock-control none"
+    local sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"
     # cbuf: the bench model (80B layer shapes, 8 layers), c8, short prompts, one card
     local cb="--model bench --layers 8 --concurrency 8 --min-seq-bucket 8 --input-len 200 --output-len 512"
     n=$(nproc)  # http: the server on the first half of the CPUs, aiperf on the second
@@ -111,7 +115,10 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
         ncugdn | ncukda)  # ncu's counters of the default prefill's two launches, in the log
-            echo "/usr/local/cuda/bin/ncu --clock-control none --kernel-name regex:prefill_ --launch-skip 2 --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis python -m benchmarks.profile_prefill --family ${1#ncu} --batch ${SUITE_NCU_BATCH:-8} --seq-len 4096" ;;
+            echo "$ncu --kernel-name regex:prefill_ --launch-skip 2 --launch-count 2 $sections python -m benchmarks.profile_delta_rule --family ${1#ncu} --op prefill --batch ${SUITE_NCU_BATCH:-8} --seq-len 4096" ;;
+        ncugdndec | ncukdadec)  # the same of the decode kernel (rows in place, f32 state)
+            n=${1#ncu}
+            echo "$ncu --kernel-name regex:_decode_gpu --launch-skip 1 --launch-count 1 $sections python -m benchmarks.profile_delta_rule --family ${n%dec} --op decode --batch ${SUITE_NCU_ROWS:-256}" ;;
         decode) echo "python -m benchmarks.decode_variants --out $j" ;;
         step) echo "python -m benchmarks.step_profile --layers 8 --decode-rows 64,256 --top 60 --host-profile --out $j" ;;
         stepdt) echo "python -m benchmarks.step_profile --layers 8 --decode-rows 64,256 --top 20 --dispatch-thread --out $j" ;;
