@@ -51,11 +51,13 @@ INTERPRET = False  # --interpret: run the kernels in Pallas interpret mode (CPU 
 # The prefill variants timed: (precision, operand dtype, three launches). ``default`` is what
 # the engine calls for a bf16 model (hyjax.ops: precision None, operands in the activations'
 # dtype, the launch count by the scratch rule).
-PREFILL_VARIANTS = {
-    "default": (None, None, None),
-    "bf16ops_serial": (None, jnp.bfloat16, False),
-    "bf16ops_three": (None, jnp.bfloat16, True),
-    "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True),
+PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tuning)
+    "default": (None, None, None, {}),
+    # q's products and rows stored before the UT transform (intra launch: 255 registers)
+    "early": (None, None, None, dict(intra_early_stores=True)),
+    "bf16ops_serial": (None, jnp.bfloat16, False, {}),
+    "bf16ops_three": (None, jnp.bfloat16, True, {}),
+    "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True, {}),
 }
 PRECISIONS = {
     "f32": jax.lax.Precision.HIGHEST,
@@ -529,11 +531,11 @@ def main() -> None:
         guarded(f"check_prefill_{name}", lambda prec=prec: check_prefill(prec))
     guarded("check_prefill_bf16ops", lambda: check_prefill(None, operand_dtype=jnp.bfloat16))
     for b, t in prefill_shapes:
-        for variant, (prec, op, three) in PREFILL_VARIANTS.items():
+        for variant, (prec, op, three, more) in PREFILL_VARIANTS.items():
             guarded(
                 f"prefill_B{b}_T{t}_{variant}",
-                lambda b=b, t=t, prec=prec, op=op, three=three: time_prefill(
-                    b, t, prec, reference=False, operand_dtype=op, three_launches=three
+                lambda b=b, t=t, prec=prec, op=op, three=three, more=more: time_prefill(
+                    b, t, prec, reference=False, operand_dtype=op, three_launches=three, **more
                 ),
             )
     b, t = prefill_shapes[-1] if args.quick else (8, 4096)

@@ -187,11 +187,13 @@ def _intra_kernel(
     kd_ref,  # [Hv, Tp, Dk] out: k e^(gam_last - gam) (l2-normed)
     aqk_ref,  # [Hv, Tp, C] out: incl_lower(q k^T e^(gam_i - gam_j)), window columns
     dl_ref,  # f32[NC, Hv]  out: e^gam_last, the chunk's state decay
-    *, ratio: int, scale: float, precision,
+    *, ratio: int, scale: float, precision, early_stores: bool = False,
 ):  # fmt: skip
     """Kernel 1, one program per (chunk, value head), all in parallel: everything of the chunk
     that does not depend on the state (the gates, the UT transform, the decayed q / k rows and
-    the intra-chunk scores), so the serial launch does only the state's products."""
+    the intra-chunk scores), so the serial launch does only the state's products.
+    ``early_stores``: q's products and rows stored before the UT transform, not after (the
+    same arithmetic; on an H200 the launch sits at 255 registers a thread, ncu at 8x4096)."""
     ci, h = pl.program_id(0), pl.program_id(1)
     start, length = c_start_ref[ci], c_len_ref[ci]
     num_tokens = k_ref.shape[0]
@@ -218,16 +220,24 @@ def _intra_kernel(
         gam_last = jnp.sum(g)
         # gam is non-increasing, so every exponent below is <= 0 (no overflow).
         diff = gam[:, None] - gam[None, :]
-        a_mat = beta[:, None] * mm(k, k, NT, precision) * jnp.exp(jnp.where(ii > jj, diff, -1e30))
-        a_qk = mm(q, k, NT, precision) * jnp.exp(jnp.where(ii >= jj, diff, -1e30))
-        tm = unit_lower_inverse(a_mat, precision)
         rows = valid[:, None]
+
+        def store_q_rows():  # q's products and rows: q is dead after them
+            a_qk = mm(q, k, NT, precision) * jnp.exp(jnp.where(ii >= jj, diff, -1e30))
+            pltr.store(aqk_ref.at[h, win.rows, :], a_qk.astype(op), mask=rows)
+            q_dec = (q * jnp.exp(gam)[:, None]).astype(op)
+            pltr.store(qd_ref.at[h, win.rows, :], q_dec, mask=rows)
+
+        if early_stores:  # before the UT transform: fewer tiles live through the inverse
+            store_q_rows()
+        a_mat = beta[:, None] * mm(k, k, NT, precision) * jnp.exp(jnp.where(ii > jj, diff, -1e30))
+        tm = unit_lower_inverse(a_mat, precision)
         w = mm(tm, k * (beta * jnp.exp(gam))[:, None], precision=precision)  # [C, Dk]
         pltr.store(w_ref.at[h, win.rows, :], w.astype(op), mask=rows)
-        pltr.store(qd_ref.at[h, win.rows, :], (q * jnp.exp(gam)[:, None]).astype(op), mask=rows)
+        if not early_stores:
+            store_q_rows()
         k_dec = k * jnp.exp(gam_last - gam)[:, None]
         pltr.store(kd_ref.at[h, win.rows, :], k_dec.astype(op), mask=rows)
-        pltr.store(aqk_ref.at[h, win.rows, :], a_qk.astype(op), mask=rows)
         dv = v_ref.shape[-1]
         bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
         for vb in range(dv // bv):
@@ -240,7 +250,7 @@ def _intra_kernel(
 
 def intra_launch(
     q, k, v, a, b, A_log, dt_bias, plan, *, num_chunks: int, operand_dtype, precision,
-    num_warps: int = 8, num_stages: int = 2, interpret: bool = False,
+    num_warps: int = 8, num_stages: int = 2, early_stores: bool = False, interpret: bool = False,
 ) -> ChunkRefs:  # fmt: skip
     """Launch 1 (:func:`_intra_kernel`) over grid ``(NC, Hv)`` on inputs padded to at least one
     chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`)."""
@@ -250,8 +260,12 @@ def intra_launch(
     return ChunkRefs(
         *pl.pallas_call(
             functools.partial(
-                _intra_kernel, ratio=hv // hk, scale=float(dk) ** -0.5, precision=precision
-            ),
+                _intra_kernel,
+                ratio=hv // hk,
+                scale=float(dk) ** -0.5,
+                precision=precision,
+                early_stores=early_stores,
+            ),  # fmt: skip
             grid=(num_chunks, hv),
             out_shape=list(chunk_refs_shapes(hv, tp, dk, dv, CHUNK, num_chunks, op, False)),
             compiler_params=compiler_params(num_warps, num_stages),
@@ -282,6 +296,7 @@ def gdn_prefill(
     intra_num_stages: int = 2,
     vb_first: bool = SERIAL_VB_FIRST,
     three_launches: bool = False,
+    intra_early_stores: bool = False,
     block_v_out: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -297,7 +312,8 @@ def gdn_prefill(
     dtype). ``block_v`` (default: :func:`~pallas_kernels.common.delta_rule_gpu.serial_block_v`
     by the launch's size), ``num_warps`` and ``num_stages`` tune the serial launch,
     ``intra_num_warps`` / ``intra_num_stages`` the intra launch, ``vb_first`` the serial
-    grid's order (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`).
+    grid's order (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`),
+    ``intra_early_stores`` the intra launch's order of stores (:func:`_intra_kernel`).
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, hk, dk = q.shape
@@ -313,7 +329,7 @@ def gdn_prefill(
     x = intra_launch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=op,
         precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
-        interpret=interpret,
+        early_stores=intra_early_stores, interpret=interpret,
     )  # fmt: skip
     o, state = scan_launches(
         rp, x, state, plan.start, plan.length, out_dtype=v.dtype, bv=bv, precision=precision,

@@ -75,6 +75,21 @@ def test_prefill_matches_reference(lens, hk, hv, dk, dv, dtype, bv, path):
         assert_rel_close(got_s, want_s, tol=2e-2, what="state pool")
 
 
+def test_intra_early_stores_are_the_same_arithmetic():
+    """The intra launch's stores of q's products and rows before the UT transform (a tuning
+    of its registers): the default's outputs and states, bit for bit."""
+    rng = np.random.default_rng(6)
+    case = ragged_case([70, 3, 130])
+    inputs = _inputs(rng, case.num_tokens, 2, 4, 16, 16, jnp.bfloat16)
+    pool = jnp.asarray(case.pool(rng, (4, 16, 16), np.float32))
+    args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
+    kernel = functools.partial(gpu.gdn_prefill, block_v=8, interpret=True)
+    want = jax.jit(kernel)(*args)
+    got = jax.jit(functools.partial(kernel, intra_early_stores=True))(*args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
 def test_decode_matches_reference():
     rng = np.random.default_rng(2)
     rows, num_seqs, hk, hv, dk, dv, m = 6, 5, 2, 6, 16, 8, 2
