@@ -61,9 +61,9 @@ def copy_bandwidth(num_bytes: int = 2**30, *, iters: int = 10, repeats: int = 5)
 
     Unrolled with an optimization barrier after each pass (XLA would otherwise fuse the chain
     into one pass), not a ``fori_loop``, whose every trip syncs with the host on a GPU. On an
-    H200 (2026-11-29) the two ways read the same within their spread (3.95 / 3.92 and 3.81 /
-    3.97 TB/s in two processes): a 1 GiB pass is long beside a round trip.
-    """
+    H200 (2026-11-29) the two ways read the same within their spread (3.95 / 3.92, 3.81 / 3.97
+    and 4.02 / 4.03 TB/s in three processes, BENCHMARKS.md): a 1 GiB pass is long beside a
+    round trip."""
     x = jnp.ones((max(num_bytes // 4, 1),), jnp.float32)
 
     @functools.partial(jax.jit, donate_argnums=0)
@@ -72,31 +72,13 @@ def copy_bandwidth(num_bytes: int = 2**30, *, iters: int = 10, repeats: int = 5)
             x = jax.lax.optimization_barrier(x * (1.0 + 1e-7 * (i + 1)))
         return x
 
-    return _copy_rate(chain, x, iters, repeats)
-
-
-def _copy_rate(program, x, iters: int, repeats: int) -> float:
-    """Read + write bytes / s of ``program`` (``iters`` passes over ``x``, donated): the
-    median of ``repeats`` runs after one to compile and warm up."""
-    x = jax.block_until_ready(program(x))
+    x = jax.block_until_ready(chain(x))  # compile + warm up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        x = jax.block_until_ready(program(x))
+        x = jax.block_until_ready(chain(x))
         times.append((time.perf_counter() - t0) / iters)
     return 2 * x.nbytes / float(np.median(times))
-
-
-def copy_bandwidth_fori(num_bytes: int = 2**30, *, iters: int = 20, repeats: int = 3) -> float:
-    """The same passes in a ``fori_loop``: the way the copy floor was measured before
-    2026-11-29, reported beside :func:`copy_bandwidth` (the floors of older figures)."""
-    x = jnp.ones((max(num_bytes // 4, 1),), jnp.float32)
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def loop(x):
-        return jax.lax.fori_loop(0, iters, lambda i, x: x * 1.0001, x)
-
-    return _copy_rate(loop, x, iters, repeats)
 
 
 def time_chained(fn, args, iters: int, repeats: int = 3) -> float:

@@ -5,8 +5,7 @@ The op is memory bound (4 multiply-adds per element): its floor is the bytes it 
 checkpoints, at the device's copy bandwidth. This script
 
 1. measures that bandwidth (:func:`benchmarks.common.copy_bandwidth`: read + write bytes of
-   an elementwise pass over 1 GiB of float32, chained and unrolled; the ``fori_loop`` way
-   used before, which counts a host round trip a pass, is reported beside it);
+   an elementwise pass over 1 GiB of float32, chained and unrolled);
 2. checks the kernel (``pallas_kernels/conv1d/gpu.py``) against the reference on a ragged
    batch with in-place rows, rows shorter than the kernel width and checkpoints;
 3. times the kernel and the XLA reference (the GPU path before the kernel) in the same
@@ -33,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import copy_bandwidth, copy_bandwidth_fori, device_name, time_stateful
+from benchmarks.common import copy_bandwidth, device_name, time_stateful
 from hyjax.layers.conv_channels import pack_conv_channels, split_qkvz
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d import gpu
@@ -469,22 +468,19 @@ def main() -> None:
     copy_bytes = 2**20 if args.quick else 2**30
     iters = dict(iters=1, repeats=1) if INTERPRET else {}
     guarded("copy_bandwidth_GBps", lambda: copy_bandwidth(copy_bytes, **iters) / 1e9)
-    guarded("copy_bandwidth_fori_GBps", lambda: copy_bandwidth_fori(copy_bytes, **iters) / 1e9)
     bw = summary["copy_bandwidth_GBps"]
     bw = bw * 1e9 if isinstance(bw, float) else None
-    if args.qkvz_only:  # the two extra passes around the GDN layer's conv, or none
-        for b, t in shapes:
-            guarded(
-                f"qkvz_B{b}_T{t}",
-                lambda b=b, t=t: time_qkvz(b, t, ckpt_every=ckpt_every, bw=bw),
-            )
-        shapes = []
-    elif args.split_only:  # the KDA layer's q, k, v: concatenated around the conv, or not
-        for b, t in shapes:
-            guarded(
-                f"split_B{b}_T{t}",
-                lambda b=b, t=t: time_split(b, t, ckpt_every=ckpt_every, bw=bw),
-            )
+    # the two extra passes around a layer's conv, or none: GDN's q | k | v in its projection's
+    # output (qkvz), KDA's q, k, v apart (split)
+    layer_conv = {"qkvz": (args.qkvz_only, time_qkvz), "split": (args.split_only, time_split)}
+    layer_conv = {name: fn for name, (on, fn) in layer_conv.items() if on}
+    if layer_conv:
+        for name, fn in layer_conv.items():
+            for b, t in shapes:
+                guarded(
+                    f"{name}_B{b}_T{t}",
+                    lambda b=b, t=t, fn=fn: fn(b, t, ckpt_every=ckpt_every, bw=bw),
+                )
         shapes = []
     elif args.ceiling_only:  # which lowering moves [T, C] bytes fastest, at every shape
         for b, t in shapes:

@@ -227,18 +227,14 @@ def mgpu_scan(batch, seq_len) -> dict:
     qsl, slots, num_slots = prefill_batch(batch, seq_len)
     n = batch * seq_len
     acts = _activations(jax.random.PRNGKey(4), n)
-    nc = gpu.max_chunks(n, batch, slots.ckpt_offsets.shape[1], gpu.CHUNK)
     bv = delta_rule_gpu.serial_block_v(batch, HV, D, None)
 
     @jax.jit
     def scratch(acts, qsl, slots):
-        q, k, v, a, b, A_log, dt_bias = acts
-        plan = gpu.plan_chunks(qsl, slots, num_tokens=n, chunk=gpu.CHUNK)
-        x = gpu.intra_launch(
-            q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=jnp.bfloat16,
-            precision=None, interpret=INTERPRET,
-        )  # fmt: skip
-        return delta_rule_gpu.row_plan(plan, slots, nc), x, plan.start, plan.length
+        plan, rp, x = gpu.prefill_scratch(
+            *acts, qsl, slots, operand_dtype=jnp.bfloat16, precision=None, interpret=INTERPRET
+        )
+        return rp, x, plan.start, plan.length
 
     rp, x, start, length = scratch(acts, qsl, slots)
     pool = _pool(jax.random.PRNGKey(5), num_slots)

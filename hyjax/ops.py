@@ -59,7 +59,6 @@ from pallas_kernels.conv1d import gpu as conv1d_gpu
 from pallas_kernels.conv1d import tpu as conv1d_tpu
 from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_qkvz_reference,
-    causal_conv1d_prefill_reference,
     causal_conv1d_prefill_split_reference,
     causal_conv1d_update_reference,
     packed_inputs,
@@ -83,7 +82,6 @@ log = logging.getLogger(__name__)
 class Ops:
     """Every op a layer calls, each with its reference's signature (built from :data:`GRID`)."""
 
-    conv1d_prefill: Callable
     # A GDN layer's prefill conv, read from its input projection's output (q | k | v
     # interleaved per key head with z) and handed back as q, k, v apart
     conv1d_prefill_qkvz: Callable
@@ -204,17 +202,12 @@ def _prefill_as_multi_decode(prefill: Callable) -> Callable:
 
 # The grid: one row per op (the fields of ``Ops``), columns reference | tpu | gpu.
 GRID: dict[str, Row] = {
-    "conv1d_prefill": Row(
-        reference=causal_conv1d_prefill_reference,
-        tpu=conv1d_tpu.causal_conv1d_prefill,
-        # faster than XLA's fusion in one process on an H200 (benchmarks.conv1d_kernels,
-        # BENCHMARKS.md): 1.74x / 1.74x / 2.12x at B=1 T=4096, B=1 T=16384, B=8 T=4096
-        gpu=conv1d_gpu.causal_conv1d_prefill,
-    ),
     "conv1d_prefill_qkvz": Row(
         reference=causal_conv1d_prefill_qkvz_reference,  # XLA packs q | k | v around the conv
         tpu=Composed(packed_qkvz, (conv1d_tpu.causal_conv1d_prefill,)),
-        # q | k | v read in place, written apart: 95.5 / 271.9 / 495.8 us against the packed
+        # q | k | v read in place, written apart (the conv kernel, faster than XLA's fusion of
+        # the reference: 1.74x / 1.74x / 2.12x on packed channels, BENCHMARKS.md):
+        # 95.5 / 271.9 / 495.8 us against the packed
         # path's 136.4 / 416.2 / 807.7 (XLA's packing, the kernel, XLA's slices) at B=1 T=4096,
         # B=1 T=16384, B=8 T=4096 on an H200 (benchmarks.conv1d_kernels --qkvz-only, one
         # process); heads no power-of-two run of >= 8 divides take the packed path

@@ -33,9 +33,9 @@ H1, H2, H3 = P(M), P(None, M), P(None, M, None)
 CONV_STATE, SSM = P(None, None, M), P(None, M, None, None)
 SLOTS = R  # the StateSlots pytree (one spec for its five arrays), the same on every device
 
-# The short convolution, as GDN and KDA layers call it: x [T, C], weight [C, K], the conv pool.
+# The short convolution's decode update: x [S, C], weight [C, K], the conv pool (the prefill's
+# ops take each family's own layout of q, k, v: conv1d_prefill_qkvz, conv1d_prefill_split).
 CONV1D_OPS: OpSpecs = {
-    "conv1d_prefill": ((H2, P(M, None), CONV_STATE, R, SLOTS), (H2, CONV_STATE)),
     "conv1d_update": ((H2, P(M, None), CONV_STATE, SLOTS), (H2, CONV_STATE)),
 }
 

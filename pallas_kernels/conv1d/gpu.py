@@ -501,17 +501,15 @@ def causal_conv1d_prefill_qkvz(
         packed = packed_qkvz(functools.partial(causal_conv1d_prefill, interpret=interpret, **tiles))
         return packed(qkvz, weight, conv_state, query_start_loc, slots, num_k_heads=hk,
                       head_dims=head_dims)  # fmt: skip
-    c = weight.shape[0]
-    hv = (c - 2 * hk * dk) // dv
     check_conv1d_args(
-        jax.ShapeDtypeStruct((qkvz.shape[0], c), qkvz.dtype), weight, conv_state, slots,
-        query_start_loc,
+        jax.ShapeDtypeStruct((qkvz.shape[0], weight.shape[0]), qkvz.dtype), weight, conv_state,
+        slots, query_start_loc,
     )  # fmt: skip
     bt = min(block_t, _pow2_at_least(qkvz.shape[0]))
     bc = min(block_c, MAX_RUNS_PER_TILE * run)
     return _launch_prefill(
         (qkvz,), qkvz_columns(hk, dk, dv, ratio, run), weight, conv_state, query_start_loc, slots,
-        run=run, splits=(hk * dk, hk * dk, hv * dv), block_t=bt, block_c=bc,
+        run=run, splits=(hk * dk, hk * dk, hk * ratio * dv), block_t=bt, block_c=bc,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )  # fmt: skip
 

@@ -275,6 +275,27 @@ def intra_launch(
     )
 
 
+def prefill_scratch(
+    q, k, v, a, b, A_log, dt_bias, query_start_loc, slots: StateSlots, *, operand_dtype,
+    precision, num_warps: int = 8, num_stages: int = 2, early_stores: bool = False,
+    interpret: bool = False,
+):  # fmt: skip
+    """The prefill up to its serial launch: the chunk plan, the plan by row and the intra
+    launch's scratch (:func:`intra_launch`, on inputs padded to a 64-row window):
+    ``(plan, row plan, ChunkRefs)``."""
+    n = q.shape[0]
+    rows, max_ckpt = slots.ckpt_offsets.shape
+    plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK)
+    nc = max_chunks(n, rows, max_ckpt, CHUNK)
+    (q, k, v, a, b), _ = pad_tokens((q, k, v, a, b), CHUNK)  # the 64-row window needs T >= 64
+    x = intra_launch(
+        q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=operand_dtype,
+        precision=precision, num_warps=num_warps, num_stages=num_stages,
+        early_stores=early_stores, interpret=interpret,
+    )  # fmt: skip
+    return plan, row_plan(plan, slots, nc), x
+
+
 def gdn_prefill(
     q: jax.Array,  # [T, Hk, Dk]  post-conv, before l2norm
     k: jax.Array,  # [T, Hk, Dk]
@@ -316,20 +337,15 @@ def gdn_prefill(
     ``intra_early_stores`` the intra launch's order of stores (:func:`_intra_kernel`).
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
-    n, hk, dk = q.shape
+    n, _, dk = q.shape
     _, hv, dv = v.shape
-    rows, max_ckpt = slots.ckpt_offsets.shape
     check_key_dim(dk)
-    bv = serial_block_v(rows, hv, dv, block_v)
-    op = operand_dtype_for(v.dtype, operand_dtype)
-    plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK)
-    nc = max_chunks(n, rows, max_ckpt, CHUNK)
-    rp = row_plan(plan, slots, nc)
-    (q, k, v, a, b), tp = pad_tokens((q, k, v, a, b), CHUNK)  # the 64-row window needs T >= 64
-    x = intra_launch(
-        q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=op,
-        precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
-        early_stores=intra_early_stores, interpret=interpret,
+    bv = serial_block_v(slots.num_rows, hv, dv, block_v)
+    plan, rp, x = prefill_scratch(
+        q, k, v, a, b, A_log, dt_bias, query_start_loc, slots,
+        operand_dtype=operand_dtype_for(v.dtype, operand_dtype), precision=precision,
+        num_warps=intra_num_warps, num_stages=intra_num_stages, early_stores=intra_early_stores,
+        interpret=interpret,
     )  # fmt: skip
     o, state = scan_launches(
         rp, x, state, plan.start, plan.length, out_dtype=v.dtype, bv=bv, precision=precision,

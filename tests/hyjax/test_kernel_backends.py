@@ -122,7 +122,9 @@ def test_backend_grid():
     gpu_interpret = backend_ops("interpret-gpu", "cpu")
     assert gpu_interpret.paged_attention.func is attention_gpu.ragged_paged_attention
     assert gpu_interpret.paged_attention.keywords == {"interpret": True}
-    assert gpu_interpret.conv1d_prefill.func is conv1d_gpu.causal_conv1d_prefill  # measured faster
+    # the prefill convs' kernels (measured faster than XLA's packing around the plain kernel)
+    assert gpu_interpret.conv1d_prefill_qkvz.func is conv1d_gpu.causal_conv1d_prefill_qkvz
+    assert gpu_interpret.conv1d_prefill_split.func is conv1d_gpu.causal_conv1d_prefill_split
     assert gpu_interpret.conv1d_update is REFERENCE.conv1d_update  # no GPU kernel: XLA's
     # decode-only buckets on NVIDIA: the kernel's one-launch variant (its own test lowers it)
     assert GPU_DECODE_ATTENTION.func is attention_gpu.ragged_paged_attention

@@ -90,7 +90,7 @@ def test_serial_scan_experiment_arithmetic_is_the_triton_launchs():
     states on the same intra-launch scratch: two rows of two chunks, one from a state, one
     from zeros, GVA heads, bf16 operands."""
     from benchmarks.common import prefill_batch
-    from pallas_kernels.common import chunk_scan_gpu, delta_rule_gpu
+    from pallas_kernels.common import chunk_scan_gpu
     from pallas_kernels.common.chunk_scan_mgpu import serial_scan_reference
     from pallas_kernels.gdn import gpu
 
@@ -104,12 +104,12 @@ def test_serial_scan_experiment_arithmetic_is_the_triton_launchs():
     # slow gates (g ~ -1e-3 a token): each chunk's state reaches the next one's output
     A_log, dt_bias = jnp.log(jnp.linspace(0.01, 0.05, hv)), jnp.full(hv, -3.0)
     pool = jnp.asarray(0.1 * rng.normal(size=(num_slots, hv, d, d)), jnp.float32)
-    nc = gpu.max_chunks(n, rows, slots.ckpt_offsets.shape[1], gpu.CHUNK)
-    plan = gpu.plan_chunks(qsl, slots, num_tokens=n, chunk=gpu.CHUNK)
-    x = gpu.intra_launch(q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc,
-                         operand_dtype=jnp.bfloat16, precision=None, interpret=True)  # fmt: skip
+    plan, rp, x = gpu.prefill_scratch(
+        q, k, v, a, b, A_log, dt_bias, qsl, slots, operand_dtype=jnp.bfloat16, precision=None,
+        interpret=True,
+    )  # fmt: skip
     o, pool_out = chunk_scan_gpu.scan_launches(
-        delta_rule_gpu.row_plan(plan, slots, nc), x, jnp.copy(pool), plan.start, plan.length,
+        rp, x, jnp.copy(pool), plan.start, plan.length,
         out_dtype=jnp.bfloat16, bv=8, precision=None, num_warps=4, num_stages=1,
         vb_first=True, three_launches=False, block_v_out=None, interpret=True,
         name="gdn_prefill",
