@@ -52,7 +52,8 @@ INTERPRET = False  # --interpret: run the kernels in Pallas interpret mode (CPU 
 # the engine calls for a bf16 model (hyjax.ops: precision None, operands in the activations'
 # dtype, the launch count by the scratch rule).
 PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tuning)
-    "default": (None, None, None, {}),
+    "default": (None, None, None, {}),  # the Mosaic GPU serial launch where it takes the shape
+    "triton": (None, None, None, dict(serial="triton")),  # the Triton serial launch
     # q's products and rows stored before the UT transform (intra launch: 255 registers)
     "early": (None, None, None, dict(intra_early_stores=True)),
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
@@ -130,7 +131,7 @@ def _median_time(fn, repeats: int = 10) -> float:
 # ----------------------------------------------------------------------------- checks
 
 
-def check_prefill(precision, operand_dtype=None) -> dict:
+def check_prefill(precision, operand_dtype=None, pool_dtype=jnp.float32, **tuning) -> dict:
     key = jax.random.PRNGKey(0)
     lens = [1, 63, 64, 65, 700, 2000]
     n = sum(lens) + 7
@@ -143,13 +144,14 @@ def check_prefill(precision, operand_dtype=None) -> dict:
     ck_slot = np.zeros((s, 2), np.int32)
     ck_off[4], ck_slot[4] = [64, 640], [6, 7]
     ck_off[5], ck_slot[5] = [1024, 1999], [8, 9]
-    pool = _pool(jax.random.PRNGKey(1), 10).at[0].set(jnp.nan).at[4:].set(jnp.nan)
+    pool = _pool(jax.random.PRNGKey(1), 10, pool_dtype).at[0].set(jnp.nan).at[4:].set(jnp.nan)
     slots = StateSlots(src, dst, jnp.asarray(ck_off), jnp.asarray(ck_slot), jnp.int32(len(lens)))
     args = (*acts, pool, qsl, slots)
     want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
     kernel = functools.partial(
-        gpu.gdn_prefill, precision=precision, operand_dtype=operand_dtype, interpret=INTERPRET
-    )
+        gpu.gdn_prefill, precision=precision, operand_dtype=operand_dtype, interpret=INTERPRET,
+        **tuning,
+    )  # fmt: skip
     got_o, got_s = jax.jit(kernel)(*args)
     written = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9])
     return {
@@ -213,31 +215,29 @@ def time_prefill(
 
 
 def mgpu_scan(batch, seq_len) -> dict:
-    """The serial launch through Mosaic GPU (``pallas_kernels.common.chunk_scan_mgpu``: TMA
-    copies, ``wgmma`` products, the state the accumulator) against the Triton one, on the same
-    intra-launch scratch (bf16 operands, ``batch`` rows of ``seq_len`` tokens, no checkpoints):
-    each checked against the other (outputs, final states), then each timed alone (the intra
-    launch run once, outside the timing)."""
-    from pallas_kernels.common import chunk_scan_gpu, delta_rule_gpu
-    from pallas_kernels.common.chunk_scan_mgpu import serial_scan_mgpu, serial_scan_reference
+    """The serial launch alone in its two lowerings, each on the intra launch's scratch in its
+    own layout (``gdn.gpu.prefill_scratch``; bf16 operands, ``batch`` rows of ``seq_len``
+    tokens, two checkpoints a row): Mosaic GPU (``pallas_kernels.common.chunk_scan_mgpu``: TMA
+    copies, ``wgmma`` products) against Triton, each checked against the other (outputs,
+    written slots), then each timed alone (the intra launch run once, outside the timing)."""
+    from pallas_kernels.common import chunk_scan_gpu, chunk_scan_mgpu, delta_rule_gpu
 
-    if INTERPRET:  # no Mosaic GPU on a CPU host: its arithmetic in plain JAX (the smoke run)
-        serial_scan_mgpu = serial_scan_reference  # noqa: F811
-
-    qsl, slots, num_slots = prefill_batch(batch, seq_len)
+    every = (seq_len // 3) // 64 * 64
+    qsl, slots, num_slots = prefill_batch(batch, seq_len, max_ckpt=2, ckpt_every=every)
     n = batch * seq_len
     acts = _activations(jax.random.PRNGKey(4), n)
     bv = delta_rule_gpu.serial_block_v(batch, HV, D, None)
 
-    @jax.jit
-    def scratch(acts, qsl, slots):
-        plan, rp, x = gpu.prefill_scratch(
-            *acts, qsl, slots, operand_dtype=jnp.bfloat16, precision=None, interpret=INTERPRET
-        )
-        return rp, x, plan.start, plan.length
+    def scratch(tma_layout):
+        @jax.jit
+        def run(acts, qsl, slots):
+            plan, rp, x = gpu.prefill_scratch(
+                *acts, qsl, slots, operand_dtype=jnp.bfloat16, precision=None,
+                tma_layout=tma_layout, interpret=INTERPRET,
+            )  # fmt: skip
+            return rp, x, plan.start, plan.length
 
-    rp, x, start, length = scratch(acts, qsl, slots)
-    pool = _pool(jax.random.PRNGKey(5), num_slots)
+        return run(acts, qsl, slots)
 
     def triton(pool, rp, x, start, length):
         o, pool = chunk_scan_gpu.scan_launches(
@@ -247,28 +247,27 @@ def mgpu_scan(batch, seq_len) -> dict:
         )  # fmt: skip
         return pool, o
 
-    # the Mosaic GPU kernel's inputs: U^T, the decays by head, each row's starting state
-    u_t = jnp.swapaxes(x.u[:, :n], 1, 2)
-    decay = x.decay[: n // gpu.CHUNK].T
-    src = np.asarray(slots.src_slot)
-    s0 = jnp.where((src > 0)[:, None, None, None], pool[src], 0.0)
+    def mgpu(pool, rp, x):
+        o, pool = chunk_scan_mgpu.scan_mgpu(
+            rp, x, pool, num_tokens=x.w.shape[1], out_dtype=jnp.bfloat16, interpret=INTERPRET
+        )
+        return pool, o
 
-    def mgpu(s0, w, u_t, q_dec, k_dec, a_qk, decay):
-        o_t, s = serial_scan_mgpu(w, u_t, q_dec, k_dec, a_qk, decay, s0, rows=batch)
-        return s, o_t
-
-    mg_in = (x.w[:, :n], u_t, x.q_dec[:, :n], x.k_dec[:, :n], x.a_qk[:, :n], decay)
-    want_pool, want_o = jax.jit(triton)(jnp.copy(pool), rp, x, start, length)
-    got_s, got_o_t = jax.jit(mgpu)(s0, *mg_in)
-    dst = np.asarray(slots.dst_slot)
-    out = {
-        "output_err_vs_triton": err_ratio(jnp.transpose(got_o_t, (2, 0, 1)), want_o[:n]),
-        "state_err_vs_triton": err_ratio(got_s, want_pool[dst]),
-    }
-    out["triton_serial_ms"] = 1e3 * _time_stateful(
-        triton, jnp.copy(pool), (rp, x, start, length), iters=10
+    t_in, m_in = scratch(False), scratch(True)
+    pool = _pool(jax.random.PRNGKey(5), num_slots)
+    want_pool, want_o = jax.jit(triton)(jnp.copy(pool), *t_in)
+    got_pool, got_o = jax.jit(mgpu)(jnp.copy(pool), *m_in[:2])
+    written = np.unique(
+        np.concatenate([np.asarray(slots.dst_slot), np.asarray(slots.ckpt_slots).ravel()])
     )
-    out["mgpu_serial_ms"] = 1e3 * _time_stateful(mgpu, s0, mg_in, iters=10)
+    written = written[written > 0]
+    out = {
+        "output_err_vs_triton": err_ratio(got_o[:n], want_o[:n]),
+        "state_err_vs_triton": err_ratio(got_pool[written], want_pool[written]),
+        "slots_checked": len(written),
+    }
+    out["triton_serial_ms"] = 1e3 * _time_stateful(triton, jnp.copy(pool), t_in, iters=10)
+    out["mgpu_serial_ms"] = 1e3 * _time_stateful(mgpu, jnp.copy(pool), m_in[:2], iters=10)
     out["mgpu_over_triton"] = out["mgpu_serial_ms"] / out["triton_serial_ms"]
     return out
 
@@ -513,8 +512,8 @@ def main() -> None:
             traceback.print_exc()
         print(name, json.dumps(summary[name]), flush=True)
 
-    if args.mgpu_scan:  # the experiment alone: the serial launch in the two lowerings
-        for b, t in [(1, 256)] if args.quick else [(1, 4096), (8, 4096), (1, 16384)]:
+    if args.mgpu_scan:  # the serial launch alone, in its two lowerings
+        for b, t in [(1, 256)] if args.quick else [(1, 4096), (8, 4096), (1, 16384), (1, 32768)]:
             guarded(f"mgpu_scan_B{b}_T{t}", lambda b=b, t=t: mgpu_scan(b, t))
         _write(summary, args.out)
         return
@@ -526,6 +525,8 @@ def main() -> None:
     for name, prec in precisions.items():
         guarded(f"check_prefill_{name}", lambda prec=prec: check_prefill(prec))
     guarded("check_prefill_bf16ops", lambda: check_prefill(None, operand_dtype=jnp.bfloat16))
+    guarded("check_prefill_triton", lambda: check_prefill(None, serial="triton"))
+    guarded("check_prefill_bf16state", lambda: check_prefill(None, pool_dtype=jnp.bfloat16))
     for b, t in prefill_shapes:
         for variant, (prec, op, three, more) in PREFILL_VARIANTS.items():
             guarded(

@@ -1,37 +1,57 @@
-"""An experiment: the delta-rule prefill's serial launch in Mosaic GPU (``plgpu.kernel``).
+"""GDN prefill's serial launch in Mosaic GPU (TMA copies, ``wgmma`` products), for the engine.
 
-The Triton serial launch (:mod:`pallas_kernels.common.chunk_scan_gpu`) is latency-bound on
-an H200 (ncu at 8x4096, BENCHMARKS.md: one 4-warp program an SM, a warp issuing about one
-cycle in five, a third of the gaps on global loads). Hopper's own answer is asynchronous: TMA
-copies bring the next chunk's operands into shared memory while ``wgmma`` products of this
-chunk run. This module measures what that buys on the same chunk recurrence before the
-engine's ragged path is built on it: rows of equal length (a multiple of the 64-token
-chunk), the state's final value only (no checkpoints), GDN's scalar decay.
+The Triton serial launch (:mod:`pallas_kernels.common.chunk_scan_gpu`) is latency-bound on an
+H200 (ncu at 8x4096, BENCHMARKS.md: one 4-warp program an SM, a warp issuing about one cycle in
+five, a third of the gaps on global loads). Hopper's own answer is asynchronous: TMA copies
+bring the next chunk's operands into shared memory while this chunk's ``wgmma`` products run.
+This launch walks the same ragged chunk plan as the Triton one (:class:`RowPlan`: a row's
+chunks at any token offset, of any length up to 64, checkpoints at chunk ends, explicit source
+and destination slots, an f32 or bf16 pool) on GDN's scalar decay.
 
-Everything is transposed so that the state is the ``wgmma`` accumulator and the products'
-left operands come from registers (the layout FlashAttention 3 uses for ``P V``)::
+One program per (Dv block of 64, value head, row), one warpgroup. The state is the transposed
+``S^T [BV, Dk]`` (the pool's layout) and is the ``wgmma`` accumulator::
 
-    S^T [BV, Dk] f32, in registers                      (the pool's [Dv, Dk] layout)
-    V'^T = U^T - S^T W^T          A = bf16(S^T) (regs), B = W^T (shared memory, transposed)
-    o^T  = S^T q_dec^T + V'^T Aqk^T                     B = q_dec^T, Aqk^T
-    S^T  = e^gam_last S^T + V'^T k_dec                  A = bf16(V'^T), B = k_dec
+    V'^T = U^T - S^T W^T          A = bf16(S^T) in registers, B = W^T (shared memory)
+           columns outside the chunk set to 0 (a window reads 64 tokens from its start)
+    S^T  = e^gam_last S^T + V'^T k_dec                  A = bf16(V'^T) in registers
+    o    = q_dec S + Aqk V'       A = q_dec, Aqk; B = the chunk's bf16 S^T and V'^T, stored
+                                  to shared memory and read transposed
 
-so the inputs it reads are the intra launch's ``w, q_dec, k_dec, a_qk`` ([H, T, D]) as they
-are, and ``U^T`` ([H, Dv, T], the intra launch would write it so); ``o`` leaves as
-``o^T [H, Dv, T]``. One program per (row, head, Dv block of 64), one warpgroup; each chunk's
-five tiles come by TMA, two chunks in flight. Not in the engine: ``benchmarks.gdn_kernels
---mgpu-scan`` times it against the Triton serial launch on the same scratch.
+so ``o`` leaves as ``[C, BV]`` token rows, the engine's ``[T, H, Dv]`` layout. A chunk is read
+as the intra launch left it, a 64-token window from its start, moved back to end at the
+scratch's last row where it would pass it (``Aqk``'s columns are the window's). A chunk of
+64 tokens is one TMA store; a shorter one (a row's last, or cut by a checkpoint) is at most
+six, of 32, 16, ..., 1 rows (its length's bits), so no program writes a token it does not own.
+
+The intra launch leaves the scratch for it (``gdn.gpu.intra_launch(tma_layout=True)``): ``U``
+transposed (``[H, Dv, Tp]``, a window of ``U^T`` is one TMA box) and ``k_dec`` zero on the rows
+after the batch's last token (a window past it multiplies them by the zero columns of ``V'^T``:
+rows never written could hold NaN).
+
+:func:`scan_mgpu` runs it; ``interpret=True`` runs it in Pallas' GPU interpreter on a CPU host
+(the copies, barriers, loops and stores as written; the products, which the interpreter does
+not model in registers, as plain dots; the pool written through an output, not in place).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.common.chunk_scan_gpu import ChunkRefs
+from pallas_kernels.common.delta_rule_gpu import RowPlan
+from pallas_kernels.common.slots import ROUND_EVERY
+
 CHUNK = 64
-BV = 64
-STAGES = 2
+BV = 64  # a wgmma's M: the Dv rows of S^T a program owns
+STAGES = 2  # chunks in flight
+META_COLS = 128  # per-chunk scalars are stored [.., NCP / 128, 128]: a TMA box dim is <= 256
+MAX_CHUNKS = 256 * META_COLS
+SMEM_BYTES = 227 * 1024  # an H100 / H200 block's shared memory
+f32 = jnp.float32
 
 
 def _plgpu():
@@ -40,97 +60,266 @@ def _plgpu():
     return plgpu
 
 
-def serial_scan_mgpu(
-    w: jax.Array,  # [H, T, Dk]  bf16: W = Tm (beta k e^gam)
-    u_t: jax.Array,  # [H, Dv, T]  bf16: U^T
-    q_dec: jax.Array,  # [H, T, Dk]  bf16
-    k_dec: jax.Array,  # [H, T, Dk]  bf16
-    a_qk: jax.Array,  # [H, T, C]  bf16
-    decay: jax.Array,  # f32[H, NC]  e^gam_last per chunk (all rows' chunks in token order)
-    state: jax.Array,  # f32[B, H, Dv, Dk]  each row's starting state (pool layout)
-    *,
-    rows: int,
-) -> tuple[jax.Array, jax.Array]:
-    """``rows`` rows of ``T / rows`` tokens each: ``(o^T [H, Dv, T] bf16, final states
-    [B, H, Dv, Dk] f32)``."""
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def smem_bytes(dk: int, num_chunks: int, pool_dtype, op_dtype=jnp.bfloat16) -> int:
+    """The launch's shared memory: two stages of a chunk's five tiles, the chunk's S^T and V'^T,
+    the output tile, the state in and out, the chunk plan and the decays."""
+    op = jnp.dtype(op_dtype).itemsize
+    stage = (3 * CHUNK * dk + BV * CHUNK + CHUNK * CHUNK) * op
+    ncp = _round_up(max(num_chunks, 1), META_COLS)
+    return (
+        STAGES * stage
+        + (BV * dk + BV * CHUNK + CHUNK * BV) * op
+        + BV * dk * jnp.dtype(pool_dtype).itemsize
+        + 4 * ncp * 4
+        + 1024
+    )
+
+
+def unsupported_reason(dk: int, dv: int, num_chunks: int, op_dtype, pool_dtype) -> str | None:
+    """Why this launch cannot take a prefill (the Triton one then does), or None."""
+    if jnp.dtype(op_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"operand dtype {jnp.dtype(op_dtype).name} (wgmma takes 16-bit operands here)"
+    if dk not in (64, 128):
+        return f"Dk={dk} (64 or 128: the f32 accumulator S^T [64, Dk] in registers)"
+    if dv % BV:
+        return f"Dv={dv} (a multiple of {BV})"
+    if num_chunks > MAX_CHUNKS:
+        return f"{num_chunks} chunks (at most {MAX_CHUNKS})"
+    if smem_bytes(dk, num_chunks, pool_dtype, op_dtype) > SMEM_BYTES:
+        return f"{num_chunks} chunks: shared memory over {SMEM_BYTES} bytes"
+    return None
+
+
+class _Gpu:
+    """The products, loads and index arrays of the kernel on a GPU (WGMMA layouts)."""
+
+    @staticmethod
+    def load(ref, optimized=True):
+        plgpu = _plgpu()
+        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA, optimized=optimized)
+
+    @staticmethod
+    def iota(shape, dim):
+        plgpu = _plgpu()
+        return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+    @staticmethod
+    def zeros(shape):
+        plgpu = _plgpu()
+        return plgpu.layout_cast(jnp.zeros(shape, f32), plgpu.Layout.WGMMA)
+
+    @staticmethod
+    def mma(acc, terms):
+        """``acc + sum(a @ b)`` over ``terms`` of ``(a, b_ref, transpose_b)``: ``a`` in
+        registers or shared memory, ``b`` in shared memory."""
+        plgpu = _plgpu()
+
+        def run(acc_ref):
+            for a, b, transpose_b in terms:
+                plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b, (1, 0)) if transpose_b else b)
+
+        return pl.run_state(run)(plgpu.ACC.init(acc))
+
+
+class _Interpret:
+    """The same in Pallas' GPU interpreter: plain arrays and dots."""
+
+    @staticmethod
+    def load(ref, optimized=True):
+        return ref[...]
+
+    @staticmethod
+    def iota(shape, dim):
+        return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+    @staticmethod
+    def zeros(shape):
+        return jnp.zeros(shape, f32)
+
+    @staticmethod
+    def mma(acc, terms):
+        for a, b, transpose_b in terms:
+            a = a if isinstance(a, jax.Array) else a[...]
+            b = b[...].T if transpose_b else b[...]
+            acc = acc + jnp.dot(a, b, preferred_element_type=f32)
+        return acc
+
+
+def _body(refs, scratch, *, ops, num_ckpt: int, num_tokens: int, pool_dtype):
     plgpu = _plgpu()
-    h, t, dk = w.shape
-    dv = u_t.shape[1]
-    if t % rows or (t // rows) % CHUNK or dv % BV or dk % 64:
-        raise ValueError(f"{rows} rows of {t} tokens: each row must be a multiple of {CHUNK}")
-    per_row = t // rows
-    nc = per_row // CHUNK
-    op = w.dtype
-    swizzle = 128  # bytes: 64 bf16 a row of a tile
+    ri_ref, meta_ref, dec_ref, w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, pool_in, pool_out, o_ref = (
+        refs
+    )
+    (w_s, ut_s, qd_s, kd_s, aqk_s, st_t, vt_t, o_s, st_s, ri_s, meta_s, dec_s,
+     bars, plan_bar, state_bar) = scratch  # fmt: skip
+    vb, head, r = jax.lax.axis_index("v"), jax.lax.axis_index("h"), jax.lax.axis_index("r")
+    vs = pl.ds(vb * BV, BV)
+    op = w_ref.dtype
+
+    # this row's plan, every chunk's start / length / end and this head's decays
+    plgpu.copy_gmem_to_smem(ri_ref.at[r], ri_s, plan_bar.at[0])
+    plgpu.copy_gmem_to_smem(meta_ref, meta_s, plan_bar.at[0])
+    plgpu.copy_gmem_to_smem(dec_ref.at[head], dec_s, plan_bar.at[0])
+    plgpu.barrier_wait(plan_bar.at[0])
+    first, n, src, dst = ri_s[0], ri_s[1], ri_s[2], ri_s[3]
+
+    def chunk(i):  # the row's i-th chunk: start, length, end (tokens of its row after it)
+        ci = first + i
+        hi, lo = ci // META_COLS, ci % META_COLS
+        return meta_s[0, hi, lo], meta_s[1, hi, lo], meta_s[2, hi, lo], dec_s[hi, lo]
+
+    def window(start):  # the intra launch's window: 64 tokens from the start, kept in bounds
+        return jnp.minimum(start, num_tokens - CHUNK)
+
+    def issue(i, slot):  # the row's i-th chunk's five tiles into stage ``slot``
+        tok = pl.ds(window(chunk(i)[0]), CHUNK)
+        bar = bars.at[slot]
+        plgpu.copy_gmem_to_smem(w_ref.at[head, tok], w_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(ut_ref.at[head, vs, tok], ut_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(qd_ref.at[head, tok], qd_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(kd_ref.at[head, tok], kd_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(aqk_ref.at[head, tok], aqk_s.at[slot], bar)
+
+    def store_state(s, slot):  # S^T to pool[slot, head, vs] (rounded to the pool's dtype)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        st_s[...] = s.astype(pool_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(st_s, pool_out.at[slot, head, vs])
+
+    def step(i, s):
+        slot = i % STAGES
+        start, length, end, decay = chunk(i)
+        lead = start - window(start)  # the window's rows before the chunk
+
+        @pl.when(i + 1 < n)
+        def _():
+            issue(i + 1, (i + 1) % STAGES)
+
+        plgpu.barrier_wait(bars.at[slot])
+        sb = s.astype(op)
+        st_t[...] = sb
+        sw = ops.mma(ops.zeros((BV, CHUNK)), [(sb, w_s.at[slot], True)])
+        ut = ops.load(ut_s.at[slot]).astype(f32)
+        col = ops.iota((BV, CHUNK), 1)
+        in_chunk = (col >= lead) & (col < lead + length)
+        vt = jnp.where(in_chunk, ut - sw, 0.0).astype(op)  # V'^T, zero outside the chunk
+        vt_t[...] = vt
+        plgpu.commit_smem()
+        s = ops.mma(s * decay, [(vt, kd_s.at[slot], False)])
+        o = ops.mma(
+            ops.zeros((CHUNK, BV)), [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)]
+        )
+        if jnp.dtype(pool_dtype) != jnp.dtype(f32):  # a bf16 pool: the carried state rounds too
+            s = jnp.where(end % ROUND_EVERY == 0, s.astype(pool_dtype).astype(f32), s)
+        for m in range(num_ckpt):
+            ck_off, ck_slot = ri_s[4 + m], ri_s[4 + num_ckpt + m]
+
+            @pl.when((ck_slot > 0) & (ck_off == end))
+            def _(ck_slot=ck_slot):
+                store_state(s, ck_slot)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's o has left
+        o_s[...] = o.astype(o_ref.dtype)
+        plgpu.commit_smem()
+
+        @pl.when(length == CHUNK)
+        def _():
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[pl.ds(start, CHUNK), head, vs])
+
+        @pl.when(length < CHUNK)
+        def _():  # the chunk's rows only, in runs of its length's bits
+            for bit in (32, 16, 8, 4, 2, 1):
+                off = length & (CHUNK - 2 * bit)
+
+                @pl.when(length & bit != 0)
+                def _(off=off, bit=bit):
+                    plgpu.copy_smem_to_gmem(
+                        o_s.at[pl.ds(lead + off, bit)],
+                        o_ref.at[pl.ds(start + off, bit), head, vs],
+                    )
+
+        return s
+
+    @pl.when(n > 0)
+    def _():
+        @pl.when(src > 0)
+        def _():
+            plgpu.copy_gmem_to_smem(pool_in.at[src, head, vs], st_s, state_bar.at[0])
+            plgpu.barrier_wait(state_bar.at[0])
+
+        issue(0, 0)
+        s = ops.load(st_s, optimized=False).astype(f32)
+        s = jnp.where(src > 0, s, 0.0)  # st_s was not read into: zeros
+        s = jax.lax.fori_loop(0, n, step, s)
+
+        @pl.when(dst > 0)
+        def _():
+            store_state(s, dst)
+
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _plan_arrays(rp: RowPlan, decay: jax.Array):
+    """The kernel's scalars: each row's ``[first chunk, chunks, src, dst, ckpt offsets,
+    ckpt slots]`` (i32 ``[S, K]``, K padded to 128 bytes: a warpgroup's copy), every chunk's
+    start / length / end (i32 ``[3, NCP / 128, 128]``) and each head's chunk decays (f32
+    ``[H, NCP / 128, 128]``)."""
+    nc, h = decay.shape
+    ncp = _round_up(nc, META_COLS)
+    m = rp.ck_off.shape[1]
+    cols = [rp.row_first, rp.row_chunks, rp.src, rp.dst]
+    ri = jnp.concatenate([jnp.stack(cols, 1), rp.ck_off, rp.ck_slot], axis=1).astype(jnp.int32)
+    ri = jnp.pad(ri, [(0, 0), (0, _round_up(4 + 2 * m, 32) - (4 + 2 * m))])
+    meta = jnp.stack([rp.c_start, rp.c_len, rp.c_end]).astype(jnp.int32)
+    meta = jnp.pad(meta, [(0, 0), (0, ncp - nc)]).reshape(3, ncp // META_COLS, META_COLS)
+    dec = jnp.pad(decay.T.astype(f32), [(0, 0), (0, ncp - nc)])
+    return ri, meta, dec.reshape(h, ncp // META_COLS, META_COLS)
+
+
+def _written_slots(rp: RowPlan) -> tuple[jax.Array, jax.Array]:
+    """The slots a launch writes (``num_slots``-sized masks are built from these): each row's
+    ``dst`` and the checkpoints inside its chunks, as ``(slots, written)``."""
+    rows = rp.row_first.shape[0]
+    last = rp.row_first + jnp.maximum(rp.row_chunks, 1) - 1
+    before = rp.c_end[rp.row_first] - rp.c_len[rp.row_first]  # the row's tokens before the step
+    after = rp.c_end[last]
+    live = rp.row_chunks > 0
+    ck = (rp.ck_slot > 0) & (rp.ck_off > before[:, None]) & (rp.ck_off <= after[:, None])
+    slots = jnp.concatenate([rp.dst.reshape(rows, 1), rp.ck_slot], axis=1)
+    written = jnp.concatenate([(rp.dst > 0).reshape(rows, 1), ck], axis=1) & live[:, None]
+    return slots.reshape(-1), written.reshape(-1)
+
+
+def scan_mgpu(
+    rp: RowPlan,
+    x: ChunkRefs,  # the intra launch's scratch with ``u`` = U^T [H, Dv, Tp']
+    state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  donated: updated in place
+    *,
+    num_tokens: int,  # Tp, the output's rows
+    out_dtype,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """The serial launch (module docstring). Returns ``(o [Tp, H, Dv], state)``; rows outside
+    every chunk of ``o`` are left unwritten."""
+    plgpu = _plgpu()
+    h, _, dk = x.w.shape
+    dv = x.u.shape[1]
+    nc = x.decay.shape[0]
+    rows, num_ckpt = rp.ck_off.shape
+    if why := unsupported_reason(dk, dv, nc, x.w.dtype, state.dtype):
+        raise ValueError(f"the Mosaic GPU serial launch cannot take this prefill: {why}")
+    op = x.w.dtype
+    ri, meta, dec = _plan_arrays(rp, x.decay)
+    tiles = (x.w, x.u, x.q_dec, x.k_dec, x.a_qk)
+    swizzle = 128  # bytes: 64 16-bit values a row of a tile
     transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
-    def body(w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, dec_ref, s0_ref, o_ref, s_ref, scratch):
-        w_s, ut_s, qd_s, kd_s, aqk_s, o_s, st_s, dec_s, bars, one_bar = scratch
-        r, head, vb = jax.lax.axis_index("r"), jax.lax.axis_index("h"), jax.lax.axis_index("v")
-        vs = pl.ds(vb * BV, BV)
-        t0 = r * per_row
-
-        def issue(c, slot):
-            tok = pl.ds(t0 + c * CHUNK, CHUNK)
-            bar = bars.at[slot]
-            plgpu.copy_gmem_to_smem(w_ref.at[head, tok], w_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(ut_ref.at[head, vs, tok], ut_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(qd_ref.at[head, tok], qd_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(kd_ref.at[head, tok], kd_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(aqk_ref.at[head, tok], aqk_s.at[slot], bar)
-
-        # the row's starting state and its chunks' decays
-        plgpu.copy_gmem_to_smem(s0_ref.at[r, head, vs], st_s, one_bar.at[0])
-        plgpu.copy_gmem_to_smem(dec_ref.at[head, pl.ds(r * nc, nc)], dec_s, one_bar.at[0])
-        issue(0, 0)
-        plgpu.barrier_wait(one_bar.at[0])
-        s0 = plgpu.load(st_s, (), layout=plgpu.Layout.WGMMA, optimized=False)
-
-        def zeros():
-            return plgpu.layout_cast(jnp.zeros((BV, CHUNK), jnp.float32), plgpu.Layout.WGMMA)
-
-        def step(c, s):
-            slot = c % STAGES
-
-            @pl.when(c + 1 < nc)
-            def _():
-                issue(c + 1, (c + 1) % STAGES)
-
-            plgpu.barrier_wait(bars.at[slot])
-            sb = s.astype(op)
-
-            def v_new(acc):  # S^T W^T
-                plgpu.wgmma(acc, sb, plgpu.transpose_ref(w_s.at[slot], (1, 0)))
-
-            sw = pl.run_state(v_new)(plgpu.ACC.init(zeros()))
-            ut = plgpu.load(ut_s.at[slot], (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-            vb16 = (ut - sw).astype(op)  # V'^T
-
-            def out(acc):  # S^T q_dec^T + V'^T Aqk^T
-                plgpu.wgmma(acc, sb, plgpu.transpose_ref(qd_s.at[slot], (1, 0)))
-                plgpu.wgmma(acc, vb16, plgpu.transpose_ref(aqk_s.at[slot], (1, 0)))
-
-            o_t = pl.run_state(out)(plgpu.ACC.init(zeros()))
-
-            def update(acc):  # e^gam_last S^T + V'^T k_dec
-                plgpu.wgmma(acc, vb16, kd_s.at[slot])
-
-            s = pl.run_state(update)(plgpu.ACC.init(s * dec_s[c]))
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's o^T has left
-            o_s[...] = o_t.astype(op)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[head, vs, pl.ds(t0 + c * CHUNK, CHUNK)])
-            return s
-
-        s = jax.lax.fori_loop(0, nc, step, s0)
-        plgpu.wait_smem_to_gmem(0)
-        st_s[...] = s
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(st_s, s_ref.at[r, head, vs])
-        plgpu.wait_smem_to_gmem(0)
-
-    def tile(shape):
-        return plgpu.SMEM((STAGES, *shape), op, transforms=transforms)
+    def tile(shape, stages=STAGES):
+        return plgpu.SMEM(((stages,) if stages else ()) + shape, op, transforms=transforms)
 
     scratch = (
         tile((CHUNK, dk)),  # w
@@ -138,47 +327,49 @@ def serial_scan_mgpu(
         tile((CHUNK, dk)),  # q_dec
         tile((CHUNK, dk)),  # k_dec
         tile((CHUNK, CHUNK)),  # Aqk
-        plgpu.SMEM((BV, CHUNK), op, transforms=transforms),  # o^T
-        plgpu.SMEM((BV, dk), jnp.float32),  # the state in and out
-        plgpu.SMEM((nc,), jnp.float32),  # the decays
+        tile((BV, dk), 0),  # the chunk's bf16 S^T (o's B)
+        tile((BV, CHUNK), 0),  # the chunk's bf16 V'^T (o's B)
+        plgpu.SMEM((CHUNK, BV), out_dtype),  # o, plain rows: a short chunk's runs are slices
+        plgpu.SMEM((BV, dk), state.dtype),  # the state in and out
+        plgpu.SMEM(ri.shape[1:], jnp.int32),
+        plgpu.SMEM(meta.shape, jnp.int32),
+        plgpu.SMEM(dec.shape[1:], f32),
         plgpu.Barrier(num_arrivals=5, num_barriers=STAGES),
-        plgpu.Barrier(num_arrivals=2, num_barriers=1),
+        plgpu.Barrier(num_arrivals=3, num_barriers=1),
+        plgpu.Barrier(num_arrivals=1, num_barriers=1),
     )
-    return plgpu.kernel(
-        lambda *refs: body(*refs[:9], refs[9:]),
-        out_type=(
-            jax.ShapeDtypeStruct((h, dv, t), op),
-            jax.ShapeDtypeStruct(state.shape, jnp.float32),
-        ),
-        scratch_types=scratch,
-        grid=(rows, h, dv // BV),
-        grid_names=("r", "h", "v"),
-    )(w, u_t, q_dec, k_dec, a_qk, decay, state)
+    body = functools.partial(
+        _body, ops=_Interpret if interpret else _Gpu, num_ckpt=num_ckpt,
+        num_tokens=x.w.shape[1], pool_dtype=state.dtype,
+    )  # fmt: skip
+    mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
+    o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)
+    args = (ri, meta, dec, *tiles)
+    if not interpret:
+        pool = jax.new_ref(state)
 
+        def kernel(*refs):  # the pool is read and written through one ref
+            *ins, pool_ref, o_ref = refs
+            pl.run_scoped(lambda *s: body((*ins, pool_ref, pool_ref, o_ref), s), *scratch)
 
-def serial_scan_reference(w, u_t, q_dec, k_dec, a_qk, decay, state, *, rows: int):
-    """:func:`serial_scan_mgpu`'s arithmetic in plain JAX, chunk by chunk (its products and
-    bf16 roundings, f32 accumulation): the transposed recurrence checked on a CPU host."""
-    h, t, dk = w.shape
-    per_row = t // rows
-    nc = per_row // CHUNK
-    op = w.dtype
-    f32 = jnp.float32
+        o = pl.kernel(kernel, out_type=o_type, mesh=mesh, name="gdn_prefill_serial_mgpu")(
+            *args, pool
+        )
+        return o, jax.freeze(pool)
 
-    def mm(a, b):
-        return jnp.einsum("hij,hjk->hik", a.astype(op), b.astype(op), preferred_element_type=f32)
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-    outs, finals = [], []
-    for r in range(rows):
-        s = state[r]  # [H, Dv, Dk]
-        for c in range(nc):
-            tok = slice(r * per_row + c * CHUNK, r * per_row + (c + 1) * CHUNK)
-            sb = s.astype(op)
-            vb = (u_t[:, :, tok].astype(f32) - mm(sb, jnp.swapaxes(w[:, tok], 1, 2))).astype(op)
-            o_t = mm(sb, jnp.swapaxes(q_dec[:, tok], 1, 2)) + mm(
-                vb, jnp.swapaxes(a_qk[:, tok], 1, 2)
-            )
-            outs.append(o_t.astype(op))
-            s = s * decay[:, r * nc + c][:, None, None] + mm(vb, k_dec[:, tok])
-        finals.append(s)
-    return jnp.concatenate(outs, axis=2), jnp.stack(finals)
+    def kernel_i(*refs):  # the interpreter takes no ref arguments: the states leave through
+        *ins, pool_in, o_ref, pool_out = refs  # an output, copied into the pool below
+        pl.run_scoped(lambda *s: body((*ins, pool_in, pool_out, o_ref), s), *scratch)
+
+    o, written = pl.kernel(
+        kernel_i,
+        out_type=(o_type, jax.ShapeDtypeStruct(state.shape, state.dtype)),
+        mesh=mesh,
+        interpret=InterpretGPUParams(),
+        name="gdn_prefill_serial_mgpu",
+    )(*args, state)
+    slots, mask = _written_slots(rp)
+    slots = jnp.where(mask, slots, state.shape[0])  # out of range: dropped
+    return o, state.at[slots].set(written[jnp.minimum(slots, state.shape[0] - 1)], mode="drop")

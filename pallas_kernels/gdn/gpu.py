@@ -57,12 +57,14 @@ which head dims ``hyjax.ops`` must leave to the reference.
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.common import chunk_scan_mgpu
 from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, chunk_refs_shapes, scan_launches
 from pallas_kernels.common.chunking import max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
@@ -93,6 +95,7 @@ from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.gdn.reference import check_gdn_args
 
 CHUNK = 64
+log = logging.getLogger(__name__)
 
 
 def _gates(alog_ref, dtb_ref, h, a, b):
@@ -177,23 +180,27 @@ def gdn_decode(
 
 def _intra_kernel(
     c_start_ref, c_len_ref,  # i32[NC]
+    live_ref,  # i32[1]  the batch's token count (tma_layout: k_dec's rows after it are zeroed)
     alog_ref, dtb_ref,  # f32[Hv]
     q_ref, k_ref,  # [Tp, Hk, Dk]
     v_ref,  # [Tp, Hv, Dv]
     a_ref, b_ref,  # [Tp, Hv]
     w_ref,  # [Hv, Tp, Dk]  out: W = Tm (beta e^gam k), head-major, valid rows only
-    u_ref,  # [Hv, Tp, Dv]  out: U = Tm (beta v)
+    u_ref,  # [Hv, Tp, Dv]  out: U = Tm (beta v)  (tma_layout: U^T, [Hv, Dv, Tp'])
     qd_ref,  # [Hv, Tp, Dk] out: q e^gam (l2-normed, scaled)
     kd_ref,  # [Hv, Tp, Dk] out: k e^(gam_last - gam) (l2-normed)
     aqk_ref,  # [Hv, Tp, C] out: incl_lower(q k^T e^(gam_i - gam_j)), window columns
     dl_ref,  # f32[NC, Hv]  out: e^gam_last, the chunk's state decay
-    *, ratio: int, scale: float, precision, early_stores: bool = False,
+    *, ratio: int, scale: float, precision, early_stores: bool = False, tma_layout: bool = False,
 ):  # fmt: skip
     """Kernel 1, one program per (chunk, value head), all in parallel: everything of the chunk
     that does not depend on the state (the gates, the UT transform, the decayed q / k rows and
     the intra-chunk scores), so the serial launch does only the state's products.
     ``early_stores``: q's products and rows stored before the UT transform, not after (the
-    same arithmetic; on an H200 the launch sits at 255 registers a thread, ncu at 8x4096)."""
+    same arithmetic; on an H200 the launch sits at 255 registers a thread, ncu at 8x4096).
+    ``tma_layout``: the scratch the Mosaic GPU serial launch reads by whole 64-token windows
+    (:mod:`pallas_kernels.common.chunk_scan_mgpu`): ``U`` transposed, and ``k_dec`` zero on the
+    window's rows after the batch's last token, which no chunk writes."""
     ci, h = pl.program_id(0), pl.program_id(1)
     start, length = c_start_ref[ci], c_len_ref[ci]
     num_tokens = k_ref.shape[0]
@@ -236,27 +243,38 @@ def _intra_kernel(
         pltr.store(w_ref.at[h, win.rows, :], w.astype(op), mask=rows)
         if not early_stores:
             store_q_rows()
-        k_dec = k * jnp.exp(gam_last - gam)[:, None]
-        pltr.store(kd_ref.at[h, win.rows, :], k_dec.astype(op), mask=rows)
+        k_dec = k * jnp.exp(gam_last - gam)[:, None]  # zero on the rows outside the chunk
+        kd_rows = (valid | (win.tok >= live_ref[0]))[:, None] if tma_layout else rows
+        pltr.store(kd_ref.at[h, win.rows, :], k_dec.astype(op), mask=kd_rows)
         dv = v_ref.shape[-1]
         bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
         for vb in range(dv // bv):
             vs = pl.ds(vb * bv, bv)
             v = pltr.load(v_ref.at[win.rows, h, vs], mask=rows, other=0.0)
             u = mm(tm, v.astype(jnp.float32) * beta[:, None], precision=precision)  # [C, BV]
-            pltr.store(u_ref.at[h, win.rows, vs], u.astype(op), mask=rows)
+            if tma_layout:
+                pltr.store(u_ref.at[h, vs, win.rows], u.T.astype(op), mask=valid[None, :])
+            else:
+                pltr.store(u_ref.at[h, win.rows, vs], u.astype(op), mask=rows)
         dl_ref[ci, h] = jnp.exp(gam_last)
 
 
 def intra_launch(
     q, k, v, a, b, A_log, dt_bias, plan, *, num_chunks: int, operand_dtype, precision,
-    num_warps: int = 8, num_stages: int = 2, early_stores: bool = False, interpret: bool = False,
+    num_warps: int = 8, num_stages: int = 2, early_stores: bool = False,
+    num_live: jax.Array | None = None, tma_layout: bool = False, interpret: bool = False,
 ) -> ChunkRefs:  # fmt: skip
     """Launch 1 (:func:`_intra_kernel`) over grid ``(NC, Hv)`` on inputs padded to at least one
-    chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`)."""
+    chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`). ``tma_layout`` (the
+    Mosaic GPU serial launch's scratch) needs ``num_live``, the batch's token count (i32[1]);
+    ``u`` is then ``U^T [Hv, Dv, Tp']``, ``Tp'`` rounded up to 8 (TMA's 16-byte strides)."""
     tp, hk, dk = q.shape
     _, hv, dv = v.shape
     op = operand_dtype
+    shapes = chunk_refs_shapes(hv, tp, dk, dv, CHUNK, num_chunks, op, False)
+    if tma_layout:
+        shapes = shapes._replace(u=jax.ShapeDtypeStruct((hv, dv, -(-tp // 8) * 8), op))
+    live = jnp.zeros(1, jnp.int32) if num_live is None else num_live.astype(jnp.int32)
     return ChunkRefs(
         *pl.pallas_call(
             functools.partial(
@@ -265,24 +283,47 @@ def intra_launch(
                 scale=float(dk) ** -0.5,
                 precision=precision,
                 early_stores=early_stores,
+                tma_layout=tma_layout,
             ),  # fmt: skip
             grid=(num_chunks, hv),
-            out_shape=list(chunk_refs_shapes(hv, tp, dk, dv, CHUNK, num_chunks, op, False)),
+            out_shape=list(shapes),
             compiler_params=compiler_params(num_warps, num_stages),
             interpret=interpret,
             name="gdn_prefill_intra_gpu",
-        )(plan.start, plan.length, A_log, dt_bias, q, k, v, a, b)
+        )(plan.start, plan.length, live, A_log, dt_bias, q, k, v, a, b)
     )
+
+
+@functools.cache
+def _log_triton_serial(why: str) -> None:
+    log.info("gdn_prefill: the Triton serial launch (Mosaic GPU's cannot take %s)", why)
+
+
+def _serial_is_mgpu(serial, dk, dv, num_chunks, op, pool_dtype, three_launches, interpret):
+    """Whether :func:`gdn_prefill` runs the Mosaic GPU serial launch (its ``serial``)."""
+    if serial not in (None, "mgpu", "triton"):
+        raise ValueError(f"serial={serial!r}: 'mgpu', 'triton' or None")
+    if serial == "triton" or (serial is None and (interpret or three_launches)):
+        return False
+    why = chunk_scan_mgpu.unsupported_reason(dk, dv, num_chunks, op, pool_dtype)
+    if three_launches:
+        why = "three_launches (a Triton path)"
+    if why is None:
+        return True
+    if serial == "mgpu":
+        raise ValueError(f"serial='mgpu': the Mosaic GPU serial launch cannot take {why}")
+    _log_triton_serial(why)
+    return False
 
 
 def prefill_scratch(
     q, k, v, a, b, A_log, dt_bias, query_start_loc, slots: StateSlots, *, operand_dtype,
     precision, num_warps: int = 8, num_stages: int = 2, early_stores: bool = False,
-    interpret: bool = False,
+    tma_layout: bool = False, interpret: bool = False,
 ):  # fmt: skip
     """The prefill up to its serial launch: the chunk plan, the plan by row and the intra
-    launch's scratch (:func:`intra_launch`, on inputs padded to a 64-row window):
-    ``(plan, row plan, ChunkRefs)``."""
+    launch's scratch (:func:`intra_launch`, on inputs padded to a 64-row window; in the Mosaic
+    GPU launch's layout with ``tma_layout``): ``(plan, row plan, ChunkRefs)``."""
     n = q.shape[0]
     rows, max_ckpt = slots.ckpt_offsets.shape
     plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK)
@@ -291,7 +332,9 @@ def prefill_scratch(
     x = intra_launch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=operand_dtype,
         precision=precision, num_warps=num_warps, num_stages=num_stages,
-        early_stores=early_stores, interpret=interpret,
+        early_stores=early_stores, num_live=jnp.max(plan.start + plan.length, keepdims=True),
+        tma_layout=tma_layout,
+        interpret=interpret,
     )  # fmt: skip
     return plan, row_plan(plan, slots, nc), x
 
@@ -319,9 +362,16 @@ def gdn_prefill(
     three_launches: bool = False,
     intra_early_stores: bool = False,
     block_v_out: int | None = None,
+    serial: str | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, Hv, Dv], state)``.
+
+    ``serial`` picks the serial launch: ``"mgpu"`` (Mosaic GPU:
+    :mod:`pallas_kernels.common.chunk_scan_mgpu`), ``"triton"``, or (None) Mosaic GPU where it
+    takes the prefill on a GPU (16-bit operands, ``Dk`` 64 or 128, ``Dv`` a multiple of 64,
+    two launches), else Triton, with one log line a reason. ``interpret`` runs either in its
+    interpreter.
 
     ``precision`` is the matmul precision inside the chunk (``HIGHEST``: IEEE f32; a
     ``DotAlgorithmPreset`` such as ``BF16_BF16_F32_X3`` or ``DEFAULT`` (TF32) trade accuracy
@@ -340,13 +390,21 @@ def gdn_prefill(
     n, _, dk = q.shape
     _, hv, dv = v.shape
     check_key_dim(dk)
-    bv = serial_block_v(slots.num_rows, hv, dv, block_v)
+    op = operand_dtype_for(v.dtype, operand_dtype)
+    rows, max_ckpt = slots.ckpt_offsets.shape
+    nc = max_chunks(n, rows, max_ckpt, CHUNK)
+    mgpu = _serial_is_mgpu(serial, dk, dv, nc, op, state.dtype, three_launches, interpret)
     plan, rp, x = prefill_scratch(
-        q, k, v, a, b, A_log, dt_bias, query_start_loc, slots,
-        operand_dtype=operand_dtype_for(v.dtype, operand_dtype), precision=precision,
-        num_warps=intra_num_warps, num_stages=intra_num_stages, early_stores=intra_early_stores,
-        interpret=interpret,
+        q, k, v, a, b, A_log, dt_bias, query_start_loc, slots, operand_dtype=op,
+        precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
+        early_stores=intra_early_stores, tma_layout=mgpu, interpret=interpret,
     )  # fmt: skip
+    if mgpu:
+        o, state = chunk_scan_mgpu.scan_mgpu(
+            rp, x, state, num_tokens=x.w.shape[1], out_dtype=v.dtype, interpret=interpret
+        )
+        return jnp.where(plan.live[:, None, None], o[:n], 0).astype(v.dtype), state
+    bv = serial_block_v(slots.num_rows, hv, dv, block_v)
     o, state = scan_launches(
         rp, x, state, plan.start, plan.length, out_dtype=v.dtype, bv=bv, precision=precision,
         num_warps=num_warps, num_stages=num_stages, vb_first=vb_first,
