@@ -352,9 +352,11 @@ def scan_mgpu(
             *ins, pool_ref, o_ref = refs
             pl.run_scoped(lambda *s: body((*ins, pool_ref, pool_ref, o_ref), s), *scratch)
 
-        o = pl.kernel(kernel, out_type=o_type, mesh=mesh, name="gdn_prefill_serial_mgpu")(
-            *args, pool
-        )
+        params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+        o = pl.kernel(
+            kernel, out_type=o_type, mesh=mesh, compiler_params=params,
+            name="gdn_prefill_serial_mgpu",
+        )(*args, pool)  # fmt: skip
         return o, jax.freeze(pool)
 
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
