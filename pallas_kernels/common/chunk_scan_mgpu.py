@@ -66,13 +66,13 @@ def _round_up(n: int, m: int) -> int:
 
 def smem_bytes(dk: int, num_chunks: int, pool_dtype, op_dtype=jnp.bfloat16) -> int:
     """The launch's shared memory: two stages of a chunk's five tiles, the chunk's S^T and V'^T,
-    the output tile, the state in and out, the chunk plan and the decays."""
+    two output tiles, the state in and out, the chunk plan and the decays."""
     op = jnp.dtype(op_dtype).itemsize
     stage = (3 * CHUNK * dk + BV * CHUNK + CHUNK * CHUNK) * op
     ncp = _round_up(max(num_chunks, 1), META_COLS)
     return (
         STAGES * stage
-        + (BV * dk + BV * CHUNK + CHUNK * BV) * op
+        + (BV * dk + BV * CHUNK + 2 * CHUNK * BV) * op
         + BV * dk * jnp.dtype(pool_dtype).itemsize
         + 4 * ncp * 4
         + 1024
@@ -124,6 +124,19 @@ class _Gpu:
 
         return pl.run_state(run)(plgpu.ACC.init(acc))
 
+    @staticmethod
+    def mma2(acc_a, terms_a, acc_b, terms_b):
+        """Two :meth:`mma` issued together, waited for once."""
+        plgpu = _plgpu()
+
+        def run(refs):
+            for acc_ref, terms in zip(refs, (terms_a, terms_b), strict=True):
+                for a, b, transpose_b in terms:
+                    b = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+                    plgpu.wgmma(acc_ref, a, b)
+
+        return pl.run_state(run)((plgpu.ACC.init(acc_a), plgpu.ACC.init(acc_b)))
+
 
 class _Interpret:
     """The same in Pallas' GPU interpreter: plain arrays and dots."""
@@ -148,13 +161,17 @@ class _Interpret:
             acc = acc + jnp.dot(a, b, preferred_element_type=f32)
         return acc
 
+    @staticmethod
+    def mma2(acc_a, terms_a, acc_b, terms_b):
+        return _Interpret.mma(acc_a, terms_a), _Interpret.mma(acc_b, terms_b)
+
 
 def _body(refs, scratch, *, ops, num_ckpt: int, num_tokens: int, pool_dtype):
     plgpu = _plgpu()
     ri_ref, meta_ref, dec_ref, w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, pool_in, pool_out, o_ref = (
         refs
     )
-    (w_s, ut_s, qd_s, kd_s, aqk_s, st_t, vt_t, o_s, st_s, ri_s, meta_s, dec_s,
+    (w_s, ut_s, qd_s, kd_s, aqk_s, st_t, vt_t, o_t, o_s, st_s, ri_s, meta_s, dec_s,
      bars, plan_bar, state_bar) = scratch  # fmt: skip
     vb, head, r = jax.lax.axis_index("v"), jax.lax.axis_index("h"), jax.lax.axis_index("r")
     vs = pl.ds(vb * BV, BV)
@@ -209,10 +226,10 @@ def _body(refs, scratch, *, ops, num_ckpt: int, num_tokens: int, pool_dtype):
         vt = jnp.where(in_chunk, ut - sw, 0.0).astype(op)  # V'^T, zero outside the chunk
         vt_t[...] = vt
         plgpu.commit_smem()
-        s = ops.mma(s * decay, [(vt, kd_s.at[slot], False)])
-        o = ops.mma(
-            ops.zeros((CHUNK, BV)), [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)]
-        )
+        s, o = ops.mma2(  # the state's update (the serial chain) and the chunk's output
+            s * decay, [(vt, kd_s.at[slot], False)],
+            ops.zeros((CHUNK, BV)), [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)],
+        )  # fmt: skip
         if jnp.dtype(pool_dtype) != jnp.dtype(f32):  # a bf16 pool: the carried state rounds too
             s = jnp.where(end % ROUND_EVERY == 0, s.astype(pool_dtype).astype(f32), s)
         for m in range(num_ckpt):
@@ -223,15 +240,18 @@ def _body(refs, scratch, *, ops, num_ckpt: int, num_tokens: int, pool_dtype):
                 store_state(s, ck_slot)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's o has left
-        o_s[...] = o.astype(o_ref.dtype)
-        plgpu.commit_smem()
+        o = o.astype(o_ref.dtype)
 
         @pl.when(length == CHUNK)
-        def _():
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[pl.ds(start, CHUNK), head, vs])
+        def _():  # one store from the swizzled tile
+            o_t[...] = o
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_t, o_ref.at[pl.ds(start, CHUNK), head, vs])
 
         @pl.when(length < CHUNK)
-        def _():  # the chunk's rows only, in runs of its length's bits
+        def _():  # the chunk's rows only, in runs of its length's bits, from plain rows
+            o_s[...] = o
+            plgpu.commit_smem()
             for bit in (32, 16, 8, 4, 2, 1):
                 off = length & (CHUNK - 2 * bit)
 
@@ -296,7 +316,7 @@ def _written_slots(rp: RowPlan) -> tuple[jax.Array, jax.Array]:
 
 def scan_mgpu(
     rp: RowPlan,
-    x: ChunkRefs,  # the intra launch's scratch with ``u`` = U^T [H, Dv, Tp']
+    x: ChunkRefs,  # the intra launch's scratch with ``u`` = U^T [H, Dv, Tp]
     state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  donated: updated in place
     *,
     num_tokens: int,  # Tp, the output's rows
@@ -329,7 +349,8 @@ def scan_mgpu(
         tile((CHUNK, CHUNK)),  # Aqk
         tile((BV, dk), 0),  # the chunk's bf16 S^T (o's B)
         tile((BV, CHUNK), 0),  # the chunk's bf16 V'^T (o's B)
-        plgpu.SMEM((CHUNK, BV), out_dtype),  # o, plain rows: a short chunk's runs are slices
+        plgpu.SMEM((CHUNK, BV), out_dtype, transforms=transforms),  # o of a 64-token chunk
+        plgpu.SMEM((CHUNK, BV), out_dtype),  # o of a shorter one: plain rows, sliced by runs
         plgpu.SMEM((BV, dk), state.dtype),  # the state in and out
         plgpu.SMEM(ri.shape[1:], jnp.int32),
         plgpu.SMEM(meta.shape, jnp.int32),

@@ -216,11 +216,13 @@ def launch_decode(
 # ----------------------------------------------------------------------------- prefill
 
 
-def pad_tokens(xs: Sequence[jax.Array], chunk: int) -> tuple[list[jax.Array], int]:
-    """The token-major inputs padded to at least ``chunk`` tokens (a window needs ``T >= C``),
-    and the padded count."""
+def pad_tokens(
+    xs: Sequence[jax.Array], chunk: int, multiple: int = 1
+) -> tuple[list[jax.Array], int]:
+    """The token-major inputs padded to at least ``chunk`` tokens (a window needs ``T >= C``)
+    and to a ``multiple`` of tokens, and the padded count."""
     n = xs[0].shape[0]
-    pad = max(0, chunk - n)
+    pad = -(-max(n, chunk) // multiple) * multiple - n
 
     def padded(x):
         return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x

@@ -267,13 +267,15 @@ def intra_launch(
     """Launch 1 (:func:`_intra_kernel`) over grid ``(NC, Hv)`` on inputs padded to at least one
     chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`). ``tma_layout`` (the
     Mosaic GPU serial launch's scratch) needs ``num_live``, the batch's token count (i32[1]);
-    ``u`` is then ``U^T [Hv, Dv, Tp']``, ``Tp'`` rounded up to 8 (TMA's 16-byte strides)."""
+    ``u`` is then ``U^T [Hv, Dv, Tp]`` (``Tp`` a multiple of 8: TMA's 16-byte strides)."""
     tp, hk, dk = q.shape
     _, hv, dv = v.shape
     op = operand_dtype
     shapes = chunk_refs_shapes(hv, tp, dk, dv, CHUNK, num_chunks, op, False)
     if tma_layout:
-        shapes = shapes._replace(u=jax.ShapeDtypeStruct((hv, dv, -(-tp // 8) * 8), op))
+        if tp % 8:
+            raise ValueError(f"tma_layout: {tp} tokens, not a multiple of 8 (pad_tokens)")
+        shapes = shapes._replace(u=jax.ShapeDtypeStruct((hv, dv, tp), op))
     live = jnp.zeros(1, jnp.int32) if num_live is None else num_live.astype(jnp.int32)
     return ChunkRefs(
         *pl.pallas_call(
@@ -328,7 +330,8 @@ def prefill_scratch(
     rows, max_ckpt = slots.ckpt_offsets.shape
     plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK)
     nc = max_chunks(n, rows, max_ckpt, CHUNK)
-    (q, k, v, a, b), _ = pad_tokens((q, k, v, a, b), CHUNK)  # the 64-row window needs T >= 64
+    # the 64-row window needs T >= 64; TMA's tiled copies (tma_layout) a multiple of 8 rows
+    (q, k, v, a, b), _ = pad_tokens((q, k, v, a, b), CHUNK, 8 if tma_layout else 1)
     x = intra_launch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=operand_dtype,
         precision=precision, num_warps=num_warps, num_stages=num_stages,
