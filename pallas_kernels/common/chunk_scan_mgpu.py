@@ -166,7 +166,7 @@ class _Interpret:
         return _Interpret.mma(acc_a, terms_a), _Interpret.mma(acc_b, terms_b)
 
 
-def _body(refs, scratch, *, ops, num_ckpt: int, num_tokens: int, pool_dtype):
+def _body(refs, scratch, *, ops, num_ckpt: int, num_tokens: int, pool_dtype, partial_stores):
     plgpu = _plgpu()
     ri_ref, meta_ref, dec_ref, w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, pool_in, pool_out, o_ref = (
         refs
@@ -249,10 +249,21 @@ def _body(refs, scratch, *, ops, num_ckpt: int, num_tokens: int, pool_dtype):
             plgpu.copy_smem_to_gmem(o_t, o_ref.at[pl.ds(start, CHUNK), head, vs])
 
         @pl.when(length < CHUNK)
-        def _():  # the chunk's rows only, in runs of its length's bits, from plain rows
+        def _():  # the chunk's rows only, from plain rows
             o_s[...] = o
             plgpu.commit_smem()
-            for bit in (32, 16, 8, 4, 2, 1):
+            if partial_stores == "rows":  # a copy a row, at static offsets in shared memory
+                for row in range(CHUNK):
+
+                    @pl.when((row >= lead) & (row < lead + length))
+                    def _(row=row):
+                        plgpu.copy_smem_to_gmem(
+                            o_s.at[pl.ds(row, 1)],
+                            o_ref.at[pl.ds(start - lead + row, 1), head, vs],
+                        )
+
+                return
+            for bit in (32, 16, 8, 4, 2, 1):  # in runs of its length's bits
                 off = length & (CHUNK - 2 * bit)
 
                 @pl.when(length & bit != 0)
@@ -316,15 +327,17 @@ def _written_slots(rp: RowPlan) -> tuple[jax.Array, jax.Array]:
 
 def scan_mgpu(
     rp: RowPlan,
-    x: ChunkRefs,  # the intra launch's scratch with ``u`` = U^T [H, Dv, Tp]
+    x: ChunkRefs,  # the intra launch's scratch with ``u`` = U^T [H, Dv, Tp']
     state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  donated: updated in place
     *,
     num_tokens: int,  # Tp, the output's rows
     out_dtype,
+    partial_stores: str = "bits",
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The serial launch (module docstring). Returns ``(o [Tp, H, Dv], state)``; rows outside
-    every chunk of ``o`` are left unwritten."""
+    every chunk of ``o`` are left unwritten. ``partial_stores``: a short chunk's output in
+    runs of its length's bits (``"bits"``) or a copy a row (``"rows"``)."""
     plgpu = _plgpu()
     h, _, dk = x.w.shape
     dv = x.u.shape[1]
@@ -361,7 +374,7 @@ def scan_mgpu(
     )
     body = functools.partial(
         _body, ops=_Interpret if interpret else _Gpu, num_ckpt=num_ckpt,
-        num_tokens=x.w.shape[1], pool_dtype=state.dtype,
+        num_tokens=x.w.shape[1], pool_dtype=state.dtype, partial_stores=partial_stores,
     )  # fmt: skip
     mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)

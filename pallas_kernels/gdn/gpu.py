@@ -267,7 +267,7 @@ def intra_launch(
     """Launch 1 (:func:`_intra_kernel`) over grid ``(NC, Hv)`` on inputs padded to at least one
     chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`). ``tma_layout`` (the
     Mosaic GPU serial launch's scratch) needs ``num_live``, the batch's token count (i32[1]);
-    ``u`` is then ``U^T [Hv, Dv, Tp]`` (``Tp`` a multiple of 8: TMA's 16-byte strides)."""
+    ``u`` is then ``U^T [Hv, Dv, Tp']`` (``Tp`` a multiple of 8, ``Tp'`` of 64: TMA's tiles)."""
     tp, hk, dk = q.shape
     _, hv, dv = v.shape
     op = operand_dtype
@@ -275,7 +275,9 @@ def intra_launch(
     if tma_layout:
         if tp % 8:
             raise ValueError(f"tma_layout: {tp} tokens, not a multiple of 8 (pad_tokens)")
-        shapes = shapes._replace(u=jax.ShapeDtypeStruct((hv, dv, tp), op))
+        # U^T's token axis is a tiled copy's minor dim: 64-wide tiles (the columns past Tp are
+        # never read: windows end inside [0, Tp))
+        shapes = shapes._replace(u=jax.ShapeDtypeStruct((hv, dv, -(-tp // 64) * 64), op))
     live = jnp.zeros(1, jnp.int32) if num_live is None else num_live.astype(jnp.int32)
     return ChunkRefs(
         *pl.pallas_call(

@@ -1,0 +1,127 @@
+"""The Mosaic GPU serial launch's ragged cases on a GPU, each in its own process.
+
+A kernel fault (illegal instruction or address) poisons the CUDA context of its process, so
+each case runs in a child: ``python -m benchmarks.mgpu_probe --out probe.json``. A case is a
+batch of rows (``lens``) in ``tokens`` token slots, GDN at the 80B's heads; the Mosaic GPU
+serial launch (``pallas_kernels.common.chunk_scan_mgpu``) runs it with each way of storing a
+short chunk's output, and its outputs and written slots are compared with the Triton serial
+launch's on the same batch (``gdn.gpu.gdn_prefill(serial=...)``). What each case isolates:
+
+- ``full_pad_rows``: 64-token chunks only, two rows with no tokens;
+- ``partial``: a row's last chunk of 36 tokens, its window inside the batch;
+- ``clamped``: the same chunk with its window moved back to end at the last token;
+- ``short_rows``: rows of 1, 5 and 63 tokens;
+- ``ckpt_cut``: a checkpoint inside a chunk, so a row has two short chunks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+CASES = {  # name: (row lengths, token slots, checkpoint offsets of row 0)
+    "full_pad_rows": ([128, 64], 256, []),
+    "partial": ([100], 256, []),
+    "clamped": ([100], 104, []),
+    "short_rows": ([1, 5, 63], 128, []),
+    "ckpt_cut": ([150], 256, [100]),
+}
+VARIANTS = ("bits", "rows")
+
+
+def run_case(name: str, variant: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.common import err_ratio
+    from pallas_kernels.common import chunk_scan_mgpu
+    from pallas_kernels.common.slots import StateSlots
+    from pallas_kernels.gdn import gpu
+
+    lens, tokens, ckpts = CASES[name]
+    hk, hv, d = 16, 32, 128
+    rows = len(lens) + 2  # two padding rows
+    qsl = np.concatenate([[0], np.cumsum(lens), [sum(lens)] * 2]).astype(np.int32)
+    src = np.array([1 + i if i % 2 == 0 else 0 for i in range(len(lens))] + [0, 0], np.int32)
+    dst = np.array([1 + i for i in range(len(lens))] + [0, 0], np.int32)
+    ck_off = np.zeros((rows, 2), np.int32)
+    ck_slot = np.zeros((rows, 2), np.int32)
+    for j, off in enumerate(ckpts):
+        ck_off[0, j], ck_slot[0, j] = off, len(lens) + 1 + j
+    num_slots = len(lens) + 4
+    slots = StateSlots(*map(jnp.asarray, (src, dst, ck_off, ck_slot)), jnp.int32(len(lens)))
+    key = jax.random.split(jax.random.PRNGKey(0), 6)
+    bf = jnp.bfloat16
+    q = jax.random.normal(key[0], (tokens, hk, d), bf)
+    k = jax.random.normal(key[1], (tokens, hk, d), bf)
+    v = jax.random.normal(key[2], (tokens, hv, d), bf)
+    a = jax.random.normal(key[3], (tokens, hv), bf)
+    b = jax.random.normal(key[4], (tokens, hv), bf)
+    A_log, dt_bias = jnp.log(jnp.linspace(0.01, 0.05, hv)), jnp.full(hv, -3.0)
+    pool = 0.1 * jax.random.normal(key[5], (num_slots, hv, d, d), jnp.float32)
+    args = (q, k, v, a, b, A_log, dt_bias)
+
+    def kernel(serial, pool):
+        return gpu.gdn_prefill(*args, pool, jnp.asarray(qsl), slots, precision=None,
+                               serial=serial)  # fmt: skip
+
+    want_o, want_s = jax.jit(lambda p: kernel("triton", p))(jnp.copy(pool))
+    orig = chunk_scan_mgpu.scan_mgpu
+
+    def patched(*a, **kw):
+        return orig(*a, **kw, partial_stores=variant)
+
+    chunk_scan_mgpu.scan_mgpu = patched
+    got_o, got_s = jax.jit(lambda p: kernel("mgpu", p))(jnp.copy(pool))
+    got_o.block_until_ready()
+    n = sum(lens)
+    return {
+        "output_err_vs_triton": err_ratio(got_o[:n], want_o[:n]),
+        "state_err_vs_triton": err_ratio(got_s, want_s),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--case", default=None, help="run one case here (the child's entry)")
+    p.add_argument("--variant", default="bits")
+    p.add_argument("--timeout", type=float, default=120.0)
+    args = p.parse_args()
+    if args.case:
+        print(json.dumps(run_case(args.case, args.variant)), flush=True)
+        return
+    summary = {}
+    todo = list(CASES)
+    for variant in VARIANTS:  # a later variant retries only what the former failed
+        failed = []
+        for name in todo:
+            cmd = [sys.executable, "-m", "benchmarks.mgpu_probe", "--case", name,
+                   "--variant", variant]  # fmt: skip
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                lines = r.stdout.strip().splitlines()
+                if r.returncode == 0 and lines:
+                    result = json.loads(lines[-1])
+                else:
+                    err = [ln for ln in r.stderr.splitlines() if "Error" in ln]
+                    result = {"failed": (err[-1] if err else f"rc={r.returncode}")[:400]}
+            except subprocess.TimeoutExpired:
+                result = {"failed": f"timeout {args.timeout} s (a hang?)"}
+            summary[f"{variant}_{name}"] = result
+            print(f"{variant}_{name}", json.dumps(result), flush=True)
+            bad = "failed" in result or result["output_err_vs_triton"] > 1e-2
+            if bad or result["state_err_vs_triton"] > 1e-2:
+                failed.append(name)
+        todo = failed
+    text = json.dumps(summary, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
