@@ -52,8 +52,9 @@ INTERPRET = False  # --interpret: run the kernels in Pallas interpret mode (CPU 
 # the engine calls for a bf16 model (hyjax.ops: precision None, operands in the activations'
 # dtype, the launch count by the scratch rule).
 PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tuning)
-    "default": (None, None, None, {}),  # the Mosaic GPU serial launch where it takes the shape
-    "triton": (None, None, None, dict(serial="triton")),  # the Triton serial launch
+    "default": (None, None, None, {}),
+    # the Mosaic GPU serial launch (the timed batches' chunks start at multiples of 64 tokens)
+    "mgpu": (None, None, None, dict(serial="mgpu")),
     # q's products and rows stored before the UT transform (intra launch: 255 registers)
     "early": (None, None, None, dict(intra_early_stores=True)),
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
@@ -158,6 +159,32 @@ def check_prefill(precision, operand_dtype=None, pool_dtype=jnp.float32, **tunin
         "output_err_ratio": err_ratio(got_o, want_o),
         "state_err_ratio": err_ratio(np.asarray(got_s)[written], np.asarray(want_s)[written]),
         "untouched_slot0_still_nan": bool(np.isnan(np.asarray(got_s)[0]).all()),
+        "output_has_nan": bool(np.isnan(np.asarray(got_o, np.float32)).any()),
+    }  # fmt: skip
+
+
+def check_prefill_aligned(pool_dtype, **tuning) -> dict:
+    """Against the reference on a batch whose chunks start at multiples of 64 tokens (what the
+    Mosaic GPU serial launch takes): rows of 256 and 200 tokens in 512 slots, the first from a
+    state with checkpoints at 64 and 192 (a chunk cut short), the second from zeros."""
+    lens = [256, 200]
+    acts = _activations(jax.random.PRNGKey(6), 512)
+    qsl = jnp.array([0, 256, 456, 456], jnp.int32)
+    pool = _pool(jax.random.PRNGKey(7), 8, pool_dtype).at[0].set(jnp.nan).at[5:].set(jnp.nan)
+    ck_off = jnp.array([[64, 192], [0, 0], [0, 0]], jnp.int32)
+    ck_slot = jnp.array([[3, 4], [0, 0], [0, 0]], jnp.int32)
+    src, dst = jnp.array([1, 0, 0], jnp.int32), jnp.array([1, 2, 0], jnp.int32)
+    slots = StateSlots(src, dst, ck_off, ck_slot, jnp.int32(len(lens)))
+    args = (*acts, pool, qsl, slots)
+    want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
+    kernel = functools.partial(gpu.gdn_prefill, precision=None, interpret=INTERPRET, **tuning)
+    got_o, got_s = jax.jit(kernel)(*args)
+    n, written = sum(lens), np.array([1, 2, 3, 4])
+    return {
+        "output_err_ratio": err_ratio(got_o[:n], want_o[:n]),
+        "state_err_ratio": err_ratio(np.asarray(got_s, np.float32)[written],
+                                     np.asarray(want_s, np.float32)[written]),
+        "untouched_slots_still_nan": bool(np.isnan(np.asarray(got_s, np.float32)[5:]).all()),
         "output_has_nan": bool(np.isnan(np.asarray(got_o, np.float32)).any()),
     }  # fmt: skip
 
@@ -525,8 +552,12 @@ def main() -> None:
     for name, prec in precisions.items():
         guarded(f"check_prefill_{name}", lambda prec=prec: check_prefill(prec))
     guarded("check_prefill_bf16ops", lambda: check_prefill(None, operand_dtype=jnp.bfloat16))
-    guarded("check_prefill_triton", lambda: check_prefill(None, serial="triton"))
     guarded("check_prefill_bf16state", lambda: check_prefill(None, pool_dtype=jnp.bfloat16))
+    for pool_dtype in (jnp.float32, jnp.bfloat16):
+        guarded(
+            f"check_prefill_mgpu_{jnp.dtype(pool_dtype).name}",
+            lambda pool_dtype=pool_dtype: check_prefill_aligned(pool_dtype, serial="mgpu"),
+        )
     for b, t in prefill_shapes:
         for variant, (prec, op, three, more) in PREFILL_VARIANTS.items():
             guarded(

@@ -112,7 +112,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         qkvz) echo "python -m benchmarks.conv1d_kernels --qkvz-only --out $j" ;;
         split) echo "python -m benchmarks.conv1d_kernels --split-only --out $j" ;;
         gdn) echo "python -m benchmarks.gdn_kernels --sweep --out $j" ;;
-        gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T4096_early,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B1_T16384_early,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B8_T4096_early,prefill_B1_T32768_default,prefill_B1_T32768_triton,prefill_B1_T32768_early,prefill_B8_T4096_ckpt,fla --out $j" ;;
+        gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T4096_mgpu,prefill_B1_T4096_early,prefill_B1_T16384_default,prefill_B1_T16384_mgpu,prefill_B1_T16384_early,prefill_B8_T4096_default,prefill_B8_T4096_mgpu,prefill_B8_T4096_early,prefill_B1_T32768_default,prefill_B1_T32768_mgpu,prefill_B1_T32768_early,prefill_B8_T4096_ckpt,fla --out $j" ;;
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
         ncugdn | ncukda)  # ncu's counters of the default prefill's two launches, in the log

@@ -3,15 +3,19 @@
 A kernel fault (illegal instruction or address) poisons the CUDA context of its process, so
 each case runs in a child: ``python -m benchmarks.mgpu_probe --out probe.json``. A case is a
 batch of rows (``lens``) in ``tokens`` token slots, GDN at the 80B's heads; the Mosaic GPU
-serial launch (``pallas_kernels.common.chunk_scan_mgpu``) runs it with each way of storing a
-short chunk's output, and its outputs and written slots are compared with the Triton serial
-launch's on the same batch (``gdn.gpu.gdn_prefill(serial=...)``). What each case isolates:
+serial launch (``pallas_kernels.common.chunk_scan_mgpu``, without its alignment guard) runs
+it, and its outputs and pool are compared with the Triton launch's on the same batch
+(``gdn.gpu.gdn_prefill``). What each case isolates:
 
 - ``full_pad_rows``: 64-token chunks only, two rows with no tokens;
 - ``partial``: a row's last chunk of 36 tokens, its window inside the batch;
 - ``clamped``: the same chunk with its window moved back to end at the last token;
 - ``short_rows``: rows of 1, 5 and 63 tokens;
 - ``ckpt_cut``: a checkpoint inside a chunk, so a row has two short chunks.
+
+H200, jax 0.11.2 (``benchmarks/results/mgpu_probe_h200_*.json``): the first two match to
+3e-5; ``clamped`` is wrong (0.38 of the output), ``short_rows`` and ``ckpt_cut`` fault with an
+illegal instruction: a window must start at a multiple of 64 tokens.
 """
 
 from __future__ import annotations
@@ -28,10 +32,9 @@ CASES = {  # name: (row lengths, token slots, checkpoint offsets of row 0)
     "short_rows": ([1, 5, 63], 128, []),
     "ckpt_cut": ([150], 256, [100]),
 }
-VARIANTS = ("bits", "rows")
 
 
-def run_case(name: str, variant: str) -> dict:
+def run_case(name: str) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -64,18 +67,21 @@ def run_case(name: str, variant: str) -> dict:
     pool = 0.1 * jax.random.normal(key[5], (num_slots, hv, d, d), jnp.float32)
     args = (q, k, v, a, b, A_log, dt_bias)
 
-    def kernel(serial, pool):
-        return gpu.gdn_prefill(*args, pool, jnp.asarray(qsl), slots, precision=None,
-                               serial=serial)  # fmt: skip
+    want_o, want_s = jax.jit(
+        lambda p: gpu.gdn_prefill(*args, p, jnp.asarray(qsl), slots, precision=None)
+    )(jnp.copy(pool))
 
-    want_o, want_s = jax.jit(lambda p: kernel("triton", p))(jnp.copy(pool))
-    orig = chunk_scan_mgpu.scan_mgpu
+    @jax.jit
+    def mgpu(p):  # without the alignment guard: what the GPU does with the batch
+        plan, rp, x = gpu.prefill_scratch(
+            *args, jnp.asarray(qsl), slots, operand_dtype=bf, precision=None, tma_layout=True
+        )
+        o, p = chunk_scan_mgpu.scan_mgpu(
+            rp, x, p, num_tokens=x.w.shape[1], out_dtype=bf, check_alignment=False
+        )
+        return o, p
 
-    def patched(*a, **kw):
-        return orig(*a, **kw, partial_stores=variant)
-
-    chunk_scan_mgpu.scan_mgpu = patched
-    got_o, got_s = jax.jit(lambda p: kernel("mgpu", p))(jnp.copy(pool))
+    got_o, got_s = mgpu(jnp.copy(pool))
     got_o.block_until_ready()
     n = sum(lens)
     return {
@@ -88,35 +94,26 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--case", default=None, help="run one case here (the child's entry)")
-    p.add_argument("--variant", default="bits")
     p.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args()
     if args.case:
-        print(json.dumps(run_case(args.case, args.variant)), flush=True)
+        print(json.dumps(run_case(args.case)), flush=True)
         return
     summary = {}
-    todo = list(CASES)
-    for variant in VARIANTS:  # a later variant retries only what the former failed
-        failed = []
-        for name in todo:
-            cmd = [sys.executable, "-m", "benchmarks.mgpu_probe", "--case", name,
-                   "--variant", variant]  # fmt: skip
-            try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-                lines = r.stdout.strip().splitlines()
-                if r.returncode == 0 and lines:
-                    result = json.loads(lines[-1])
-                else:
-                    err = [ln for ln in r.stderr.splitlines() if "Error" in ln]
-                    result = {"failed": (err[-1] if err else f"rc={r.returncode}")[:400]}
-            except subprocess.TimeoutExpired:
-                result = {"failed": f"timeout {args.timeout} s (a hang?)"}
-            summary[f"{variant}_{name}"] = result
-            print(f"{variant}_{name}", json.dumps(result), flush=True)
-            bad = "failed" in result or result["output_err_vs_triton"] > 1e-2
-            if bad or result["state_err_vs_triton"] > 1e-2:
-                failed.append(name)
-        todo = failed
+    for name in CASES:
+        cmd = [sys.executable, "-m", "benchmarks.mgpu_probe", "--case", name]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            lines = r.stdout.strip().splitlines()
+            if r.returncode == 0 and lines:
+                result = json.loads(lines[-1])
+            else:
+                err = [ln for ln in r.stderr.splitlines() if "Error" in ln]
+                result = {"failed": (err[-1] if err else f"rc={r.returncode}")[:400]}
+        except subprocess.TimeoutExpired:
+            result = {"failed": f"timeout {args.timeout} s (a hang?)"}
+        summary[name] = result
+        print(name, json.dumps(result), flush=True)
     text = json.dumps(summary, indent=2)
     if args.out:
         with open(args.out, "w") as f:

@@ -31,6 +31,17 @@ rows never written could hold NaN).
 :func:`scan_mgpu` runs it; ``interpret=True`` runs it in Pallas' GPU interpreter on a CPU host
 (the copies, barriers, loops and stores as written; the products, which the interpreter does
 not model in registers, as plain dots; the pool written through an output, not in place).
+
+**Not the engine's default: on a GPU a chunk must start at a multiple of 64 tokens.** Mosaic
+GPU's TMA copies of a swizzled tile take the tile's rows (8) and, for ``U^T``, its columns (64)
+as units of the global array, and a window starting between them is read wrong (H200, jax
+0.11.2, ``benchmarks/mgpu_probe.py``: rows of 128 + 64 tokens and a 100-token row from token 0
+match the Triton launch to 3e-5; a window moved back to the batch's end is wrong, rows of 1, 5
+and 63 tokens and a checkpoint at token 100 fault with an illegal instruction). The
+interpreter does not model that, so the CPU tests pass at any start. One row from token 0 with
+checkpoints at multiples of 64 is such a batch, and so is the benchmark's; an engine's mixed
+batch is not. ``gdn.gpu.gdn_prefill(serial="mgpu")`` pads the tokens to a multiple of 64 (no
+window is moved back) and :func:`scan_mgpu` turns a batch with another start into NaN.
 """
 
 from __future__ import annotations
@@ -166,7 +177,7 @@ class _Interpret:
         return _Interpret.mma(acc_a, terms_a), _Interpret.mma(acc_b, terms_b)
 
 
-def _body(refs, scratch, *, ops, num_ckpt: int, num_tokens: int, pool_dtype, partial_stores):
+def _body(refs, scratch, *, ops, num_ckpt: int, num_tokens: int, pool_dtype):
     plgpu = _plgpu()
     ri_ref, meta_ref, dec_ref, w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, pool_in, pool_out, o_ref = (
         refs
@@ -249,21 +260,10 @@ def _body(refs, scratch, *, ops, num_ckpt: int, num_tokens: int, pool_dtype, par
             plgpu.copy_smem_to_gmem(o_t, o_ref.at[pl.ds(start, CHUNK), head, vs])
 
         @pl.when(length < CHUNK)
-        def _():  # the chunk's rows only, from plain rows
+        def _():  # the chunk's rows only, in runs of its length's bits, from plain rows
             o_s[...] = o
             plgpu.commit_smem()
-            if partial_stores == "rows":  # a copy a row, at static offsets in shared memory
-                for row in range(CHUNK):
-
-                    @pl.when((row >= lead) & (row < lead + length))
-                    def _(row=row):
-                        plgpu.copy_smem_to_gmem(
-                            o_s.at[pl.ds(row, 1)],
-                            o_ref.at[pl.ds(start - lead + row, 1), head, vs],
-                        )
-
-                return
-            for bit in (32, 16, 8, 4, 2, 1):  # in runs of its length's bits
+            for bit in (32, 16, 8, 4, 2, 1):
                 off = length & (CHUNK - 2 * bit)
 
                 @pl.when(length & bit != 0)
@@ -332,12 +332,16 @@ def scan_mgpu(
     *,
     num_tokens: int,  # Tp, the output's rows
     out_dtype,
-    partial_stores: str = "bits",
+    check_alignment: bool = True,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The serial launch (module docstring). Returns ``(o [Tp, H, Dv], state)``; rows outside
-    every chunk of ``o`` are left unwritten. ``partial_stores``: a short chunk's output in
-    runs of its length's bits (``"bits"``) or a copy a row (``"rows"``)."""
+    every chunk of ``o`` are left unwritten.
+
+    On a GPU a chunk must start at a multiple of 64 tokens (module docstring: the tiled TMA
+    copies); ``check_alignment`` turns a batch that breaks it into NaN, its outputs and the
+    slots it wrote, so a misuse shows. The interpreter takes any start (``False``: the ragged
+    logic tested on a CPU host)."""
     plgpu = _plgpu()
     h, _, dk = x.w.shape
     dv = x.u.shape[1]
@@ -374,7 +378,7 @@ def scan_mgpu(
     )
     body = functools.partial(
         _body, ops=_Interpret if interpret else _Gpu, num_ckpt=num_ckpt,
-        num_tokens=x.w.shape[1], pool_dtype=state.dtype, partial_stores=partial_stores,
+        num_tokens=x.w.shape[1], pool_dtype=state.dtype,
     )  # fmt: skip
     mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)
@@ -391,7 +395,8 @@ def scan_mgpu(
             kernel, out_type=o_type, mesh=mesh, compiler_params=params,
             name="gdn_prefill_serial_mgpu",
         )(*args, pool)  # fmt: skip
-        return o, jax.freeze(pool)
+        state = jax.freeze(pool)
+        return _poison_unaligned(rp, o, state) if check_alignment else (o, state)
 
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
@@ -408,4 +413,15 @@ def scan_mgpu(
     )(*args, state)
     slots, mask = _written_slots(rp)
     slots = jnp.where(mask, slots, state.shape[0])  # out of range: dropped
-    return o, state.at[slots].set(written[jnp.minimum(slots, state.shape[0] - 1)], mode="drop")
+    state = state.at[slots].set(written[jnp.minimum(slots, state.shape[0] - 1)], mode="drop")
+    return _poison_unaligned(rp, o, state) if check_alignment else (o, state)
+
+
+def _poison_unaligned(rp: RowPlan, o: jax.Array, state: jax.Array):
+    """NaN in ``o`` and in the slots the launch wrote when a chunk starts off a multiple of 64
+    tokens (a scatter of those slots: no pass over the pool)."""
+    aligned = jnp.all((rp.c_len == 0) | (rp.c_start % CHUNK == 0))
+    slots, mask = _written_slots(rp)
+    slots = jnp.where(mask & ~aligned, slots, state.shape[0])
+    state = state.at[slots].set(jnp.nan, mode="drop")
+    return jnp.where(aligned, o, jnp.nan).astype(o.dtype), state

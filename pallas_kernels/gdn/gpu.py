@@ -57,7 +57,6 @@ which head dims ``hyjax.ops`` must leave to the reference.
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +94,6 @@ from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.gdn.reference import check_gdn_args
 
 CHUNK = 64
-log = logging.getLogger(__name__)
 
 
 def _gates(alog_ref, dtb_ref, h, a, b):
@@ -267,17 +265,15 @@ def intra_launch(
     """Launch 1 (:func:`_intra_kernel`) over grid ``(NC, Hv)`` on inputs padded to at least one
     chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`). ``tma_layout`` (the
     Mosaic GPU serial launch's scratch) needs ``num_live``, the batch's token count (i32[1]);
-    ``u`` is then ``U^T [Hv, Dv, Tp']`` (``Tp`` a multiple of 8, ``Tp'`` of 64: TMA's tiles)."""
+    ``u`` is then ``U^T [Hv, Dv, Tp]`` (``Tp`` a multiple of 64: TMA's tiles)."""
     tp, hk, dk = q.shape
     _, hv, dv = v.shape
     op = operand_dtype
     shapes = chunk_refs_shapes(hv, tp, dk, dv, CHUNK, num_chunks, op, False)
     if tma_layout:
-        if tp % 8:
-            raise ValueError(f"tma_layout: {tp} tokens, not a multiple of 8 (pad_tokens)")
-        # U^T's token axis is a tiled copy's minor dim: 64-wide tiles (the columns past Tp are
-        # never read: windows end inside [0, Tp))
-        shapes = shapes._replace(u=jax.ShapeDtypeStruct((hv, dv, -(-tp // 64) * 64), op))
+        if tp % CHUNK:
+            raise ValueError(f"tma_layout: {tp} tokens, not a multiple of {CHUNK} (pad_tokens)")
+        shapes = shapes._replace(u=jax.ShapeDtypeStruct((hv, dv, tp), op))
     live = jnp.zeros(1, jnp.int32) if num_live is None else num_live.astype(jnp.int32)
     return ChunkRefs(
         *pl.pallas_call(
@@ -298,26 +294,20 @@ def intra_launch(
     )
 
 
-@functools.cache
-def _log_triton_serial(why: str) -> None:
-    log.info("gdn_prefill: the Triton serial launch (Mosaic GPU's cannot take %s)", why)
-
-
-def _serial_is_mgpu(serial, dk, dv, num_chunks, op, pool_dtype, three_launches, interpret):
-    """Whether :func:`gdn_prefill` runs the Mosaic GPU serial launch (its ``serial``)."""
+def _serial_is_mgpu(serial, dk, dv, num_chunks, op, pool_dtype, three_launches):
+    """Whether :func:`gdn_prefill` runs the Mosaic GPU serial launch (its ``serial``). Only
+    when asked: it takes only batches whose chunks start at multiples of 64 tokens
+    (:mod:`~pallas_kernels.common.chunk_scan_mgpu`), which the engine's are not."""
     if serial not in (None, "mgpu", "triton"):
         raise ValueError(f"serial={serial!r}: 'mgpu', 'triton' or None")
-    if serial == "triton" or (serial is None and (interpret or three_launches)):
+    if serial != "mgpu":
         return False
     why = chunk_scan_mgpu.unsupported_reason(dk, dv, num_chunks, op, pool_dtype)
     if three_launches:
         why = "three_launches (a Triton path)"
-    if why is None:
-        return True
-    if serial == "mgpu":
+    if why is not None:
         raise ValueError(f"serial='mgpu': the Mosaic GPU serial launch cannot take {why}")
-    _log_triton_serial(why)
-    return False
+    return True
 
 
 def prefill_scratch(
@@ -332,8 +322,9 @@ def prefill_scratch(
     rows, max_ckpt = slots.ckpt_offsets.shape
     plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK)
     nc = max_chunks(n, rows, max_ckpt, CHUNK)
-    # the 64-row window needs T >= 64; TMA's tiled copies (tma_layout) a multiple of 8 rows
-    (q, k, v, a, b), _ = pad_tokens((q, k, v, a, b), CHUNK, 8 if tma_layout else 1)
+    # the 64-row window needs T >= 64; the Mosaic GPU launch (tma_layout) a multiple of 64,
+    # so that no window is moved back off a tile's start (chunk_scan_mgpu)
+    (q, k, v, a, b), _ = pad_tokens((q, k, v, a, b), CHUNK, CHUNK if tma_layout else 1)
     x = intra_launch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=operand_dtype,
         precision=precision, num_warps=num_warps, num_stages=num_stages,
@@ -372,11 +363,10 @@ def gdn_prefill(
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, Hv, Dv], state)``.
 
-    ``serial`` picks the serial launch: ``"mgpu"`` (Mosaic GPU:
-    :mod:`pallas_kernels.common.chunk_scan_mgpu`), ``"triton"``, or (None) Mosaic GPU where it
-    takes the prefill on a GPU (16-bit operands, ``Dk`` 64 or 128, ``Dv`` a multiple of 64,
-    two launches), else Triton, with one log line a reason. ``interpret`` runs either in its
-    interpreter.
+    ``serial`` picks the serial launch: ``"triton"`` (also None, the default) or ``"mgpu"``
+    (Mosaic GPU: :mod:`pallas_kernels.common.chunk_scan_mgpu`; 16-bit operands, ``Dk`` 64 or
+    128, ``Dv`` a multiple of 64, two launches, and on a GPU every chunk starting at a multiple
+    of 64 tokens: another batch comes back NaN). ``interpret`` runs either in its interpreter.
 
     ``precision`` is the matmul precision inside the chunk (``HIGHEST``: IEEE f32; a
     ``DotAlgorithmPreset`` such as ``BF16_BF16_F32_X3`` or ``DEFAULT`` (TF32) trade accuracy
@@ -398,7 +388,7 @@ def gdn_prefill(
     op = operand_dtype_for(v.dtype, operand_dtype)
     rows, max_ckpt = slots.ckpt_offsets.shape
     nc = max_chunks(n, rows, max_ckpt, CHUNK)
-    mgpu = _serial_is_mgpu(serial, dk, dv, nc, op, state.dtype, three_launches, interpret)
+    mgpu = _serial_is_mgpu(serial, dk, dv, nc, op, state.dtype, three_launches)
     plan, rp, x = prefill_scratch(
         q, k, v, a, b, A_log, dt_bias, query_start_loc, slots, operand_dtype=op,
         precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,

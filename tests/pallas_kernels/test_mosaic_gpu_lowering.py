@@ -1,4 +1,5 @@
-"""Mosaic GPU kernels lower on a CPU host: the conv benchmark's Mosaic GPU ``silu`` ceiling.
+"""Mosaic GPU kernels lower on a CPU host: the conv benchmark's ``silu`` ceiling, GDN's serial
+launch.
 
 ``benchmarks/conv1d_kernels.py --ceiling-only`` times Pallas' two GPU lowerings (Triton and
 Mosaic GPU) and XLA moving the conv's ``[T, C]`` bytes once (BENCHMARKS.md: the Triton
@@ -64,65 +65,28 @@ def test_silu_ceiling_computes_silu():
         silu_mosaic_gpu(x, block_t=96, block_c=256, steps=2, interpret=True)
 
 
-def test_serial_scan_experiment_lowers_to_mosaic_gpu():
-    """The delta-rule serial launch in Mosaic GPU (TMA copies, wgmma products, the state as the
-    accumulator: ``pallas_kernels.common.chunk_scan_mgpu``, an experiment timed by
-    ``benchmarks.gdn_kernels --mgpu-scan``) at the 80B's GDN heads, two rows of 4096 tokens:
-    its layouts, copies and shared memory pass Mosaic GPU's checks."""
-    from pallas_kernels.common.chunk_scan_mgpu import serial_scan_mgpu
-
-    sd = jax.ShapeDtypeStruct
-    h, t, d, rows = 32, 8192, 128, 2
-    bf = jnp.bfloat16
-    tiles = [sd((h, t, d), bf), sd((h, d, t), bf), sd((h, t, d), bf), sd((h, t, d), bf)]
-    f32 = jnp.float32
-    args = (*tiles, sd((h, t, 64), bf), sd((h, t // 64), f32), sd((rows, h, d, d), f32))
-    fn = jax.jit(lambda *a: serial_scan_mgpu(*a, rows=rows))
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "custom_call @mosaic_gpu" in text
-    with pytest.raises(ValueError, match="multiple of 64"):
-        serial_scan_mgpu(*(jnp.zeros(a.shape, a.dtype) for a in args), rows=3)
-
-
-def test_serial_scan_experiment_arithmetic_is_the_triton_launchs():
-    """The Mosaic GPU experiment's transposed recurrence (``serial_scan_reference``, its
-    products and roundings in plain JAX) gives the Triton serial launch's outputs and final
-    states on the same intra-launch scratch: two rows of two chunks, one from a state, one
-    from zeros, GVA heads, bf16 operands."""
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_gdn_serial_launch_lowers_to_mosaic_gpu(pool_dtype):
+    """GDN prefill's Mosaic GPU serial launch (``pallas_kernels.common.chunk_scan_mgpu``:
+    TMA copies, ``wgmma`` products, the state the accumulator) at the 80B's GDN heads, two rows
+    of 4096 tokens, two checkpoints a row, an f32 or bf16 pool: its layouts, copies (a
+    warpgroup's copy is a multiple of 128 bytes) and shared memory pass Mosaic GPU's checks,
+    and the pool is aliased in and out of the kernel (written in place)."""
     from benchmarks.common import prefill_batch
-    from pallas_kernels.common import chunk_scan_gpu
-    from pallas_kernels.common.chunk_scan_mgpu import serial_scan_reference
     from pallas_kernels.gdn import gpu
 
-    rows, per_row, hk, hv, d = 2, 128, 1, 2, 16
+    rows, per_row, hk, hv, d = 2, 4096, 16, 32, 128
+    qsl, slots, num_slots = prefill_batch(rows, per_row, ckpt_every=1024)
     n = rows * per_row
-    qsl, slots, num_slots = prefill_batch(rows, per_row)
-    rng = np.random.default_rng(0)
-    q, k = (jnp.asarray(rng.normal(size=(n, hk, d)), jnp.bfloat16) for _ in range(2))
-    v = jnp.asarray(rng.normal(size=(n, hv, d)), jnp.bfloat16)
-    a, b = (jnp.asarray(rng.normal(size=(n, hv)), jnp.bfloat16) for _ in range(2))
-    # slow gates (g ~ -1e-3 a token): each chunk's state reaches the next one's output
-    A_log, dt_bias = jnp.log(jnp.linspace(0.01, 0.05, hv)), jnp.full(hv, -3.0)
-    pool = jnp.asarray(0.1 * rng.normal(size=(num_slots, hv, d, d)), jnp.float32)
-    plan, rp, x = gpu.prefill_scratch(
-        q, k, v, a, b, A_log, dt_bias, qsl, slots, operand_dtype=jnp.bfloat16, precision=None,
-        interpret=True,
-    )  # fmt: skip
-    o, pool_out = chunk_scan_gpu.scan_launches(
-        rp, x, jnp.copy(pool), plan.start, plan.length,
-        out_dtype=jnp.bfloat16, bv=8, precision=None, num_warps=4, num_stages=1,
-        vb_first=True, three_launches=False, block_v_out=None, interpret=True,
-        name="gdn_prefill",
-    )  # fmt: skip
-    src = np.asarray(slots.src_slot)
-    assert src[0] > 0 and src[1] == 0  # one row from a state, one from zeros
-    s0 = jnp.where((src > 0)[:, None, None, None], pool[src], 0.0)
-    o_t, s = serial_scan_reference(
-        x.w[:, :n], jnp.swapaxes(x.u[:, :n], 1, 2), x.q_dec[:, :n], x.k_dec[:, :n],
-        x.a_qk[:, :n], x.decay[: n // 64].T, s0, rows=rows,
-    )  # fmt: skip
-    got_o = np.asarray(jnp.transpose(o_t, (2, 0, 1)), np.float32)
-    want_o = np.asarray(o[:n], np.float32)
-    assert np.linalg.norm(got_o - want_o) < 1e-2 * np.linalg.norm(want_o)
-    want_s = np.asarray(pool_out)[np.asarray(slots.dst_slot)]
-    np.testing.assert_allclose(np.asarray(s), want_s, rtol=1e-3, atol=1e-3)
+    sd, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    acts = (sd((n, hk, d), bf), sd((n, hk, d), bf), sd((n, hv, d), bf), sd((n, hv), bf),
+            sd((n, hv), bf))  # fmt: skip
+    args = (*acts, sd((hv,), f32), sd((hv,), f32), sd((num_slots, hv, d, d), pool_dtype))
+
+    def prefill(*a):
+        return gpu.gdn_prefill(*a, qsl, slots, precision=None, serial="mgpu")
+
+    text = jax.jit(prefill, donate_argnums=7).trace(*args).lower(lowering_platforms=("cuda",))
+    text = text.as_text()
+    assert "custom_call @mosaic_gpu" in text
+    assert "tf.aliasing_output" in text  # the donated pool is the kernel's output

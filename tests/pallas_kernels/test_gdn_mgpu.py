@@ -1,0 +1,142 @@
+"""GDN prefill's Mosaic GPU serial launch (``pallas_kernels.common.chunk_scan_mgpu``) in Pallas'
+GPU interpreter, against the Triton serial launch and the reference.
+
+The interpreter runs the kernel's copies, barriers, loops, masks and stores as written (its
+products as plain dots), so the ragged logic is checked here: chunk windows at any offset and
+moved back at the batch's end, short chunks stored in runs, checkpoints, source and
+destination slots, padding rows, an f32 or bf16 pool. What only a GPU shows (the tiled TMA
+copies need chunk starts at multiples of 64 tokens) is ``benchmarks/mgpu_probe.py``; the
+alignment guard is checked here. The lowering at the 80B's shapes is
+``test_mosaic_gpu_lowering.py``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.common import chunk_scan_gpu, chunk_scan_mgpu
+from pallas_kernels.gdn import gpu
+from pallas_kernels.gdn.reference import gdn_prefill_reference
+from tests.pallas_kernels.ragged_cases import assert_rel_close, ragged_case, state_slots
+
+HK, HV, D = 1, 2, 64  # the launch's smallest tiles: Dk 64, one Dv block of 64
+
+
+def _inputs(rng, n):
+    bf = jnp.bfloat16
+    q, k = (jnp.asarray(rng.normal(size=(n, HK, D)), bf) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(n, HV, D)), bf)
+    a, b = (jnp.asarray(rng.normal(size=(n, HV)), bf) for _ in range(2))
+    # slow gates (g ~ -1e-3 a token): each chunk's state reaches the next chunk's outputs
+    A_log, dt_bias = jnp.log(jnp.linspace(0.01, 0.05, HV)), jnp.full(HV, -3.0)
+    return q, k, v, a, b, A_log, dt_bias
+
+
+def _serial(tma_layout, args, pool, qsl, slots):
+    """The prefill up to its serial launch in one layout, then the Triton or the Mosaic GPU
+    launch (interpreted; Mosaic GPU without the alignment guard)."""
+    plan, rp, x = gpu.prefill_scratch(
+        *args, qsl, slots, operand_dtype=jnp.bfloat16, precision=None, tma_layout=tma_layout,
+        interpret=True,
+    )  # fmt: skip
+    if tma_layout:
+        return chunk_scan_mgpu.scan_mgpu(
+            rp, x, pool, num_tokens=x.w.shape[1], out_dtype=jnp.bfloat16,
+            check_alignment=False, interpret=True,
+        )  # fmt: skip
+    return chunk_scan_gpu.scan_launches(
+        rp, x, pool, plan.start, plan.length, out_dtype=jnp.bfloat16, bv=D, precision=None,
+        num_warps=4, num_stages=1, vb_first=True, three_launches=False, block_v_out=None,
+        interpret=True, name="gdn_prefill",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_batch_matches_the_triton_launch(pool_dtype):
+    """Rows of 70, 3 and 130 tokens (chunks at odd offsets; checkpoints at tokens 1 and 64, or
+    35 and 65, cut chunks short; the last chunk's window is moved back at the batch's end), one
+    row from a state, two padding rows, NaN in every slot no row reads: the Triton launch's
+    outputs and written slots, and untouched slots bit for bit."""
+    rng = np.random.default_rng(0)
+    case = ragged_case([70, 3, 130])
+    args = _inputs(rng, case.num_tokens)
+    pool = jnp.asarray(case.pool(rng, (HV, D, D), np.float32)).astype(pool_dtype)
+    qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
+    n = int(case.query_start_loc[-1])
+    want_o, want_s = jax.jit(functools.partial(_serial, False))(args, jnp.copy(pool), qsl, slots)
+    got_o, got_s = jax.jit(functools.partial(_serial, True))(args, jnp.copy(pool), qsl, slots)
+    assert_rel_close(got_o[:n], want_o[:n], tol=2e-3, what="outputs")
+    assert_rel_close(got_s, want_s, tol=2e-3, what="state pool")
+    np.testing.assert_array_equal(  # NaN == NaN: unwritten slots come back as they were
+        np.asarray(got_s, np.float32)[0], np.asarray(pool, np.float32)[0]
+    )
+
+
+def _aligned_case():
+    """Rows of 128 and 100 tokens from token 0 and 128 (chunk starts at multiples of 64), the
+    first from a state with a checkpoint at 64, the second from zeros; a padding row."""
+    qsl = jnp.array([0, 128, 228, 228], jnp.int32)
+    slots = state_slots([1, 0, 0], [2, 3, 0], [[64, 0], [0, 0], [0, 0]],
+                        [[4, 0], [0, 0], [0, 0]], 2)  # fmt: skip
+    return qsl, slots, 228
+
+
+def test_aligned_batch_through_gdn_prefill_matches_the_reference():
+    rng = np.random.default_rng(1)
+    qsl, slots, n = _aligned_case()
+    args = _inputs(rng, n)
+    pool = np.full((6, HV, D, D), np.nan, np.float32)
+    pool[1] = 0.1 * rng.normal(size=(HV, D, D))
+    pool = jnp.asarray(pool)
+    want_o, want_s = jax.jit(gdn_prefill_reference)(*args, pool, qsl, slots)
+    kernel = functools.partial(gpu.gdn_prefill, precision=None, serial="mgpu", interpret=True)
+    got_o, got_s = jax.jit(kernel)(*args, jnp.copy(pool), qsl, slots)
+    assert_rel_close(got_o, want_o, tol=2e-2, what="outputs")
+    assert_rel_close(got_s, want_s, tol=2e-2, what="state pool")
+
+
+def test_misaligned_batch_comes_back_nan():
+    """On a GPU the launch reads a window off a multiple of 64 tokens wrong: such a batch's
+    outputs and written slots are NaN (a misuse shows), the slots it did not write are kept."""
+    rng = np.random.default_rng(2)
+    case = ragged_case([70, 3])
+    args = _inputs(rng, case.num_tokens)
+    pool = jnp.asarray(case.pool(rng, (HV, D, D), np.float32))
+    kernel = functools.partial(gpu.gdn_prefill, precision=None, serial="mgpu", interpret=True)
+    qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
+    got_o, got_s = jax.jit(kernel)(*args, jnp.copy(pool), qsl, slots)
+    n = int(case.query_start_loc[-1])
+    assert np.isnan(np.asarray(got_o[:n], np.float32)).all()
+    written = sorted({*case.dst[case.dst > 0], *case.ckpt_slots[case.ckpt_slots > 0]})
+    assert np.isnan(np.asarray(got_s)[written]).all()
+    kept = np.asarray(case.src[case.src > 0])  # row 1 reads its slot and writes no dst
+    np.testing.assert_array_equal(np.asarray(got_s)[kept], np.asarray(pool)[kept])
+
+
+def test_the_default_is_the_triton_launch(monkeypatch):
+    """The engine's prefill keeps the Triton launch (its batches' chunks start anywhere); the
+    Mosaic GPU one is asked for, and refuses what it cannot take by name."""
+
+    def fail(*a, **k):
+        raise AssertionError("the Mosaic GPU launch ran by default")
+
+    monkeypatch.setattr(chunk_scan_mgpu, "scan_mgpu", fail)
+    qsl, slots, n = _aligned_case()
+    args = _inputs(np.random.default_rng(3), n)
+    pool = jnp.zeros((6, HV, D, D), jnp.float32)
+    gpu.gdn_prefill(*args, pool, qsl, slots, precision=None, interpret=True)
+    f32_args = [x.astype(jnp.float32) for x in args[:5]] + list(args[5:])
+    with pytest.raises(ValueError, match="operand dtype float32"):
+        gpu.gdn_prefill(*f32_args, pool, qsl, slots, serial="mgpu", interpret=True)
+    with pytest.raises(ValueError, match="three_launches"):
+        gpu.gdn_prefill(*args, pool, qsl, slots, serial="mgpu", three_launches=True)
+    with pytest.raises(ValueError, match="serial='fast'"):
+        gpu.gdn_prefill(*args, pool, qsl, slots, serial="fast", interpret=True)
+    assert "Dk=16" in chunk_scan_mgpu.unsupported_reason(16, 64, 4, jnp.bfloat16, jnp.float32)
+    assert "Dv=24" in chunk_scan_mgpu.unsupported_reason(64, 24, 4, jnp.bfloat16, jnp.float32)
+    assert "shared memory" in chunk_scan_mgpu.unsupported_reason(
+        128, 128, 5000, jnp.bfloat16, jnp.float32
+    )
