@@ -4,44 +4,47 @@ The Triton serial launch (:mod:`pallas_kernels.common.chunk_scan_gpu`) is latenc
 H200 (ncu at 8x4096, BENCHMARKS.md: one 4-warp program an SM, a warp issuing about one cycle in
 five, a third of the gaps on global loads). Hopper's own answer is asynchronous: TMA copies
 bring the next chunk's operands into shared memory while this chunk's ``wgmma`` products run.
-This launch walks the same ragged chunk plan as the Triton one (:class:`RowPlan`: a row's
-chunks at any token offset, of any length up to 64, checkpoints at chunk ends, explicit source
-and destination slots, an f32 or bf16 pool) on GDN's scalar decay.
+This launch takes the same ragged batches as the Triton one (:class:`RowPlan`: rows at any
+token offset, checkpoints, explicit source and destination slots, an f32 or bf16 pool) on GDN's
+scalar decay.
+
+**Windows on 64-token blocks.** Mosaic GPU's TMA copies of a swizzled tile take the tile's
+rows (8) and, for ``U^T``, its columns (64) as units of the global array: a window that starts
+between them is read wrong (H200, jax 0.11.2, ``benchmarks/mgpu_probe.py``, on windows that
+started at each chunk: rows of 128 + 64 tokens from token 0 matched the Triton launch to 3e-5,
+a window moved back to the batch's end was wrong, rows of 1, 5 and 63 tokens and a checkpoint
+at token 100 faulted with an illegal instruction). So this launch runs on a *token-aligned*
+chunk plan (``chunking.plan_chunks(token_aligned=True)``): chunks restart at every multiple of
+64 of the batch's token index as well as at each row's start and checkpoints, so each chunk
+lies inside one 64-token block, and every window (the intra launch's and this one's) is that
+block, its start a multiple of 64 (the tokens are padded to a multiple of 64). A chunk's
+tokens sit at ``lead = start % 64`` in it. The interpreter does not model the copies' units,
+so only a GPU shows that this holds: ``benchmarks/mgpu_probe.py`` (not yet run on this plan).
 
 One program per (Dv block of 64, value head, row), one warpgroup. The state is the transposed
 ``S^T [BV, Dk]`` (the pool's layout) and is the ``wgmma`` accumulator::
 
     V'^T = U^T - S^T W^T          A = bf16(S^T) in registers, B = W^T (shared memory)
-           columns outside the chunk set to 0 (a window reads 64 tokens from its start)
+           columns outside the chunk set to 0 (the block's other tokens)
     S^T  = e^gam_last S^T + V'^T k_dec                  A = bf16(V'^T) in registers
     o    = q_dec S + Aqk V'       A = q_dec, Aqk; B = the chunk's bf16 S^T and V'^T, stored
                                   to shared memory and read transposed
 
-so ``o`` leaves as ``[C, BV]`` token rows, the engine's ``[T, H, Dv]`` layout. A chunk is read
-as the intra launch left it, a 64-token window from its start, moved back to end at the
-scratch's last row where it would pass it (``Aqk``'s columns are the window's). A chunk of
-64 tokens is one TMA store; a shorter one (a row's last, or cut by a checkpoint) is at most
-six, of 32, 16, ..., 1 rows (its length's bits), so no program writes a token it does not own.
+so ``o`` leaves as ``[C, BV]`` token rows, the engine's ``[T, H, Dv]`` layout. A chunk of
+64 tokens is one TMA store; a shorter one (a row's first or last, or cut by a checkpoint) is
+at most six, of 32, 16, ..., 1 rows (its length's bits), so no program writes a token it does
+not own.
 
 The intra launch leaves the scratch for it (``gdn.gpu.intra_launch(tma_layout=True)``): ``U``
-transposed (``[H, Dv, Tp]``, a window of ``U^T`` is one TMA box) and ``k_dec`` zero on the rows
-after the batch's last token (a window past it multiplies them by the zero columns of ``V'^T``:
+transposed (``[H, Dv, Tp]``, a block of ``U^T`` is one TMA box) and ``k_dec`` zero on the rows
+after the batch's last token (the last block multiplies them by the zero columns of ``V'^T``:
 rows never written could hold NaN).
 
 :func:`scan_mgpu` runs it; ``interpret=True`` runs it in Pallas' GPU interpreter on a CPU host
 (the copies, barriers, loops and stores as written; the products, which the interpreter does
 not model in registers, as plain dots; the pool written through an output, not in place).
-
-**Not the engine's default: on a GPU a chunk must start at a multiple of 64 tokens.** Mosaic
-GPU's TMA copies of a swizzled tile take the tile's rows (8) and, for ``U^T``, its columns (64)
-as units of the global array, and a window starting between them is read wrong (H200, jax
-0.11.2, ``benchmarks/mgpu_probe.py``: rows of 128 + 64 tokens and a 100-token row from token 0
-match the Triton launch to 3e-5; a window moved back to the batch's end is wrong, rows of 1, 5
-and 63 tokens and a checkpoint at token 100 fault with an illegal instruction). The
-interpreter does not model that, so the CPU tests pass at any start. One row from token 0 with
-checkpoints at multiples of 64 is such a batch, and so is the benchmark's; an engine's mixed
-batch is not. ``gdn.gpu.gdn_prefill(serial="mgpu")`` pads the tokens to a multiple of 64 (no
-window is moved back) and :func:`scan_mgpu` turns a batch with another start into NaN.
+``gdn.gpu.gdn_prefill(serial="mgpu")`` asks for it; it is not the default until a GPU has run
+the probe on the token-aligned plan.
 """
 
 from __future__ import annotations
@@ -177,7 +180,7 @@ class _Interpret:
         return _Interpret.mma(acc_a, terms_a), _Interpret.mma(acc_b, terms_b)
 
 
-def _body(refs, scratch, *, ops, num_ckpt: int, num_tokens: int, pool_dtype):
+def _body(refs, scratch, *, ops, num_ckpt: int, pool_dtype):
     plgpu = _plgpu()
     ri_ref, meta_ref, dec_ref, w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, pool_in, pool_out, o_ref = (
         refs
@@ -200,8 +203,8 @@ def _body(refs, scratch, *, ops, num_ckpt: int, num_tokens: int, pool_dtype):
         hi, lo = ci // META_COLS, ci % META_COLS
         return meta_s[0, hi, lo], meta_s[1, hi, lo], meta_s[2, hi, lo], dec_s[hi, lo]
 
-    def window(start):  # the intra launch's window: 64 tokens from the start, kept in bounds
-        return jnp.minimum(start, num_tokens - CHUNK)
+    def window(start):  # the 64-token block of the batch the chunk lies in
+        return start - start % CHUNK
 
     def issue(i, slot):  # the row's i-th chunk's five tiles into stage ``slot``
         tok = pl.ds(window(chunk(i)[0]), CHUNK)
@@ -221,7 +224,7 @@ def _body(refs, scratch, *, ops, num_ckpt: int, num_tokens: int, pool_dtype):
     def step(i, s):
         slot = i % STAGES
         start, length, end, decay = chunk(i)
-        lead = start - window(start)  # the window's rows before the chunk
+        lead = start - window(start)  # the block's rows before the chunk
 
         @pl.when(i + 1 < n)
         def _():
@@ -332,16 +335,11 @@ def scan_mgpu(
     *,
     num_tokens: int,  # Tp, the output's rows
     out_dtype,
-    check_alignment: bool = True,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """The serial launch (module docstring). Returns ``(o [Tp, H, Dv], state)``; rows outside
-    every chunk of ``o`` are left unwritten.
-
-    On a GPU a chunk must start at a multiple of 64 tokens (module docstring: the tiled TMA
-    copies); ``check_alignment`` turns a batch that breaks it into NaN, its outputs and the
-    slots it wrote, so a misuse shows. The interpreter takes any start (``False``: the ragged
-    logic tested on a CPU host)."""
+    """The serial launch (module docstring) on the scratch of a token-aligned plan
+    (``gdn.gpu.prefill_scratch(tma_layout=True)``). Returns ``(o [Tp, H, Dv], state)``; rows
+    outside every chunk of ``o`` are left unwritten."""
     plgpu = _plgpu()
     h, _, dk = x.w.shape
     dv = x.u.shape[1]
@@ -377,9 +375,8 @@ def scan_mgpu(
         plgpu.Barrier(num_arrivals=1, num_barriers=1),
     )
     body = functools.partial(
-        _body, ops=_Interpret if interpret else _Gpu, num_ckpt=num_ckpt,
-        num_tokens=x.w.shape[1], pool_dtype=state.dtype,
-    )  # fmt: skip
+        _body, ops=_Interpret if interpret else _Gpu, num_ckpt=num_ckpt, pool_dtype=state.dtype
+    )
     mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)
     args = (ri, meta, dec, *tiles)
@@ -395,8 +392,7 @@ def scan_mgpu(
             kernel, out_type=o_type, mesh=mesh, compiler_params=params,
             name="gdn_prefill_serial_mgpu",
         )(*args, pool)  # fmt: skip
-        state = jax.freeze(pool)
-        return _poison_unaligned(rp, o, state) if check_alignment else (o, state)
+        return o, jax.freeze(pool)
 
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
@@ -413,15 +409,4 @@ def scan_mgpu(
     )(*args, state)
     slots, mask = _written_slots(rp)
     slots = jnp.where(mask, slots, state.shape[0])  # out of range: dropped
-    state = state.at[slots].set(written[jnp.minimum(slots, state.shape[0] - 1)], mode="drop")
-    return _poison_unaligned(rp, o, state) if check_alignment else (o, state)
-
-
-def _poison_unaligned(rp: RowPlan, o: jax.Array, state: jax.Array):
-    """NaN in ``o`` and in the slots the launch wrote when a chunk starts off a multiple of 64
-    tokens (a scatter of those slots: no pass over the pool)."""
-    aligned = jnp.all((rp.c_len == 0) | (rp.c_start % CHUNK == 0))
-    slots, mask = _written_slots(rp)
-    slots = jnp.where(mask & ~aligned, slots, state.shape[0])
-    state = state.at[slots].set(jnp.nan, mode="drop")
-    return jnp.where(aligned, o, jnp.nan).astype(o.dtype), state
+    return o, state.at[slots].set(written[jnp.minimum(slots, state.shape[0] - 1)], mode="drop")

@@ -64,8 +64,13 @@ def plan_chunks(
     *,
     num_tokens: int,
     chunk: int,
+    token_aligned: bool = False,
 ) -> ChunkPlan:
-    """Cuts a ragged batch into chunks (see the module docstring)."""
+    """Cuts a ragged batch into chunks (see the module docstring). ``token_aligned``: chunks
+    restart at every multiple of ``chunk`` of the flat token index, not of the sequence's, so
+    each chunk lies inside one ``chunk``-token block of the batch (the Mosaic GPU prefill reads
+    whole blocks: ``pallas_kernels.common.chunk_scan_mgpu``). The capacity bound holds: a
+    sequence adds at most one chunk at its start's block and one a checkpoint offset."""
     ckpt_offsets = slots.ckpt_offsets
     num_rows, max_ckpt = ckpt_offsets.shape
     cap = max_chunks(num_tokens, num_rows, max_ckpt, chunk)
@@ -73,7 +78,8 @@ def plan_chunks(
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     at_ckpt = jnp.any(ckpt_offsets[seq_id] == local[:, None], axis=1)
-    starts = live & ((local % chunk == 0) | at_ckpt)
+    boundary = (local == 0) | (t % chunk == 0) if token_aligned else local % chunk == 0
+    starts = live & (boundary | at_ckpt)
     cid = jnp.cumsum(starts.astype(jnp.int32)) - 1  # [T]
     start_idx = jnp.where(starts, cid, cap)  # scatter index, dropped unless a chunk start
     live_idx = jnp.where(live, cid, cap)

@@ -238,9 +238,11 @@ class Window(NamedTuple):
     length: jax.Array  # i32[]
 
 
-def window(start, length, num_tokens: int, chunk: int) -> Window:
-    """The ``chunk``-row window of a chunk (start clamped in bounds) and its valid-row mask."""
-    w0 = jnp.minimum(start, num_tokens - chunk)
+def window(start, length, num_tokens: int, chunk: int, aligned: bool = False) -> Window:
+    """The ``chunk``-row window of a chunk (start clamped in bounds) and its valid-row mask;
+    ``aligned``: the ``chunk``-token block of the batch the chunk lies in (a token-aligned
+    plan: ``chunking.plan_chunks(token_aligned=True)``, ``num_tokens`` a multiple of it)."""
+    w0 = start - start % chunk if aligned else jnp.minimum(start, num_tokens - chunk)
     tok = w0 + jnp.arange(chunk, dtype=jnp.int32)
     return Window(pl.ds(w0, chunk), tok, (tok >= start) & (tok < start + length), start, length)
 

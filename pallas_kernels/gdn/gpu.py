@@ -184,7 +184,7 @@ def _intra_kernel(
     v_ref,  # [Tp, Hv, Dv]
     a_ref, b_ref,  # [Tp, Hv]
     w_ref,  # [Hv, Tp, Dk]  out: W = Tm (beta e^gam k), head-major, valid rows only
-    u_ref,  # [Hv, Tp, Dv]  out: U = Tm (beta v)  (tma_layout: U^T, [Hv, Dv, Tp'])
+    u_ref,  # [Hv, Tp, Dv]  out: U = Tm (beta v)  (tma_layout: U^T, [Hv, Dv, Tp])
     qd_ref,  # [Hv, Tp, Dk] out: q e^gam (l2-normed, scaled)
     kd_ref,  # [Hv, Tp, Dk] out: k e^(gam_last - gam) (l2-normed)
     aqk_ref,  # [Hv, Tp, C] out: incl_lower(q k^T e^(gam_i - gam_j)), window columns
@@ -196,9 +196,10 @@ def _intra_kernel(
     the intra-chunk scores), so the serial launch does only the state's products.
     ``early_stores``: q's products and rows stored before the UT transform, not after (the
     same arithmetic; on an H200 the launch sits at 255 registers a thread, ncu at 8x4096).
-    ``tma_layout``: the scratch the Mosaic GPU serial launch reads by whole 64-token windows
-    (:mod:`pallas_kernels.common.chunk_scan_mgpu`): ``U`` transposed, and ``k_dec`` zero on the
-    window's rows after the batch's last token, which no chunk writes."""
+    ``tma_layout``: the scratch the Mosaic GPU serial launch reads
+    (:mod:`pallas_kernels.common.chunk_scan_mgpu`): a token-aligned plan's chunks, each read in
+    the 64-token block of the batch it lies in, ``U`` transposed, and ``k_dec`` zero on the
+    block's rows after the batch's last token, which no chunk writes."""
     ci, h = pl.program_id(0), pl.program_id(1)
     start, length = c_start_ref[ci], c_len_ref[ci]
     num_tokens = k_ref.shape[0]
@@ -206,7 +207,7 @@ def _intra_kernel(
 
     @pl.when(length > 0)
     def _():
-        win = window(start, length, num_tokens, CHUNK)
+        win = window(start, length, num_tokens, CHUNK, aligned=tma_layout)
         valid = win.valid
         c = CHUNK
         ii = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
@@ -296,8 +297,8 @@ def intra_launch(
 
 def _serial_is_mgpu(serial, dk, dv, num_chunks, op, pool_dtype, three_launches):
     """Whether :func:`gdn_prefill` runs the Mosaic GPU serial launch (its ``serial``). Only
-    when asked: it takes only batches whose chunks start at multiples of 64 tokens
-    (:mod:`~pallas_kernels.common.chunk_scan_mgpu`), which the engine's are not."""
+    when asked: its token-aligned plan has not run on a GPU yet
+    (:mod:`~pallas_kernels.common.chunk_scan_mgpu`)."""
     if serial not in (None, "mgpu", "triton"):
         raise ValueError(f"serial={serial!r}: 'mgpu', 'triton' or None")
     if serial != "mgpu":
@@ -320,10 +321,10 @@ def prefill_scratch(
     GPU launch's layout with ``tma_layout``): ``(plan, row plan, ChunkRefs)``."""
     n = q.shape[0]
     rows, max_ckpt = slots.ckpt_offsets.shape
-    plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK)
+    plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK, token_aligned=tma_layout)
     nc = max_chunks(n, rows, max_ckpt, CHUNK)
-    # the 64-row window needs T >= 64; the Mosaic GPU launch (tma_layout) a multiple of 64,
-    # so that no window is moved back off a tile's start (chunk_scan_mgpu)
+    # the 64-row window needs T >= 64; the Mosaic GPU launch (tma_layout) a multiple of 64:
+    # its windows are the batch's 64-token blocks (chunk_scan_mgpu)
     (q, k, v, a, b), _ = pad_tokens((q, k, v, a, b), CHUNK, CHUNK if tma_layout else 1)
     x = intra_launch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=operand_dtype,
@@ -364,9 +365,9 @@ def gdn_prefill(
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, Hv, Dv], state)``.
 
     ``serial`` picks the serial launch: ``"triton"`` (also None, the default) or ``"mgpu"``
-    (Mosaic GPU: :mod:`pallas_kernels.common.chunk_scan_mgpu`; 16-bit operands, ``Dk`` 64 or
-    128, ``Dv`` a multiple of 64, two launches, and on a GPU every chunk starting at a multiple
-    of 64 tokens: another batch comes back NaN). ``interpret`` runs either in its interpreter.
+    (Mosaic GPU: :mod:`pallas_kernels.common.chunk_scan_mgpu`, on a token-aligned chunk plan;
+    16-bit operands, ``Dk`` 64 or 128, ``Dv`` a multiple of 64, two launches). ``interpret``
+    runs either in its interpreter.
 
     ``precision`` is the matmul precision inside the chunk (``HIGHEST``: IEEE f32; a
     ``DotAlgorithmPreset`` such as ``BF16_BF16_F32_X3`` or ``DEFAULT`` (TF32) trade accuracy
