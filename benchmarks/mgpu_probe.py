@@ -3,19 +3,22 @@
 A kernel fault (illegal instruction or address) poisons the CUDA context of its process, so
 each case runs in a child: ``python -m benchmarks.mgpu_probe --out probe.json``. A case is a
 batch of rows (``lens``) in ``tokens`` token slots, GDN at the 80B's heads; the Mosaic GPU
-serial launch (``pallas_kernels.common.chunk_scan_mgpu``, without its alignment guard) runs
-it, and its outputs and pool are compared with the Triton launch's on the same batch
-(``gdn.gpu.gdn_prefill``). What each case isolates:
+serial launch (``pallas_kernels.common.chunk_scan_mgpu``) runs it on its token-aligned plan,
+and its outputs and pool are compared with the Triton launch's (``gdn.gpu.gdn_prefill``).
+What each case isolates:
 
 - ``full_pad_rows``: 64-token chunks only, two rows with no tokens;
-- ``partial``: a row's last chunk of 36 tokens, its window inside the batch;
-- ``clamped``: the same chunk with its window moved back to end at the last token;
-- ``short_rows``: rows of 1, 5 and 63 tokens;
-- ``ckpt_cut``: a checkpoint inside a chunk, so a row has two short chunks.
+- ``partial``: a row's last chunk of 36 tokens;
+- ``tail``: the same with the batch ending 4 tokens later;
+- ``short_rows``: rows of 1, 5 and 63 tokens (chunks inside one block);
+- ``ckpt_cut``: a checkpoint inside a block, so the block holds two chunks;
+- ``mid_block_rows``: rows starting inside blocks, a checkpoint.
 
-H200, jax 0.11.2 (``benchmarks/results/mgpu_probe_h200_*.json``): the first two match to
-3e-5; ``clamped`` is wrong (0.38 of the output), ``short_rows`` and ``ckpt_cut`` fault with an
-illegal instruction: a window must start at a multiple of 64 tokens.
+Its first run (H200, jax 0.11.2, ``benchmarks/results/mgpu_probe_h200_687b498.json``) was on
+the plan before, whose windows started at each chunk: ``full_pad_rows`` and ``partial``
+matched to 3e-5; a window moved back to the batch's end (``tail``) was wrong, and
+``short_rows`` and ``ckpt_cut`` (windows off a multiple of 8 tokens) faulted with an illegal
+instruction. The token-aligned plan puts every window on a multiple of 64.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ import sys
 CASES = {  # name: (row lengths, token slots, checkpoint offsets of row 0)
     "full_pad_rows": ([128, 64], 256, []),
     "partial": ([100], 256, []),
-    "clamped": ([100], 104, []),
+    "tail": ([100], 104, []),
     "short_rows": ([1, 5, 63], 128, []),
     "ckpt_cut": ([150], 256, [100]),
+    "mid_block_rows": ([37, 200, 90], 384, [64]),
 }
 
 
@@ -72,13 +76,11 @@ def run_case(name: str) -> dict:
     )(jnp.copy(pool))
 
     @jax.jit
-    def mgpu(p):  # without the alignment guard: what the GPU does with the batch
+    def mgpu(p):
         plan, rp, x = gpu.prefill_scratch(
             *args, jnp.asarray(qsl), slots, operand_dtype=bf, precision=None, tma_layout=True
         )
-        o, p = chunk_scan_mgpu.scan_mgpu(
-            rp, x, p, num_tokens=x.w.shape[1], out_dtype=bf, check_alignment=False
-        )
+        o, p = chunk_scan_mgpu.scan_mgpu(rp, x, p, num_tokens=x.w.shape[1], out_dtype=bf)
         return o, p
 
     got_o, got_s = mgpu(jnp.copy(pool))

@@ -5,8 +5,9 @@ H200 (ncu at 8x4096, BENCHMARKS.md: one 4-warp program an SM, a warp issuing abo
 five, a third of the gaps on global loads). Hopper's own answer is asynchronous: TMA copies
 bring the next chunk's operands into shared memory while this chunk's ``wgmma`` products run.
 This launch takes the same ragged batches as the Triton one (:class:`RowPlan`: rows at any
-token offset, checkpoints, explicit source and destination slots, an f32 or bf16 pool) on GDN's
-scalar decay.
+token offset, checkpoints, explicit source and destination slots) on GDN's scalar decay, with
+an f32 pool (a bf16 pool rounds its state at every 64 tokens of a row, which a token-aligned
+plan's chunks need not end at: ``pallas_kernels.common.slots``).
 
 **Windows on 64-token blocks.** Mosaic GPU's TMA copies of a swizzled tile take the tile's
 rows (8) and, for ``U^T``, its columns (64) as units of the global array: a window that starts
@@ -95,6 +96,11 @@ def smem_bytes(dk: int, num_chunks: int, pool_dtype, op_dtype=jnp.bfloat16) -> i
 
 def unsupported_reason(dk: int, dv: int, num_chunks: int, op_dtype, pool_dtype) -> str | None:
     """Why this launch cannot take a prefill (the Triton one then does), or None."""
+    if jnp.dtype(pool_dtype) != jnp.dtype(f32):
+        return (
+            f"a {jnp.dtype(pool_dtype).name} pool (its state rounds at every {ROUND_EVERY} "
+            "tokens of a row, where a token-aligned plan's chunks need not end)"
+        )
     if jnp.dtype(op_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"operand dtype {jnp.dtype(op_dtype).name} (wgmma takes 16-bit operands here)"
     if dk not in (64, 128):
@@ -244,8 +250,6 @@ def _body(refs, scratch, *, ops, num_ckpt: int, pool_dtype):
             s * decay, [(vt, kd_s.at[slot], False)],
             ops.zeros((CHUNK, BV)), [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)],
         )  # fmt: skip
-        if jnp.dtype(pool_dtype) != jnp.dtype(f32):  # a bf16 pool: the carried state rounds too
-            s = jnp.where(end % ROUND_EVERY == 0, s.astype(pool_dtype).astype(f32), s)
         for m in range(num_ckpt):
             ck_off, ck_slot = ri_s[4 + m], ri_s[4 + num_ckpt + m]
 
@@ -331,7 +335,7 @@ def _written_slots(rp: RowPlan) -> tuple[jax.Array, jax.Array]:
 def scan_mgpu(
     rp: RowPlan,
     x: ChunkRefs,  # the intra launch's scratch with ``u`` = U^T [H, Dv, Tp']
-    state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  donated: updated in place
+    state: jax.Array,  # f32[num_slots, H, Dv, Dk]  donated: updated in place
     *,
     num_tokens: int,  # Tp, the output's rows
     out_dtype,
