@@ -71,7 +71,9 @@ PRECISIONS = {
 # ----------------------------------------------------------------------------- inputs
 
 
-def _activations(key, n, dtype=jnp.bfloat16):
+def _activations(key, n, dtype=jnp.bfloat16, slow_gates: bool = False):
+    """GDN's inputs at the 80B's heads; ``slow_gates``: decays of ~1e-3 a token (the state
+    carries over hundreds of tokens, so a wrong carried or resumed state shows)."""
     ks = jax.random.split(key, 5)
     q = jax.random.normal(ks[0], (n, HK, D), dtype)
     k = jax.random.normal(ks[1], (n, HK, D), dtype)
@@ -80,6 +82,9 @@ def _activations(key, n, dtype=jnp.bfloat16):
     b = jax.random.normal(ks[4], (n, HV), dtype)
     A_log = jnp.log(jnp.linspace(1.0, 16.0, HV, dtype=jnp.float32))
     dt_bias = jnp.ones(HV, jnp.float32)
+    if slow_gates:
+        A_log = jnp.log(jnp.linspace(0.01, 0.05, HV, dtype=jnp.float32))
+        dt_bias = jnp.full(HV, -3.0, jnp.float32)
     return q, k, v, a, b, A_log, dt_bias
 
 
@@ -168,7 +173,7 @@ def check_prefill_aligned(pool_dtype=jnp.float32, **tuning) -> dict:
     Mosaic GPU serial launch ran only such batches right): rows of 256 and 200 tokens in 512
     slots, the first from a state with checkpoints at 64 and 192, the second from zeros."""
     lens = [256, 200]
-    acts = _activations(jax.random.PRNGKey(6), 512)
+    acts = _activations(jax.random.PRNGKey(6), 512, slow_gates=True)
     qsl = jnp.array([0, 256, 456, 456], jnp.int32)
     pool = _pool(jax.random.PRNGKey(7), 8, pool_dtype).at[0].set(jnp.nan).at[5:].set(jnp.nan)
     ck_off = jnp.array([[64, 192], [0, 0], [0, 0]], jnp.int32)

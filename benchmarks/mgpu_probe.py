@@ -44,12 +44,12 @@ def run_case(name: str) -> dict:
     import numpy as np
 
     from benchmarks.common import err_ratio
+    from benchmarks.gdn_kernels import _activations, _pool
     from pallas_kernels.common import chunk_scan_mgpu
     from pallas_kernels.common.slots import StateSlots
     from pallas_kernels.gdn import gpu
 
     lens, tokens, ckpts = CASES[name]
-    hk, hv, d = 16, 32, 128
     rows = len(lens) + 2  # two padding rows
     qsl = np.concatenate([[0], np.cumsum(lens), [sum(lens)] * 2]).astype(np.int32)
     src = np.array([1 + i if i % 2 == 0 else 0 for i in range(len(lens))] + [0, 0], np.int32)
@@ -60,16 +60,9 @@ def run_case(name: str) -> dict:
         ck_off[0, j], ck_slot[0, j] = off, len(lens) + 1 + j
     num_slots = len(lens) + 4
     slots = StateSlots(*map(jnp.asarray, (src, dst, ck_off, ck_slot)), jnp.int32(len(lens)))
-    key = jax.random.split(jax.random.PRNGKey(0), 6)
+    args = _activations(jax.random.PRNGKey(0), tokens, slow_gates=True)
+    pool = _pool(jax.random.PRNGKey(1), num_slots)
     bf = jnp.bfloat16
-    q = jax.random.normal(key[0], (tokens, hk, d), bf)
-    k = jax.random.normal(key[1], (tokens, hk, d), bf)
-    v = jax.random.normal(key[2], (tokens, hv, d), bf)
-    a = jax.random.normal(key[3], (tokens, hv), bf)
-    b = jax.random.normal(key[4], (tokens, hv), bf)
-    A_log, dt_bias = jnp.log(jnp.linspace(0.01, 0.05, hv)), jnp.full(hv, -3.0)
-    pool = 0.1 * jax.random.normal(key[5], (num_slots, hv, d, d), jnp.float32)
-    args = (q, k, v, a, b, A_log, dt_bias)
 
     want_o, want_s = jax.jit(
         lambda p: gpu.gdn_prefill(*args, p, jnp.asarray(qsl), slots, precision=None)

@@ -73,6 +73,15 @@ def test_ragged_batch_matches_the_triton_launch():
     )
 
 
+def _check_against_reference(args, pool, qsl, slots):
+    """``gdn_prefill(serial="mgpu")`` against the reference (bf16 operands: 2e-2)."""
+    want_o, want_s = jax.jit(gdn_prefill_reference)(*args, pool, qsl, slots)
+    kernel = functools.partial(gpu.gdn_prefill, precision=None, serial="mgpu", interpret=True)
+    got_o, got_s = jax.jit(kernel)(*args, jnp.copy(pool), qsl, slots)
+    assert_rel_close(got_o, want_o, tol=2e-2, what="outputs")
+    assert_rel_close(got_s, want_s, tol=2e-2, what="state pool")
+
+
 def _aligned_case():
     """Rows of 128 and 100 tokens from token 0 and 128 (chunk starts at multiples of 64), the
     first from a state with a checkpoint at 64, the second from zeros; a padding row."""
@@ -89,11 +98,7 @@ def test_aligned_batch_through_gdn_prefill_matches_the_reference():
     pool = np.full((6, HV, D, D), np.nan, np.float32)
     pool[1] = 0.1 * rng.normal(size=(HV, D, D))
     pool = jnp.asarray(pool)
-    want_o, want_s = jax.jit(gdn_prefill_reference)(*args, pool, qsl, slots)
-    kernel = functools.partial(gpu.gdn_prefill, precision=None, serial="mgpu", interpret=True)
-    got_o, got_s = jax.jit(kernel)(*args, jnp.copy(pool), qsl, slots)
-    assert_rel_close(got_o, want_o, tol=2e-2, what="outputs")
-    assert_rel_close(got_s, want_s, tol=2e-2, what="state pool")
+    _check_against_reference(args, pool, qsl, slots)
 
 
 def test_ragged_rows_through_gdn_prefill_match_the_reference():
@@ -104,11 +109,7 @@ def test_ragged_rows_through_gdn_prefill_match_the_reference():
     args = _inputs(rng, case.num_tokens)
     pool = jnp.asarray(case.pool(rng, (HV, D, D), np.float32))
     qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
-    want_o, want_s = jax.jit(gdn_prefill_reference)(*args, pool, qsl, slots)
-    kernel = functools.partial(gpu.gdn_prefill, precision=None, serial="mgpu", interpret=True)
-    got_o, got_s = jax.jit(kernel)(*args, jnp.copy(pool), qsl, slots)
-    assert_rel_close(got_o, want_o, tol=2e-2, what="outputs")
-    assert_rel_close(got_s, want_s, tol=2e-2, what="state pool")
+    _check_against_reference(args, pool, qsl, slots)
 
 
 def test_token_aligned_plan_keeps_each_chunk_inside_a_block():
