@@ -165,3 +165,29 @@ def test_the_default_is_the_triton_launch(monkeypatch):
     assert "shared memory" in chunk_scan_mgpu.unsupported_reason(
         128, 128, 5000, jnp.bfloat16, jnp.float32
     )
+
+
+def test_a_mosaic_gpu_default_falls_back_by_shape(monkeypatch, caplog):
+    """With ``SERIAL_DEFAULT = "mgpu"`` (once a GPU has passed the probe), a shape the launch
+    takes runs it and one it cannot take runs Triton, with one log line a reason; interpret
+    mode keeps Triton."""
+    ran = []
+    real = chunk_scan_mgpu.scan_mgpu
+    monkeypatch.setattr(gpu, "SERIAL_DEFAULT", "mgpu")
+    monkeypatch.setattr(
+        chunk_scan_mgpu, "scan_mgpu", lambda *a, **k: ran.append(1) or real(*a, **k)
+    )
+    qsl, slots, n = _aligned_case()
+    args = _inputs(np.random.default_rng(4), n)
+    pool = jnp.zeros((6, HV, D, D), jnp.float32)
+    assert gpu._serial_is_mgpu(None, D, D, 8, jnp.bfloat16, jnp.float32, False, False)
+    gpu.gdn_prefill(*args, pool, qsl, slots, precision=None, interpret=True)
+    assert not ran  # interpret mode: Triton
+    gpu._log_triton_serial.cache_clear()
+    with caplog.at_level("WARNING", logger=gpu.__name__):
+        for _ in range(2):
+            assert not gpu._serial_is_mgpu(None, 16, D, 8, jnp.bfloat16, jnp.float32, False, False)
+    assert [r.getMessage() for r in caplog.records].count(
+        "gdn_prefill: the Triton serial launch (Mosaic GPU's cannot take "
+        "Dk=16 (64 or 128: the f32 accumulator S^T [64, Dk] in registers))"
+    ) == 1
