@@ -9,6 +9,8 @@ own checks run at lowering: shared memory, TMA copy sizes), and the kernel compu
 in Pallas' interpreter.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,3 +91,34 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu():
     text = text.as_text()
     assert "custom_call @mosaic_gpu" in text
     assert "tf.aliasing_output" in text  # the donated pool is the kernel's output
+
+
+def test_gdn_serial_launch_lowers_in_a_layer_scan_under_shard_map():
+    """Where the engine would call it: wrapped as the TP op (``hyjax.sharding._shard_op`` with
+    Qwen3-Next's ``gdn_prefill`` specs, here on a one-device mesh) in a ``lax.scan`` over layers
+    whose pools are the scan's operand; the pool's ref is made and frozen inside each call."""
+    from benchmarks.common import prefill_batch
+    from hyjax.models.qwen3_next.sharding import SHARDING
+    from hyjax.sharding import _shard_op, make_mesh
+    from pallas_kernels.gdn import gpu
+
+    rows, per_row, hk, hv, d = 2, 512, 16, 32, 128
+    qsl, slots, num_slots = prefill_batch(rows, per_row, ckpt_every=256)
+    n = rows * per_row
+    sd, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    acts = (sd((n, hk, d), bf), sd((n, hk, d), bf), sd((n, hv, d), bf), sd((n, hv), bf),
+            sd((n, hv), bf), sd((hv,), f32), sd((hv,), f32))  # fmt: skip
+    in_specs, out_specs = SHARDING.ops["gdn_prefill"]
+    prefill = functools.partial(gpu.gdn_prefill, precision=None, serial="mgpu")
+    sharded = _shard_op(prefill, make_mesh(1), in_specs, out_specs, 1)
+
+    def step(acts, pools):
+        def layer(total, pool):
+            o, pool = sharded(*acts, pool, qsl, slots)
+            return total + o.astype(f32).sum(), pool
+
+        return jax.lax.scan(layer, 0.0, pools)
+
+    pools = sd((2, num_slots, hv, d, d), f32)
+    lowered = jax.jit(step, donate_argnums=1).trace(acts, pools).lower(lowering_platforms=("cuda",))
+    assert "custom_call @mosaic_gpu" in lowered.as_text()
