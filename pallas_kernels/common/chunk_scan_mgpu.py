@@ -1,11 +1,12 @@
-"""GDN prefill's serial launch in Mosaic GPU (TMA copies, ``wgmma`` products), for the engine.
+"""The delta-rule prefill's serial launch in Mosaic GPU (TMA copies, ``wgmma`` products).
 
 The Triton serial launch (:mod:`pallas_kernels.common.chunk_scan_gpu`) is latency-bound on an
 H200 (ncu at 8x4096, BENCHMARKS.md: one 4-warp program an SM, a warp issuing about one cycle in
 five, a third of the gaps on global loads). Hopper's own answer is asynchronous: TMA copies
 bring the next chunk's operands into shared memory while this chunk's ``wgmma`` products run.
 This launch takes the same ragged batches as the Triton one (:class:`RowPlan`: rows at any
-token offset, checkpoints, explicit source and destination slots) on GDN's scalar decay, with
+token offset, checkpoints, explicit source and destination slots) on GDN's scalar decay or
+KDA's per key channel (a ``[Dk]`` vector a chunk, brought by TMA with its tiles), with
 an f32 pool (a bf16 pool rounds its state at every 64 tokens of a row, which a token-aligned
 plan's chunks need not end at: ``pallas_kernels.common.slots``).
 
@@ -51,6 +52,7 @@ the probe on the token-aligned plan.
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +69,7 @@ META_COLS = 128  # per-chunk scalars are stored [.., NCP / 128, 128]: a TMA box 
 MAX_CHUNKS = 256 * META_COLS
 SMEM_BYTES = 227 * 1024  # an H100 / H200 block's shared memory
 f32 = jnp.float32
+log = logging.getLogger(__name__)
 
 
 def _plgpu():
@@ -79,22 +82,62 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def smem_bytes(dk: int, num_chunks: int, pool_dtype, op_dtype=jnp.bfloat16) -> int:
-    """The launch's shared memory: two stages of a chunk's five tiles, the chunk's S^T and V'^T,
-    two output tiles, the state in and out, the chunk plan and the decays."""
+def smem_bytes(
+    dk: int, num_chunks: int, pool_dtype, op_dtype=jnp.bfloat16, per_channel_decay=False
+) -> int:
+    """The launch's shared memory: two stages of a chunk's five tiles (and its ``[Dk]`` decay,
+    per channel), the chunk's S^T and V'^T, two output tiles, the state in and out, the chunk
+    plan and (one per head) the decays."""
     op = jnp.dtype(op_dtype).itemsize
-    stage = (3 * CHUNK * dk + BV * CHUNK + CHUNK * CHUNK) * op
+    stage = (3 * CHUNK * dk + BV * CHUNK + CHUNK * CHUNK) * op + (
+        4 * dk if per_channel_decay else 0
+    )
     ncp = _round_up(max(num_chunks, 1), META_COLS)
     return (
         STAGES * stage
         + (BV * dk + BV * CHUNK + 2 * CHUNK * BV) * op
         + BV * dk * jnp.dtype(pool_dtype).itemsize
-        + 4 * ncp * 4
+        + (3 if per_channel_decay else 4) * ncp * 4
         + 1024
     )
 
 
-def unsupported_reason(dk: int, dv: int, num_chunks: int, op_dtype, pool_dtype) -> str | None:
+# The serial launch a GPU prefill runs when not told (``serial=None``): "triton" until the
+# Mosaic GPU launch's token-aligned plan has passed ``benchmarks/mgpu_probe.py`` and its checks
+# on one; "mgpu" then, the shapes it cannot take falling back to Triton with one log line.
+SERIAL_DEFAULT = "triton"
+
+
+@functools.cache
+def _log_triton_serial(why: str) -> None:
+    log.warning("prefill: the Triton serial launch (Mosaic GPU's cannot take %s)", why)
+
+
+def serial_is_mgpu(
+    serial, dk, dv, num_chunks, op, pool_dtype, three_launches, interpret, per_channel_decay
+) -> bool:
+    """Whether a GDN / KDA GPU prefill runs this launch: its ``serial`` (``"mgpu"``,
+    ``"triton"``, or None: :data:`SERIAL_DEFAULT`, Triton in interpret mode). Asked for, a
+    shape it cannot take is a ``ValueError`` naming why."""
+    if serial not in (None, "mgpu", "triton"):
+        raise ValueError(f"serial={serial!r}: 'mgpu', 'triton' or None")
+    asked = serial == "mgpu"
+    if not asked and (serial == "triton" or interpret or SERIAL_DEFAULT != "mgpu"):
+        return False
+    why = unsupported_reason(dk, dv, num_chunks, op, pool_dtype, per_channel_decay)
+    if three_launches:
+        why = "three_launches (a Triton path)"
+    if why is None:
+        return True
+    if asked:
+        raise ValueError(f"serial='mgpu': the Mosaic GPU serial launch cannot take {why}")
+    _log_triton_serial(why)
+    return False
+
+
+def unsupported_reason(
+    dk: int, dv: int, num_chunks: int, op_dtype, pool_dtype, per_channel_decay: bool = False
+) -> str | None:
     """Why this launch cannot take a prefill (the Triton one then does), or None."""
     if jnp.dtype(pool_dtype) != jnp.dtype(f32):
         return (
@@ -109,7 +152,7 @@ def unsupported_reason(dk: int, dv: int, num_chunks: int, op_dtype, pool_dtype) 
         return f"Dv={dv} (a multiple of {BV})"
     if num_chunks > MAX_CHUNKS:
         return f"{num_chunks} chunks (at most {MAX_CHUNKS})"
-    if smem_bytes(dk, num_chunks, pool_dtype, op_dtype) > SMEM_BYTES:
+    if smem_bytes(dk, num_chunks, pool_dtype, op_dtype, per_channel_decay) > SMEM_BYTES:
         return f"{num_chunks} chunks: shared memory over {SMEM_BYTES} bytes"
     return None
 
@@ -121,6 +164,11 @@ class _Gpu:
     def load(ref, optimized=True):
         plgpu = _plgpu()
         return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA, optimized=optimized)
+
+    @staticmethod
+    def load_row_vector(ref):  # a [N] vector that scales the columns of a [M, N] WGMMA array
+        plgpu = _plgpu()
+        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
 
     @staticmethod
     def iota(shape, dim):
@@ -166,6 +214,10 @@ class _Interpret:
         return ref[...]
 
     @staticmethod
+    def load_row_vector(ref):
+        return ref[...]
+
+    @staticmethod
     def iota(shape, dim):
         return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
@@ -186,7 +238,7 @@ class _Interpret:
         return _Interpret.mma(acc_a, terms_a), _Interpret.mma(acc_b, terms_b)
 
 
-def _body(refs, scratch, *, ops, num_ckpt: int, pool_dtype):
+def _body(refs, scratch, *, ops, num_ckpt: int, pool_dtype, per_channel: bool):
     plgpu = _plgpu()
     ri_ref, meta_ref, dec_ref, w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, pool_in, pool_out, o_ref = (
         refs
@@ -197,24 +249,28 @@ def _body(refs, scratch, *, ops, num_ckpt: int, pool_dtype):
     vs = pl.ds(vb * BV, BV)
     op = w_ref.dtype
 
-    # this row's plan, every chunk's start / length / end and this head's decays
+    # this row's plan, every chunk's start / length / end and (one per head) this head's decays
     plgpu.copy_gmem_to_smem(ri_ref.at[r], ri_s, plan_bar.at[0])
     plgpu.copy_gmem_to_smem(meta_ref, meta_s, plan_bar.at[0])
-    plgpu.copy_gmem_to_smem(dec_ref.at[head], dec_s, plan_bar.at[0])
+    if not per_channel:
+        plgpu.copy_gmem_to_smem(dec_ref.at[head], dec_s, plan_bar.at[0])
     plgpu.barrier_wait(plan_bar.at[0])
     first, n, src, dst = ri_s[0], ri_s[1], ri_s[2], ri_s[3]
 
     def chunk(i):  # the row's i-th chunk: start, length, end (tokens of its row after it)
         ci = first + i
         hi, lo = ci // META_COLS, ci % META_COLS
-        return meta_s[0, hi, lo], meta_s[1, hi, lo], meta_s[2, hi, lo], dec_s[hi, lo]
+        return ci, meta_s[0, hi, lo], meta_s[1, hi, lo], meta_s[2, hi, lo]
 
     def window(start):  # the 64-token block of the batch the chunk lies in
         return start - start % CHUNK
 
-    def issue(i, slot):  # the row's i-th chunk's five tiles into stage ``slot``
-        tok = pl.ds(window(chunk(i)[0]), CHUNK)
+    def issue(i, slot):  # the row's i-th chunk's five tiles (and decays) into stage ``slot``
+        ci, start, _, _ = chunk(i)
+        tok = pl.ds(window(start), CHUNK)
         bar = bars.at[slot]
+        if per_channel:
+            plgpu.copy_gmem_to_smem(dec_ref.at[head, ci], dec_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(w_ref.at[head, tok], w_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(ut_ref.at[head, vs, tok], ut_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(qd_ref.at[head, tok], qd_s.at[slot], bar)
@@ -229,7 +285,7 @@ def _body(refs, scratch, *, ops, num_ckpt: int, pool_dtype):
 
     def step(i, s):
         slot = i % STAGES
-        start, length, end, decay = chunk(i)
+        ci, start, length, end = chunk(i)
         lead = start - window(start)  # the block's rows before the chunk
 
         @pl.when(i + 1 < n)
@@ -246,6 +302,11 @@ def _body(refs, scratch, *, ops, num_ckpt: int, pool_dtype):
         vt = jnp.where(in_chunk, ut - sw, 0.0).astype(op)  # V'^T, zero outside the chunk
         vt_t[...] = vt
         plgpu.commit_smem()
+        if per_channel:  # e^gam_last per key channel: S^T's columns
+            vec = ops.load_row_vector(dec_s.at[slot])
+            decay = jax.lax.broadcast_in_dim(vec, s.shape, (1,))
+        else:
+            decay = dec_s[ci // META_COLS, ci % META_COLS]
         s, o = ops.mma2(  # the state's update (the serial chain) and the chunk's output
             s * decay, [(vt, kd_s.at[slot], False)],
             ops.zeros((CHUNK, BV)), [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)],
@@ -305,8 +366,8 @@ def _plan_arrays(rp: RowPlan, decay: jax.Array):
     """The kernel's scalars: each row's ``[first chunk, chunks, src, dst, ckpt offsets,
     ckpt slots]`` (i32 ``[S, K]``, K padded to 128 bytes: a warpgroup's copy), every chunk's
     start / length / end (i32 ``[3, NCP / 128, 128]``) and each head's chunk decays (f32
-    ``[H, NCP / 128, 128]``)."""
-    nc, h = decay.shape
+    ``[H, NCP / 128, 128]``, or per key channel ``[H, NC, Dk]``)."""
+    nc, h = decay.shape[:2]
     ncp = _round_up(nc, META_COLS)
     m = rp.ck_off.shape[1]
     cols = [rp.row_first, rp.row_chunks, rp.src, rp.dst]
@@ -314,6 +375,8 @@ def _plan_arrays(rp: RowPlan, decay: jax.Array):
     ri = jnp.pad(ri, [(0, 0), (0, _round_up(4 + 2 * m, 32) - (4 + 2 * m))])
     meta = jnp.stack([rp.c_start, rp.c_len, rp.c_end]).astype(jnp.int32)
     meta = jnp.pad(meta, [(0, 0), (0, ncp - nc)]).reshape(3, ncp // META_COLS, META_COLS)
+    if decay.ndim == 3:
+        return ri, meta, jnp.swapaxes(decay.astype(f32), 0, 1)
     dec = jnp.pad(decay.T.astype(f32), [(0, 0), (0, ncp - nc)])
     return ri, meta, dec.reshape(h, ncp // META_COLS, META_COLS)
 
@@ -339,17 +402,20 @@ def scan_mgpu(
     *,
     num_tokens: int,  # Tp, the output's rows
     out_dtype,
+    name: str = "gdn_prefill",
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The serial launch (module docstring) on the scratch of a token-aligned plan
-    (``gdn.gpu.prefill_scratch(tma_layout=True)``). Returns ``(o [Tp, H, Dv], state)``; rows
+    (``gdn.gpu.prefill_scratch(tma_layout=True)``; KDA's, with its decay per key channel,
+    ``kda.gpu.intra_launch(tma_layout=True)``). Returns ``(o [Tp, H, Dv], state)``; rows
     outside every chunk of ``o`` are left unwritten."""
     plgpu = _plgpu()
     h, _, dk = x.w.shape
     dv = x.u.shape[1]
     nc = x.decay.shape[0]
     rows, num_ckpt = rp.ck_off.shape
-    if why := unsupported_reason(dk, dv, nc, x.w.dtype, state.dtype):
+    per_channel = x.decay.ndim == 3
+    if why := unsupported_reason(dk, dv, nc, x.w.dtype, state.dtype, per_channel):
         raise ValueError(f"the Mosaic GPU serial launch cannot take this prefill: {why}")
     op = x.w.dtype
     ri, meta, dec = _plan_arrays(rp, x.decay)
@@ -373,14 +439,16 @@ def scan_mgpu(
         plgpu.SMEM((BV, dk), state.dtype),  # the state in and out
         plgpu.SMEM(ri.shape[1:], jnp.int32),
         plgpu.SMEM(meta.shape, jnp.int32),
-        plgpu.SMEM(dec.shape[1:], f32),
-        plgpu.Barrier(num_arrivals=5, num_barriers=STAGES),
-        plgpu.Barrier(num_arrivals=3, num_barriers=1),
+        # the decays: this head's for every chunk, or a stage's chunk's per key channel
+        plgpu.SMEM((STAGES, dk) if per_channel else dec.shape[1:], f32),
+        plgpu.Barrier(num_arrivals=6 if per_channel else 5, num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=2 if per_channel else 3, num_barriers=1),
         plgpu.Barrier(num_arrivals=1, num_barriers=1),
     )
     body = functools.partial(
-        _body, ops=_Interpret if interpret else _Gpu, num_ckpt=num_ckpt, pool_dtype=state.dtype
-    )
+        _body, ops=_Interpret if interpret else _Gpu, num_ckpt=num_ckpt, pool_dtype=state.dtype,
+        per_channel=per_channel,
+    )  # fmt: skip
     mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)
     args = (ri, meta, dec, *tiles)
@@ -394,7 +462,7 @@ def scan_mgpu(
         params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
         o = pl.kernel(
             kernel, out_type=o_type, mesh=mesh, compiler_params=params,
-            name="gdn_prefill_serial_mgpu",
+            name=f"{name}_serial_mgpu",
         )(*args, pool)  # fmt: skip
         return o, jax.freeze(pool)
 
@@ -409,7 +477,7 @@ def scan_mgpu(
         out_type=(o_type, jax.ShapeDtypeStruct(state.shape, state.dtype)),
         mesh=mesh,
         interpret=InterpretGPUParams(),
-        name="gdn_prefill_serial_mgpu",
+        name=f"{name}_serial_mgpu",
     )(*args, state)
     slots, mask = _written_slots(rp)
     slots = jnp.where(mask, slots, state.shape[0])  # out of range: dropped

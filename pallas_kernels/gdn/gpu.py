@@ -57,7 +57,6 @@ which head dims ``hyjax.ops`` must leave to the reference.
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +94,6 @@ from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.gdn.reference import check_gdn_args
 
 CHUNK = 64
-log = logging.getLogger(__name__)
 
 
 def _gates(alog_ref, dtb_ref, h, a, b):
@@ -297,37 +295,6 @@ def intra_launch(
     )
 
 
-# The serial launch ``gdn_prefill(serial=None)`` runs on a GPU: "triton" until the Mosaic GPU
-# launch's token-aligned plan has passed ``benchmarks/mgpu_probe.py`` and its checks on one
-# (``pallas_kernels.common.chunk_scan_mgpu``); "mgpu" then, with the shapes it cannot take
-# falling back to Triton with one log line.
-SERIAL_DEFAULT = "triton"
-
-
-@functools.cache
-def _log_triton_serial(why: str) -> None:
-    log.warning("gdn_prefill: the Triton serial launch (Mosaic GPU's cannot take %s)", why)
-
-
-def _serial_is_mgpu(serial, dk, dv, num_chunks, op, pool_dtype, three_launches, interpret):
-    """Whether :func:`gdn_prefill` runs the Mosaic GPU serial launch (its ``serial``; None:
-    :data:`SERIAL_DEFAULT`, Triton in interpret mode)."""
-    if serial not in (None, "mgpu", "triton"):
-        raise ValueError(f"serial={serial!r}: 'mgpu', 'triton' or None")
-    asked = serial == "mgpu"
-    if not asked and (serial == "triton" or interpret or SERIAL_DEFAULT != "mgpu"):
-        return False
-    why = chunk_scan_mgpu.unsupported_reason(dk, dv, num_chunks, op, pool_dtype)
-    if three_launches:
-        why = "three_launches (a Triton path)"
-    if why is None:
-        return True
-    if asked:
-        raise ValueError(f"serial='mgpu': the Mosaic GPU serial launch cannot take {why}")
-    _log_triton_serial(why)
-    return False
-
-
 def prefill_scratch(
     q, k, v, a, b, A_log, dt_bias, query_start_loc, slots: StateSlots, *, operand_dtype,
     precision, num_warps: int = 8, num_stages: int = 2, early_stores: bool = False,
@@ -384,8 +351,8 @@ def gdn_prefill(
     ``serial`` picks the serial launch: ``"triton"``, ``"mgpu"`` (Mosaic GPU:
     :mod:`pallas_kernels.common.chunk_scan_mgpu`, on a token-aligned chunk plan; 16-bit
     operands, an f32 pool, ``Dk`` 64 or 128, ``Dv`` a multiple of 64, two launches), or None:
-    :data:`SERIAL_DEFAULT` (Triton for now; in interpret mode always). ``interpret`` runs
-    either in its interpreter.
+    ``chunk_scan_mgpu.SERIAL_DEFAULT`` (Triton for now; in interpret mode always).
+    ``interpret`` runs either in its interpreter.
 
     ``precision`` is the matmul precision inside the chunk (``HIGHEST``: IEEE f32; a
     ``DotAlgorithmPreset`` such as ``BF16_BF16_F32_X3`` or ``DEFAULT`` (TF32) trade accuracy
@@ -407,7 +374,9 @@ def gdn_prefill(
     op = operand_dtype_for(v.dtype, operand_dtype)
     rows, max_ckpt = slots.ckpt_offsets.shape
     nc = max_chunks(n, rows, max_ckpt, CHUNK)
-    mgpu = _serial_is_mgpu(serial, dk, dv, nc, op, state.dtype, three_launches, interpret)
+    mgpu = chunk_scan_mgpu.serial_is_mgpu(
+        serial, dk, dv, nc, op, state.dtype, three_launches, interpret, False
+    )
     plan, rp, x = prefill_scratch(
         q, k, v, a, b, A_log, dt_bias, query_start_loc, slots, operand_dtype=op,
         precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,

@@ -64,6 +64,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.common import chunk_scan_mgpu
 from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, chunk_refs_shapes, scan_launches
 from pallas_kernels.common.chunking import max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
@@ -221,22 +222,26 @@ def _diag_block(q, k, gam):
 
 def _intra_kernel(
     c_start_ref, c_len_ref,  # i32[NC]
+    live_ref,  # i32[1]  the batch's token count (tma_layout: k_dec's rows after it are zeroed)
     neg_a_ref,  # f32[H]
     dt_ref,  # f32[H, Dk]
     q_ref, k_ref, g_ref,  # [Tp, H, Dk]
     v_ref,  # [Tp, H, Dv]
     b_ref,  # [Tp, H]
     w_ref,  # [H, Tp, Dk]   out: W = Tm (beta k e^gam)    head-major, valid rows only
-    u_ref,  # [H, Tp, Dv]   out: U = Tm (beta v)
+    u_ref,  # [H, Tp, Dv]   out: U = Tm (beta v)  (tma_layout: U^T, [H, Dv, Tp])
     qd_ref,  # [H, Tp, Dk]  out: q e^gam  (scaled, l2-normed q)
     kd_ref,  # [H, Tp, Dk]  out: k e^(gam_last - gam)
     aqk_ref,  # [H, Tp, C]  out: Aqk's row of the token, columns = the chunk's window rows
     decay_ref,  # f32[NC, H, Dk]  out: e^gam_last
-    *, scale: float, precision, operand_dtype,
+    *, scale: float, precision, operand_dtype, tma_layout: bool = False,
 ):  # fmt: skip
     """Launch 1, one program per (chunk, head), all in parallel: the chunk's UT form and the
     decayed operands of the serial launch (module docstring), as
-    :class:`~pallas_kernels.common.chunk_scan_gpu.ChunkRefs`."""
+    :class:`~pallas_kernels.common.chunk_scan_gpu.ChunkRefs`. ``tma_layout``: the scratch of
+    the Mosaic GPU serial launch, as GDN's (``gdn.gpu._intra_kernel``): the chunk's window is
+    its 64-token block, ``U`` is stored transposed, ``k_dec`` zero on the rows after the
+    batch's last token."""
     ci, h = pl.program_id(0), pl.program_id(1)
     start, length = c_start_ref[ci], c_len_ref[ci]
     num_tokens = q_ref.shape[0]
@@ -251,7 +256,7 @@ def _intra_kernel(
 
     @pl.when(length > 0)
     def _():
-        w0 = window(start, length, num_tokens, CHUNK).rows.start
+        w0 = window(start, length, num_tokens, CHUNK, aligned=tma_layout).rows.start
         neg_a, dt = neg_a_ref[h], dt_ref[h, :]
         # Per sub-block b (16 rows): the gate, its cumsum from the window's first row, the
         # normalised rows. Rows outside the chunk load zeros and get g = beta = 0.
@@ -312,11 +317,19 @@ def _intra_kernel(
             pltr.store(w_ref.at[h, r, :], w.astype(w_ref.dtype), mask=ok)
             for vb in range(dv // bv):
                 u = sum(opmm(t[bi, bj], v_beta[bj, vb]) for bj in range(bi + 1))  # [16, BV]
-                pltr.store(u_ref.at[h, r, pl.ds(vb * bv, bv)], u.astype(u_ref.dtype), mask=ok)
+                if tma_layout:
+                    u_t = u.T.astype(u_ref.dtype)
+                    pltr.store(u_ref.at[h, pl.ds(vb * bv, bv), r], u_t, mask=ok.T)
+                else:
+                    pltr.store(u_ref.at[h, r, pl.ds(vb * bv, bv)], u.astype(u_ref.dtype), mask=ok)
             q_dec = q[bi] * jnp.exp(gam[bi])
-            k_dec = k[bi] * jnp.exp(gam_last[None, :] - gam[bi])
+            k_dec = k[bi] * jnp.exp(gam_last[None, :] - gam[bi])  # zero outside the chunk
+            kd_ok = ok
+            if tma_layout:
+                tok = w0 + bi * SUB + jnp.arange(SUB, dtype=jnp.int32)
+                kd_ok = ok | (tok >= live_ref[0])[:, None]
             pltr.store(qd_ref.at[h, r, :], q_dec.astype(qd_ref.dtype), mask=ok)
-            pltr.store(kd_ref.at[h, r, :], k_dec.astype(kd_ref.dtype), mask=ok)
+            pltr.store(kd_ref.at[h, r, :], k_dec.astype(kd_ref.dtype), mask=kd_ok)
             for bj in range(NSUB):  # Aqk is inclusive lower: the blocks above it are zeros
                 blk = a_qk[bi, bj] if bj <= bi else jnp.zeros((SUB, SUB), jnp.float32)
                 cols = pl.ds(bj * SUB, SUB)
@@ -325,25 +338,35 @@ def _intra_kernel(
 
 def intra_launch(
     q, k, v, g, b, neg_a, dt, plan, *, num_chunks: int, operand_dtype, precision,
-    num_warps: int = 8, num_stages: int = 2, interpret: bool = False,
+    num_warps: int = 8, num_stages: int = 2, num_live: jax.Array | None = None,
+    tma_layout: bool = False, interpret: bool = False,
 ) -> ChunkRefs:  # fmt: skip
     """Launch 1 (:func:`_intra_kernel`) over grid ``(NC, H)`` on inputs padded to at least one
-    chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`)."""
+    chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`); ``tma_layout`` (the
+    Mosaic GPU serial launch's scratch, on a token-aligned plan and tokens padded to a multiple
+    of 64) needs ``num_live``, the batch's token count (i32[1])."""
     tp, h, dk = q.shape
     dv = v.shape[2]
     op = operand_dtype
     kernel = functools.partial(
-        _intra_kernel, scale=float(dk) ** -0.5, precision=precision, operand_dtype=op
-    )
+        _intra_kernel, scale=float(dk) ** -0.5, precision=precision, operand_dtype=op,
+        tma_layout=tma_layout,
+    )  # fmt: skip
+    shapes = chunk_refs_shapes(h, tp, dk, dv, CHUNK, num_chunks, op, True)
+    if tma_layout:
+        if tp % CHUNK:
+            raise ValueError(f"tma_layout: {tp} tokens, not a multiple of {CHUNK} (pad_tokens)")
+        shapes = shapes._replace(u=jax.ShapeDtypeStruct((h, dv, tp), op))
+    live = jnp.zeros(1, jnp.int32) if num_live is None else num_live.astype(jnp.int32)
     return ChunkRefs(
         *pl.pallas_call(
             kernel,
             grid=(num_chunks, h),
-            out_shape=list(chunk_refs_shapes(h, tp, dk, dv, CHUNK, num_chunks, op, True)),
+            out_shape=list(shapes),
             compiler_params=compiler_params(num_warps, num_stages),
             interpret=interpret,
             name="kda_prefill_intra_gpu",
-        )(plan.start, plan.length, neg_a, dt, q, k, g, v, b)
+        )(plan.start, plan.length, live, neg_a, dt, q, k, g, v, b)
     )
 
 
@@ -369,9 +392,14 @@ def kda_prefill(
     vb_first: bool = SERIAL_VB_FIRST,
     three_launches: bool = False,
     block_v_out: int | None = None,
+    serial: str | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, H, Dv], state)``.
+
+    ``serial`` picks the serial launch as for GDN (``gdn.gpu.gdn_prefill``): ``"triton"``,
+    ``"mgpu"`` (Mosaic GPU, :mod:`pallas_kernels.common.chunk_scan_mgpu`, with the decay per
+    key channel), or None (``chunk_scan_mgpu.SERIAL_DEFAULT``).
 
     ``precision`` is the matmul precision inside the chunk (``HIGHEST``: IEEE f32; None or
     ``DEFAULT``: TF32 on NVIDIA). ``operand_dtype`` (:func:`operand_dtype_for`: bf16 for bf16
@@ -394,14 +422,26 @@ def kda_prefill(
     prec = _operand_precision(precision, op)
     bv = serial_block_v(rows, h, dv, block_v)
     neg_a, dt = -jnp.exp(A_log.astype(jnp.float32)), dt_bias.astype(jnp.float32)
-    plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK)
     nc = max_chunks(n, rows, max_ckpt, CHUNK)
+    mgpu = chunk_scan_mgpu.serial_is_mgpu(
+        serial, dk, dv, nc, op, state.dtype, three_launches, interpret, True
+    )
+    plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK, token_aligned=mgpu)
     rp = row_plan(plan, slots, nc)
-    (q, k, g, v, b), _ = pad_tokens((q, k, g, v, b), CHUNK)  # the 64-row window needs T >= 64
+    # the 64-row window needs T >= 64; the Mosaic GPU launch's blocks a multiple of 64
+    (q, k, g, v, b), _ = pad_tokens((q, k, g, v, b), CHUNK, CHUNK if mgpu else 1)
     x = intra_launch(
         q, k, v, g, b, neg_a, dt, plan, num_chunks=nc, operand_dtype=op, precision=precision,
-        num_warps=intra_num_warps, num_stages=intra_num_stages, interpret=interpret,
+        num_warps=intra_num_warps, num_stages=intra_num_stages,
+        num_live=jnp.max(plan.start + plan.length, keepdims=True), tma_layout=mgpu,
+        interpret=interpret,
     )  # fmt: skip
+    if mgpu:
+        o, state = chunk_scan_mgpu.scan_mgpu(
+            rp, x, state, num_tokens=x.w.shape[1], out_dtype=v.dtype, name="kda_prefill",
+            interpret=interpret,
+        )  # fmt: skip
+        return jnp.where(plan.live[:, None, None], o[:n], 0).astype(v.dtype), state
     o, state = scan_launches(
         rp, x, state, plan.start, plan.length, out_dtype=v.dtype, bv=bv, precision=prec,
         num_warps=num_warps, num_stages=num_stages, vb_first=vb_first,

@@ -173,21 +173,49 @@ def test_a_mosaic_gpu_default_falls_back_by_shape(monkeypatch, caplog):
     mode keeps Triton."""
     ran = []
     real = chunk_scan_mgpu.scan_mgpu
-    monkeypatch.setattr(gpu, "SERIAL_DEFAULT", "mgpu")
+    monkeypatch.setattr(chunk_scan_mgpu, "SERIAL_DEFAULT", "mgpu")
     monkeypatch.setattr(
         chunk_scan_mgpu, "scan_mgpu", lambda *a, **k: ran.append(1) or real(*a, **k)
     )
     qsl, slots, n = _aligned_case()
     args = _inputs(np.random.default_rng(4), n)
     pool = jnp.zeros((6, HV, D, D), jnp.float32)
-    assert gpu._serial_is_mgpu(None, D, D, 8, jnp.bfloat16, jnp.float32, False, False)
+    is_mgpu = functools.partial(chunk_scan_mgpu.serial_is_mgpu, per_channel_decay=False)
+    assert is_mgpu(None, D, D, 8, jnp.bfloat16, jnp.float32, False, False)
     gpu.gdn_prefill(*args, pool, qsl, slots, precision=None, interpret=True)
     assert not ran  # interpret mode: Triton
-    gpu._log_triton_serial.cache_clear()
-    with caplog.at_level("WARNING", logger=gpu.__name__):
+    chunk_scan_mgpu._log_triton_serial.cache_clear()
+    with caplog.at_level("WARNING", logger=chunk_scan_mgpu.__name__):
         for _ in range(2):
-            assert not gpu._serial_is_mgpu(None, 16, D, 8, jnp.bfloat16, jnp.float32, False, False)
+            assert not is_mgpu(None, 16, D, 8, jnp.bfloat16, jnp.float32, False, False)
     assert [r.getMessage() for r in caplog.records].count(
-        "gdn_prefill: the Triton serial launch (Mosaic GPU's cannot take "
+        "prefill: the Triton serial launch (Mosaic GPU's cannot take "
         "Dk=16 (64 or 128: the f32 accumulator S^T [64, Dk] in registers))"
     ) == 1
+
+
+def test_kda_ragged_batch_through_the_mosaic_gpu_launch():
+    """KDA's prefill on the same launch, its decay per key channel (a ``[Dk]`` vector a chunk,
+    brought with the chunk's tiles): ragged rows starting inside blocks, checkpoints, a row
+    from a state, poisoned slots, slow gates; against the reference and the Triton launch."""
+    from pallas_kernels.kda import gpu as kda_gpu
+    from pallas_kernels.kda.reference import kda_prefill_reference
+
+    rng = np.random.default_rng(5)
+    case = ragged_case([70, 3, 130])
+    n, h = case.num_tokens, 1
+    bf = jnp.bfloat16
+    q, k, v, g = (jnp.asarray(rng.normal(size=(n, h, D)), bf) for _ in range(4))
+    b = jnp.asarray(rng.normal(size=(n, h)), bf)
+    A_log = jnp.log(jnp.full(h, 0.02, jnp.float32))
+    dt_bias = jnp.full((h, D), -3.0, jnp.float32)
+    pool = jnp.asarray(case.pool(rng, (h, D, D), np.float32))
+    args = (q, k, v, g, b, A_log, dt_bias, pool, jnp.asarray(case.query_start_loc), case.slots())
+    want_o, want_s = jax.jit(kda_prefill_reference)(*args)
+    kernel = functools.partial(kda_gpu.kda_prefill, precision=None, interpret=True)
+    tri_o, tri_s = jax.jit(functools.partial(kernel, serial="triton"))(*args)
+    got_o, got_s = jax.jit(functools.partial(kernel, serial="mgpu"))(*args)
+    assert_rel_close(got_o, want_o, tol=2e-2, what="outputs")
+    assert_rel_close(got_s, want_s, tol=2e-2, what="state pool")
+    assert_rel_close(got_o, tri_o, tol=1e-2, what="outputs vs Triton")
+    assert_rel_close(got_s, tri_s, tol=1e-2, what="state pool vs Triton")

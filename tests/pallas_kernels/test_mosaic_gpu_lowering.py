@@ -122,3 +122,25 @@ def test_gdn_serial_launch_lowers_in_a_layer_scan_under_shard_map():
     pools = sd((2, num_slots, hv, d, d), f32)
     lowered = jax.jit(step, donate_argnums=1).trace(acts, pools).lower(lowering_platforms=("cuda",))
     assert "custom_call @mosaic_gpu" in lowered.as_text()
+
+
+def test_kda_serial_launch_lowers_to_mosaic_gpu():
+    """KDA's prefill on the Mosaic GPU launch at Kimi-Linear-48B's heads (32 heads of 128):
+    the per-channel decay (a ``[Dk]`` f32 vector a stage, loaded to scale ``S^T``'s columns)
+    passes Mosaic GPU's layout checks."""
+    from benchmarks.common import prefill_batch
+    from pallas_kernels.kda import gpu as kda_gpu
+
+    rows, per_row, h, d = 2, 2048, 32, 128
+    qsl, slots, num_slots = prefill_batch(rows, per_row, ckpt_every=512)
+    n = rows * per_row
+    sd, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    acts = (sd((n, h, d), bf), sd((n, h, d), bf), sd((n, h, d), bf), sd((n, h, d), bf),
+            sd((n, h), bf))  # fmt: skip
+    args = (*acts, sd((h,), f32), sd((h, d), f32), sd((num_slots, h, d, d), f32))
+
+    def prefill(*a):
+        return kda_gpu.kda_prefill(*a, qsl, slots, precision=None, serial="mgpu")
+
+    lowered = jax.jit(prefill, donate_argnums=7).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "custom_call @mosaic_gpu" in lowered.as_text()
