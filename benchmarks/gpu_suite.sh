@@ -36,6 +36,7 @@
 #   mgpu      the Mosaic GPU prefill (gdn_prefill(serial="mgpu"), token-aligned plan): the
 #             ragged cases a process each (benchmarks.mgpu_probe), then gdn_kernels' checks of
 #             it against the reference and its prefill beside the default, and FLA
+#   mgpukda   the same for KDA: kda_kernels' checks and prefill, default and mgpu, and FLA
 #   ncugdn    ncu's counters (occupancy, launch statistics, warp states, memory) of the GDN
 #             prefill's intra and serial launches at SUITE_NCU_BATCH (default 8) x 4096 tokens
 #             (benchmarks.profile_delta_rule), in the section's log; ncukda the same for KDA
@@ -118,6 +119,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T4096_mgpu,prefill_B1_T4096_early,prefill_B1_T16384_default,prefill_B1_T16384_mgpu,prefill_B1_T16384_early,prefill_B8_T4096_default,prefill_B8_T4096_mgpu,prefill_B8_T4096_early,prefill_B1_T32768_default,prefill_B1_T32768_mgpu,prefill_B1_T32768_early,prefill_B8_T4096_ckpt,fla --out $j" ;;
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
+        mgpukda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_mgpu,fla,prefill_B1_T4096_default,prefill_B1_T4096_mgpu,prefill_B1_T16384_default,prefill_B1_T16384_mgpu,prefill_B8_T4096_default,prefill_B8_T4096_mgpu --out $j" ;;
         mgpu) echo "python -m benchmarks.mgpu_probe --timeout 60 --out $scratch/mgpu_probe.json && python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill_mgpu,prefill_B1_T4096_default,prefill_B1_T4096_mgpu,prefill_B8_T4096_default,prefill_B8_T4096_mgpu,prefill_B1_T16384_default,prefill_B1_T16384_mgpu,prefill_B1_T32768_default,prefill_B1_T32768_mgpu,fla --out $j" ;;
         ncugdn | ncukda)  # ncu's counters of the default prefill's two launches, in the log
             echo "$ncu --kernel-name regex:prefill_ --launch-skip 2 --launch-count 2 $sections python -m benchmarks.profile_delta_rule --family ${1#ncu} --op prefill --batch ${SUITE_NCU_BATCH:-8} --seq-len 4096" ;;

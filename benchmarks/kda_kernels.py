@@ -51,6 +51,8 @@ INTERPRET = False
 VARIANTS = {
     "default": {"precision": None},
     "three": {"precision": None, "three_launches": True},
+    # the serial launch in Mosaic GPU (TMA, wgmma; a token-aligned chunk plan)
+    "mgpu": {"precision": None, "serial": "mgpu"},
     "f32ops_tf32": {"precision": jax.lax.Precision.DEFAULT, "operand_dtype": jnp.float32},
 }
 
