@@ -57,14 +57,20 @@ class ChunkRefs(NamedTuple):
     decay: jax.Array  # f32[NC, H] (one gate per head) | f32[NC, H, Dk] (one per key channel)
 
 
-def chunk_refs_shapes(heads, tokens, dk, dv, chunk, num_chunks, dtype, per_channel_decay):
+def chunk_refs_shapes(
+    heads, tokens, dk, dv, chunk, num_chunks, dtype, per_channel_decay, tma_layout=False
+):
     """The intra launch's outputs, :class:`ChunkRefs` order: the scratch in ``dtype`` and the
-    decay in f32, ``[NC, H]`` or (``per_channel_decay``) ``[NC, H, Dk]``."""
+    decay in f32, ``[NC, H]`` or (``per_channel_decay``) ``[NC, H, Dk]``. ``tma_layout`` (the
+    Mosaic GPU serial launch's, :mod:`pallas_kernels.common.chunk_scan_mgpu`): ``U^T``
+    (``[H, Dv, Tp]``), ``Tp`` a multiple of ``chunk``."""
     sds = jax.ShapeDtypeStruct
     decay = (num_chunks, heads, dk) if per_channel_decay else (num_chunks, heads)
+    if tma_layout and tokens % chunk:
+        raise ValueError(f"tma_layout: {tokens} tokens, not a multiple of {chunk} (pad_tokens)")
     return ChunkRefs(
         w=sds((heads, tokens, dk), dtype),
-        u=sds((heads, tokens, dv), dtype),
+        u=sds((heads, dv, tokens) if tma_layout else (heads, tokens, dv), dtype),
         q_dec=sds((heads, tokens, dk), dtype),
         k_dec=sds((heads, tokens, dk), dtype),
         a_qk=sds((heads, tokens, chunk), dtype),

@@ -270,11 +270,7 @@ def intra_launch(
     tp, hk, dk = q.shape
     _, hv, dv = v.shape
     op = operand_dtype
-    shapes = chunk_refs_shapes(hv, tp, dk, dv, CHUNK, num_chunks, op, False)
-    if tma_layout:
-        if tp % CHUNK:
-            raise ValueError(f"tma_layout: {tp} tokens, not a multiple of {CHUNK} (pad_tokens)")
-        shapes = shapes._replace(u=jax.ShapeDtypeStruct((hv, dv, tp), op))
+    shapes = chunk_refs_shapes(hv, tp, dk, dv, CHUNK, num_chunks, op, False, tma_layout)
     live = jnp.zeros(1, jnp.int32) if num_live is None else num_live.astype(jnp.int32)
     return ChunkRefs(
         *pl.pallas_call(

@@ -352,11 +352,7 @@ def intra_launch(
         _intra_kernel, scale=float(dk) ** -0.5, precision=precision, operand_dtype=op,
         tma_layout=tma_layout,
     )  # fmt: skip
-    shapes = chunk_refs_shapes(h, tp, dk, dv, CHUNK, num_chunks, op, True)
-    if tma_layout:
-        if tp % CHUNK:
-            raise ValueError(f"tma_layout: {tp} tokens, not a multiple of {CHUNK} (pad_tokens)")
-        shapes = shapes._replace(u=jax.ShapeDtypeStruct((h, dv, tp), op))
+    shapes = chunk_refs_shapes(h, tp, dk, dv, CHUNK, num_chunks, op, True, tma_layout)
     live = jnp.zeros(1, jnp.int32) if num_live is None else num_live.astype(jnp.int32)
     return ChunkRefs(
         *pl.pallas_call(
