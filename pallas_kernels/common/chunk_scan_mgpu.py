@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -104,8 +105,10 @@ def smem_bytes(
 
 # The serial launch a GPU prefill runs when not told (``serial=None``): "triton" until the
 # Mosaic GPU launch's token-aligned plan has passed ``benchmarks/mgpu_probe.py`` and its checks
-# on one; "mgpu" then, the shapes it cannot take falling back to Triton with one log line.
-SERIAL_DEFAULT = "triton"
+# on one; "mgpu" then, the shapes it cannot take falling back to Triton with one log line. The
+# environment's HYJAX_PREFILL_SERIAL sets it for a process (an engine run on the Mosaic GPU
+# launch before the flip).
+SERIAL_DEFAULT = os.environ.get("HYJAX_PREFILL_SERIAL", "triton")
 
 
 @functools.cache
@@ -121,6 +124,8 @@ def serial_is_mgpu(
     shape it cannot take is a ``ValueError`` naming why."""
     if serial not in (None, "mgpu", "triton"):
         raise ValueError(f"serial={serial!r}: 'mgpu', 'triton' or None")
+    if SERIAL_DEFAULT not in ("mgpu", "triton"):
+        raise ValueError(f"HYJAX_PREFILL_SERIAL={SERIAL_DEFAULT!r}: 'mgpu' or 'triton'")
     asked = serial == "mgpu"
     if not asked and (serial == "triton" or interpret or SERIAL_DEFAULT != "mgpu"):
         return False

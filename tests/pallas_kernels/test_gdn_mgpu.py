@@ -188,6 +188,9 @@ def test_a_mosaic_gpu_default_falls_back_by_shape(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger=chunk_scan_mgpu.__name__):
         for _ in range(2):
             assert not is_mgpu(None, 16, D, 8, jnp.bfloat16, jnp.float32, False, False)
+    monkeypatch.setattr(chunk_scan_mgpu, "SERIAL_DEFAULT", "fast")
+    with pytest.raises(ValueError, match="HYJAX_PREFILL_SERIAL='fast'"):
+        is_mgpu(None, D, D, 8, jnp.bfloat16, jnp.float32, False, False)
     assert [r.getMessage() for r in caplog.records].count(
         "prefill: the Triton serial launch (Mosaic GPU's cannot take "
         "Dk=16 (64 or 128: the f32 accumulator S^T [64, Dk] in registers))"
