@@ -55,6 +55,7 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     "default": (None, None, None, {}),
     # the Mosaic GPU serial launch (the timed batches' chunks start at multiples of 64 tokens)
     "mgpu": (None, None, None, dict(serial="mgpu")),
+    "mgpu_early": (None, None, None, dict(serial="mgpu", intra_early_stores=True)),
     # q's products and rows stored before the UT transform (intra launch: 255 registers)
     "early": (None, None, None, dict(intra_early_stores=True)),
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
