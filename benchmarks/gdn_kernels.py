@@ -282,7 +282,7 @@ def mgpu_scan(batch, seq_len) -> dict:
 
     def mgpu(pool, rp, x):
         o, pool = chunk_scan_mgpu.scan_mgpu(
-            rp, x, pool, num_tokens=x.w.shape[1], out_dtype=jnp.bfloat16, interpret=INTERPRET
+            rp, x, pool, out_dtype=jnp.bfloat16, interpret=INTERPRET
         )
         return pool, o
 

@@ -73,7 +73,7 @@ def run_case(name: str) -> dict:
         plan, rp, x = gpu.prefill_scratch(
             *args, jnp.asarray(qsl), slots, operand_dtype=bf, precision=None, tma_layout=True
         )
-        o, p = chunk_scan_mgpu.scan_mgpu(rp, x, p, num_tokens=x.w.shape[1], out_dtype=bf)
+        o, p = chunk_scan_mgpu.scan_mgpu(rp, x, p, out_dtype=bf)
         return o, p
 
     got_o, got_s = mgpu(jnp.copy(pool))

@@ -70,8 +70,9 @@ from pallas_kernels.common.slots import ROUND_EVERY
 CHUNK = 64
 BV = 64  # a wgmma's M: the Dv rows of S^T a program owns
 STAGES = 2  # chunks in flight
-META_COLS = 128  # per-chunk scalars are stored [.., NCP / 128, 128]: a TMA box dim is <= 256
-MAX_CHUNKS = 256 * META_COLS
+# Per-chunk scalars are stored [.., NCP / 128, 128]: a TMA box dim is <= 256, so up to 32768
+# chunks; the shared-memory bound (unsupported_reason) stops far below that.
+META_COLS = 128
 SMEM_BYTES = 227 * 1024  # an H100 / H200 block's shared memory
 f32 = jnp.float32
 log = logging.getLogger(__name__)
@@ -159,8 +160,6 @@ def unsupported_reason(
         return f"Dk={dk} (64 or 128: the f32 accumulator S^T [64, Dk] in registers)"
     if dv % BV:
         return f"Dv={dv} (a multiple of {BV})"
-    if num_chunks > MAX_CHUNKS:
-        return f"{num_chunks} chunks (at most {MAX_CHUNKS})"
     if smem_bytes(dk, num_chunks, pool_dtype, op_dtype, per_channel_decay) > SMEM_BYTES:
         return f"{num_chunks} chunks: shared memory over {SMEM_BYTES} bytes"
     return None
@@ -190,29 +189,19 @@ class _Gpu:
         return plgpu.layout_cast(jnp.zeros(shape, f32), plgpu.Layout.WGMMA)
 
     @staticmethod
-    def mma(acc, terms):
-        """``acc + sum(a @ b)`` over ``terms`` of ``(a, b_ref, transpose_b)``: ``a`` in
-        registers or shared memory, ``b`` in shared memory."""
+    def mma(*groups):
+        """``acc + sum(a @ b)`` for each group ``(acc, terms)`` of ``(a, b_ref, transpose_b)``
+        terms (``a`` in registers or shared memory, ``b`` in shared memory), every product
+        issued before one wait; the accumulators in order."""
         plgpu = _plgpu()
 
-        def run(acc_ref):
-            for a, b, transpose_b in terms:
-                plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b, (1, 0)) if transpose_b else b)
-
-        return pl.run_state(run)(plgpu.ACC.init(acc))
-
-    @staticmethod
-    def mma2(acc_a, terms_a, acc_b, terms_b):
-        """Two :meth:`mma` issued together, waited for once."""
-        plgpu = _plgpu()
-
-        def run(refs):
-            for acc_ref, terms in zip(refs, (terms_a, terms_b), strict=True):
+        def run(acc_refs):
+            for acc_ref, (_, terms) in zip(acc_refs, groups, strict=True):
                 for a, b, transpose_b in terms:
                     b = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
                     plgpu.wgmma(acc_ref, a, b)
 
-        return pl.run_state(run)((plgpu.ACC.init(acc_a), plgpu.ACC.init(acc_b)))
+        return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _ in groups))
 
 
 class _Interpret:
@@ -235,19 +224,18 @@ class _Interpret:
         return jnp.zeros(shape, f32)
 
     @staticmethod
-    def mma(acc, terms):
-        for a, b, transpose_b in terms:
-            a = a if isinstance(a, jax.Array) else a[...]
-            b = b[...].T if transpose_b else b[...]
-            acc = acc + jnp.dot(a, b, preferred_element_type=f32)
-        return acc
+    def mma(*groups):
+        out = []
+        for acc, terms in groups:
+            for a, b, transpose_b in terms:
+                a = a if isinstance(a, jax.Array) else a[...]
+                b = b[...].T if transpose_b else b[...]
+                acc = acc + jnp.dot(a, b, preferred_element_type=f32)
+            out.append(acc)
+        return tuple(out)
 
-    @staticmethod
-    def mma2(acc_a, terms_a, acc_b, terms_b):
-        return _Interpret.mma(acc_a, terms_a), _Interpret.mma(acc_b, terms_b)
 
-
-def _body(refs, scratch, *, ops, num_ckpt: int, pool_dtype, per_channel: bool):
+def _body(refs, scratch, *, ops, num_ckpt: int, per_channel: bool):
     plgpu = _plgpu()
     ri_ref, meta_ref, dec_ref, w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, pool_in, pool_out, o_ref = (
         refs
@@ -288,7 +276,7 @@ def _body(refs, scratch, *, ops, num_ckpt: int, pool_dtype, per_channel: bool):
 
     def store_state(s, slot):  # S^T to pool[slot, head, vs] (rounded to the pool's dtype)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        st_s[...] = s.astype(pool_dtype)
+        st_s[...] = s.astype(pool_out.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(st_s, pool_out.at[slot, head, vs])
 
@@ -304,7 +292,7 @@ def _body(refs, scratch, *, ops, num_ckpt: int, pool_dtype, per_channel: bool):
         plgpu.barrier_wait(bars.at[slot])
         sb = s.astype(op)
         st_t[...] = sb
-        sw = ops.mma(ops.zeros((BV, CHUNK)), [(sb, w_s.at[slot], True)])
+        (sw,) = ops.mma((ops.zeros((BV, CHUNK)), [(sb, w_s.at[slot], True)]))
         ut = ops.load(ut_s.at[slot]).astype(f32)
         col = ops.iota((BV, CHUNK), 1)
         in_chunk = (col >= lead) & (col < lead + length)
@@ -316,9 +304,9 @@ def _body(refs, scratch, *, ops, num_ckpt: int, pool_dtype, per_channel: bool):
             decay = jax.lax.broadcast_in_dim(vec, s.shape, (1,))
         else:
             decay = dec_s[ci // META_COLS, ci % META_COLS]
-        s, o = ops.mma2(  # the state's update (the serial chain) and the chunk's output
-            s * decay, [(vt, kd_s.at[slot], False)],
-            ops.zeros((CHUNK, BV)), [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)],
+        s, o = ops.mma(  # the state's update (the serial chain) and the chunk's output
+            (s * decay, [(vt, kd_s.at[slot], False)]),
+            (ops.zeros((CHUNK, BV)), [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)]),
         )  # fmt: skip
         for m in range(num_ckpt):
             ck_off, ck_slot = ri_s[4 + m], ri_s[4 + num_ckpt + m]
@@ -406,10 +394,9 @@ def _written_slots(rp: RowPlan) -> tuple[jax.Array, jax.Array]:
 
 def scan_mgpu(
     rp: RowPlan,
-    x: ChunkRefs,  # the intra launch's scratch with ``u`` = U^T [H, Dv, Tp']
+    x: ChunkRefs,  # the intra launch's scratch with ``u`` = U^T [H, Dv, Tp]
     state: jax.Array,  # f32[num_slots, H, Dv, Dk]  donated: updated in place
     *,
-    num_tokens: int,  # Tp, the output's rows
     out_dtype,
     name: str = "gdn_prefill",
     interpret: bool = False,
@@ -419,7 +406,7 @@ def scan_mgpu(
     ``kda.gpu.intra_launch(tma_layout=True)``). Returns ``(o [Tp, H, Dv], state)``; rows
     outside every chunk of ``o`` are left unwritten."""
     plgpu = _plgpu()
-    h, _, dk = x.w.shape
+    h, num_tokens, dk = x.w.shape
     dv = x.u.shape[1]
     nc = x.decay.shape[0]
     rows, num_ckpt = rp.ck_off.shape
@@ -455,9 +442,8 @@ def scan_mgpu(
         plgpu.Barrier(num_arrivals=1, num_barriers=1),
     )
     body = functools.partial(
-        _body, ops=_Interpret if interpret else _Gpu, num_ckpt=num_ckpt, pool_dtype=state.dtype,
-        per_channel=per_channel,
-    )  # fmt: skip
+        _body, ops=_Interpret if interpret else _Gpu, num_ckpt=num_ckpt, per_channel=per_channel
+    )
     mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)
     args = (ri, meta, dec, *tiles)

@@ -53,6 +53,11 @@ class ChunkPlan(NamedTuple):
     live: jax.Array  # bool[T]  False for padding tokens
 
 
+def live_end(plan: ChunkPlan) -> jax.Array:
+    """i32[1]: the end of the plan's last chunk, the batch's live token count."""
+    return jnp.max(plan.start + plan.length, keepdims=True)
+
+
 def max_chunks(num_tokens: int, num_rows: int, max_ckpt: int, chunk: int) -> int:
     """The static capacity of a chunk plan."""
     return max(1, min(num_tokens, num_tokens // chunk + num_rows * (1 + max_ckpt)))

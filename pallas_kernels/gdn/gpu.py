@@ -65,7 +65,7 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common import chunk_scan_mgpu
 from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, chunk_refs_shapes, scan_launches
-from pallas_kernels.common.chunking import max_chunks, plan_chunks
+from pallas_kernels.common.chunking import live_end, max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
     NT,
     l2norm,
@@ -261,17 +261,17 @@ def _intra_kernel(
 def intra_launch(
     q, k, v, a, b, A_log, dt_bias, plan, *, num_chunks: int, operand_dtype, precision,
     num_warps: int = 8, num_stages: int = 2, early_stores: bool = False,
-    num_live: jax.Array | None = None, tma_layout: bool = False, interpret: bool = False,
+    tma_layout: bool = False, interpret: bool = False,
 ) -> ChunkRefs:  # fmt: skip
     """Launch 1 (:func:`_intra_kernel`) over grid ``(NC, Hv)`` on inputs padded to at least one
-    chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`). ``tma_layout`` (the
-    Mosaic GPU serial launch's scratch) needs ``num_live``, the batch's token count (i32[1]);
-    ``u`` is then ``U^T [Hv, Dv, Tp]`` (``Tp`` a multiple of 64: TMA's tiles)."""
+    chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`). ``tma_layout``: the
+    Mosaic GPU serial launch's scratch, on a token-aligned plan; ``u`` is then
+    ``U^T [Hv, Dv, Tp]`` (``Tp`` a multiple of 64: TMA's tiles)."""
     tp, hk, dk = q.shape
     _, hv, dv = v.shape
     op = operand_dtype
     shapes = chunk_refs_shapes(hv, tp, dk, dv, CHUNK, num_chunks, op, False, tma_layout)
-    live = jnp.zeros(1, jnp.int32) if num_live is None else num_live.astype(jnp.int32)
+    live = live_end(plan) if tma_layout else jnp.zeros(1, jnp.int32)
     return ChunkRefs(
         *pl.pallas_call(
             functools.partial(
@@ -309,9 +309,7 @@ def prefill_scratch(
     x = intra_launch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=operand_dtype,
         precision=precision, num_warps=num_warps, num_stages=num_stages,
-        early_stores=early_stores, num_live=jnp.max(plan.start + plan.length, keepdims=True),
-        tma_layout=tma_layout,
-        interpret=interpret,
+        early_stores=early_stores, tma_layout=tma_layout, interpret=interpret,
     )  # fmt: skip
     return plan, row_plan(plan, slots, nc), x
 
@@ -379,9 +377,7 @@ def gdn_prefill(
         early_stores=intra_early_stores, tma_layout=mgpu, interpret=interpret,
     )  # fmt: skip
     if mgpu:
-        o, state = chunk_scan_mgpu.scan_mgpu(
-            rp, x, state, num_tokens=x.w.shape[1], out_dtype=v.dtype, interpret=interpret
-        )
+        o, state = chunk_scan_mgpu.scan_mgpu(rp, x, state, out_dtype=v.dtype, interpret=interpret)
         return jnp.where(plan.live[:, None, None], o[:n], 0).astype(v.dtype), state
     bv = serial_block_v(slots.num_rows, hv, dv, block_v)
     o, state = scan_launches(

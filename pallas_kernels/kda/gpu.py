@@ -66,7 +66,7 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common import chunk_scan_mgpu
 from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, chunk_refs_shapes, scan_launches
-from pallas_kernels.common.chunking import max_chunks, plan_chunks
+from pallas_kernels.common.chunking import live_end, max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
     NN,
     NT,
@@ -338,13 +338,13 @@ def _intra_kernel(
 
 def intra_launch(
     q, k, v, g, b, neg_a, dt, plan, *, num_chunks: int, operand_dtype, precision,
-    num_warps: int = 8, num_stages: int = 2, num_live: jax.Array | None = None,
-    tma_layout: bool = False, interpret: bool = False,
+    num_warps: int = 8, num_stages: int = 2, tma_layout: bool = False,
+    interpret: bool = False,
 ) -> ChunkRefs:  # fmt: skip
     """Launch 1 (:func:`_intra_kernel`) over grid ``(NC, H)`` on inputs padded to at least one
     chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`); ``tma_layout`` (the
     Mosaic GPU serial launch's scratch, on a token-aligned plan and tokens padded to a multiple
-    of 64) needs ``num_live``, the batch's token count (i32[1])."""
+    of 64): ``U^T [H, Dv, Tp]``."""
     tp, h, dk = q.shape
     dv = v.shape[2]
     op = operand_dtype
@@ -353,7 +353,7 @@ def intra_launch(
         tma_layout=tma_layout,
     )  # fmt: skip
     shapes = chunk_refs_shapes(h, tp, dk, dv, CHUNK, num_chunks, op, True, tma_layout)
-    live = jnp.zeros(1, jnp.int32) if num_live is None else num_live.astype(jnp.int32)
+    live = live_end(plan) if tma_layout else jnp.zeros(1, jnp.int32)
     return ChunkRefs(
         *pl.pallas_call(
             kernel,
@@ -429,12 +429,11 @@ def kda_prefill(
     x = intra_launch(
         q, k, v, g, b, neg_a, dt, plan, num_chunks=nc, operand_dtype=op, precision=precision,
         num_warps=intra_num_warps, num_stages=intra_num_stages,
-        num_live=jnp.max(plan.start + plan.length, keepdims=True), tma_layout=mgpu,
-        interpret=interpret,
+        tma_layout=mgpu, interpret=interpret,
     )  # fmt: skip
     if mgpu:
         o, state = chunk_scan_mgpu.scan_mgpu(
-            rp, x, state, num_tokens=x.w.shape[1], out_dtype=v.dtype, name="kda_prefill",
+            rp, x, state, out_dtype=v.dtype, name="kda_prefill",
             interpret=interpret,
         )  # fmt: skip
         return jnp.where(plan.live[:, None, None], o[:n], 0).astype(v.dtype), state

@@ -43,9 +43,7 @@ def _serial(tma_layout, args, pool, qsl, slots):
         interpret=True,
     )  # fmt: skip
     if tma_layout:
-        return chunk_scan_mgpu.scan_mgpu(
-            rp, x, pool, num_tokens=x.w.shape[1], out_dtype=jnp.bfloat16, interpret=True
-        )
+        return chunk_scan_mgpu.scan_mgpu(rp, x, pool, out_dtype=jnp.bfloat16, interpret=True)
     return chunk_scan_gpu.scan_launches(
         rp, x, pool, plan.start, plan.length, out_dtype=jnp.bfloat16, bv=D, precision=None,
         num_warps=4, num_stages=1, vb_first=True, three_launches=False, block_v_out=None,
