@@ -53,6 +53,7 @@ INTERPRET = False  # --interpret: run the kernels in Pallas interpret mode (CPU 
 # dtype, the launch count by the scratch rule).
 PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tuning)
     "default": (None, None, None, {}),
+    "triton": (None, None, None, dict(serial="triton")),  # the Triton serial launch
     # the Mosaic GPU serial launch (the timed batches' chunks start at multiples of 64 tokens)
     "mgpu": (None, None, None, dict(serial="mgpu")),
     "mgpu_early": (None, None, None, dict(serial="mgpu", intra_early_stores=True)),

@@ -34,12 +34,13 @@
 #             the state the accumulator) against the Triton one, each on its own scratch,
 #             checked against it, then each timed, at 1x4096, 8x4096, 1x16384, 1x32768
 #   mgpuprobe the Mosaic GPU prefill's ragged cases, a process each (benchmarks.mgpu_probe)
-#   mgpu      gdn_kernels' checks of the Mosaic GPU prefill (gdn_prefill(serial="mgpu"),
-#             token-aligned plan) against the reference, its prefill (also with the intra
-#             launch's early stores) beside the default, FLA
+#   mgpu      gdn_kernels' checks of the default prefill (the Mosaic GPU serial launch on its
+#             token-aligned plan) against the reference, its prefill at four shapes beside the
+#             Triton serial launch's (variant triton), with 0, 1, 4 checkpoints, FLA
 #   mgpuserve the bench model's serving run (4 layers, c8) with HYJAX_PREFILL_SERIAL=mgpu: the
 #             engine on the Mosaic GPU prefill
-#   mgpukda   the same for KDA: kda_kernels' checks and prefill, default and mgpu, and FLA
+#   mgpukda   the same for KDA: kda_kernels' checks and prefill, default (Mosaic GPU) and
+#             triton, with 0, 1, 4 checkpoints, and FLA
 #   ncugdn    ncu's counters (occupancy, launch statistics, warp states, memory) of the GDN
 #             prefill's intra and serial launches at SUITE_NCU_BATCH (default 8) x 4096 tokens
 #             (benchmarks.profile_delta_rule), in the section's log; ncukda the same for KDA
@@ -122,10 +123,10 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T4096_mgpu,prefill_B1_T4096_early,prefill_B1_T16384_default,prefill_B1_T16384_mgpu,prefill_B1_T16384_early,prefill_B8_T4096_default,prefill_B8_T4096_mgpu,prefill_B8_T4096_early,prefill_B1_T32768_default,prefill_B1_T32768_mgpu,prefill_B1_T32768_early,prefill_B8_T4096_ckpt,fla --out $j" ;;
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
-        mgpukda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_mgpu,fla,prefill_B1_T4096_default,prefill_B1_T4096_mgpu,prefill_B1_T16384_default,prefill_B1_T16384_mgpu,prefill_B8_T4096_default,prefill_B8_T4096_mgpu --out $j" ;;
+        mgpukda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_triton,fla,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B8_T4096_ckpt --out $j" ;;
         mgpuprobe) echo "python -m benchmarks.mgpu_probe --timeout 60 --out $j" ;;
         mgpuserve) echo "env HYJAX_PREFILL_SERIAL=mgpu python -m benchmarks.serving_throughput --model bench --layers 4 --concurrency 8 --input-len 700 --output-len 32 --max-seconds $((budget - 20)) --out $j" ;;
-        mgpu) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill_mgpu,prefill_B1_T4096_default,prefill_B1_T4096_mgpu,prefill_B1_T4096_mgpu_early,prefill_B1_T16384_default,prefill_B1_T16384_mgpu,prefill_B1_T16384_mgpu_early,prefill_B8_T4096_default,prefill_B8_T4096_mgpu,prefill_B8_T4096_mgpu_early,prefill_B1_T32768_default,prefill_B1_T32768_mgpu,prefill_B1_T32768_mgpu_early,prefill_B8_T4096_ckpt,fla --out $j" ;;
+        mgpu) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill_tf32,check_prefill_mgpu_aligned,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B1_T32768_default,prefill_B1_T32768_triton,prefill_B8_T4096_ckpt,fla --out $j" ;;
         ncugdn | ncukda)  # ncu's counters of the default prefill's two launches, in the log
             echo "$ncu --kernel-name regex:prefill_ --launch-skip 2 --launch-count 2 $sections python -m benchmarks.profile_delta_rule --family ${1#ncu} --op prefill --batch ${SUITE_NCU_BATCH:-8} --seq-len 4096" ;;
         ncugdndec | ncukdadec)  # the same of the decode kernel (rows in place, f32 state)

@@ -50,6 +50,7 @@ INTERPRET = False
 # output in a parallel launch of its own, and f32 dot operands at TF32 (a float32 model's path).
 VARIANTS = {
     "default": {"precision": None},
+    "triton": {"precision": None, "serial": "triton"},  # the Triton serial launch
     "three": {"precision": None, "three_launches": True},
     # the serial launch in Mosaic GPU (TMA, wgmma; a token-aligned chunk plan)
     "mgpu": {"precision": None, "serial": "mgpu"},

@@ -45,12 +45,12 @@ rows never written could hold NaN).
 :func:`scan_mgpu` runs it; ``interpret=True`` runs it in Pallas' GPU interpreter on a CPU host
 (the copies, barriers, loops and stores as written; the products, which the interpreter does
 not model in registers, as plain dots; the pool written through an output, not in place).
-``gdn.gpu.gdn_prefill(serial="mgpu")`` / ``kda.gpu.kda_prefill(serial="mgpu")`` ask for it
-(or ``HYJAX_PREFILL_SERIAL=mgpu`` for a process); it is not the default
-(:data:`SERIAL_DEFAULT`) until a GPU has run the probe on the token-aligned plan.
+It is the GPU prefill's default (:data:`SERIAL_DEFAULT`); ``serial="triton"`` (or
+``HYJAX_PREFILL_SERIAL=triton`` for a process) asks for the Triton launch.
 
-Measured on an H200 before the token-aligned plan (BENCHMARKS.md): GDN's whole prefill 1.13-1.43x
-the Triton one in one process, on batches whose windows all started at multiples of 64.
+Measured on an H200 on the token-aligned plan (BENCHMARKS.md): GDN's whole prefill 1.14-1.44x
+the Triton one in one process, KDA's 1.04-1.21x; ragged batches (rows of 1-200 tokens,
+checkpoints inside a block) match the Triton launch (``benchmarks/mgpu_probe.py``).
 """
 
 from __future__ import annotations
@@ -108,12 +108,11 @@ def smem_bytes(
     )
 
 
-# The serial launch a GPU prefill runs when not told (``serial=None``): "triton" until the
-# Mosaic GPU launch's token-aligned plan has passed ``benchmarks/mgpu_probe.py`` and its checks
-# on one; "mgpu" then, the shapes it cannot take falling back to Triton with one log line. The
-# environment's HYJAX_PREFILL_SERIAL sets it for a process (an engine run on the Mosaic GPU
-# launch before the flip).
-SERIAL_DEFAULT = os.environ.get("HYJAX_PREFILL_SERIAL", "triton")
+# The serial launch a GPU prefill runs when not told (``serial=None``): Mosaic GPU's, the shapes
+# it cannot take falling back to Triton's with one log line (its token-aligned plan passed
+# ``benchmarks/mgpu_probe.py`` and the checks on an H200, 2026-11-29). The environment's
+# HYJAX_PREFILL_SERIAL=triton sets Triton's for a process.
+SERIAL_DEFAULT = os.environ.get("HYJAX_PREFILL_SERIAL", "mgpu")
 
 
 @functools.cache

@@ -345,7 +345,8 @@ def gdn_prefill(
     ``serial`` picks the serial launch: ``"triton"``, ``"mgpu"`` (Mosaic GPU:
     :mod:`pallas_kernels.common.chunk_scan_mgpu`, on a token-aligned chunk plan; 16-bit
     operands, an f32 pool, ``Dk`` 64 or 128, ``Dv`` a multiple of 64, two launches), or None:
-    ``chunk_scan_mgpu.SERIAL_DEFAULT`` (Triton for now; in interpret mode always).
+    ``chunk_scan_mgpu.SERIAL_DEFAULT`` (Mosaic GPU where it can take the shapes, else Triton
+    with one log line; in interpret mode Triton always).
     ``interpret`` runs either in its interpreter.
 
     ``precision`` is the matmul precision inside the chunk (``HIGHEST``: IEEE f32; a
