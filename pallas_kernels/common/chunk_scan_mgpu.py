@@ -164,7 +164,7 @@ def unsupported_reason(
     return None
 
 
-class _Gpu:
+class GpuOps:
     """The products, loads and index arrays of the kernel on a GPU (WGMMA layouts)."""
 
     @staticmethod
@@ -176,6 +176,11 @@ class _Gpu:
     def load_row_vector(ref):  # a [N] vector that scales the columns of a [M, N] WGMMA array
         plgpu = _plgpu()
         return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+
+    @staticmethod
+    def load_col_vector(ref):  # a [M] vector that scales the rows of a [M, N] WGMMA array
+        plgpu = _plgpu()
+        return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
 
     @staticmethod
     def iota(shape, dim):
@@ -203,7 +208,7 @@ class _Gpu:
         return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _ in groups))
 
 
-class _Interpret:
+class InterpretOps:
     """The same in Pallas' GPU interpreter: plain arrays and dots."""
 
     @staticmethod
@@ -212,6 +217,10 @@ class _Interpret:
 
     @staticmethod
     def load_row_vector(ref):
+        return ref[...]
+
+    @staticmethod
+    def load_col_vector(ref):
         return ref[...]
 
     @staticmethod
@@ -441,7 +450,7 @@ def scan_mgpu(
         plgpu.Barrier(num_arrivals=1, num_barriers=1),
     )
     body = functools.partial(
-        _body, ops=_Interpret if interpret else _Gpu, num_ckpt=num_ckpt, per_channel=per_channel
+        _body, ops=InterpretOps if interpret else GpuOps, num_ckpt=num_ckpt, per_channel=per_channel
     )
     mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)

@@ -144,3 +144,32 @@ def test_kda_serial_launch_lowers_to_mosaic_gpu():
 
     lowered = jax.jit(prefill, donate_argnums=7).trace(*args).lower(lowering_platforms=("cuda",))
     assert "custom_call @mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("family", ["gdn", "kda"])
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_lowers_to_mosaic_gpu(family, pool_dtype):
+    """The Mosaic GPU decode (``pallas_kernels.common.decode_mgpu``) at the 80B's GDN heads /
+    Kimi-Linear-48B's KDA heads, 256 rows, two checkpoint columns: its layouts (the state tile,
+    the row and column vectors, their reductions and broadcasts), copies and shared memory pass
+    Mosaic GPU's checks, and the pool is aliased in and out (written in place)."""
+    from pallas_kernels.common import decode_mgpu
+    from pallas_kernels.common.slots import StateSlots
+
+    rows, d = 256, 128
+    hk, hv = (16, 32) if family == "gdn" else (32, 32)
+    sds = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    gate = sds((rows, hv), bf) if family == "gdn" else sds((rows, hv, d), bf)
+    acts = (sds((rows, hk, d), bf), sds((rows, hk, d), bf), sds((rows, hv, d), bf), gate,
+            sds((rows, hv), bf), sds((hv,), jnp.float32),
+            sds((hv,) if family == "gdn" else (hv, d), jnp.float32))  # fmt: skip
+    i32 = jnp.int32
+    slots = StateSlots(sds((rows,), i32), sds((rows,), i32), sds((rows, 2), i32),
+                       sds((rows, 2), i32), sds((), i32))  # fmt: skip
+    pool = sds((rows + 1, hv, d, d), pool_dtype)
+    kernel = decode_mgpu.gdn_decode_mgpu if family == "gdn" else decode_mgpu.kda_decode_mgpu
+    fn = jax.jit(lambda acts, p, s: kernel(*acts, p, s, programs=264), donate_argnums=1)
+    text = fn.trace(acts, pool, slots).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @mosaic_gpu" in text
+    assert "tf.aliasing_output" in text  # the donated pool is the kernel's output

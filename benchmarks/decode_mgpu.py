@@ -1,0 +1,128 @@
+"""The Mosaic GPU decode (``pallas_kernels.common.decode_mgpu``) on a GPU: checked, then timed
+beside the engine's Triton decode and a copy of the same state bytes, in one process.
+
+    python -m benchmarks.decode_mgpu --out decode_mgpu.json [--batches 64,256]
+
+For GDN and KDA (80B / Kimi-Linear-48B heads, f32 state [V, K]): first the check at 64 rows
+on ``decode_variants.check_slots`` (a row from zeros, slot 0 NaN, a row writing nothing, a
+checkpoint at offset 1, a padding row) against the reference in IEEE f32, the same bounds as
+``decode_variants``' tilings (state 1e-5, bf16 output 4e-3); then, at each batch, the copy,
+the Triton decode and this kernel at 1 and 2 programs an SM (``decode_variants``' timing: chains
+of unrolled calls, state donated, every output consumed). ``--dry-run``: CPU, interpret mode,
+tiny shapes. A kernel that fails its check is not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.decode_variants import (
+    INPUTS,
+    REFERENCES,
+    Runner,
+    Shapes,
+    _err_ratio,
+    _swap,
+    check_slots,
+    pool,
+    running_slots,
+)
+from pallas_kernels.common import decode_mgpu
+
+SWEEP = [(1, 2), (1, 4), (1, 6), (2, 2), (2, 3), (3, 2), (4, 2)]  # (programs an SM, buffers)
+KERNELS = {"gdn": decode_mgpu.gdn_decode_mgpu, "kda": decode_mgpu.kda_decode_mgpu}
+
+
+def check(run: Runner, fam: str, rows: int, programs: int | None) -> dict:
+    acts = INPUTS[fam](run.sh, rows, jax.random.PRNGKey(4))
+    slots = check_slots(rows)
+    st = pool(run.sh, rows + 3, jax.random.PRNGKey(5)).at[0].set(jnp.nan)
+    kernel = functools.partial(KERNELS[fam], programs=programs, interpret=run.interpret)
+
+    @jax.jit
+    def errors(acts, st):
+        with jax.default_matmul_precision("highest"):
+            want_o, want_s = REFERENCES[fam](*acts, st, slots)
+        got_o, got_s = kernel(*acts, st, slots)
+        return {
+            "output_err_ratio": _err_ratio(got_o, want_o),
+            "state_err_ratio": _err_ratio(got_s[1:], want_s[1:]),
+            "slot0_untouched": jnp.isnan(got_s[0]).all(),
+            "output_finite": jnp.isfinite(got_o.astype(jnp.float32)).all(),
+        }
+
+    out = {k: v.item() for k, v in errors(acts, st).items()}
+    out["ok"] = bool(
+        out["output_err_ratio"] < 4e-3
+        and out["state_err_ratio"] < 1e-5
+        and out["slot0_untouched"]
+        and out["output_finite"]
+    )
+    return out
+
+
+def timed(run: Runner, fam: str, rows: int, programs: int | None, copy_s, buffers=None) -> dict:
+    acts = INPUTS[fam](run.sh, rows, jax.random.PRNGKey(1))
+    st = pool(run.sh, rows + 1, jax.random.PRNGKey(2))
+    more = {"buffers": buffers} if buffers else {}
+    fn = functools.partial(KERNELS[fam], programs=programs, interpret=run.interpret, **more)
+    return run.timed(rows, run.time(_swap(fn), st, (acts, running_slots(rows))), copy_s)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--batches", default="64,256")
+    p.add_argument("--families", default="gdn,kda")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--chains", type=int, default=10)
+    p.add_argument("--budget-s", type=float, default=None)
+    p.add_argument("--sweep", action="store_true",
+                   help="GDN only: (programs an SM, buffers) at each batch, no check")  # fmt: skip
+    p.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, interpret mode")
+    args = p.parse_args()
+    sh, batches = Shapes(), [int(b) for b in args.batches.split(",")]
+    if args.dry_run:
+        sh, batches = Shapes(hk=2, hv=4, d=64), [8]
+    run = Runner(args, sh)
+    sms = 2 if args.dry_run else decode_mgpu._num_sms()
+    fams = args.families.split(",")
+    if args.sweep:
+        for rows in batches:
+            copy_s = run.record(f"copy_B{rows}", lambda r=rows: run.copy(r)).get("us", 0) * 1e-6
+            run.record(
+                f"gdn_decode_B{rows}", lambda r=rows, c=copy_s: run.baseline("gdn_decode", r, c)
+            )
+            for per_sm, buffers in SWEEP:
+                run.record(
+                    f"gdn_mgpu_{per_sm}per_sm_{buffers}buf_B{rows}",
+                    lambda r=rows, n=per_sm * sms, c=copy_s, nb=buffers: timed(
+                        run, "gdn", r, n, c, nb
+                    ),
+                )
+        return
+    ok = {}
+    for fam in fams:
+        res = run.record(f"{fam}_mgpu_check", lambda fam=fam: check(run, fam, batches[0], None))
+        ok[fam] = bool(res.get("ok"))
+    for rows in batches:
+        copy_s = run.record(f"copy_B{rows}", lambda rows=rows: run.copy(rows)).get("us", 0) * 1e-6
+        for fam in fams:
+            name = f"{fam}_decode"
+            run.record(f"{name}_B{rows}", lambda n=name, r=rows, c=copy_s: run.baseline(n, r, c))
+            if not ok[fam]:
+                continue
+            for per_sm in (2, 1):
+                run.record(
+                    f"{fam}_mgpu_{per_sm}per_sm_B{rows}",
+                    lambda f=fam, r=rows, n=per_sm * sms, c=copy_s: timed(run, f, r, n, c),
+                )
+        run.record(f"copy_again_B{rows}", lambda rows=rows: run.copy(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The Mosaic GPU decode (``pallas_kernels.common.decode_mgpu``) in Pallas' GPU interpreter,
+against the decode references.
+
+The interpreter runs the kernel's copies, barriers, buffer rotation, item walk and masked
+stores as written, so the slot contract is checked here: a row from zeros (``src`` 0, whose
+slot holds NaN), a row that writes nothing (``dst`` 0), a checkpoint at offset 1, a padding
+row, and slots no row writes left bit for bit. Several programs, each over several items, with
+fewer buffers than items: the pipeline's refills. The GPU check and timing is
+``benchmarks/decode_mgpu.py``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.common import decode_mgpu
+from pallas_kernels.common.slots import StateSlots
+from pallas_kernels.gdn.reference import gdn_decode_reference
+from pallas_kernels.kda.reference import kda_decode_reference
+
+ROWS, D = 6, 64
+bf = jnp.bfloat16
+
+
+def _slots():
+    """Row 1 from zeros, row 2 writes nothing, row 3 to a fresh slot, row 0 also a checkpoint
+    at offset 1 (slot 9), row 5 padding. Slots 0, 8 and 10 are read by no row: NaN."""
+    src = jnp.array([1, 0, 3, 4, 5, 6], jnp.int32)
+    dst = jnp.array([1, 2, 0, 7, 5, 6], jnp.int32)
+    ck_off = jnp.zeros((ROWS, 2), jnp.int32).at[0, 1].set(1).at[4, 0].set(2)
+    ck_slot = jnp.zeros((ROWS, 2), jnp.int32).at[0, 1].set(9).at[4, 0].set(10)
+    return StateSlots(src, dst, ck_off, ck_slot, jnp.int32(ROWS - 1))
+
+
+def _pool(rng, heads, dtype=jnp.float32):
+    pool = jnp.asarray(0.5 * rng.normal(size=(11, heads, D, D)), jnp.float32)
+    return pool.at[jnp.array([0, 8, 10])].set(jnp.nan).astype(dtype)
+
+
+def _check(got, want, pool, *, tol):
+    (o, s), (wo, ws) = got, want
+    live = ROWS - 1
+    np.testing.assert_allclose(
+        np.asarray(o[:live], np.float32), np.asarray(wo[:live], np.float32), rtol=tol, atol=tol
+    )
+    assert not np.asarray(o[live:], np.float32).any(), "a padding row's output must be zeros"
+    written = [1, 2, 7, 5, 9]
+    np.testing.assert_allclose(
+        np.asarray(s[jnp.array(written)], np.float32),
+        np.asarray(ws[jnp.array(written)], np.float32),
+        rtol=tol,
+        atol=tol,
+    )
+    for slot in (0, 3, 4, 6, 8, 10):  # read or never touched: left as they were
+        np.testing.assert_array_equal(
+            np.asarray(s[slot], np.float32), np.asarray(pool[slot], np.float32)
+        )
+
+
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_gdn_matches_the_reference(pool_dtype):
+    rng = np.random.default_rng(0)
+    hk, hv = 2, 4  # GQA: value head h reads key head h // 2
+    q, k = (jnp.asarray(rng.normal(size=(ROWS, hk, D)), bf) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(ROWS, hv, D)), bf)
+    a, b = (jnp.asarray(rng.normal(size=(ROWS, hv)), bf) for _ in range(2))
+    A_log, dt_bias = jnp.log(jnp.linspace(1.0, 4.0, hv)), jnp.zeros(hv)
+    pool, slots = _pool(rng, hv, pool_dtype), _slots()
+    args = (q, k, v, a, b, A_log, dt_bias)
+    want = gdn_decode_reference(*args, pool, slots)
+    # 24 items over 5 programs of 3 buffers: each program refills its buffers
+    got = jax.jit(
+        lambda p: decode_mgpu.gdn_decode_mgpu(*args, p, slots, programs=5, interpret=True)
+    )(pool)
+    _check(got, want, pool, tol=2e-2 if pool_dtype == jnp.bfloat16 else 2e-3)
+
+
+def test_kda_matches_the_reference():
+    rng = np.random.default_rng(1)
+    h = 2
+    q, k, v, g = (jnp.asarray(rng.normal(size=(ROWS, h, D)), bf) for _ in range(4))
+    b = jnp.asarray(rng.normal(size=(ROWS, h)), bf)
+    A_log = jnp.log(jnp.array([1.0, 8.0]))
+    dt_bias = jnp.asarray(rng.normal(size=(h, D)), jnp.float32)
+    pool, slots = _pool(rng, h), _slots()
+    args = (q, k, v, g, b, A_log, dt_bias)
+    want = kda_decode_reference(*args, pool, slots)
+    got = jax.jit(
+        lambda p: decode_mgpu.kda_decode_mgpu(*args, p, slots, programs=3, interpret=True)
+    )(pool)
+    _check(got, want, pool, tol=2e-3)
+
+
+def test_unsupported_shapes_name_why():
+    assert "Dk=96" in decode_mgpu.unsupported_reason(8, 32, 96, 128, 2, jnp.float32)
+    assert "Dv=96" in decode_mgpu.unsupported_reason(8, 32, 128, 96, 2, jnp.float32)
+    assert "shared memory" in decode_mgpu.unsupported_reason(1 << 16, 32, 128, 128, 2, jnp.float32)
+    assert decode_mgpu.unsupported_reason(256, 32, 128, 128, 2, jnp.float32) is None
