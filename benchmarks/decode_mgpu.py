@@ -18,16 +18,13 @@ import argparse
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from benchmarks.decode_variants import (
     INPUTS,
-    REFERENCES,
     Runner,
     Shapes,
-    _err_ratio,
     _swap,
-    check_slots,
+    check_decode,
     pool,
     running_slots,
 )
@@ -38,31 +35,8 @@ KERNELS = {"gdn": decode_mgpu.gdn_decode_mgpu, "kda": decode_mgpu.kda_decode_mgp
 
 
 def check(run: Runner, fam: str, rows: int, programs: int | None) -> dict:
-    acts = INPUTS[fam](run.sh, rows, jax.random.PRNGKey(4))
-    slots = check_slots(rows)
-    st = pool(run.sh, rows + 3, jax.random.PRNGKey(5)).at[0].set(jnp.nan)
     kernel = functools.partial(KERNELS[fam], programs=programs, interpret=run.interpret)
-
-    @jax.jit
-    def errors(acts, st):
-        with jax.default_matmul_precision("highest"):
-            want_o, want_s = REFERENCES[fam](*acts, st, slots)
-        got_o, got_s = kernel(*acts, st, slots)
-        return {
-            "output_err_ratio": _err_ratio(got_o, want_o),
-            "state_err_ratio": _err_ratio(got_s[1:], want_s[1:]),
-            "slot0_untouched": jnp.isnan(got_s[0]).all(),
-            "output_finite": jnp.isfinite(got_o.astype(jnp.float32)).all(),
-        }
-
-    out = {k: v.item() for k, v in errors(acts, st).items()}
-    out["ok"] = bool(
-        out["output_err_ratio"] < 4e-3
-        and out["state_err_ratio"] < 1e-5
-        and out["slot0_untouched"]
-        and out["output_finite"]
-    )
-    return out
+    return check_decode(run.sh, fam, rows, lambda *acts, st, slots: kernel(*acts, st, slots))
 
 
 def timed(run: Runner, fam: str, rows: int, programs: int | None, copy_s, buffers=None) -> dict:

@@ -394,40 +394,16 @@ class Runner:
     def check(self, group: str, tiling: DecodeTiling, rows: int) -> dict:
         """The variant vs the reference on the device, at ``rows`` rows (``check_slots``)."""
         fam = family_of(group)
-        acts = INPUTS[fam](self.sh, rows, jax.random.PRNGKey(4))
-        slots = check_slots(rows)
-        st = pool(self.sh, rows + 3, jax.random.PRNGKey(5)).at[0].set(jnp.nan)
         kernel = functools.partial(VARIANT_FNS[fam], tiling=tiling, interpret=self.interpret)
 
-        @jax.jit
-        def errors(acts, st):
-            # IEEE f32 products in the reference (a GPU's default for f32 dots is TF32, whose
-            # 1e-3 output error would fail every variant against it).
-            with jax.default_matmul_precision("highest"):
-                want_o, want_s = REFERENCES[fam](*acts, st, slots)
-            got_o, got_s = kernel(*acts, to_layout(st, tiling.layout), slots)
-            got_s = to_layout(got_s, tiling.layout)
+        def in_layout(*acts, st, slots):
+            o, s = kernel(*acts, to_layout(st, tiling.layout), slots)
+            return o, to_layout(s, tiling.layout)
 
-            return {
-                "output_err_ratio": _err_ratio(got_o, want_o),
-                "state_err_ratio": _err_ratio(got_s[1:], want_s[1:]),
-                "slot0_untouched": jnp.isnan(got_s[0]).all(),
-                "output_finite": jnp.isfinite(got_o.astype(jnp.float32)).all(),
-            }
-
-        out = {k: v.item() for k, v in errors(acts, st).items()}
-        # bf16 outputs: one bf16 rounding step apart where the two sides round differently
-        # (every variant measured 1.6e-3 on an H200 against the reference, the exact ones too);
-        # the f32 state must agree to f32 rounding of the sums
-        # (``dot3``, 3xTF32, a little looser).
-        tol = 1e-5 if tiling.reduce != "dot3" else 1e-4
-        out["ok"] = bool(
-            out["output_err_ratio"] < 4e-3
-            and out["state_err_ratio"] < tol
-            and out["slot0_untouched"]
-            and out["output_finite"]
+        # ``dot3``, 3xTF32, a little looser
+        return check_decode(
+            self.sh, fam, rows, in_layout, 1e-5 if tiling.reduce != "dot3" else 1e-4
         )
-        return out
 
     def variant(self, group: str, tiling: DecodeTiling, rows: int, copy_s) -> dict:
         fam = family_of(group)
@@ -435,6 +411,40 @@ class Runner:
         st = to_layout(pool(self.sh, rows + 1, jax.random.PRNGKey(2)), tiling.layout)
         fn = functools.partial(VARIANT_FNS[fam], tiling=tiling, interpret=self.interpret)
         return self.timed(rows, self.time(_swap(fn), st, (acts, running_slots(rows))), copy_s)
+
+
+def check_decode(sh: Shapes, fam: str, rows: int, kernel, state_tol: float = 1e-5) -> dict:
+    """``kernel(*acts, st=pool, slots=slots) -> (o, pool)`` against the family's reference on the
+    device, at ``rows`` rows of ``check_slots`` (slot 0 NaN), with ``ok``: the state within
+    ``state_tol``, the bf16 output within 4e-3 (every variant measured 1.6e-3 on an H200
+    against the reference, the exact ones too: one bf16 rounding step where the two sides round
+    differently), slot 0 untouched, the output finite."""
+    acts = INPUTS[fam](sh, rows, jax.random.PRNGKey(4))
+    slots = check_slots(rows)
+    st = pool(sh, rows + 3, jax.random.PRNGKey(5)).at[0].set(jnp.nan)
+
+    @jax.jit
+    def errors(acts, st):
+        # IEEE f32 products in the reference (a GPU's default for f32 dots is TF32, whose
+        # 1e-3 output error would fail every variant against it).
+        with jax.default_matmul_precision("highest"):
+            want_o, want_s = REFERENCES[fam](*acts, st, slots)
+        got_o, got_s = kernel(*acts, st=st, slots=slots)
+        return {
+            "output_err_ratio": _err_ratio(got_o, want_o),
+            "state_err_ratio": _err_ratio(got_s[1:], want_s[1:]),
+            "slot0_untouched": jnp.isnan(got_s[0]).all(),
+            "output_finite": jnp.isfinite(got_o.astype(jnp.float32)).all(),
+        }
+
+    out = {k: v.item() for k, v in errors(acts, st).items()}
+    out["ok"] = bool(
+        out["output_err_ratio"] < 4e-3
+        and out["state_err_ratio"] < state_tol
+        and out["slot0_untouched"]
+        and out["output_finite"]
+    )
+    return out
 
 
 def _err_ratio(got: jax.Array, want: jax.Array) -> jax.Array:

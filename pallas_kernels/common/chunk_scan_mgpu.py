@@ -455,6 +455,21 @@ def scan_mgpu(
     mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)
     args = (ri, meta, dec, *tiles)
+    slots, mask = _written_slots(rp)
+    return pool_kernel(
+        body, scratch, mesh, args, state, o_type, jnp.where(mask, slots, 0),
+        name=f"{name}_serial_mgpu", interpret=interpret,
+    )  # fmt: skip
+
+
+def pool_kernel(body, scratch, mesh, args, state, o_type, written_slots, *, name, interpret):
+    """``body((*args refs, pool_in, pool_out, o), scratch refs)`` as one Mosaic GPU kernel over
+    ``mesh`` that writes the pool in place: ``pool_in`` and ``pool_out`` are one ref, a
+    ``jax.new_ref`` of ``state`` (donated). Returns ``(o, state)``.
+
+    In Pallas' GPU interpreter (which takes no ref arguments) ``pool_out`` is an output of the
+    pool's shape instead, and its ``written_slots`` (i32, 0: none) are copied into the pool."""
+    plgpu = _plgpu()
     if not interpret:
         pool = jax.new_ref(state)
 
@@ -463,16 +478,15 @@ def scan_mgpu(
             pl.run_scoped(lambda *s: body((*ins, pool_ref, pool_ref, o_ref), s), *scratch)
 
         params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-        o = pl.kernel(
-            kernel, out_type=o_type, mesh=mesh, compiler_params=params,
-            name=f"{name}_serial_mgpu",
-        )(*args, pool)  # fmt: skip
+        o = pl.kernel(kernel, out_type=o_type, mesh=mesh, compiler_params=params, name=name)(
+            *args, pool
+        )
         return o, jax.freeze(pool)
 
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-    def kernel_i(*refs):  # the interpreter takes no ref arguments: the states leave through
-        *ins, pool_in, o_ref, pool_out = refs  # an output, copied into the pool below
+    def kernel_i(*refs):
+        *ins, pool_in, o_ref, pool_out = refs
         pl.run_scoped(lambda *s: body((*ins, pool_in, pool_out, o_ref), s), *scratch)
 
     o, written = pl.kernel(
@@ -480,8 +494,8 @@ def scan_mgpu(
         out_type=(o_type, jax.ShapeDtypeStruct(state.shape, state.dtype)),
         mesh=mesh,
         interpret=InterpretGPUParams(),
-        name=f"{name}_serial_mgpu",
+        name=name,
     )(*args, state)
-    slots, mask = _written_slots(rp)
-    slots = jnp.where(mask, slots, state.shape[0])  # out of range: dropped
-    return o, state.at[slots].set(written[jnp.minimum(slots, state.shape[0] - 1)], mode="drop")
+    n = state.shape[0]
+    to = jnp.where(written_slots > 0, written_slots, n).reshape(-1)  # out of range: dropped
+    return o, state.at[to].set(written[jnp.minimum(to, n - 1)], mode="drop")

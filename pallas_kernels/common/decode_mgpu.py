@@ -36,7 +36,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common.chunk_scan_mgpu import SMEM_BYTES, GpuOps, InterpretOps, _plgpu
+from pallas_kernels.common.chunk_scan_mgpu import (
+    SMEM_BYTES,
+    GpuOps,
+    InterpretOps,
+    _plgpu,
+    pool_kernel,
+)
 from pallas_kernels.common.delta_rule import l2norm, softplus
 from pallas_kernels.common.slots import StateSlots
 
@@ -246,58 +252,22 @@ def decode_mgpu(
     mesh = plgpu.Mesh(grid=(programs,), grid_names=("c",))
     o_type = jax.ShapeDtypeStruct((rows, heads, dv), f32)
     args = (meta, vectors.astype(f32), gates, v.astype(f32))
-    if not interpret:
-        pool = jax.new_ref(state)
-
-        def kernel(*refs):  # the pool is read and written through one ref
-            *ins, pool_ref, o_ref = refs
-            pl.run_scoped(lambda *s: body((*ins, pool_ref, pool_ref, o_ref), s), *scratch)
-
-        params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-        o = pl.kernel(
-            kernel, out_type=o_type, mesh=mesh, compiler_params=params, name=f"{name}_mgpu"
-        )(*args, pool)
-        return o.astype(out_dtype), jax.freeze(pool)
-
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    def kernel_i(*refs):  # the states leave through an output, scattered into the pool below
-        *ins, pool_in, o_ref, pool_out = refs
-        pl.run_scoped(lambda *s: body((*ins, pool_in, pool_out, o_ref), s), *scratch)
-
-    o, written = pl.kernel(
-        kernel_i,
-        out_type=(o_type, jax.ShapeDtypeStruct(state.shape, state.dtype)),
-        mesh=mesh,
-        interpret=InterpretGPUParams(),
-        name=f"{name}_mgpu",
-    )(*args, state)
-    to = meta[1 : 2 + num_ckpt, :rows].reshape(-1)  # dst, then each checkpoint slot
-    to = jnp.where(to > 0, to, state.shape[0])  # 0: nothing written (dropped)
-    return o.astype(out_dtype), state.at[to].set(
-        written[jnp.minimum(to, state.shape[0] - 1)], mode="drop"
+    written = meta[1 : 2 + num_ckpt, :rows]  # dst, then each checkpoint slot (0: none)
+    o, state = pool_kernel(
+        body, scratch, mesh, args, state, o_type, written, name=f"{name}_mgpu", interpret=interpret
     )
+    return o.astype(out_dtype), state
 
 
-def gdn_decode_mgpu(q, k, v, a, b, A_log, dt_bias, state, slots, **kw):
-    """``gdn.gpu.gdn_decode``'s arguments and results, on this kernel."""
-    return decode_mgpu(
-        *gdn_inputs(q, k, v, a, b, A_log, dt_bias),
-        state,
-        slots,
-        out_dtype=v.dtype,
-        name="gdn_decode",
-        **kw,
-    )
+def _family(inputs, name: str):
+    def decode(q, k, v, gate, b, A_log, dt_bias, state, slots, **kw):
+        acts = inputs(q, k, v, gate, b, A_log, dt_bias)
+        return decode_mgpu(*acts, state, slots, out_dtype=v.dtype, name=name, **kw)
+
+    return decode
 
 
-def kda_decode_mgpu(q, k, v, g, b, A_log, dt_bias, state, slots, **kw):
-    """``kda.gpu.kda_decode``'s arguments and results, on this kernel."""
-    return decode_mgpu(
-        *kda_inputs(q, k, v, g, b, A_log, dt_bias),
-        state,
-        slots,
-        out_dtype=v.dtype,
-        name="kda_decode",
-        **kw,
-    )
+# ``gdn.gpu.gdn_decode``'s / ``kda.gpu.kda_decode``'s arguments and results, on this kernel
+# (``gate``: GDN's ``a [S, Hv]``, KDA's raw ``g [S, H, Dk]``).
+gdn_decode_mgpu = _family(gdn_inputs, "gdn_decode")
+kda_decode_mgpu = _family(kda_inputs, "kda_decode")
