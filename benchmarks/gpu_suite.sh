@@ -41,6 +41,9 @@
 #             engine on the Mosaic GPU prefill
 #   mgpukda   the same for KDA: kda_kernels' checks and prefill, default (Mosaic GPU) and
 #             triton, with 0, 1, 4 checkpoints, and FLA
+#   decmgpu   benchmarks.decode_mgpu: the Mosaic GPU decode (common/decode_mgpu.py) checked, then
+#             timed beside the Triton decode and a copy, GDN and KDA at 64 and 256 rows;
+#             decmgpusw its sweep (programs an SM x buffers, GDN)
 #   ncugdn    ncu's counters (occupancy, launch statistics, warp states, memory) of the GDN
 #             prefill's intra and serial launches at SUITE_NCU_BATCH (default 8) x 4096 tokens
 #             (benchmarks.profile_delta_rule), in the section's log; ncukda the same for KDA
@@ -124,6 +127,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
         mgpukda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_triton,fla,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B8_T4096_ckpt --out $j" ;;
+        decmgpu) echo "python -m benchmarks.decode_mgpu --out $j" ;;
+        decmgpusw) echo "python -m benchmarks.decode_mgpu --sweep --out $j" ;;
         mgpuprobe) echo "python -m benchmarks.mgpu_probe --timeout 60 --out $j" ;;
         mgpuserve) echo "env HYJAX_PREFILL_SERIAL=mgpu python -m benchmarks.serving_throughput --model bench --layers 4 --concurrency 8 --input-len 700 --output-len 32 --max-seconds $((budget - 20)) --out $j" ;;
         mgpu) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill_tf32,check_prefill_mgpu_aligned,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B1_T32768_default,prefill_B1_T32768_triton,prefill_B8_T4096_ckpt,fla --out $j" ;;
