@@ -7,8 +7,9 @@ For GDN and KDA (80B / Kimi-Linear-48B heads, f32 state [V, K]): first the check
 on ``decode_variants.check_slots`` (a row from zeros, slot 0 NaN, a row writing nothing, a
 checkpoint at offset 1, a padding row) against the reference in IEEE f32, the same bounds as
 ``decode_variants``' tilings (state 1e-5, bf16 output 4e-3); then, at each batch, the copy,
-the Triton decode and this kernel at 1 and 2 programs an SM (``decode_variants``' timing: chains
-of unrolled calls, state donated, every output consumed). ``--dry-run``: CPU, interpret mode,
+the Triton decode and this kernel at 1 and 2 programs an SM, and the kernel alone on inputs made
+outside the timed chain (``decode_variants``' timing: chains of unrolled calls, state donated,
+every output consumed). ``--dry-run``: CPU, interpret mode,
 tiny shapes. A kernel that fails its check is not timed.
 """
 
@@ -18,6 +19,7 @@ import argparse
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from benchmarks.decode_variants import (
     INPUTS,
@@ -31,6 +33,7 @@ from benchmarks.decode_variants import (
 from pallas_kernels.common import decode_mgpu
 
 SWEEP = [(1, 2), (1, 4), (1, 6), (2, 2), (2, 3), (3, 2), (4, 2)]  # (programs an SM, buffers)
+TOKEN_INPUTS = {"gdn": decode_mgpu.gdn_inputs, "kda": decode_mgpu.kda_inputs}
 KERNELS = {"gdn": decode_mgpu.gdn_decode_mgpu, "kda": decode_mgpu.kda_decode_mgpu}
 
 
@@ -39,11 +42,21 @@ def check(run: Runner, fam: str, rows: int, programs: int | None) -> dict:
     return check_decode(run.sh, fam, rows, lambda *acts, st, slots: kernel(*acts, st, slots))
 
 
-def timed(run: Runner, fam: str, rows: int, programs: int | None, copy_s, buffers=None) -> dict:
+def timed(run: Runner, fam, rows, programs, copy_s, buffers=None, kernel_only=False) -> dict:
+    """The kernel from the family's activations (its norms and gates by XLA in the same call),
+    or ``kernel_only``: from its inputs made once outside the timed chain, ``o`` left in f32
+    (the kernel's own time, without the two XLA launches around it)."""
     acts = INPUTS[fam](run.sh, rows, jax.random.PRNGKey(1))
     st = pool(run.sh, rows + 1, jax.random.PRNGKey(2))
     more = {"buffers": buffers} if buffers else {}
-    fn = functools.partial(KERNELS[fam], programs=programs, interpret=run.interpret, **more)
+    if kernel_only:
+        acts = jax.jit(TOKEN_INPUTS[fam])(*acts)
+        fn = functools.partial(
+            decode_mgpu.decode_mgpu, out_dtype=jnp.float32, name=f"{fam}_decode",
+            programs=programs, interpret=run.interpret, **more,
+        )  # fmt: skip
+    else:
+        fn = functools.partial(KERNELS[fam], programs=programs, interpret=run.interpret, **more)
     return run.timed(rows, run.time(_swap(fn), st, (acts, running_slots(rows))), copy_s)
 
 
@@ -95,6 +108,10 @@ def main() -> None:
                     f"{fam}_mgpu_{per_sm}per_sm_B{rows}",
                     lambda f=fam, r=rows, n=per_sm * sms, c=copy_s: timed(run, f, r, n, c),
                 )
+            run.record(
+                f"{fam}_mgpu_kernel_only_B{rows}",
+                lambda f=fam, r=rows, n=2 * sms, c=copy_s: timed(run, f, r, n, c, kernel_only=True),
+            )
         run.record(f"copy_again_B{rows}", lambda rows=rows: run.copy(rows))
 
 

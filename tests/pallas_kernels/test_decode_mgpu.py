@@ -97,3 +97,21 @@ def test_unsupported_shapes_name_why():
     assert "Dv=96" in decode_mgpu.unsupported_reason(8, 32, 128, 96, 2, jnp.float32)
     assert "shared memory" in decode_mgpu.unsupported_reason(1 << 16, 32, 128, 128, 2, jnp.float32)
     assert decode_mgpu.unsupported_reason(256, 32, 128, 128, 2, jnp.float32) is None
+
+
+def test_benchmark_dry_run_checks_and_times(tmp_path, monkeypatch):
+    """``benchmarks/decode_mgpu.py --dry-run`` (interpret mode, tiny shapes): both families'
+    checks pass against the reference, and every timed entry ran (no ``failed``)."""
+    import json
+    import sys
+
+    from benchmarks import decode_mgpu as bench
+
+    out = tmp_path / "d.json"
+    monkeypatch.setattr(sys, "argv", ["decode_mgpu", "--dry-run", "--out", str(out)])
+    bench.main()
+    summary = json.loads(out.read_text())
+    assert summary["gdn_mgpu_check"]["ok"] and summary["kda_mgpu_check"]["ok"]
+    timed = [k for k in summary if k.endswith("_B8")]
+    assert {"gdn_mgpu_kernel_only_B8", "kda_mgpu_2per_sm_B8", "gdn_decode_B8"} <= set(timed)
+    assert not [k for k in timed if "failed" in summary[k]], summary
