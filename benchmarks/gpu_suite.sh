@@ -48,7 +48,7 @@
 #             prefill's intra and serial launches at SUITE_NCU_BATCH (default 8) x 4096 tokens
 #             (benchmarks.profile_delta_rule), in the section's log; ncukda the same for KDA
 #   ncugdndec the same of the GDN decode kernel at SUITE_NCU_ROWS (default 256) rows;
-#             ncukdadec of KDA's
+#             ncukdadec of KDA's; ncugdnmdec / ncukdamdec of the Mosaic GPU decode's
 #   decode    benchmarks.decode_variants
 #   step      benchmarks.step_profile --layers 8 --decode-rows 64,256 --host-profile
 #   stepdt    the same with --dispatch-thread, no host profile (the launch beside the host's
@@ -137,6 +137,9 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         ncugdndec | ncukdadec)  # the same of the decode kernel (rows in place, f32 state)
             n=${1#ncu}
             echo "$ncu --kernel-name regex:_decode_gpu --launch-skip 1 --launch-count 1 $sections python -m benchmarks.profile_delta_rule --family ${n%dec} --op decode --batch ${SUITE_NCU_ROWS:-256}" ;;
+        ncugdnmdec | ncukdamdec)  # the same of the Mosaic GPU decode
+            n=${1#ncu}
+            echo "$ncu --kernel-name regex:_decode_mgpu --launch-skip 1 --launch-count 1 $sections python -m benchmarks.profile_delta_rule --family ${n%mdec} --op decode --mgpu-decode --batch ${SUITE_NCU_ROWS:-256}" ;;
         decode) echo "python -m benchmarks.decode_variants --out $j" ;;
         step) echo "python -m benchmarks.step_profile --layers 8 --decode-rows 64,256 --top 60 --host-profile --out $j" ;;
         stepdt) echo "python -m benchmarks.step_profile --layers 8 --decode-rows 64,256 --top 20 --dispatch-thread --out $j" ;;

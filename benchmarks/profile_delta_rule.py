@@ -12,9 +12,11 @@ writing its own f32 slot (the decode bench's case)::
         python -m benchmarks.profile_delta_rule --family gdn --op prefill --batch 8
 
 ``--launch-skip`` leaves out the warm-up call's launches (two for a prefill: intra, serial;
-one for a decode). ``--clock-control none`` keeps the card's own clocks: ncu locks them to base
-by default (1.36 GHz on an H200 on 2026-11-29, against up to 1.98), so the durations it reports
-are not the benches' figures. Its occupancy, launch and warp-state sections are the kernel's
+one for a decode). ``--mgpu-decode`` profiles the Mosaic GPU decode instead
+(``--kernel-name regex:_decode_mgpu``: the name Pallas gives it; not yet run under ncu).
+``--clock-control none`` keeps the card's own clocks: ncu locks them to base by default
+(1.36 GHz on an H200 on 2026-11-29, against up to 1.98), so the durations it reports would
+not be the benches' figures. Its occupancy, launch and warp-state sections are the kernel's
 own. ``--interpret``: a CPU smoke run of the inputs.
 """
 
@@ -34,6 +36,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=4096, help="prefill tokens a row")
     p.add_argument("--calls", type=int, default=1, help="profiled calls after the warm-up")
+    p.add_argument("--mgpu-decode", action="store_true",
+                   help="--op decode: the Mosaic GPU decode (common/decode_mgpu.py)")  # fmt: skip
     p.add_argument("--interpret", action="store_true", help="CPU smoke run")
     args = p.parse_args()
     from benchmarks.common import prefill_batch
@@ -57,7 +61,12 @@ def main() -> None:
         running = 1 + jnp.arange(args.batch, dtype=jnp.int32)
         none = jnp.zeros((args.batch, 2), jnp.int32)
         tail = (StateSlots(running, running, none, none, jnp.int32(args.batch)),)
-        fn = functools.partial(getattr(gpu, f"{args.family}_decode"), interpret=args.interpret)
+        fn = getattr(gpu, f"{args.family}_decode")
+        if args.mgpu_decode:
+            from pallas_kernels.common import decode_mgpu
+
+            fn = getattr(decode_mgpu, f"{args.family}_decode_mgpu")
+        fn = functools.partial(fn, interpret=args.interpret)
     fn = jax.jit(fn, donate_argnums=7)
     pool = bench._pool(jax.random.PRNGKey(5), num_slots)
     for _ in range(1 + args.calls):
