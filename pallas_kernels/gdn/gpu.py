@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from pallas_kernels.common import chunk_scan_mgpu
+from pallas_kernels.common import chunk_scan_mgpu, decode_mgpu
 from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, chunk_refs_shapes, scan_launches
 from pallas_kernels.common.chunking import live_end, max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
@@ -148,15 +148,23 @@ def gdn_decode(
     block_v: int | None = None,
     num_warps: int = DECODE_NUM_WARPS,
     num_stages: int = 1,
+    kernel: str | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """One token per row; see the module docstring. Returns ``(o [S, Hv, Dv], state)``."""
+    """One token per row; see the module docstring. ``kernel``: ``"triton"``, ``"mgpu"`` (the
+    Mosaic GPU decode, :mod:`pallas_kernels.common.decode_mgpu`) or None
+    (``decode_mgpu.DECODE_DEFAULT``). Returns ``(o [S, Hv, Dv], state)``."""
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots)
     rows, hk, dk = q.shape
     _, hv, dv = v.shape
     if rows != slots.num_rows:
         raise ValueError(f"decode rows {rows} must equal {slots.num_rows=} (one token each)")
     check_key_dim(dk)
+    num_ckpt = slots.ckpt_offsets.shape[1]
+    if decode_mgpu.decode_is_mgpu(kernel, rows, hv, dk, dv, num_ckpt, state.dtype, 2, interpret):
+        return decode_mgpu.gdn_decode_mgpu(
+            q, k, v, a, b, A_log, dt_bias, state, slots, interpret=interpret
+        )
     return launch_decode(
         _decode_kernel,
         name="gdn_decode_gpu",

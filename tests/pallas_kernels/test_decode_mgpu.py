@@ -17,6 +17,7 @@ import pytest
 from pallas_kernels.common import decode_mgpu
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.gdn.reference import gdn_decode_reference
+from pallas_kernels.kda import gpu as kda_gpu
 from pallas_kernels.kda.reference import kda_decode_reference
 
 ROWS, D = 6, 64
@@ -86,9 +87,10 @@ def test_kda_matches_the_reference():
     pool, slots = _pool(rng, h), _slots()
     args = (q, k, v, g, b, A_log, dt_bias)
     want = kda_decode_reference(*args, pool, slots)
-    got = jax.jit(
-        lambda p: decode_mgpu.kda_decode_mgpu(*args, p, slots, programs=3, interpret=True)
-    )(pool)
+    # through the engine's entry point (kernel="mgpu"): 12 items over 4 programs of 3 buffers
+    got = jax.jit(lambda p: kda_gpu.kda_decode(*args, p, slots, kernel="mgpu", interpret=True))(
+        pool
+    )
     _check(got, want, pool, tol=2e-3)
 
 
@@ -115,3 +117,59 @@ def test_benchmark_dry_run_checks_and_times(tmp_path, monkeypatch):
     timed = [k for k in summary if k.endswith("_B8")]
     assert {"gdn_mgpu_kernel_only_B8", "kda_mgpu_2per_sm_B8", "gdn_decode_B8"} <= set(timed)
     assert not [k for k in timed if "failed" in summary[k]], summary
+
+
+def _gdn_args(rng, dk=D):
+    hk, hv = 2, 4
+    q, k = (jnp.asarray(rng.normal(size=(ROWS, hk, dk)), bf) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(ROWS, hv, D)), bf)
+    a, b = (jnp.asarray(rng.normal(size=(ROWS, hv)), bf) for _ in range(2))
+    A_log, dt_bias = jnp.log(jnp.linspace(1.0, 4.0, hv)), jnp.zeros(hv)
+    pool = jnp.asarray(0.5 * rng.normal(size=(11, hv, D, dk)), jnp.float32)
+    return (q, k, v, a, b, A_log, dt_bias), pool
+
+
+def test_engine_decode_runs_it_when_asked(monkeypatch):
+    """``gdn_decode(kernel="mgpu")`` (what ``HYJAX_DECODE_KERNEL=mgpu`` makes the default) runs
+    this kernel and matches the reference; asked for a shape it cannot take, a ValueError names
+    it; in interpret mode the default stays Triton's."""
+    from pallas_kernels.gdn import gpu as gdn_gpu
+
+    rng = np.random.default_rng(2)
+    args, pool = _gdn_args(rng)
+    pool = pool.at[0].set(jnp.nan)
+    slots = _slots()
+    want = gdn_decode_reference(*args, pool, slots)
+    calls = []
+    real = decode_mgpu.gdn_decode_mgpu
+    monkeypatch.setattr(
+        decode_mgpu, "gdn_decode_mgpu", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    got = gdn_gpu.gdn_decode(*args, pool, slots, kernel="mgpu", interpret=True)
+    assert calls, "kernel='mgpu' must run the Mosaic GPU decode"
+    _check(got, want, pool, tol=2e-3)
+    monkeypatch.setattr(decode_mgpu, "DECODE_DEFAULT", "mgpu")
+    gdn_gpu.gdn_decode(*args, pool, slots, interpret=True)  # interpret: Triton's
+    assert len(calls) == 1
+    args32, pool32 = _gdn_args(rng, dk=32)
+    with pytest.raises(ValueError, match="Dk=32"):
+        gdn_gpu.gdn_decode(*args32, pool32, slots, kernel="mgpu", interpret=True)
+    with pytest.raises(ValueError, match="kernel='fast'"):
+        gdn_gpu.gdn_decode(*args, pool, slots, kernel="fast", interpret=True)
+
+
+def test_default_falls_back_with_one_log_line(monkeypatch, caplog):
+    """Under ``HYJAX_DECODE_KERNEL=mgpu`` a batch the kernel cannot take runs Triton's, logged
+    once a reason; a bad variable value is an error naming it."""
+    monkeypatch.setattr(decode_mgpu, "DECODE_DEFAULT", "mgpu")
+    decode_mgpu._log_triton_decode.cache_clear()
+    args = (8, 32, 128, 96, 2, jnp.float32, 2, False)  # Dv 96: not a multiple of 64
+    with caplog.at_level("WARNING", logger=decode_mgpu.__name__):
+        assert not decode_mgpu.decode_is_mgpu(None, *args)
+        assert not decode_mgpu.decode_is_mgpu(None, *args)
+    assert len([r for r in caplog.records if "Dv=96" in r.getMessage()]) == 1
+    assert decode_mgpu.decode_is_mgpu(None, 8, 32, 128, 128, 2, jnp.float32, 2, False)
+    assert not decode_mgpu.decode_is_mgpu("triton", 8, 32, 128, 128, 2, jnp.float32, 2, False)
+    monkeypatch.setattr(decode_mgpu, "DECODE_DEFAULT", "fast")
+    with pytest.raises(ValueError, match="HYJAX_DECODE_KERNEL='fast'"):
+        decode_mgpu.decode_is_mgpu(None, 8, 32, 128, 128, 2, jnp.float32, 2, False)
