@@ -67,17 +67,22 @@ def test_silu_ceiling_computes_silu():
         silu_mosaic_gpu(x, block_t=96, block_c=256, steps=2, interpret=True)
 
 
-def test_gdn_serial_launch_lowers_to_mosaic_gpu():
+@pytest.mark.parametrize(
+    "rows, per_row, hk, hv, d, every",
+    [(2, 4096, 16, 32, 128, 1024), (3, 200, 2, 4, 64, 100)],
+    ids=["80b", "embedded"],
+)
+def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every):
     """GDN prefill's Mosaic GPU serial launch (``pallas_kernels.common.chunk_scan_mgpu``:
-    TMA copies, ``wgmma`` products, the state the accumulator) at the 80B's GDN heads, two rows
-    of 4096 tokens, two checkpoints a row: its layouts, copies (a
+    TMA copies, ``wgmma`` products, the state the accumulator), the GPU prefill's default: at
+    the 80B's GDN heads, two rows of 4096 tokens, and at the embedded model's (``Dk = Dv = 64``),
+    three rows of 200 (off the 64-token grid), checkpoints in each row: its layouts, copies (a
     warpgroup's copy is a multiple of 128 bytes) and shared memory pass Mosaic GPU's checks,
     and the pool is aliased in and out of the kernel (written in place)."""
     from benchmarks.common import prefill_batch
     from pallas_kernels.gdn import gpu
 
-    rows, per_row, hk, hv, d = 2, 4096, 16, 32, 128
-    qsl, slots, num_slots = prefill_batch(rows, per_row, ckpt_every=1024)
+    qsl, slots, num_slots = prefill_batch(rows, per_row, ckpt_every=every)
     n = rows * per_row
     sd, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
     acts = (sd((n, hk, d), bf), sd((n, hk, d), bf), sd((n, hv, d), bf), sd((n, hv), bf),
