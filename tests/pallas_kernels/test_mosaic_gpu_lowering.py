@@ -178,3 +178,35 @@ def test_decode_lowers_to_mosaic_gpu(family, pool_dtype):
     text = fn.trace(acts, pool, slots).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @mosaic_gpu" in text
     assert "tf.aliasing_output" in text  # the donated pool is the kernel's output
+
+
+def test_kda_decode_route_lowers_in_a_layer_scan_under_shard_map():
+    """The engine's KDA decode on the Mosaic GPU decode (``kda_decode(kernel="mgpu")``, what
+    ``HYJAX_DECODE_KERNEL=mgpu`` selects), wrapped as the TP op with Kimi-Linear's specs on a
+    one-device mesh, in a ``lax.scan`` over layers whose pools are the scan's operand."""
+    from hyjax.models.kimi_linear.sharding import SHARDING
+    from hyjax.sharding import _shard_op, make_mesh
+    from pallas_kernels.common.slots import StateSlots
+    from pallas_kernels.kda import gpu as kda_gpu
+
+    rows, h, d = 64, 32, 128
+    sd, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
+    acts = (sd((rows, h, d), bf), sd((rows, h, d), bf), sd((rows, h, d), bf),
+            sd((rows, h, d), bf), sd((rows, h), bf), sd((h,), f32), sd((h, d), f32))  # fmt: skip
+    slots = StateSlots(sd((rows,), i32), sd((rows,), i32), sd((rows, 2), i32),
+                       sd((rows, 2), i32), sd((), i32))  # fmt: skip
+    in_specs, out_specs = SHARDING.ops["kda_decode"]
+    decode = functools.partial(kda_gpu.kda_decode, kernel="mgpu")
+    sharded = _shard_op(decode, make_mesh(1), in_specs, out_specs, 1)
+
+    def step(acts, pools, slots):
+        def layer(total, pool):
+            o, pool = sharded(*acts, pool, slots)
+            return total + o.astype(f32).sum(), pool
+
+        return jax.lax.scan(layer, 0.0, pools)
+
+    pools = sd((2, rows + 1, h, d, d), f32)
+    lowered = jax.jit(step, donate_argnums=1).trace(acts, pools, slots)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @mosaic_gpu" in text
