@@ -116,32 +116,47 @@ SERIAL_DEFAULT = os.environ.get("HYJAX_PREFILL_SERIAL", "mgpu")
 
 
 @functools.cache
-def _log_triton_serial(why: str) -> None:
-    log.warning("prefill: the Triton serial launch (Mosaic GPU's cannot take %s)", why)
+def _log_fallback(what: str, why: str) -> None:
+    log.warning("%s: Triton's (Mosaic GPU's cannot take %s)", what, why)
+
+
+def choose_mgpu(arg: str, value, default: str, env: str, interpret: bool, why, what: str) -> bool:
+    """Whether a GPU op runs its Mosaic GPU kernel: its argument ``arg=value`` (``"mgpu"``,
+    ``"triton"``, or None: ``default``, the environment's ``env`` or the module's, and Triton
+    in interpret mode). ``why()``: why the kernel cannot take the call, or None. Asked for, a
+    call it cannot take is a ``ValueError`` naming why; by default, Triton with one log line."""
+    if value not in (None, "mgpu", "triton"):
+        raise ValueError(f"{arg}={value!r}: 'mgpu', 'triton' or None")
+    if default not in ("mgpu", "triton"):
+        raise ValueError(f"{env}={default!r}: 'mgpu' or 'triton'")
+    asked = value == "mgpu"
+    if not asked and (value == "triton" or interpret or default != "mgpu"):
+        return False
+    reason = why()
+    if reason is None:
+        return True
+    if asked:
+        raise ValueError(f"{arg}='mgpu': the Mosaic GPU {what} cannot take {reason}")
+    _log_fallback(what, reason)
+    return False
 
 
 def serial_is_mgpu(
     serial, dk, dv, num_chunks, op, pool_dtype, three_launches, interpret, per_channel_decay
 ) -> bool:
     """Whether a GDN / KDA GPU prefill runs this launch: its ``serial`` (``"mgpu"``,
-    ``"triton"``, or None: :data:`SERIAL_DEFAULT`, Triton in interpret mode). Asked for, a
-    shape it cannot take is a ``ValueError`` naming why."""
-    if serial not in (None, "mgpu", "triton"):
-        raise ValueError(f"serial={serial!r}: 'mgpu', 'triton' or None")
-    if SERIAL_DEFAULT not in ("mgpu", "triton"):
-        raise ValueError(f"HYJAX_PREFILL_SERIAL={SERIAL_DEFAULT!r}: 'mgpu' or 'triton'")
-    asked = serial == "mgpu"
-    if not asked and (serial == "triton" or interpret or SERIAL_DEFAULT != "mgpu"):
-        return False
-    why = unsupported_reason(dk, dv, num_chunks, op, pool_dtype, per_channel_decay)
-    if three_launches:
-        why = "three_launches (a Triton path)"
-    if why is None:
-        return True
-    if asked:
-        raise ValueError(f"serial='mgpu': the Mosaic GPU serial launch cannot take {why}")
-    _log_triton_serial(why)
-    return False
+    ``"triton"``, or None: :data:`SERIAL_DEFAULT`, Triton in interpret mode); see
+    :func:`choose_mgpu`."""
+
+    def why():
+        if three_launches:
+            return "three_launches (a Triton path)"
+        return unsupported_reason(dk, dv, num_chunks, op, pool_dtype, per_channel_decay)
+
+    return choose_mgpu(
+        "serial", serial, SERIAL_DEFAULT, "HYJAX_PREFILL_SERIAL", interpret, why,
+        "prefill serial launch",
+    )  # fmt: skip
 
 
 def unsupported_reason(

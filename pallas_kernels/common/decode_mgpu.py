@@ -35,7 +35,6 @@ Triton decode for GDN, 3.5-4.4 % faster for KDA.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 
 import jax
@@ -47,6 +46,7 @@ from pallas_kernels.common.chunk_scan_mgpu import (
     GpuOps,
     InterpretOps,
     _plgpu,
+    choose_mgpu,
     pool_kernel,
 )
 from pallas_kernels.common.delta_rule import l2norm, softplus
@@ -57,8 +57,6 @@ BUFFERS = 3  # tiles a program has in shared memory: BUFFERS - 1 in flight besid
 PROGRAMS_PER_SM = 2
 LANES = 32  # f32 values in 128 bytes: a warpgroup's TMA copy moves a multiple of that
 f32 = jnp.float32
-log = logging.getLogger(__name__)
-
 # The one-token decode a GPU runs when not told (``kernel=None``): Triton's until this one has
 # run in the engine on a GPU; HYJAX_DECODE_KERNEL=mgpu sets it for a process.
 DECODE_DEFAULT = os.environ.get("HYJAX_DECODE_KERNEL", "triton")
@@ -94,29 +92,14 @@ def unsupported_reason(rows, heads, dk, dv, num_ckpt, pool_dtype, vectors=2) -> 
     return None
 
 
-@functools.cache
-def _log_triton_decode(why: str) -> None:
-    log.warning("decode: the Triton kernel (the Mosaic GPU decode cannot take %s)", why)
-
-
 def decode_is_mgpu(kernel, rows, heads, dk, dv, num_ckpt, pool_dtype, vectors, interpret) -> bool:
     """Whether a GDN / KDA GPU decode runs this kernel: its ``kernel`` (``"mgpu"``,
-    ``"triton"``, or None: :data:`DECODE_DEFAULT`, Triton in interpret mode). Asked for, a batch
-    it cannot take is a ``ValueError`` naming why; by default, Triton with one log line."""
-    if kernel not in (None, "mgpu", "triton"):
-        raise ValueError(f"kernel={kernel!r}: 'mgpu', 'triton' or None")
-    if DECODE_DEFAULT not in ("mgpu", "triton"):
-        raise ValueError(f"HYJAX_DECODE_KERNEL={DECODE_DEFAULT!r}: 'mgpu' or 'triton'")
-    asked = kernel == "mgpu"
-    if not asked and (kernel == "triton" or interpret or DECODE_DEFAULT != "mgpu"):
-        return False
-    why = unsupported_reason(rows, heads, dk, dv, num_ckpt, pool_dtype, vectors)
-    if why is None:
-        return True
-    if asked:
-        raise ValueError(f"kernel='mgpu': the Mosaic GPU decode cannot take {why}")
-    _log_triton_decode(why)
-    return False
+    ``"triton"``, or None: :data:`DECODE_DEFAULT`, Triton in interpret mode); see
+    ``chunk_scan_mgpu.choose_mgpu``."""
+    return choose_mgpu(
+        "kernel", kernel, DECODE_DEFAULT, "HYJAX_DECODE_KERNEL", interpret,
+        lambda: unsupported_reason(rows, heads, dk, dv, num_ckpt, pool_dtype, vectors), "decode",
+    )  # fmt: skip
 
 
 def gdn_inputs(q, k, v, a, b, A_log, dt_bias):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.common import decode_mgpu
+from pallas_kernels.common import chunk_scan_mgpu, decode_mgpu
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.gdn.reference import gdn_decode_reference
 from pallas_kernels.kda import gpu as kda_gpu
@@ -162,9 +162,9 @@ def test_default_falls_back_with_one_log_line(monkeypatch, caplog):
     """Under ``HYJAX_DECODE_KERNEL=mgpu`` a batch the kernel cannot take runs Triton's, logged
     once a reason; a bad variable value is an error naming it."""
     monkeypatch.setattr(decode_mgpu, "DECODE_DEFAULT", "mgpu")
-    decode_mgpu._log_triton_decode.cache_clear()
+    chunk_scan_mgpu._log_fallback.cache_clear()
     args = (8, 32, 128, 96, 2, jnp.float32, 2, False)  # Dv 96: not a multiple of 64
-    with caplog.at_level("WARNING", logger=decode_mgpu.__name__):
+    with caplog.at_level("WARNING", logger=chunk_scan_mgpu.__name__):
         assert not decode_mgpu.decode_is_mgpu(None, *args)
         assert not decode_mgpu.decode_is_mgpu(None, *args)
     assert len([r for r in caplog.records if "Dv=96" in r.getMessage()]) == 1

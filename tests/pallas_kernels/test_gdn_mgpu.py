@@ -182,7 +182,7 @@ def test_a_mosaic_gpu_default_falls_back_by_shape(monkeypatch, caplog):
     assert is_mgpu(None, D, D, 8, jnp.bfloat16, jnp.float32, False, False)
     gpu.gdn_prefill(*args, pool, qsl, slots, precision=None, interpret=True)
     assert not ran  # interpret mode: Triton
-    chunk_scan_mgpu._log_triton_serial.cache_clear()
+    chunk_scan_mgpu._log_fallback.cache_clear()
     with caplog.at_level("WARNING", logger=chunk_scan_mgpu.__name__):
         for _ in range(2):
             assert not is_mgpu(None, 16, D, 8, jnp.bfloat16, jnp.float32, False, False)
@@ -190,7 +190,7 @@ def test_a_mosaic_gpu_default_falls_back_by_shape(monkeypatch, caplog):
     with pytest.raises(ValueError, match="HYJAX_PREFILL_SERIAL='fast'"):
         is_mgpu(None, D, D, 8, jnp.bfloat16, jnp.float32, False, False)
     assert [r.getMessage() for r in caplog.records].count(
-        "prefill: the Triton serial launch (Mosaic GPU's cannot take "
+        "prefill serial launch: Triton's (Mosaic GPU's cannot take "
         "Dk=16 (64 or 128: the f32 accumulator S^T [64, Dk] in registers))"
     ) == 1
 
