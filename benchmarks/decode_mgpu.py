@@ -8,7 +8,8 @@ on ``decode_variants.check_slots`` (a row from zeros, slot 0 NaN, a row writing 
 checkpoint at offset 1, a padding row) against the reference in IEEE f32, the same bounds as
 ``decode_variants``' tilings (state 1e-5, bf16 output 4e-3); then, at each batch, the copy,
 the Triton decode and this kernel at 1 and 2 programs an SM, and the kernel alone on inputs made
-outside the timed chain (``decode_variants``' timing: chains of unrolled calls, state donated,
+outside the timed chain, and its copies and stores alone (``stream_only``: the design's
+streaming ceiling) (``decode_variants``' timing: chains of unrolled calls, state donated,
 every output consumed). ``--dry-run``: CPU, interpret mode,
 tiny shapes. A kernel that fails its check is not timed.
 """
@@ -42,13 +43,14 @@ def check(run: Runner, fam: str, rows: int, programs: int | None) -> dict:
     return check_decode(run.sh, fam, rows, lambda *acts, st, slots: kernel(*acts, st, slots))
 
 
-def timed(run: Runner, fam, rows, programs, copy_s, buffers=None, kernel_only=False) -> dict:
+def timed(run: Runner, fam, rows, programs, copy_s, buffers=None, kernel_only=False, **kw) -> dict:
     """The kernel from the family's activations (its norms and gates by XLA in the same call),
     or ``kernel_only``: from its inputs made once outside the timed chain, ``o`` left in f32
-    (the kernel's own time, without the two XLA launches around it)."""
+    (the kernel's own time, without the two XLA launches around it); ``kw``: more of
+    ``decode_mgpu``'s arguments (``stream_only``)."""
     acts = INPUTS[fam](run.sh, rows, jax.random.PRNGKey(1))
     st = pool(run.sh, rows + 1, jax.random.PRNGKey(2))
-    more = {"buffers": buffers} if buffers else {}
+    more = {"buffers": buffers, **kw} if buffers else kw
     if kernel_only:
         acts = jax.jit(TOKEN_INPUTS[fam])(*acts)
         fn = functools.partial(
@@ -112,6 +114,13 @@ def main() -> None:
                 f"{fam}_mgpu_kernel_only_B{rows}",
                 lambda f=fam, r=rows, n=2 * sms, c=copy_s: timed(run, f, r, n, c, kernel_only=True),
             )
+        # this design's streaming ceiling: the same copies and stores, no update
+        run.record(
+            f"mgpu_stream_only_B{rows}",
+            lambda r=rows, n=2 * sms, c=copy_s: timed(
+                run, "gdn", r, n, c, kernel_only=True, stream_only=True
+            ),
+        )
         run.record(f"copy_again_B{rows}", lambda rows=rows: run.copy(rows))
 
 

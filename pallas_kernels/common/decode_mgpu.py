@@ -139,7 +139,7 @@ def _slot_rows(slots: StateSlots) -> jax.Array:
     return jnp.pad(meta.astype(jnp.int32), [(0, 0), (0, _round_up(rows, LANES) - rows)])
 
 
-def _body(refs, scratch, *, ops, programs: int, buffers: int, ratio: int, per_channel: bool):
+def _body(refs, scratch, *, ops, programs, buffers, ratio, per_channel, stream_only=False):
     plgpu = _plgpu()
     meta_ref, vec_ref, gate_ref, v_ref, pool_in, pool_out, o_ref = refs
     tile_s, vec_s, gate_s, v_s, o_s, meta_s, bars, meta_bar = scratch
@@ -171,17 +171,7 @@ def _body(refs, scratch, *, ops, programs: int, buffers: int, ratio: int, per_ch
         def _(p=p):
             issue(p, p)
 
-    def step(j, carry):
-        b = j % buffers
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # item j - 1's stores have read
-
-        @pl.when(j + buffers - 1 < n)
-        def _():
-            issue(j + buffers - 1, (j + buffers - 1) % buffers)
-
-        r, h, vs = item(j)
-        src, dst, live = meta_s[0, r], meta_s[1, r], meta_s[2 + num_ckpt, r]
-        plgpu.barrier_wait(bars.at[b])
+    def update(b, h, src, live):  # item's tile b: S^T decayed and updated in place, o
         s = ops.load(tile_s.at[b], optimized=False).astype(f32)  # S^T [BV, Dk]
         if per_channel:
             decay = jax.lax.broadcast_in_dim(ops.load_row_vector(vec_s.at[b, 2]), s.shape, (1,))
@@ -197,6 +187,20 @@ def _body(refs, scratch, *, ops, programs: int, buffers: int, ratio: int, per_ch
         s = s + jax.lax.broadcast_in_dim(delta, s.shape, (0,)) * k
         tile_s[b] = s.astype(tile_s.dtype)
         o_s[...] = o
+
+    def step(j, carry):
+        b = j % buffers
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # item j - 1's stores have read
+
+        @pl.when(j + buffers - 1 < n)
+        def _():
+            issue(j + buffers - 1, (j + buffers - 1) % buffers)
+
+        r, h, vs = item(j)
+        src, dst, live = meta_s[0, r], meta_s[1, r], meta_s[2 + num_ckpt, r]
+        plgpu.barrier_wait(bars.at[b])
+        if not stream_only:  # (the copies and stores alone: tiles stored as read)
+            update(b, h, src, live)
         plgpu.commit_smem()
 
         @pl.when(dst > 0)
@@ -232,10 +236,13 @@ def decode_mgpu(
     name: str,
     programs: int | None = None,
     buffers: int = BUFFERS,
+    stream_only: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The kernel on the token inputs of :func:`gdn_inputs` / :func:`kda_inputs`. Returns
-    ``(o [S, H, Dv], state)``."""
+    ``(o [S, H, Dv], state)``. ``stream_only`` (benchmarks only) moves the bytes without the
+    update: each tile stored as read (``src`` to ``dst``), ``o`` unwritten; the design's
+    streaming ceiling."""
     plgpu = _plgpu()
     rows, heads, dv = v.shape
     hk, nvec, dk = vectors.shape[1:]
@@ -265,6 +272,7 @@ def decode_mgpu(
         ops=InterpretOps if interpret else GpuOps,
         programs=programs,
         buffers=buffers,
+        stream_only=stream_only,
         ratio=heads // hk,
         per_channel=nvec == 3,
     )

@@ -94,6 +94,23 @@ def test_kda_matches_the_reference():
     _check(got, want, pool, tol=2e-3)
 
 
+def test_stream_only_stores_each_tile_as_read():
+    """The benchmark's streaming ceiling (``stream_only``) moves the same bytes: each row's
+    source tile lands in its destination and checkpoint slots unchanged."""
+    rng = np.random.default_rng(3)
+    args, pool = _gdn_args(rng)
+    slots = _slots()
+    acts = decode_mgpu.gdn_inputs(*args)
+    _, got = decode_mgpu.decode_mgpu(
+        *acts, pool, slots, out_dtype=jnp.float32, name="gdn_decode", stream_only=True,
+        interpret=True,
+    )  # fmt: skip
+    for src, dst in [(1, 1), (0, 2), (4, 7), (1, 9), (5, 5)]:  # row 0's checkpoint: slot 9
+        np.testing.assert_array_equal(np.asarray(got[dst]), np.asarray(pool[src]))
+    for slot in (3, 6):  # row 2 writes nothing, row 5 is padding
+        np.testing.assert_array_equal(np.asarray(got[slot]), np.asarray(pool[slot]))
+
+
 def test_unsupported_shapes_name_why():
     assert "Dk=96" in decode_mgpu.unsupported_reason(8, 32, 96, 128, 2, jnp.float32)
     assert "Dv=96" in decode_mgpu.unsupported_reason(8, 32, 128, 96, 2, jnp.float32)
