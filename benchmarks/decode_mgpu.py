@@ -8,7 +8,8 @@ on ``decode_variants.check_slots`` (a row from zeros, slot 0 NaN, a row writing 
 checkpoint at offset 1, a padding row) against the reference in IEEE f32, the same bounds as
 ``decode_variants``' tilings (state 1e-5, bf16 output 4e-3); then, at each batch, the copy,
 the Triton decode and this kernel at 1 and 2 programs an SM, and the kernel alone on inputs made
-outside the timed chain, and its copies and stores alone (``stream_only``: the design's
+outside the timed chain, the kernel making the norms and gates itself (``fused``: one
+launch, as the Triton decode), and its copies and stores alone (``stream_only``: the design's
 streaming ceiling) (``decode_variants``' timing: chains of unrolled calls, state donated,
 every output consumed). ``--dry-run``: CPU, interpret mode,
 tiny shapes. A kernel that fails its check is not timed.
@@ -38,8 +39,8 @@ TOKEN_INPUTS = {"gdn": decode_mgpu.gdn_inputs, "kda": decode_mgpu.kda_inputs}
 KERNELS = {"gdn": decode_mgpu.gdn_decode_mgpu, "kda": decode_mgpu.kda_decode_mgpu}
 
 
-def check(run: Runner, fam: str, rows: int, programs: int | None) -> dict:
-    kernel = functools.partial(KERNELS[fam], programs=programs, interpret=run.interpret)
+def check(run: Runner, fam: str, rows: int, programs: int | None, **kw) -> dict:
+    kernel = functools.partial(KERNELS[fam], programs=programs, interpret=run.interpret, **kw)
     return check_decode(run.sh, fam, rows, lambda *acts, st, slots: kernel(*acts, st, slots))
 
 
@@ -53,10 +54,13 @@ def timed(run: Runner, fam, rows, programs, copy_s, buffers=None, kernel_only=Fa
     more = {"buffers": buffers, **kw} if buffers else kw
     if kernel_only:
         acts = jax.jit(TOKEN_INPUTS[fam])(*acts)
-        fn = functools.partial(
-            decode_mgpu.decode_mgpu, out_dtype=jnp.float32, name=f"{fam}_decode",
-            programs=programs, interpret=run.interpret, **more,
-        )  # fmt: skip
+
+        def fn(*args):
+            *inputs, state, slots = args
+            return decode_mgpu.decode_mgpu(
+                tuple(inputs), state, slots, out_dtype=jnp.float32, name=f"{fam}_decode",
+                programs=programs, interpret=run.interpret, **more,
+            )  # fmt: skip
     else:
         fn = functools.partial(KERNELS[fam], programs=programs, interpret=run.interpret, **more)
     return run.timed(rows, run.time(_swap(fn), st, (acts, running_slots(rows))), copy_s)
@@ -98,6 +102,10 @@ def main() -> None:
     for fam in fams:
         res = run.record(f"{fam}_mgpu_check", lambda fam=fam: check(run, fam, batches[0], None))
         ok[fam] = bool(res.get("ok"))
+        res = run.record(
+            f"{fam}_mgpu_fused_check", lambda f=fam: check(run, f, batches[0], None, fused=True)
+        )
+        ok[f"{fam}_fused"] = bool(res.get("ok"))
     for rows in batches:
         copy_s = run.record(f"copy_B{rows}", lambda rows=rows: run.copy(rows)).get("us", 0) * 1e-6
         for fam in fams:
@@ -109,6 +117,11 @@ def main() -> None:
                 run.record(
                     f"{fam}_mgpu_{per_sm}per_sm_B{rows}",
                     lambda f=fam, r=rows, n=per_sm * sms, c=copy_s: timed(run, f, r, n, c),
+                )
+            if ok[f"{fam}_fused"]:  # norms, gates and o's dtype in the kernel: one launch
+                run.record(
+                    f"{fam}_mgpu_fused_B{rows}",
+                    lambda f=fam, r=rows, n=2 * sms, c=copy_s: timed(run, f, r, n, c, fused=True),
                 )
             run.record(
                 f"{fam}_mgpu_kernel_only_B{rows}",

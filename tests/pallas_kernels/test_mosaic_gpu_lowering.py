@@ -152,12 +152,15 @@ def test_kda_serial_launch_lowers_to_mosaic_gpu():
 
 
 @pytest.mark.parametrize("family", ["gdn", "kda"])
-@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
-def test_decode_lowers_to_mosaic_gpu(family, pool_dtype):
+@pytest.mark.parametrize(
+    "pool_dtype, fused", [(jnp.float32, False), (jnp.bfloat16, False), (jnp.float32, True)]
+)
+def test_decode_lowers_to_mosaic_gpu(family, pool_dtype, fused):
     """The Mosaic GPU decode (``pallas_kernels.common.decode_mgpu``) at the 80B's GDN heads /
     Kimi-Linear-48B's KDA heads, 256 rows, two checkpoint columns: its layouts (the state tile,
     the row and column vectors, their reductions and broadcasts), copies and shared memory pass
-    Mosaic GPU's checks, and the pool is aliased in and out (written in place)."""
+    Mosaic GPU's checks, and the pool is aliased in and out (written in place). ``fused``: the
+    norms and gates in the kernel (bf16 vectors, scalar exp / log / logistic, a bf16 ``o``)."""
     from pallas_kernels.common import decode_mgpu
     from pallas_kernels.common.slots import StateSlots
 
@@ -174,7 +177,9 @@ def test_decode_lowers_to_mosaic_gpu(family, pool_dtype):
                        sds((rows, 2), i32), sds((), i32))  # fmt: skip
     pool = sds((rows + 1, hv, d, d), pool_dtype)
     kernel = decode_mgpu.gdn_decode_mgpu if family == "gdn" else decode_mgpu.kda_decode_mgpu
-    fn = jax.jit(lambda acts, p, s: kernel(*acts, p, s, programs=264), donate_argnums=1)
+    fn = jax.jit(
+        lambda acts, p, s: kernel(*acts, p, s, programs=264, fused=fused), donate_argnums=1
+    )
     text = fn.trace(acts, pool, slots).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @mosaic_gpu" in text
     assert "tf.aliasing_output" in text  # the donated pool is the kernel's output
