@@ -44,7 +44,8 @@
 #   decmgpu   benchmarks.decode_mgpu: the Mosaic GPU decode (common/decode_mgpu.py) checked, then
 #             timed beside the Triton decode and a copy, GDN and KDA at 64 and 256 rows;
 #             decmgpusw its sweep (programs an SM x buffers, GDN); kimidec the kimi section with
-#             HYJAX_DECODE_KERNEL=mgpu (the engine's KDA decode on it: A/B against kimi)
+#             HYJAX_DECODE_KERNEL=mgpu (the engine's KDA decode on it: A/B against kimi);
+#             kimidecf the same with HYJAX_DECODE_FUSED=1 (norms and gates in the kernel)
 #   ncugdn    ncu's counters (occupancy, launch statistics, warp states, memory) of the GDN
 #             prefill's intra and serial launches at SUITE_NCU_BATCH (default 8) x 4096 tokens
 #             (benchmarks.profile_delta_rule), in the section's log; ncukda the same for KDA
@@ -149,6 +150,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         tp48c64) echo "python -m benchmarks.serving_throughput $tp 64 --concurrency 64 --max-seconds $((budget - 20)) --out $j" ;;
         kimi) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --max-seconds $((budget - 20)) --out $j" ;;
         kimidec) echo "env HYJAX_DECODE_KERNEL=mgpu python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --max-seconds $((budget - 20)) --out $j" ;;
+        kimidecf) echo "env HYJAX_DECODE_KERNEL=mgpu HYJAX_DECODE_FUSED=1 python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --max-seconds $((budget - 20)) --out $j" ;;
         kimidt) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --dispatch-thread --max-seconds $((budget - 20)) --out $j" ;;
         hlo) echo "python -m benchmarks.serving_throughput --model bench --layers 4 --concurrency 8 --input-len 200 --output-len 64 --max-seconds $((budget - 20)) --out $j" ;;
         bufdump) echo "python -m benchmarks.serving_throughput $cb --output-len 48 --scheduling async --out $j" ;;

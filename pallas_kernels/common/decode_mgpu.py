@@ -67,6 +67,9 @@ f32 = jnp.float32
 # The one-token decode a GPU runs when not told (``kernel=None``): Triton's until this one has
 # run in the engine on a GPU; HYJAX_DECODE_KERNEL=mgpu sets it for a process.
 DECODE_DEFAULT = os.environ.get("HYJAX_DECODE_KERNEL", "triton")
+# Whether it makes the token's norms and gates itself (``fused``) when not told, where the
+# batch allows: off until the fused path has run on a GPU; HYJAX_DECODE_FUSED=1 for a process.
+DECODE_FUSED = os.environ.get("HYJAX_DECODE_FUSED", "0") == "1"
 
 
 def _round_up(n: int, m: int) -> int:
@@ -448,7 +451,14 @@ def decode_mgpu(
 
 
 def _family(inputs, name: str):
-    def decode(q, k, v, gate, b, A_log, dt_bias, state, slots, *, fused=False, **kw):
+    def decode(q, k, v, gate, b, A_log, dt_bias, state, slots, *, fused=None, **kw):
+        if fused is None:  # HYJAX_DECODE_FUSED=1: where the batch allows it
+            _, heads, dv, dk = state.shape
+            nvec, num_ckpt = (3 if gate.ndim == 3 else 2), slots.ckpt_offsets.shape[1]
+            fused = DECODE_FUSED and not unsupported_reason(
+                slots.num_rows, heads, dk, dv, num_ckpt, state.dtype, nvec, fused=True,
+                act_dtype=v.dtype,
+            )  # fmt: skip
         if fused:
             acts = (q, k, v, gate, b, A_log.astype(f32), dt_bias.astype(f32))
         else:
@@ -459,6 +469,7 @@ def _family(inputs, name: str):
 
 
 # ``gdn.gpu.gdn_decode``'s / ``kda.gpu.kda_decode``'s arguments and results, on this kernel
-# (``gate``: GDN's ``a [S, Hv]``, KDA's raw ``g [S, H, Dk]``).
+# (``gate``: GDN's ``a [S, Hv]``, KDA's raw ``g [S, H, Dk]``); ``fused`` None: DECODE_FUSED
+# where the batch allows it.
 gdn_decode_mgpu = _family(gdn_inputs, "gdn_decode")
 kda_decode_mgpu = _family(kda_inputs, "kda_decode")

@@ -9,6 +9,8 @@ fewer buffers than items: the pipeline's refills. The GPU check and timing is
 ``benchmarks/decode_mgpu.py``.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,6 +122,33 @@ def test_fused_inputs_match_the_reference(family):
     got = jax.jit(lambda p: kernel(*args, p, slots, fused=True, programs=7, interpret=True))(pool)
     assert got[0].dtype == v.dtype
     _check(got, want, pool, tol=2e-3)
+
+
+def test_engine_route_takes_the_fused_path_when_set(monkeypatch):
+    """``HYJAX_DECODE_FUSED=1`` (``DECODE_FUSED``): the engine's route runs the fused inputs
+    where the batch allows them (32 heads), the prepared ones where not (4 heads); unset, the
+    prepared ones."""
+    from pallas_kernels.gdn import gpu as gdn_gpu
+
+    seen = []
+    real = decode_mgpu.decode_mgpu
+    monkeypatch.setattr(
+        decode_mgpu, "decode_mgpu", lambda *a, **k: seen.append(k["fused"]) or real(*a, **k)
+    )
+    rng = np.random.default_rng(5)
+    slots = _slots()
+    small, small_pool = _gdn_args(rng)  # 4 value heads: no whole-array gate copies
+    h = 32
+    q, k = (jnp.asarray(rng.normal(size=(ROWS, 16, D)), bf) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(ROWS, h, D)), bf)
+    a, b = (jnp.asarray(rng.normal(size=(ROWS, h)), bf) for _ in range(2))
+    big, big_pool = (q, k, v, a, b, jnp.zeros(h), jnp.zeros(h)), _pool(rng, h)
+    run = functools.partial(gdn_gpu.gdn_decode, kernel="mgpu", interpret=True)
+    run(*big, big_pool, slots)
+    monkeypatch.setattr(decode_mgpu, "DECODE_FUSED", True)
+    run(*big, big_pool, slots)
+    run(*small, small_pool, slots)
+    assert seen == [False, True, False]
 
 
 def test_softplus_without_log1p_keeps_log1p_accuracy():
