@@ -34,7 +34,9 @@ from benchmarks.decode_variants import (
 )
 from pallas_kernels.common import decode_mgpu
 
-SWEEP = [(1, 2), (1, 4), (1, 6), (2, 2), (2, 3), (3, 2), (4, 2)]  # (programs an SM, buffers)
+# (programs an SM, buffers, rows of S^T an item copies)
+SWEEP = [(1, 2, 64), (1, 4, 64), (1, 6, 64), (2, 2, 64), (2, 3, 64), (3, 2, 64), (4, 2, 64),
+         (1, 2, 128), (1, 3, 128)]  # fmt: skip
 TOKEN_INPUTS = {"gdn": decode_mgpu.gdn_inputs, "kda": decode_mgpu.kda_inputs}
 KERNELS = {"gdn": decode_mgpu.gdn_decode_mgpu, "kda": decode_mgpu.kda_decode_mgpu}
 
@@ -75,7 +77,7 @@ def main() -> None:
     p.add_argument("--chains", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=None)
     p.add_argument("--sweep", action="store_true",
-                   help="GDN only: (programs an SM, buffers) at each batch, no check")  # fmt: skip
+                   help="GDN: (programs an SM, buffers, item rows) a batch, no check")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, interpret mode")
     args = p.parse_args()
     sh, batches = Shapes(), [int(b) for b in args.batches.split(",")]
@@ -90,11 +92,11 @@ def main() -> None:
             run.record(
                 f"gdn_decode_B{rows}", lambda r=rows, c=copy_s: run.baseline("gdn_decode", r, c)
             )
-            for per_sm, buffers in SWEEP:
+            for per_sm, buffers, item in SWEEP:
                 run.record(
-                    f"gdn_mgpu_{per_sm}per_sm_{buffers}buf_B{rows}",
-                    lambda r=rows, n=per_sm * sms, c=copy_s, nb=buffers: timed(
-                        run, "gdn", r, n, c, nb
+                    f"gdn_mgpu_{per_sm}per_sm_{buffers}buf_{item}rows_B{rows}",
+                    lambda r=rows, n=per_sm * sms, c=copy_s, nb=buffers, it=item: timed(
+                        run, "gdn", r, n, c, nb, item_rows=it
                     ),
                 )
         return

@@ -76,19 +76,19 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _scratch(rows, heads, dk, nvec, num_ckpt, pool_dtype, out_dtype, buffers, fused):
+def _scratch(rows, heads, dk, nvec, num_ckpt, pool_dtype, out_dtype, buffers, fused, item=BV):
     """The kernel's scratch: the state tiles, ``o``, the rows' slots, the barriers (a buffer's,
     the preload's), then the token inputs' (:class:`_Prepared` or :class:`_Raw`)."""
     plgpu = _plgpu()
     inputs = _Raw if fused else _Prepared
     copies, preloads = inputs.counts(nvec == 3)
     return (
-        plgpu.SMEM((buffers, BV, dk), pool_dtype),
-        plgpu.SMEM((BV,), out_dtype if fused else f32),
+        plgpu.SMEM((buffers, item, dk), pool_dtype),
+        plgpu.SMEM((item,), out_dtype if fused else f32),
         plgpu.SMEM((3 + num_ckpt, _round_up(rows, LANES)), jnp.int32),
         plgpu.Barrier(num_arrivals=1 + copies, num_barriers=buffers),
         plgpu.Barrier(num_arrivals=1 + preloads, num_barriers=1),
-        *inputs.scratch(plgpu, buffers, rows, heads, nvec, dk, out_dtype),
+        *inputs.scratch(plgpu, buffers, rows, heads, nvec, dk, out_dtype, item),
     )
 
 
@@ -102,7 +102,7 @@ def smem_bytes(scratch) -> int:
 
 def unsupported_reason(
     rows, heads, dk, dv, num_ckpt, pool_dtype, vectors=2, buffers=BUFFERS, fused=False,
-    act_dtype=jnp.bfloat16,
+    act_dtype=jnp.bfloat16, item=BV,
 ) -> str | None:  # fmt: skip
     """Why this kernel cannot take a decode (the Triton one then does), or None. ``fused``:
     the token inputs as the layer has them (:class:`_Raw`), whose whole-array copies need
@@ -111,12 +111,14 @@ def unsupported_reason(
         return f"a {jnp.dtype(pool_dtype).name} pool"
     if dk not in (64, 128):
         return f"Dk={dk} (64 or 128: a [64, Dk] f32 tile in registers)"
-    if dv % BV:
-        return f"Dv={dv} (a multiple of {BV})"
+    if item % BV or dv % item:
+        return f"Dv={dv} in items of {item} rows (multiples of {BV} dividing Dv)"
     if fused:
         if (rows * heads * jnp.dtype(act_dtype).itemsize) % 128 or (heads * 4) % 128:
             return f"{rows} rows x {heads} heads (whole copies of a multiple of 128 bytes)"
-    scratch = _scratch(rows, heads, dk, vectors, num_ckpt, pool_dtype, act_dtype, buffers, fused)
+    scratch = _scratch(
+        rows, heads, dk, vectors, num_ckpt, pool_dtype, act_dtype, buffers, fused, item
+    )
     need = smem_bytes(scratch)
     if need > SMEM_BYTES:
         return f"{rows} rows: shared memory {need} bytes over {SMEM_BYTES}"
@@ -197,10 +199,10 @@ class _Prepared:
         self.ops, self.ratio, self.per_channel = ops, ratio, per_channel
 
     @staticmethod
-    def scratch(plgpu, buffers, rows, heads, nvec, dk, out_dtype):
+    def scratch(plgpu, buffers, rows, heads, nvec, dk, out_dtype, item):
         hp = _round_up(heads, LANES)
         return (plgpu.SMEM((buffers, nvec, dk), f32), plgpu.SMEM((buffers, 3, hp), f32),
-                plgpu.SMEM((buffers, BV), f32))  # fmt: skip
+                plgpu.SMEM((buffers, item), f32))  # fmt: skip
 
     @staticmethod
     def counts(per_channel):  # a buffer's copies besides the state tile; whole-array copies
@@ -213,19 +215,22 @@ class _Prepared:
         plgpu = _plgpu()
         plgpu.copy_gmem_to_smem(self.vec_ref.at[r, h // self.ratio], self.vec_s.at[b], bar)
         plgpu.copy_gmem_to_smem(self.gate_ref.at[r], self.gate_s.at[b], bar)
-        plgpu.copy_gmem_to_smem(self.v_ref.at[r, h, pl.ds(vb * BV, BV)], self.v_s.at[b], bar)
+        item = self.v_s.shape[1]
+        plgpu.copy_gmem_to_smem(self.v_ref.at[r, h, pl.ds(vb * item, item)], self.v_s.at[b], bar)
 
     def token(self, b, r, h, shape):
-        """``(decay, q, k, v, beta, k . q)``: the decay a scalar or ``shape``, q and k
-        broadcast over ``shape``'s rows, v a column vector."""
+        """``(decay, q, k, beta, k . q)``: the decay a scalar or ``shape``, q and k broadcast
+        over ``shape``'s rows."""
         ops, vec_s, gate_s = self.ops, self.vec_s, self.gate_s
 
         def row(i):
             return jax.lax.broadcast_in_dim(ops.load_row_vector(vec_s.at[b, i]), shape, (1,))
 
         decay = row(2) if self.per_channel else gate_s[b, 0, h]
-        v = ops.load_col_vector(self.v_s.at[b])
-        return decay, row(0), row(1), v, gate_s[b, 1, h], gate_s[b, 2, h]
+        return decay, row(0), row(1), gate_s[b, 1, h], gate_s[b, 2, h]
+
+    def v(self, b, rs):  # v's rows ``rs`` of the item, a column vector
+        return self.ops.load_col_vector(self.v_s.at[b, rs]).astype(f32)
 
 
 class _Raw:
@@ -244,10 +249,10 @@ class _Raw:
         return (5, 2) if per_channel else (3, 4)
 
     @staticmethod
-    def scratch(plgpu, buffers, rows, heads, nvec, dk, out_dtype):
+    def scratch(plgpu, buffers, rows, heads, nvec, dk, out_dtype, item):
         act = out_dtype  # the activations' dtype
         per_buffer = [plgpu.SMEM((buffers, dk), act), plgpu.SMEM((buffers, dk), act),
-                      plgpu.SMEM((buffers, BV), act)]  # fmt: skip
+                      plgpu.SMEM((buffers, item), act)]  # fmt: skip
         if nvec == 3:  # KDA: g and dt_bias a head
             per_buffer += [plgpu.SMEM((buffers, dk), act), plgpu.SMEM((buffers, dk), f32)]
             whole = [plgpu.SMEM((rows, heads), act), plgpu.SMEM((heads,), f32)]
@@ -273,7 +278,8 @@ class _Raw:
         hk = h // self.ratio
         plgpu.copy_gmem_to_smem(q_ref.at[r, hk], q_s.at[b], bar)
         plgpu.copy_gmem_to_smem(k_ref.at[r, hk], k_s.at[b], bar)
-        plgpu.copy_gmem_to_smem(v_ref.at[r, h, pl.ds(vb * BV, BV)], v_s.at[b], bar)
+        item = v_s.shape[1]
+        plgpu.copy_gmem_to_smem(v_ref.at[r, h, pl.ds(vb * item, item)], v_s.at[b], bar)
         if self.per_channel:
             g_ref, dtb_ref = self.refs[3], self.refs[6]
             plgpu.copy_gmem_to_smem(g_ref.at[r, h], self.s[3].at[b], bar)
@@ -298,8 +304,10 @@ class _Raw:
             x = a_s[r, h].astype(f32) + dtb_s[h]
             decay = jnp.exp(-jnp.exp(alog_s[h]) * _softplus(x))
         beta = jax.nn.sigmoid(b_s[r, h].astype(f32))
-        v = ops.load_col_vector(v_s.at[b]).astype(f32)
-        return decay, q, k, v, beta, jnp.sum(q * k, axis=1)
+        return decay, q, k, beta, jnp.sum(q * k, axis=1)
+
+    def v(self, b, rs):
+        return self.ops.load_col_vector(self.s[2].at[b, rs]).astype(f32)
 
 
 def _body(refs, scratch, *, ops, programs, buffers, ratio, per_channel, inputs, stream_only):
@@ -309,7 +317,8 @@ def _body(refs, scratch, *, ops, programs, buffers, ratio, per_channel, inputs, 
     tok = inputs(token_refs, token_s, ops, ratio, per_channel)
     heads, dv = pool_in.shape[1], pool_in.shape[2]
     rows = o_ref.shape[0]
-    nvb = dv // BV
+    item_rows = tile_s.shape[1]  # a multiple of BV: the update runs BV rows at a time
+    nvb = dv // item_rows
     num_ckpt = meta_s.shape[0] - 3
     c = jax.lax.axis_index("c")
     n = (rows * heads * nvb - c + programs - 1) // programs  # this program's items
@@ -325,7 +334,8 @@ def _body(refs, scratch, *, ops, programs, buffers, ratio, per_channel, inputs, 
     def issue(j, b):
         r, h, vb = item(j)
         bar = bars.at[b]
-        plgpu.copy_gmem_to_smem(pool_in.at[meta_s[0, r], h, pl.ds(vb * BV, BV)], tile_s.at[b], bar)
+        tile = pool_in.at[meta_s[0, r], h, pl.ds(vb * item_rows, item_rows)]
+        plgpu.copy_gmem_to_smem(tile, tile_s.at[b], bar)
         tok.issue(r, h, vb, b, bar)
 
     for p in range(buffers - 1):
@@ -335,16 +345,18 @@ def _body(refs, scratch, *, ops, programs, buffers, ratio, per_channel, inputs, 
             issue(p, p)
 
     def update(b, r, h, src, live):  # item's tile b: S^T decayed and updated in place, o
-        s = ops.load(tile_s.at[b], optimized=False).astype(f32)  # S^T [BV, Dk]
-        decay, q, k, v, beta, kq = tok.token(b, r, h, s.shape)
-        s = jnp.where(src > 0, s, 0.0) * decay  # slot 0's tile was read, not used
-        pred = jnp.sum(s * k, axis=1)  # S^T k [BV]
-        sq = jnp.sum(s * q, axis=1)  # S^T q
-        delta = beta * (v - pred)
-        o = jnp.where(live > 0, sq + delta * kq, 0.0)
-        s = s + jax.lax.broadcast_in_dim(delta, s.shape, (0,)) * k
-        tile_s[b] = s.astype(tile_s.dtype)
-        o_s[...] = o.astype(o_s.dtype)
+        decay, q, k, beta, kq = tok.token(b, r, h, (BV, tile_s.shape[2]))
+        for part in range(item_rows // BV):  # BV rows of S^T at a time
+            rs = pl.ds(part * BV, BV)
+            s = ops.load(tile_s.at[b, rs], optimized=False).astype(f32)  # S^T [BV, Dk]
+            s = jnp.where(src > 0, s, 0.0) * decay  # slot 0's tile was read, not used
+            pred = jnp.sum(s * k, axis=1)  # S^T k [BV]
+            sq = jnp.sum(s * q, axis=1)  # S^T q
+            delta = beta * (tok.v(b, rs) - pred)
+            o = jnp.where(live > 0, sq + delta * kq, 0.0)
+            s = s + jax.lax.broadcast_in_dim(delta, s.shape, (0,)) * k
+            tile_s.at[b, rs][...] = s.astype(tile_s.dtype)
+            o_s.at[rs][...] = o.astype(o_s.dtype)
 
     def step(j, carry):
         b = j % buffers
@@ -355,7 +367,7 @@ def _body(refs, scratch, *, ops, programs, buffers, ratio, per_channel, inputs, 
             issue(j + buffers - 1, (j + buffers - 1) % buffers)
 
         r, h, vb = item(j)
-        vs = pl.ds(vb * BV, BV)
+        vs = pl.ds(vb * item_rows, item_rows)
         src, dst, live = meta_s[0, r], meta_s[1, r], meta_s[2 + num_ckpt, r]
         plgpu.barrier_wait(bars.at[b])
         if not stream_only:  # (the copies and stores alone: tiles stored as read)
@@ -394,6 +406,7 @@ def decode_mgpu(
     fused: bool = False,
     programs: int | None = None,
     buffers: int = BUFFERS,
+    item_rows: int = BV,
     stream_only: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -401,7 +414,9 @@ def decode_mgpu(
     norms and gates), or with ``fused`` the layer's own (:class:`_Raw`: the kernel makes them,
     and writes ``o`` in ``out_dtype`` itself). Returns ``(o [S, H, Dv], state)``.
     ``stream_only`` (benchmarks only) moves the bytes without the update: each tile stored as
-    read (``src`` to ``dst``), ``o`` unwritten; the design's streaming ceiling."""
+    read (``src`` to ``dst``), ``o`` unwritten; the design's streaming ceiling. ``item_rows``:
+    rows of ``S^T`` a work item copies at once (``BV`` or a multiple, updated ``BV`` at a
+    time)."""
     plgpu = _plgpu()
     _, heads, dv, dk = state.shape
     rows = slots.num_rows
@@ -413,7 +428,7 @@ def decode_mgpu(
         q, act = token_inputs[0], out_dtype
         hk, nvec = q.shape[1], q.shape[2]
     why = unsupported_reason(
-        rows, heads, dk, dv, num_ckpt, state.dtype, nvec, buffers, fused, act
+        rows, heads, dk, dv, num_ckpt, state.dtype, nvec, buffers, fused, act, item_rows
     )  # fmt: skip
     if why:
         raise ValueError(f"the Mosaic GPU decode cannot take this batch: {why}")
@@ -425,11 +440,11 @@ def decode_mgpu(
         gates = jnp.pad(gates.astype(f32), [(0, 0), (0, 0), (0, hp - heads)])
         token_inputs = (vectors.astype(f32), gates, v.astype(f32))
     meta = _slot_rows(slots)
-    items = rows * heads * (dv // BV)
+    items = rows * heads * (dv // item_rows)
     if programs is None:
         programs = 4 if interpret else PROGRAMS_PER_SM * _num_sms()
     programs = max(1, min(programs, items))
-    scratch = _scratch(rows, heads, dk, nvec, num_ckpt, state.dtype, act, buffers, fused)
+    scratch = _scratch(rows, heads, dk, nvec, num_ckpt, state.dtype, act, buffers, fused, item_rows)
     body = functools.partial(
         _body,
         ops=InterpretOps if interpret else GpuOps,

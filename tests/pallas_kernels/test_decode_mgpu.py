@@ -151,6 +151,27 @@ def test_engine_route_takes_the_fused_path_when_set(monkeypatch):
     assert seen == [False, True, False]
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_items_of_two_blocks_match_the_reference(fused):
+    """``item_rows=128``: an item copies 128 rows of ``S^T`` (Dv 128, Dk 64) and updates them
+    64 at a time; each half's v and o in place."""
+    rng = np.random.default_rng(6)
+    h, hk, dv = 32, 16, 128
+    q, k = (jnp.asarray(rng.normal(size=(ROWS, hk, D)), bf) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(ROWS, h, dv)), bf)
+    a, b = (jnp.asarray(rng.normal(size=(ROWS, h)), bf) for _ in range(2))
+    args = (q, k, v, a, b, jnp.log(jnp.linspace(0.5, 4.0, h)), jnp.zeros(h))
+    pool = jnp.asarray(0.5 * rng.normal(size=(11, h, dv, D)), jnp.float32)
+    pool = pool.at[jnp.array([0, 8, 10])].set(jnp.nan)
+    slots = _slots()
+    want = gdn_decode_reference(*args, pool, slots)
+    run = functools.partial(
+        decode_mgpu.gdn_decode_mgpu, item_rows=128, fused=fused, programs=5, interpret=True
+    )
+    got = jax.jit(lambda p: run(*args, p, slots))(pool)
+    _check(got, want, pool, tol=2e-3)
+
+
 def test_softplus_without_log1p_keeps_log1p_accuracy():
     """The fused kernel's softplus (Mosaic GPU lowers no ``log1p``) against ``log1p`` in f64:
     relative error within a few f32 roundings down to tiny values (a plain ``log(1 + y)``

@@ -153,14 +153,18 @@ def test_kda_serial_launch_lowers_to_mosaic_gpu():
 
 @pytest.mark.parametrize("family", ["gdn", "kda"])
 @pytest.mark.parametrize(
-    "pool_dtype, fused", [(jnp.float32, False), (jnp.bfloat16, False), (jnp.float32, True)]
-)
-def test_decode_lowers_to_mosaic_gpu(family, pool_dtype, fused):
+    "pool_dtype, fused, item_rows",
+    [(jnp.float32, False, 64), (jnp.bfloat16, False, 64), (jnp.float32, True, 64),
+     (jnp.float32, True, 128)],
+)  # fmt: skip
+def test_decode_lowers_to_mosaic_gpu(family, pool_dtype, fused, item_rows):
     """The Mosaic GPU decode (``pallas_kernels.common.decode_mgpu``) at the 80B's GDN heads /
     Kimi-Linear-48B's KDA heads, 256 rows, two checkpoint columns: its layouts (the state tile,
     the row and column vectors, their reductions and broadcasts), copies and shared memory pass
     Mosaic GPU's checks, and the pool is aliased in and out (written in place). ``fused``: the
-    norms and gates in the kernel (bf16 vectors, scalar exp / log / logistic, a bf16 ``o``)."""
+    norms and gates in the kernel (bf16 vectors, scalar exp / log / logistic, a bf16 ``o``);
+    ``item_rows`` 128: a 64 KB tile a copy, updated in two halves (two buffers: three and
+    the whole gates are over the shared memory at 256 rows)."""
     from pallas_kernels.common import decode_mgpu
     from pallas_kernels.common.slots import StateSlots
 
@@ -178,7 +182,16 @@ def test_decode_lowers_to_mosaic_gpu(family, pool_dtype, fused):
     pool = sds((rows + 1, hv, d, d), pool_dtype)
     kernel = decode_mgpu.gdn_decode_mgpu if family == "gdn" else decode_mgpu.kda_decode_mgpu
     fn = jax.jit(
-        lambda acts, p, s: kernel(*acts, p, s, programs=264, fused=fused), donate_argnums=1
+        lambda acts, p, s: kernel(
+            *acts,
+            p,
+            s,
+            programs=264,
+            fused=fused,
+            item_rows=item_rows,
+            buffers=3 if item_rows == 64 else 2,
+        ),
+        donate_argnums=1,
     )
     text = fn.trace(acts, pool, slots).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @mosaic_gpu" in text
