@@ -422,12 +422,14 @@ def scan_mgpu(
     *,
     out_dtype,
     name: str = "gdn_prefill",
+    live: jax.Array | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The serial launch (module docstring) on the scratch of a token-aligned plan
     (``gdn.gpu.prefill_scratch(tma_layout=True)``; KDA's, with its decay per key channel,
     ``kda.gpu.intra_launch(tma_layout=True)``). Returns ``(o [Tp, H, Dv], state)``; rows
-    outside every chunk of ``o`` are left unwritten."""
+    outside every chunk of ``o`` are left unwritten, or with ``live`` (the plan's bool ``[T]``,
+    ``T <= Tp``) ``o`` is its ``T`` rows, zero where not live (the prefill's contract)."""
     plgpu = _plgpu()
     h, num_tokens, dk = x.w.shape
     dv = x.u.shape[1]
@@ -471,10 +473,13 @@ def scan_mgpu(
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)
     args = (ri, meta, dec, *tiles)
     slots, mask = _written_slots(rp)
-    return pool_kernel(
+    o, state = pool_kernel(
         body, scratch, mesh, args, state, o_type, jnp.where(mask, slots, 0),
         name=f"{name}_serial_mgpu", interpret=interpret,
     )  # fmt: skip
+    if live is not None:
+        o = jnp.where(live[:, None, None], o[: live.shape[0]], 0)
+    return o, state
 
 
 def pool_kernel(body, scratch, mesh, args, state, o_type, written_slots, *, name, interpret):

@@ -125,17 +125,23 @@ def unsupported_reason(
     return None
 
 
-def decode_is_mgpu(
-    kernel, rows, heads, dk, dv, num_ckpt, pool_dtype, vectors, interpret, fused=False
-) -> bool:
-    """Whether a GDN / KDA GPU decode runs this kernel: its ``kernel`` (``"mgpu"``,
-    ``"triton"``, or None: :data:`DECODE_DEFAULT`, Triton in interpret mode); see
+def batch_reason(state, slots: StateSlots, vectors: int, **kw) -> str | None:
+    """:func:`unsupported_reason` for a decode of ``slots``' rows on ``state``'s pool
+    (``[num_slots, H, Dv, Dk]``); ``kw``: its options (``fused``, ``act_dtype``, ...)."""
+    _, heads, dv, dk = state.shape
+    num_ckpt = slots.ckpt_offsets.shape[1]
+    return unsupported_reason(
+        slots.num_rows, heads, dk, dv, num_ckpt, state.dtype, vectors, **kw
+    )  # fmt: skip
+
+
+def decode_is_mgpu(kernel, state, slots: StateSlots, vectors: int, interpret: bool) -> bool:
+    """Whether a GDN (``vectors`` 2) / KDA (3) GPU decode runs this kernel: its ``kernel``
+    (``"mgpu"``, ``"triton"``, or None: :data:`DECODE_DEFAULT`, Triton in interpret mode); see
     ``chunk_scan_mgpu.choose_mgpu``."""
     return choose_mgpu(
         "kernel", kernel, DECODE_DEFAULT, "HYJAX_DECODE_KERNEL", interpret,
-        lambda: unsupported_reason(
-            rows, heads, dk, dv, num_ckpt, pool_dtype, vectors, fused=fused
-        ), "decode",
+        lambda: batch_reason(state, slots, vectors), "decode",
     )  # fmt: skip
 
 
@@ -468,12 +474,10 @@ def decode_mgpu(
 def _family(inputs, name: str):
     def decode(q, k, v, gate, b, A_log, dt_bias, state, slots, *, fused=None, **kw):
         if fused is None:  # HYJAX_DECODE_FUSED=1: where the batch allows it
-            _, heads, dv, dk = state.shape
-            nvec, num_ckpt = (3 if gate.ndim == 3 else 2), slots.ckpt_offsets.shape[1]
-            fused = DECODE_FUSED and not unsupported_reason(
-                slots.num_rows, heads, dk, dv, num_ckpt, state.dtype, nvec, fused=True,
-                act_dtype=v.dtype,
-            )  # fmt: skip
+            nvec = 3 if gate.ndim == 3 else 2
+            fused = DECODE_FUSED and not batch_reason(
+                state, slots, nvec, fused=True, act_dtype=v.dtype
+            )
         if fused:
             acts = (q, k, v, gate, b, A_log.astype(f32), dt_bias.astype(f32))
         else:

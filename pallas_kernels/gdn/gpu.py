@@ -160,8 +160,7 @@ def gdn_decode(
     if rows != slots.num_rows:
         raise ValueError(f"decode rows {rows} must equal {slots.num_rows=} (one token each)")
     check_key_dim(dk)
-    num_ckpt = slots.ckpt_offsets.shape[1]
-    if decode_mgpu.decode_is_mgpu(kernel, rows, hv, dk, dv, num_ckpt, state.dtype, 2, interpret):
+    if decode_mgpu.decode_is_mgpu(kernel, state, slots, 2, interpret):
         return decode_mgpu.gdn_decode_mgpu(
             q, k, v, a, b, A_log, dt_bias, state, slots, interpret=interpret
         )
@@ -386,8 +385,9 @@ def gdn_prefill(
         early_stores=intra_early_stores, tma_layout=mgpu, interpret=interpret,
     )  # fmt: skip
     if mgpu:
-        o, state = chunk_scan_mgpu.scan_mgpu(rp, x, state, out_dtype=v.dtype, interpret=interpret)
-        return jnp.where(plan.live[:, None, None], o[:n], 0).astype(v.dtype), state
+        return chunk_scan_mgpu.scan_mgpu(
+            rp, x, state, out_dtype=v.dtype, live=plan.live, interpret=interpret
+        )
     bv = serial_block_v(slots.num_rows, hv, dv, block_v)
     o, state = scan_launches(
         rp, x, state, plan.start, plan.length, out_dtype=v.dtype, bv=bv, precision=precision,

@@ -177,8 +177,7 @@ def kda_decode(
     dv = v.shape[2]
     if rows != slots.num_rows:
         raise ValueError(f"decode rows {rows} must equal {slots.num_rows=} (one token each)")
-    num_ckpt = slots.ckpt_offsets.shape[1]
-    if decode_mgpu.decode_is_mgpu(kernel, rows, h, dk, dv, num_ckpt, state.dtype, 3, interpret):
+    if decode_mgpu.decode_is_mgpu(kernel, state, slots, 3, interpret):
         return decode_mgpu.kda_decode_mgpu(
             q, k, v, g, b, A_log, dt_bias, state, slots, interpret=interpret
         )
@@ -440,11 +439,10 @@ def kda_prefill(
         tma_layout=mgpu, interpret=interpret,
     )  # fmt: skip
     if mgpu:
-        o, state = chunk_scan_mgpu.scan_mgpu(
-            rp, x, state, out_dtype=v.dtype, name="kda_prefill",
+        return chunk_scan_mgpu.scan_mgpu(
+            rp, x, state, out_dtype=v.dtype, name="kda_prefill", live=plan.live,
             interpret=interpret,
         )  # fmt: skip
-        return jnp.where(plan.live[:, None, None], o[:n], 0).astype(v.dtype), state
     o, state = scan_launches(
         rp, x, state, plan.start, plan.length, out_dtype=v.dtype, bv=bv, precision=prec,
         num_warps=num_warps, num_stages=num_stages, vb_first=vb_first,

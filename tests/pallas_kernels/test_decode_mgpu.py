@@ -268,13 +268,16 @@ def test_default_falls_back_with_one_log_line(monkeypatch, caplog):
     once a reason; a bad variable value is an error naming it."""
     monkeypatch.setattr(decode_mgpu, "DECODE_DEFAULT", "mgpu")
     chunk_scan_mgpu._log_fallback.cache_clear()
-    args = (8, 32, 128, 96, 2, jnp.float32, 2, False)  # Dv 96: not a multiple of 64
+    sds, rows = jax.ShapeDtypeStruct, 8
+    z = jnp.zeros(rows, jnp.int32)
+    slots = StateSlots(z, z, jnp.zeros((rows, 2), jnp.int32), jnp.zeros((rows, 2), jnp.int32), 8)
+    good, bad = sds((9, 32, 128, 128), jnp.float32), sds((9, 32, 96, 128), jnp.float32)  # Dv 96
     with caplog.at_level("WARNING", logger=chunk_scan_mgpu.__name__):
-        assert not decode_mgpu.decode_is_mgpu(None, *args)
-        assert not decode_mgpu.decode_is_mgpu(None, *args)
+        assert not decode_mgpu.decode_is_mgpu(None, bad, slots, 2, False)
+        assert not decode_mgpu.decode_is_mgpu(None, bad, slots, 2, False)
     assert len([r for r in caplog.records if "Dv=96" in r.getMessage()]) == 1
-    assert decode_mgpu.decode_is_mgpu(None, 8, 32, 128, 128, 2, jnp.float32, 2, False)
-    assert not decode_mgpu.decode_is_mgpu("triton", 8, 32, 128, 128, 2, jnp.float32, 2, False)
+    assert decode_mgpu.decode_is_mgpu(None, good, slots, 2, False)
+    assert not decode_mgpu.decode_is_mgpu("triton", good, slots, 2, False)
     monkeypatch.setattr(decode_mgpu, "DECODE_DEFAULT", "fast")
     with pytest.raises(ValueError, match="HYJAX_DECODE_KERNEL='fast'"):
-        decode_mgpu.decode_is_mgpu(None, 8, 32, 128, 128, 2, jnp.float32, 2, False)
+        decode_mgpu.decode_is_mgpu(None, good, slots, 2, False)
