@@ -154,20 +154,23 @@ def check_prefill(precision, operand_dtype=None, pool_dtype=jnp.float32, **tunin
     ck_off[5], ck_slot[5] = [1024, 1999], [8, 9]
     pool = _pool(jax.random.PRNGKey(1), 10, pool_dtype).at[0].set(jnp.nan).at[4:].set(jnp.nan)
     slots = StateSlots(src, dst, jnp.asarray(ck_off), jnp.asarray(ck_slot), jnp.int32(len(lens)))
-    args = (*acts, pool, qsl, slots)
+    kernel = functools.partial(gpu.gdn_prefill, precision=precision, operand_dtype=operand_dtype)
+    return _against_reference((*acts, pool, qsl, slots), kernel, n, range(1, 10), [0], **tuning)
+
+
+def _against_reference(args, kernel, n, written, untouched, **tuning) -> dict:
+    """``kernel(*args, **tuning)`` (a GDN prefill) against the reference: the first ``n``
+    output rows, the ``written`` slots, and the ``untouched`` ones (NaN) left as they were."""
     want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
-    kernel = functools.partial(
-        gpu.gdn_prefill, precision=precision, operand_dtype=operand_dtype, interpret=INTERPRET,
-        **tuning,
-    )  # fmt: skip
-    got_o, got_s = jax.jit(kernel)(*args)
-    written = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    got_o, got_s = jax.jit(functools.partial(kernel, interpret=INTERPRET, **tuning))(*args)
+    got_s, want_s = np.asarray(got_s, np.float32), np.asarray(want_s, np.float32)
+    written, untouched = np.asarray(list(written)), np.asarray(list(untouched))
     return {
-        "output_err_ratio": err_ratio(got_o, want_o),
-        "state_err_ratio": err_ratio(np.asarray(got_s)[written], np.asarray(want_s)[written]),
-        "untouched_slot0_still_nan": bool(np.isnan(np.asarray(got_s)[0]).all()),
+        "output_err_ratio": err_ratio(got_o[:n], want_o[:n]),
+        "state_err_ratio": err_ratio(got_s[written], want_s[written]),
+        "untouched_slots_still_nan": bool(np.isnan(got_s[untouched]).all()),
         "output_has_nan": bool(np.isnan(np.asarray(got_o, np.float32)).any()),
-    }  # fmt: skip
+    }
 
 
 def check_prefill_aligned(pool_dtype=jnp.float32, **tuning) -> dict:
@@ -182,18 +185,9 @@ def check_prefill_aligned(pool_dtype=jnp.float32, **tuning) -> dict:
     ck_slot = jnp.array([[3, 4], [0, 0], [0, 0]], jnp.int32)
     src, dst = jnp.array([1, 0, 0], jnp.int32), jnp.array([1, 2, 0], jnp.int32)
     slots = StateSlots(src, dst, ck_off, ck_slot, jnp.int32(len(lens)))
+    kernel = functools.partial(gpu.gdn_prefill, precision=None)
     args = (*acts, pool, qsl, slots)
-    want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
-    kernel = functools.partial(gpu.gdn_prefill, precision=None, interpret=INTERPRET, **tuning)
-    got_o, got_s = jax.jit(kernel)(*args)
-    n, written = sum(lens), np.array([1, 2, 3, 4])
-    return {
-        "output_err_ratio": err_ratio(got_o[:n], want_o[:n]),
-        "state_err_ratio": err_ratio(np.asarray(got_s, np.float32)[written],
-                                     np.asarray(want_s, np.float32)[written]),
-        "untouched_slots_still_nan": bool(np.isnan(np.asarray(got_s, np.float32)[5:]).all()),
-        "output_has_nan": bool(np.isnan(np.asarray(got_o, np.float32)).any()),
-    }  # fmt: skip
+    return _against_reference(args, kernel, sum(lens), range(1, 5), range(5, 8), **tuning)
 
 
 def check_decode() -> dict:
