@@ -174,12 +174,13 @@ def test_items_of_two_blocks_match_the_reference(fused):
 
 def test_softplus_without_log1p_keeps_log1p_accuracy():
     """The fused kernel's softplus (Mosaic GPU lowers no ``log1p``) against ``log1p`` in f64:
-    relative error within a few f32 roundings down to tiny values (a plain ``log(1 + y)``
-    is off by up to 1e-3 at x = -10)."""
+    relative error within a few f32 roundings down to tiny values (2.7e-7 measured on this
+    host; the bound leaves room for another host's exp / log; a plain ``log(1 + y)`` is off by
+    up to 1e-3 at x = -10)."""
     x = np.linspace(-30.0, 30.0, 6001, dtype=np.float32)
     got = np.asarray(decode_mgpu._softplus(jnp.asarray(x)), np.float64)
     want = np.where(x > 20, x, np.log1p(np.exp(np.minimum(x.astype(np.float64), 20.0))))
-    np.testing.assert_allclose(got, want, rtol=4e-7)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_stream_only_stores_each_tile_as_read():
