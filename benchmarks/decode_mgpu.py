@@ -7,12 +7,12 @@ For GDN and KDA (80B / Kimi-Linear-48B heads, f32 state [V, K]): first the check
 on ``decode_variants.check_slots`` (a row from zeros, slot 0 NaN, a row writing nothing, a
 checkpoint at offset 1, a padding row) against the reference in IEEE f32, the same bounds as
 ``decode_variants``' tilings (state 1e-5, bf16 output 4e-3); then, at each batch, the copy,
-the Triton decode and this kernel at 1 and 2 programs an SM, and the kernel alone on inputs made
-outside the timed chain, the kernel making the norms and gates itself (``fused``: one
-launch, as the Triton decode), and its copies and stores alone (``stream_only``: the design's
-streaming ceiling) (``decode_variants``' timing: chains of unrolled calls, state donated,
-every output consumed). ``--dry-run``: CPU, interpret mode,
-tiny shapes. A kernel that fails its check is not timed.
+the Triton decode, this kernel at its defaults and in its first design (two programs an SM of
+three buffers, no store lag), the kernel alone on inputs made outside the timed chain, and its
+copies and stores alone (``stream_only``: the design's streaming ceiling), with
+``decode_variants``' timing (chains of unrolled calls, state donated, every output consumed).
+``--sweep``: GDN at (programs, buffers, item rows, lag) combinations, no check. ``--dry-run``:
+CPU, interpret mode, tiny shapes. A kernel that fails its check is not timed.
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ from benchmarks.decode_variants import (
 )
 from pallas_kernels.common import decode_mgpu
 
-# (programs an SM, buffers, rows of S^T an item copies)
-SWEEP = [(1, 2, 64), (1, 4, 64), (1, 6, 64), (2, 2, 64), (2, 3, 64), (3, 2, 64), (4, 2, 64),
-         (1, 2, 128), (1, 3, 128)]  # fmt: skip
+# (programs an SM or "pN": N programs, buffers, rows of S^T an item copies, lag, stream_only)
+SWEEP = [(2, 3, 64, 0, False), (2, 3, 64, 1, False), (1, 4, 64, 1, False), (1, 5, 64, 1, False),
+         (1, 6, 64, 1, False), (1, 3, 128, 1, False), ("p256", 3, 64, 0, False),
+         ("p256", 3, 64, 1, False), (2, 3, 64, 0, True), (2, 3, 64, 1, True),
+         (1, 6, 64, 1, True), ("p256", 3, 64, 1, True)]  # fmt: skip
 TOKEN_INPUTS = {"gdn": decode_mgpu.gdn_inputs, "kda": decode_mgpu.kda_inputs}
 KERNELS = {"gdn": decode_mgpu.gdn_decode_mgpu, "kda": decode_mgpu.kda_decode_mgpu}
 
@@ -92,22 +94,25 @@ def main() -> None:
             run.record(
                 f"gdn_decode_B{rows}", lambda r=rows, c=copy_s: run.baseline("gdn_decode", r, c)
             )
-            for per_sm, buffers, item in SWEEP:
+            for per_sm, buffers, item, lag, stream in SWEEP:
+                progs = int(per_sm[1:]) if isinstance(per_sm, str) else per_sm * sms
+                where = per_sm if isinstance(per_sm, str) else f"{per_sm}per_sm"
+                kind = "stream_only" if stream else "gdn_mgpu"
                 run.record(
-                    f"gdn_mgpu_{per_sm}per_sm_{buffers}buf_{item}rows_B{rows}",
-                    lambda r=rows, n=per_sm * sms, c=copy_s, nb=buffers, it=item: timed(
-                        run, "gdn", r, n, c, nb, item_rows=it
-                    ),
+                    f"{kind}_{where}_{buffers}buf_{item}rows_lag{lag}_B{rows}",
+                    lambda r=rows,
+                    n=progs,
+                    c=copy_s,
+                    nb=buffers,
+                    kw=dict(  # noqa: C408
+                        item_rows=item, lag=lag, stream_only=stream, kernel_only=stream
+                    ): timed(run, "gdn", r, n, c, nb, **kw),
                 )
         return
     ok = {}
     for fam in fams:
         res = run.record(f"{fam}_mgpu_check", lambda fam=fam: check(run, fam, batches[0], None))
         ok[fam] = bool(res.get("ok"))
-        res = run.record(
-            f"{fam}_mgpu_fused_check", lambda f=fam: check(run, f, batches[0], None, fused=True)
-        )
-        ok[f"{fam}_fused"] = bool(res.get("ok"))
     for rows in batches:
         copy_s = run.record(f"copy_B{rows}", lambda rows=rows: run.copy(rows)).get("us", 0) * 1e-6
         for fam in fams:
@@ -115,25 +120,22 @@ def main() -> None:
             run.record(f"{name}_B{rows}", lambda n=name, r=rows, c=copy_s: run.baseline(n, r, c))
             if not ok[fam]:
                 continue
-            for per_sm in (2, 1):
-                run.record(
-                    f"{fam}_mgpu_{per_sm}per_sm_B{rows}",
-                    lambda f=fam, r=rows, n=per_sm * sms, c=copy_s: timed(run, f, r, n, c),
-                )
-            if ok[f"{fam}_fused"]:  # norms, gates and o's dtype in the kernel: one launch
-                run.record(
-                    f"{fam}_mgpu_fused_B{rows}",
-                    lambda f=fam, r=rows, n=2 * sms, c=copy_s: timed(run, f, r, n, c, fused=True),
-                )
+            run.record(  # the defaults (decode_mgpu.PROGRAMS_PER_SM, BUFFERS, LAG)
+                f"{fam}_mgpu_B{rows}", lambda f=fam, r=rows, c=copy_s: timed(run, f, r, None, c)
+            )
+            run.record(  # the first design: two programs an SM of 3 buffers, no store lag
+                f"{fam}_mgpu_first_B{rows}",
+                lambda f=fam, r=rows, n=2 * sms, c=copy_s: timed(run, f, r, n, c, 3, lag=0),
+            )
             run.record(
                 f"{fam}_mgpu_kernel_only_B{rows}",
-                lambda f=fam, r=rows, n=2 * sms, c=copy_s: timed(run, f, r, n, c, kernel_only=True),
+                lambda f=fam, r=rows, c=copy_s: timed(run, f, r, None, c, kernel_only=True),
             )
         # this design's streaming ceiling: the same copies and stores, no update
         run.record(
             f"mgpu_stream_only_B{rows}",
-            lambda r=rows, n=2 * sms, c=copy_s: timed(
-                run, "gdn", r, n, c, kernel_only=True, stream_only=True
+            lambda r=rows, c=copy_s: timed(
+                run, "gdn", r, None, c, kernel_only=True, stream_only=True
             ),
         )
         run.record(f"copy_again_B{rows}", lambda rows=rows: run.copy(rows))

@@ -41,11 +41,12 @@
 #             engine on the Mosaic GPU prefill
 #   mgpukda   the same for KDA: kda_kernels' checks and prefill, default (Mosaic GPU) and
 #             triton, with 0, 1, 4 checkpoints, and FLA
+#   kdackpt   KDA's default prefill at 8x4096 with 0, 1 and 4 checkpoints a sequence alone
 #   decmgpu   benchmarks.decode_mgpu: the Mosaic GPU decode (common/decode_mgpu.py) checked, then
 #             timed beside the Triton decode and a copy, GDN and KDA at 64 and 256 rows;
-#             decmgpusw its sweep (programs an SM x buffers, GDN); kimidec the kimi section with
-#             HYJAX_DECODE_KERNEL=mgpu (the engine's KDA decode on it: A/B against kimi);
-#             kimidecf the same with HYJAX_DECODE_FUSED=1 (norms and gates in the kernel)
+#             decmgpusw its sweep (programs, buffers, item rows, store lag; GDN); kimidec the
+#             kimi section with HYJAX_DECODE_KERNEL=mgpu (the engine's KDA decode on it: A/B
+#             against kimi)
 #   ncugdn    ncu's counters (occupancy, launch statistics, warp states, memory) of the GDN
 #             prefill's intra and serial launches at SUITE_NCU_BATCH (default 8) x 4096 tokens
 #             (benchmarks.profile_delta_rule), in the section's log; ncukda the same for KDA
@@ -61,7 +62,9 @@
 #             compile took 80-115 s on the hosts of 2026-11-28, its measured run ~16 s
 #   tp48c64   the same at concurrency 64 (--min-seq-bucket 64)
 #   kimi      benchmarks.serving_throughput: Kimi-Linear-48B, all 27 layers, one card, c8
-#   kimidt    the same with --dispatch-thread
+#   kimidt    the same with --dispatch-thread; kimit with the Triton decode (HYJAX_DECODE_KERNEL)
+#   benchdec  benchmarks.serving_throughput: the bench model (80B layer shapes), 8 layers, c64,
+#             200 tokens in, 256 out: 64 rows decoding; benchdect the same on the Triton decode
 #   q24       benchmarks.serving_throughput: 80B, 24 layers, one card, c8, an 8-step profile
 #   cbuf      benchmarks.cmdbuf_updates: XLA's CUDA-graph updates a step (which allocations
 #             move between launches, kernels re-recorded, their host time), sync and async
@@ -129,6 +132,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
         mgpukda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_triton,fla,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B8_T4096_ckpt --out $j" ;;
+        kdackpt) echo "python -m benchmarks.kda_kernels --only prefill_B8_T4096_ckpt --out $j" ;;
         decmgpu) echo "python -m benchmarks.decode_mgpu --out $j" ;;
         decmgpusw) echo "python -m benchmarks.decode_mgpu --sweep --out $j" ;;
         mgpuprobe) echo "python -m benchmarks.mgpu_probe --timeout 60 --out $j" ;;
@@ -150,7 +154,10 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         tp48c64) echo "python -m benchmarks.serving_throughput $tp 64 --concurrency 64 --max-seconds $((budget - 20)) --out $j" ;;
         kimi) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --max-seconds $((budget - 20)) --out $j" ;;
         kimidec) echo "env HYJAX_DECODE_KERNEL=mgpu python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --max-seconds $((budget - 20)) --out $j" ;;
-        kimidecf) echo "env HYJAX_DECODE_KERNEL=mgpu HYJAX_DECODE_FUSED=1 python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --max-seconds $((budget - 20)) --out $j" ;;
+        kimit) echo "env HYJAX_DECODE_KERNEL=triton python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --max-seconds $((budget - 20)) --out $j" ;;
+        benchdec | benchdect)  # the 80B's layer shapes, 8 layers, 64 rows decoding
+            n=; [ "$1" = benchdec ] || n="env HYJAX_DECODE_KERNEL=triton"
+            echo "$n python -m benchmarks.serving_throughput --model bench --layers 8 --concurrency 64 --min-seq-bucket 64 --input-len 200 --output-len 256 --max-seconds $((budget - 20)) --out $j" ;;
         kimidt) echo "python -m benchmarks.serving_throughput --model kimi-linear-48b --concurrency 8 --min-seq-bucket 8 --dispatch-thread --max-seconds $((budget - 20)) --out $j" ;;
         hlo) echo "python -m benchmarks.serving_throughput --model bench --layers 4 --concurrency 8 --input-len 200 --output-len 64 --max-seconds $((budget - 20)) --out $j" ;;
         bufdump) echo "python -m benchmarks.serving_throughput $cb --output-len 48 --scheduling async --out $j" ;;

@@ -4,10 +4,12 @@ Why (issue 19, BENCHMARKS.md "The decode kernels profiled"): the Triton decode h
 ``[16, Dk]`` f32 state tile in registers from its load to its store; 130 registers a thread cap
 an SM at 12 warps, and ncu shows its warps mostly waiting on global loads (0.87 of copy). Here a
 TMA copy brings a tile into shared memory without holding a register, and each program keeps
-``BUFFERS - 1`` tiles in flight while it updates another. Measured on an H200, that did not
-move GDN's figure (level with Triton): occupancy is not what bounds it. KDA gained 3.5-4.4 %.
+several tiles in flight while it updates another. Measured on an H200 (three processes, the
+Triton decode beside it in each), it is level with the Triton decode, both 0.84-0.89 of copy at
+64 rows and 0.89-0.92 at 256: occupancy is not what bounds either. Its own streaming ceiling
+(``stream_only``: the same copies and stores, no update) is 0.86-0.93 of copy.
 
-The kernel (one warpgroup a program, ``programs`` persistent programs, default two an SM):
+The kernel (one warpgroup a program, ``programs`` persistent programs, default one an SM):
 
 - work item ``i`` = (row ``r``, head ``h``, value block ``vb`` of ``BV = 64`` rows of ``S^T``);
   program ``c`` takes items ``c, c + G, c + 2G, ...``;
@@ -16,15 +18,18 @@ The kernel (one warpgroup a program, ``programs`` persistent programs, default t
   scalars (``[3, H]``: decay, beta, ``k . q``) and ``v`` (``[64]`` f32);
 - the update in registers (WGMMA layout, the same algebra as ``delta_rule_gpu.decode_update``),
   the new tile written back over its buffer, then stored by TMA to ``dst`` and to each
-  checkpoint at offset 1; ``o`` (f32) leaves by TMA too. Before a buffer is refilled, the stores
-  from it have read it (``wait_smem_to_gmem(0, wait_read_only=True)``).
+  checkpoint at offset 1; ``o`` (f32, its own buffer an item) leaves by TMA too, the item's
+  stores one commit group;
+- before a buffer is refilled, the stores from it have read it: with ``lag`` 1 (default) the
+  last item's group may still be reading (``wait_smem_to_gmem(1, wait_read_only=True)``), so
+  the refill need not wait for the stores just issued; ``buffers - 1 - lag`` copies in flight.
 
 The token's inputs that cost nothing next to the state (l2 norms, gates, ``k . q``) are
 computed by XLA beforehand (:func:`gdn_inputs`, :func:`kda_inputs`: one fusion over
-``[S, H, Dk]``, and ``o`` cast after: three launches a call), or with ``fused=True`` in the
-kernel from the layer's own activations (:class:`_Raw`: one launch, as the Triton decode; its
-whole-array copies of the gates need ``heads`` a multiple of 32, e.g. the 80B and Kimi on one
-card). The fused path has not yet run on a GPU.
+``[S, H, Dk]``, and ``o`` cast after: three launches a call). Made in the kernel instead (one
+launch, as the Triton decode), they measured slower on an H200 (GDN 1-4 %, KDA 2.1x: its
+per-channel decay's exp and softplus over each ``[64, Dk]`` tile), so that variant was removed
+(BENCHMARKS.md, the Mosaic GPU decode).
 
 Slot contract (DESIGN.md §3) as the Triton decode: ``src`` 0 reads zeros, ``dst`` 0 writes
 nothing, checkpoints at offset 1 are written, padding rows write zeros to ``o``.
@@ -32,10 +37,10 @@ nothing, checkpoints at offset 1 are written, padding rows write zeros to ``o``.
 ``interpret=True`` runs it in Pallas' GPU interpreter on a CPU host (the pool written through
 an output and scattered into its slots: the interpreter takes no refs).
 
-Not the default yet: ``gdn.gpu.gdn_decode`` / ``kda.gpu.kda_decode`` run it when asked
-(``kernel="mgpu"``, or ``HYJAX_DECODE_KERNEL=mgpu`` for a process: :data:`DECODE_DEFAULT`), the
-engine's decode cells through them. Measured on an H200 (BENCHMARKS.md): exact, level with the
-Triton decode for GDN, 3.5-4.4 % faster for KDA.
+Not the default (level with the Triton decode, not faster): ``gdn.gpu.gdn_decode`` /
+``kda.gpu.kda_decode`` run it when asked (``kernel="mgpu"``, or ``HYJAX_DECODE_KERNEL=mgpu`` for
+a process: :data:`DECODE_DEFAULT`), the engine's decode cells through them; the engine has
+served Kimi-Linear-48B (8 rows) and the 80B's layer shapes (64 rows) on it on an H200.
 """
 
 from __future__ import annotations
@@ -60,35 +65,39 @@ from pallas_kernels.common.delta_rule import l2norm, softplus
 from pallas_kernels.common.slots import StateSlots
 
 BV = 64  # rows of S^T a work item updates: a warpgroup's WGMMA-layout tile
-BUFFERS = 3  # tiles a program has in shared memory: BUFFERS - 1 in flight beside the one updated
-PROGRAMS_PER_SM = 2
+# One program an SM with 5 tiles in shared memory, a buffer refilled while the last item's stores
+# may still read theirs (LAG 1): 3 copies in flight beside the tile updated and the one stored.
+# Measured on an H200 (BENCHMARKS.md, decode_mgpu, same process): 0.85-0.89 / 0.90-0.91 of
+# copy at 64 / 256 rows; the first design (two programs an SM of 3 buffers, LAG 0: each refill
+# waited for the item's stores just issued) 0.82-0.84 / 0.86-0.88.
+BUFFERS = 5
+PROGRAMS_PER_SM = 1
+LAG = 1
 LANES = 32  # f32 values in 128 bytes: a warpgroup's TMA copy moves a multiple of that
 f32 = jnp.float32
-# The one-token decode a GPU runs when not told (``kernel=None``): Triton's until this one has
-# run in the engine on a GPU; HYJAX_DECODE_KERNEL=mgpu sets it for a process.
+# The one-token decode a GPU runs when not told (``kernel=None``): Triton's, which this one
+# measured level with, not faster; HYJAX_DECODE_KERNEL=mgpu sets it for a process.
 DECODE_DEFAULT = os.environ.get("HYJAX_DECODE_KERNEL", "triton")
-# Whether it makes the token's norms and gates itself (``fused``) when not told, where the
-# batch allows: off until the fused path has run on a GPU; HYJAX_DECODE_FUSED=1 for a process.
-DECODE_FUSED = os.environ.get("HYJAX_DECODE_FUSED", "0") == "1"
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _scratch(rows, heads, dk, nvec, num_ckpt, pool_dtype, out_dtype, buffers, fused, item=BV):
-    """The kernel's scratch: the state tiles, ``o``, the rows' slots, the barriers (a buffer's,
-    the preload's), then the token inputs' (:class:`_Prepared` or :class:`_Raw`)."""
+def _scratch(rows, heads, dk, nvec, num_ckpt, pool_dtype, buffers, item=BV):
+    """The kernel's scratch: the state tiles, ``o``, the rows' slots, the barriers (a buffer's:
+    its tile and the item's three token copies; the slots'), then the token inputs'
+    (``vectors``, ``gates``, ``v``: :func:`gdn_inputs`)."""
     plgpu = _plgpu()
-    inputs = _Raw if fused else _Prepared
-    copies, preloads = inputs.counts(nvec == 3)
     return (
         plgpu.SMEM((buffers, item, dk), pool_dtype),
-        plgpu.SMEM((item,), out_dtype if fused else f32),
+        plgpu.SMEM((buffers, item), f32),
         plgpu.SMEM((3 + num_ckpt, _round_up(rows, LANES)), jnp.int32),
-        plgpu.Barrier(num_arrivals=1 + copies, num_barriers=buffers),
-        plgpu.Barrier(num_arrivals=1 + preloads, num_barriers=1),
-        *inputs.scratch(plgpu, buffers, rows, heads, nvec, dk, out_dtype, item),
+        plgpu.Barrier(num_arrivals=4, num_barriers=buffers),
+        plgpu.Barrier(num_arrivals=1, num_barriers=1),
+        plgpu.SMEM((buffers, nvec, dk), f32),
+        plgpu.SMEM((buffers, 3, _round_up(heads, LANES)), f32),
+        plgpu.SMEM((buffers, item), f32),
     )
 
 
@@ -101,25 +110,16 @@ def smem_bytes(scratch) -> int:
 
 
 def unsupported_reason(
-    rows, heads, dk, dv, num_ckpt, pool_dtype, vectors=2, buffers=BUFFERS, fused=False,
-    act_dtype=jnp.bfloat16, item=BV,
-) -> str | None:  # fmt: skip
-    """Why this kernel cannot take a decode (the Triton one then does), or None. ``fused``:
-    the token inputs as the layer has them (:class:`_Raw`), whose whole-array copies need
-    ``rows * heads`` activations and ``heads`` f32 parameters in multiples of 128 bytes."""
+    rows, heads, dk, dv, num_ckpt, pool_dtype, vectors=2, buffers=BUFFERS, item=BV
+) -> str | None:
+    """Why this kernel cannot take a decode (the Triton one then does), or None."""
     if jnp.dtype(pool_dtype) not in (jnp.dtype(f32), jnp.dtype(jnp.bfloat16)):
         return f"a {jnp.dtype(pool_dtype).name} pool"
     if dk not in (64, 128):
         return f"Dk={dk} (64 or 128: a [64, Dk] f32 tile in registers)"
     if item % BV or dv % item:
         return f"Dv={dv} in items of {item} rows (multiples of {BV} dividing Dv)"
-    if fused:
-        if (rows * heads * jnp.dtype(act_dtype).itemsize) % 128 or (heads * 4) % 128:
-            return f"{rows} rows x {heads} heads (whole copies of a multiple of 128 bytes)"
-    scratch = _scratch(
-        rows, heads, dk, vectors, num_ckpt, pool_dtype, act_dtype, buffers, fused, item
-    )
-    need = smem_bytes(scratch)
+    need = smem_bytes(_scratch(rows, heads, dk, vectors, num_ckpt, pool_dtype, buffers, item))
     if need > SMEM_BYTES:
         return f"{rows} rows: shared memory {need} bytes over {SMEM_BYTES}"
     return None
@@ -127,7 +127,7 @@ def unsupported_reason(
 
 def batch_reason(state, slots: StateSlots, vectors: int, **kw) -> str | None:
     """:func:`unsupported_reason` for a decode of ``slots``' rows on ``state``'s pool
-    (``[num_slots, H, Dv, Dk]``); ``kw``: its options (``fused``, ``act_dtype``, ...)."""
+    (``[num_slots, H, Dv, Dk]``); ``kw``: its options (``buffers``, ``item``)."""
     _, heads, dv, dk = state.shape
     num_ckpt = slots.ckpt_offsets.shape[1]
     return unsupported_reason(
@@ -182,40 +182,14 @@ def _slot_rows(slots: StateSlots) -> jax.Array:
     return jnp.pad(meta.astype(jnp.int32), [(0, 0), (0, _round_up(rows, LANES) - rows)])
 
 
-def _softplus(x):
-    """``log1p(exp(x))`` from ``log`` alone (Mosaic GPU lowers no ``log1p``): ``log(u) * y /
-    (u - 1)`` with ``u = 1 + y`` corrects the rounding of ``u`` (Goldberg's trick)."""
-    y = jnp.exp(jnp.minimum(x, 20.0))
-    u = 1.0 + y
-    lp = jnp.where(u == 1.0, y, jnp.log(u) * y / jnp.where(u == 1.0, 1.0, u - 1.0))
-    return jnp.where(x > 20.0, x, lp)
-
-
-def _l2norm_rows(x):  # each row of a [M, N] WGMMA array over its N columns
-    ss = jnp.sum(x * x, axis=1)
-    return x * jax.lax.broadcast_in_dim(jax.lax.rsqrt(ss + 1e-6), x.shape, (0,))
-
-
-class _Prepared:
-    """The token's inputs as :func:`gdn_inputs` / :func:`kda_inputs` made them (XLA)."""
+class _Token:
+    """The token's inputs as :func:`gdn_inputs` / :func:`kda_inputs` made them (XLA): an item's
+    copies into its buffer, and their values in the update."""
 
     def __init__(self, refs, scratch, ops, ratio, per_channel):
         self.vec_ref, self.gate_ref, self.v_ref = refs
         self.vec_s, self.gate_s, self.v_s = scratch
         self.ops, self.ratio, self.per_channel = ops, ratio, per_channel
-
-    @staticmethod
-    def scratch(plgpu, buffers, rows, heads, nvec, dk, out_dtype, item):
-        hp = _round_up(heads, LANES)
-        return (plgpu.SMEM((buffers, nvec, dk), f32), plgpu.SMEM((buffers, 3, hp), f32),
-                plgpu.SMEM((buffers, item), f32))  # fmt: skip
-
-    @staticmethod
-    def counts(per_channel):  # a buffer's copies besides the state tile; whole-array copies
-        return 3, 0
-
-    def preload(self, bar):
-        pass
 
     def issue(self, r, h, vb, b, bar):  # row r, head h, Dv block vb into buffer b
         plgpu = _plgpu()
@@ -239,88 +213,11 @@ class _Prepared:
         return self.ops.load_col_vector(self.v_s.at[b, rs]).astype(f32)
 
 
-class _Raw:
-    """The layer's activations and gate parameters as they are (``fused`` inputs): norms,
-    gates and ``k . q`` in the kernel. GDN: ``q, k [S, Hk, Dk]``, ``v``, ``a, b [S, H]``,
-    ``A_log, dt_bias [H]``; KDA: ``q, k, g [S, H, Dk]``, ``v``, ``b``, ``A_log [H]``,
-    ``dt_bias [H, Dk]``. ``a`` / ``b`` and the ``[H]`` parameters are copied whole, once a
-    program."""
-
-    def __init__(self, refs, scratch, ops, ratio, per_channel):
-        self.refs, self.s, self.ops = refs, scratch, ops
-        self.ratio, self.per_channel = ratio, per_channel
-
-    @staticmethod
-    def counts(per_channel):
-        return (5, 2) if per_channel else (3, 4)
-
-    @staticmethod
-    def scratch(plgpu, buffers, rows, heads, nvec, dk, out_dtype, item):
-        act = out_dtype  # the activations' dtype
-        per_buffer = [plgpu.SMEM((buffers, dk), act), plgpu.SMEM((buffers, dk), act),
-                      plgpu.SMEM((buffers, item), act)]  # fmt: skip
-        if nvec == 3:  # KDA: g and dt_bias a head
-            per_buffer += [plgpu.SMEM((buffers, dk), act), plgpu.SMEM((buffers, dk), f32)]
-            whole = [plgpu.SMEM((rows, heads), act), plgpu.SMEM((heads,), f32)]
-        else:  # GDN: a, b, A_log, dt_bias
-            whole = [plgpu.SMEM((rows, heads), act), plgpu.SMEM((rows, heads), act),
-                     plgpu.SMEM((heads,), f32), plgpu.SMEM((heads,), f32)]  # fmt: skip
-        return (*per_buffer, *whole)
-
-    def preload(self, bar):
-        plgpu = _plgpu()
-        if self.per_channel:
-            (*_, b_ref, alog_ref, _), (*_, b_s, alog_s) = self.refs, self.s
-            pairs = [(b_ref, b_s), (alog_ref, alog_s)]
-        else:
-            pairs = list(zip(self.refs[3:], self.s[3:], strict=True))
-        for ref, smem in pairs:
-            plgpu.copy_gmem_to_smem(ref, smem, bar)
-
-    def issue(self, r, h, vb, b, bar):  # row r, head h, Dv block vb into buffer b
-        plgpu = _plgpu()
-        q_ref, k_ref, v_ref = self.refs[:3]
-        q_s, k_s, v_s = self.s[:3]
-        hk = h // self.ratio
-        plgpu.copy_gmem_to_smem(q_ref.at[r, hk], q_s.at[b], bar)
-        plgpu.copy_gmem_to_smem(k_ref.at[r, hk], k_s.at[b], bar)
-        item = v_s.shape[1]
-        plgpu.copy_gmem_to_smem(v_ref.at[r, h, pl.ds(vb * item, item)], v_s.at[b], bar)
-        if self.per_channel:
-            g_ref, dtb_ref = self.refs[3], self.refs[6]
-            plgpu.copy_gmem_to_smem(g_ref.at[r, h], self.s[3].at[b], bar)
-            plgpu.copy_gmem_to_smem(dtb_ref.at[h], self.s[4].at[b], bar)
-
-    def token(self, b, r, h, shape):
-        ops = self.ops
-        q_s, k_s, v_s = self.s[:3]
-
-        def row(ref):
-            vec = ops.load_row_vector(ref).astype(f32)
-            return jax.lax.broadcast_in_dim(vec, shape, (1,))
-
-        q = _l2norm_rows(row(q_s.at[b])) * float(shape[1]) ** -0.5
-        k = _l2norm_rows(row(k_s.at[b]))
-        if self.per_channel:
-            b_s, alog_s = self.s[5], self.s[6]
-            x = row(self.s[3].at[b]) + row(self.s[4].at[b])  # g + dt_bias[h]: [Dk] a column
-            decay = jnp.exp(-jnp.exp(alog_s[h]) * _softplus(x))
-        else:
-            a_s, b_s, alog_s, dtb_s = self.s[3:]
-            x = a_s[r, h].astype(f32) + dtb_s[h]
-            decay = jnp.exp(-jnp.exp(alog_s[h]) * _softplus(x))
-        beta = jax.nn.sigmoid(b_s[r, h].astype(f32))
-        return decay, q, k, beta, jnp.sum(q * k, axis=1)
-
-    def v(self, b, rs):
-        return self.ops.load_col_vector(self.s[2].at[b, rs]).astype(f32)
-
-
-def _body(refs, scratch, *, ops, programs, buffers, ratio, per_channel, inputs, stream_only):
+def _body(refs, scratch, *, ops, programs, buffers, lag, ratio, per_channel, stream_only):
     plgpu = _plgpu()
     meta_ref, *token_refs, pool_in, pool_out, o_ref = refs
     tile_s, o_s, meta_s, bars, meta_bar, *token_s = scratch
-    tok = inputs(token_refs, token_s, ops, ratio, per_channel)
+    tok = _Token(token_refs, token_s, ops, ratio, per_channel)
     heads, dv = pool_in.shape[1], pool_in.shape[2]
     rows = o_ref.shape[0]
     item_rows = tile_s.shape[1]  # a multiple of BV: the update runs BV rows at a time
@@ -330,7 +227,6 @@ def _body(refs, scratch, *, ops, programs, buffers, ratio, per_channel, inputs, 
     n = (rows * heads * nvb - c + programs - 1) // programs  # this program's items
 
     plgpu.copy_gmem_to_smem(meta_ref, meta_s, meta_bar.at[0])
-    tok.preload(meta_bar.at[0])
     plgpu.barrier_wait(meta_bar.at[0])
 
     def item(j):  # (row, head, Dv block) of this program's j-th item
@@ -344,7 +240,7 @@ def _body(refs, scratch, *, ops, programs, buffers, ratio, per_channel, inputs, 
         plgpu.copy_gmem_to_smem(tile, tile_s.at[b], bar)
         tok.issue(r, h, vb, b, bar)
 
-    for p in range(buffers - 1):
+    for p in range(buffers - 1 - lag):
 
         @pl.when(p < n)
         def _(p=p):
@@ -362,15 +258,17 @@ def _body(refs, scratch, *, ops, programs, buffers, ratio, per_channel, inputs, 
             o = jnp.where(live > 0, sq + delta * kq, 0.0)
             s = s + jax.lax.broadcast_in_dim(delta, s.shape, (0,)) * k
             tile_s.at[b, rs][...] = s.astype(tile_s.dtype)
-            o_s.at[rs][...] = o.astype(o_s.dtype)
+            o_s.at[b, rs][...] = o.astype(o_s.dtype)
 
     def step(j, carry):
         b = j % buffers
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # item j - 1's stores have read
+        # item j - 1 - lag's stores (one commit group an item) have read the buffer refilled
+        plgpu.wait_smem_to_gmem(lag, wait_read_only=True)
+        ahead = j + buffers - 1 - lag
 
-        @pl.when(j + buffers - 1 < n)
+        @pl.when(ahead < n)
         def _():
-            issue(j + buffers - 1, (j + buffers - 1) % buffers)
+            issue(ahead, ahead % buffers)
 
         r, h, vb = item(j)
         vs = pl.ds(vb * item_rows, item_rows)
@@ -380,18 +278,17 @@ def _body(refs, scratch, *, ops, programs, buffers, ratio, per_channel, inputs, 
             update(b, r, h, src, live)
         plgpu.commit_smem()
 
-        @pl.when(dst > 0)
-        def _():
-            plgpu.copy_smem_to_gmem(tile_s.at[b], pool_out.at[dst, h, vs])
+        def store(slot, to):  # (Pallas' interpreter takes no copy predicate)
+            @pl.when(slot > 0)
+            def _():
+                plgpu.copy_smem_to_gmem(tile_s.at[b], to, commit_group=False)
 
+        store(dst, pool_out.at[dst, h, vs])
         for m in range(num_ckpt):
             ck = meta_s[2 + m, r]
-
-            @pl.when(ck > 0)
-            def _(ck=ck):
-                plgpu.copy_smem_to_gmem(tile_s.at[b], pool_out.at[ck, h, vs])
-
-        plgpu.copy_smem_to_gmem(o_s, o_ref.at[r, h, vs])
+            store(ck, pool_out.at[ck, h, vs])
+        plgpu.copy_smem_to_gmem(o_s.at[b], o_ref.at[r, h, vs], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
         return carry
 
     jax.lax.fori_loop(0, n, step, 0)
@@ -403,66 +300,58 @@ def _num_sms() -> int:
 
 
 def decode_mgpu(
-    token_inputs: tuple[jax.Array, ...],  # _Prepared's or _Raw's arrays (their docstrings)
+    token_inputs: tuple[jax.Array, ...],  # gdn_inputs' / kda_inputs' (vectors, gates, v)
     state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  donated: updated in place
     slots: StateSlots,
     *,
     out_dtype,
     name: str,
-    fused: bool = False,
     programs: int | None = None,
     buffers: int = BUFFERS,
     item_rows: int = BV,
     stream_only: bool = False,
+    lag: int = LAG,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The kernel on its token inputs: :func:`gdn_inputs` / :func:`kda_inputs`' (XLA made the
-    norms and gates), or with ``fused`` the layer's own (:class:`_Raw`: the kernel makes them,
-    and writes ``o`` in ``out_dtype`` itself). Returns ``(o [S, H, Dv], state)``.
+    norms and gates). Returns ``(o [S, H, Dv], state)``, ``o`` in ``out_dtype``.
     ``stream_only`` (benchmarks only) moves the bytes without the update: each tile stored as
     read (``src`` to ``dst``), ``o`` unwritten; the design's streaming ceiling. ``item_rows``:
     rows of ``S^T`` a work item copies at once (``BV`` or a multiple, updated ``BV`` at a
-    time)."""
+    time). ``lag``: items whose stores may still be reading their buffers when one is refilled
+    (0 or 1; ``buffers - 1 - lag`` copies in flight)."""
     plgpu = _plgpu()
+    if lag not in (0, 1) or buffers < 2 + lag:
+        raise ValueError(f"lag={lag} with {buffers} buffers (lag 0 or 1, buffers >= 2 + lag)")
     _, heads, dv, dk = state.shape
     rows = slots.num_rows
     num_ckpt = slots.ckpt_offsets.shape[1]
-    if fused:
-        q, v = token_inputs[0], token_inputs[2]
-        nvec, hk, act = (3 if token_inputs[3].ndim == 3 else 2), q.shape[1], v.dtype
-    else:
-        q, act = token_inputs[0], out_dtype
-        hk, nvec = q.shape[1], q.shape[2]
-    why = unsupported_reason(
-        rows, heads, dk, dv, num_ckpt, state.dtype, nvec, buffers, fused, act, item_rows
-    )  # fmt: skip
+    vectors, gates, v = token_inputs
+    hk, nvec = vectors.shape[1], vectors.shape[2]
+    why = unsupported_reason(rows, heads, dk, dv, num_ckpt, state.dtype, nvec, buffers, item_rows)
     if why:
         raise ValueError(f"the Mosaic GPU decode cannot take this batch: {why}")
-    if fused and jnp.dtype(out_dtype) != jnp.dtype(act):
-        raise ValueError(f"fused: o is written in the activations' dtype {act}, not {out_dtype}")
-    if not fused:
-        vectors, gates, v = token_inputs
-        hp = _round_up(heads, LANES)
-        gates = jnp.pad(gates.astype(f32), [(0, 0), (0, 0), (0, hp - heads)])
-        token_inputs = (vectors.astype(f32), gates, v.astype(f32))
+    hp = _round_up(heads, LANES)
+    gates = jnp.pad(gates.astype(f32), [(0, 0), (0, 0), (0, hp - heads)])
+    token_inputs = (vectors.astype(f32), gates, v.astype(f32))
     meta = _slot_rows(slots)
     items = rows * heads * (dv // item_rows)
     if programs is None:
         programs = 4 if interpret else PROGRAMS_PER_SM * _num_sms()
     programs = max(1, min(programs, items))
-    scratch = _scratch(rows, heads, dk, nvec, num_ckpt, state.dtype, act, buffers, fused, item_rows)
+    scratch = _scratch(rows, heads, dk, nvec, num_ckpt, state.dtype, buffers, item_rows)
     body = functools.partial(
         _body,
         ops=InterpretOps if interpret else GpuOps,
         programs=programs,
         buffers=buffers,
+        lag=lag,
         ratio=heads // hk,
         per_channel=nvec == 3,
-        inputs=_Raw if fused else _Prepared,
         stream_only=stream_only,
     )
     mesh = plgpu.Mesh(grid=(programs,), grid_names=("c",))
-    o_type = jax.ShapeDtypeStruct((rows, heads, dv), out_dtype if fused else f32)
+    o_type = jax.ShapeDtypeStruct((rows, heads, dv), f32)
     written = meta[1 : 2 + num_ckpt, :rows]  # dst, then each checkpoint slot (0: none)
     o, state = pool_kernel(
         body, scratch, mesh, (meta, *token_inputs), state, o_type, written,
@@ -472,23 +361,14 @@ def decode_mgpu(
 
 
 def _family(inputs, name: str):
-    def decode(q, k, v, gate, b, A_log, dt_bias, state, slots, *, fused=None, **kw):
-        if fused is None:  # HYJAX_DECODE_FUSED=1: where the batch allows it
-            nvec = 3 if gate.ndim == 3 else 2
-            fused = DECODE_FUSED and not batch_reason(
-                state, slots, nvec, fused=True, act_dtype=v.dtype
-            )
-        if fused:
-            acts = (q, k, v, gate, b, A_log.astype(f32), dt_bias.astype(f32))
-        else:
-            acts = inputs(q, k, v, gate, b, A_log, dt_bias)
-        return decode_mgpu(acts, state, slots, out_dtype=v.dtype, name=name, fused=fused, **kw)
+    def decode(q, k, v, gate, b, A_log, dt_bias, state, slots, **kw):
+        acts = inputs(q, k, v, gate, b, A_log, dt_bias)
+        return decode_mgpu(acts, state, slots, out_dtype=v.dtype, name=name, **kw)
 
     return decode
 
 
 # ``gdn.gpu.gdn_decode``'s / ``kda.gpu.kda_decode``'s arguments and results, on this kernel
-# (``gate``: GDN's ``a [S, Hv]``, KDA's raw ``g [S, H, Dk]``); ``fused`` None: DECODE_FUSED
-# where the batch allows it.
+# (``gate``: GDN's ``a [S, Hv]``, KDA's raw ``g [S, H, Dk]``).
 gdn_decode_mgpu = _family(gdn_inputs, "gdn_decode")
 kda_decode_mgpu = _family(kda_inputs, "kda_decode")

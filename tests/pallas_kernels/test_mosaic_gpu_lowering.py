@@ -153,18 +153,17 @@ def test_kda_serial_launch_lowers_to_mosaic_gpu():
 
 @pytest.mark.parametrize("family", ["gdn", "kda"])
 @pytest.mark.parametrize(
-    "pool_dtype, fused, item_rows",
-    [(jnp.float32, False, 64), (jnp.bfloat16, False, 64), (jnp.float32, True, 64),
-     (jnp.float32, True, 128)],
+    "pool_dtype, item_rows, lag",
+    [(jnp.float32, 64, 1), (jnp.bfloat16, 64, 1), (jnp.float32, 64, 0), (jnp.float32, 128, 1)],
 )  # fmt: skip
-def test_decode_lowers_to_mosaic_gpu(family, pool_dtype, fused, item_rows):
+def test_decode_lowers_to_mosaic_gpu(family, pool_dtype, item_rows, lag):
     """The Mosaic GPU decode (``pallas_kernels.common.decode_mgpu``) at the 80B's GDN heads /
     Kimi-Linear-48B's KDA heads, 256 rows, two checkpoint columns: its layouts (the state tile,
     the row and column vectors, their reductions and broadcasts), copies and shared memory pass
-    Mosaic GPU's checks, and the pool is aliased in and out (written in place). ``fused``: the
-    norms and gates in the kernel (bf16 vectors, scalar exp / log / logistic, a bf16 ``o``);
-    ``item_rows`` 128: a 64 KB tile a copy, updated in two halves (two buffers: three and
-    the whole gates are over the shared memory at 256 rows)."""
+    Mosaic GPU's checks, and the pool is aliased in and out (written in place). The defaults
+    (one program an SM of 5 buffers, ``lag`` 1: each item's stores one commit group, waited
+    for one item late), the first design's (``lag`` 0, 3 buffers), and ``item_rows`` 128: a
+    64 KB tile a copy, updated in two halves (3 buffers)."""
     from pallas_kernels.common import decode_mgpu
     from pallas_kernels.common.slots import StateSlots
 
@@ -186,10 +185,10 @@ def test_decode_lowers_to_mosaic_gpu(family, pool_dtype, fused, item_rows):
             *acts,
             p,
             s,
-            programs=264,
-            fused=fused,
+            programs=132,
             item_rows=item_rows,
-            buffers=3 if item_rows == 64 else 2,
+            lag=lag,
+            buffers=decode_mgpu.BUFFERS if lag and item_rows == 64 else 3,
         ),
         donate_argnums=1,
     )
