@@ -41,6 +41,8 @@
 #             engine on the Mosaic GPU prefill
 #   mgpukda   the same for KDA: kda_kernels' checks and prefill, default (Mosaic GPU) and
 #             triton, with 0, 1, 4 checkpoints, and FLA
+#   multidec  benchmarks.multi_decode: the k-token (verify) decode, Triton's and Mosaic GPU's
+#             (common/multi_decode_mgpu.py) checked, then timed at 64 / 256 rows, k = 1, 2, 4
 #   kdackpt   KDA's default prefill at 8x4096 with 0, 1 and 4 checkpoints a sequence alone
 #   decmgpu   benchmarks.decode_mgpu: the Mosaic GPU decode (common/decode_mgpu.py) checked, then
 #             timed beside the Triton decode and a copy, GDN and KDA at 64 and 256 rows;
@@ -132,6 +134,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
         mgpukda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_triton,fla,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B8_T4096_ckpt --out $j" ;;
+        multidec) echo "python -m benchmarks.multi_decode --no-baselines --out $j" ;;
         kdackpt) echo "python -m benchmarks.kda_kernels --only prefill_B8_T4096_ckpt --out $j" ;;
         decmgpu) echo "python -m benchmarks.decode_mgpu --out $j" ;;
         decmgpusw) echo "python -m benchmarks.decode_mgpu --sweep --out $j" ;;

@@ -6,10 +6,13 @@ each: every row reads its running slot, writes a checkpoint after each of its k 
 its running slot after the last (dst = src, in place). This script
 
 1. checks both kernels, compiled, against the prefill references (ragged rows of 1..4
-   tokens, src 0 and > 0, dst 0, NaN in the slots nobody reads): FLA's error ratio;
-2. times them at B = 64 and 256 with k = 1, 2, 4 (``benchmarks.common.time_stateful``: the
-   pool donated, every output consumed), next to the route they replace (the family's
-   chunked prefill with the same slots; at k = 1 also the one-token decode kernel);
+   tokens, src 0 and > 0, dst 0, NaN in the slots nobody reads): FLA's error ratio; for each
+   of ``--kernels``: Triton's (``triton``) and Mosaic GPU's (``mgpu``,
+   ``multi_decode_mgpu.py``);
+2. times them (a kernel that failed its check is not timed) at B = 64 and 256 with
+   k = 1, 2, 4 (``benchmarks.common.time_stateful``: the pool donated, every output
+   consumed), next to the route they replace (the family's chunked prefill with the same
+   slots; at k = 1 also the one-token decode kernel);
 3. counts the bytes each launch must move and divides by the time, against the
    device-to-device copy bandwidth measured as ``benchmarks/gdn_kernels.py`` does.
 
@@ -124,7 +127,7 @@ def floors() -> dict:
 # ----------------------------------------------------------------------------- checks
 
 
-def check(family: str) -> dict:
+def check(family: str, kernel_name: str = "triton") -> dict:
     """Compiled kernel vs the prefill reference on a ragged verify batch."""
     heads, acts_fn, kernel, *_, reference = FAMILIES[family]
     heads = heads()
@@ -146,15 +149,22 @@ def check(family: str) -> dict:
     slots = StateSlots(*(jnp.asarray(x) for x in (src, dst, ck_off, ck_slot)), jnp.int32(len(lens)))
     args = (*acts, jnp.asarray(pool), qsl, slots)
     want_o, want_s = jax.jit(reference)(*args)
-    got_o, got_s = jax.jit(functools.partial(kernel, max_tokens=4, interpret=INTERPRET))(*args)
+    run = functools.partial(kernel, max_tokens=4, kernel=kernel_name, interpret=INTERPRET)
+    got_o, got_s = jax.jit(run)(*args)
     got_s, want_s = np.asarray(got_s), np.asarray(want_s)
     nan = np.isnan(want_s).reshape(len(want_s), -1).all(1)  # slots the reference left alone
-    return {
+    out = {
         "output_err_ratio": err_ratio(got_o, want_o),
         "state_err_ratio": err_ratio(got_s[~nan], want_s[~nan]),
         "untouched_slots_still_nan": bool(np.isnan(got_s[nan]).all()),
         "output_has_nan": bool(np.isnan(np.asarray(got_o, np.float32)).any()),
     }
+    # bf16 activations: the output's bound as the decode benchmarks' (decode_variants)
+    out["ok"] = bool(
+        out["output_err_ratio"] < 4e-3 and out["state_err_ratio"] < 1e-5
+        and out["untouched_slots_still_nan"] and not out["output_has_nan"]
+    )  # fmt: skip
+    return out
 
 
 # ----------------------------------------------------------------------------- timings
@@ -214,12 +224,13 @@ def main() -> None:
     p.add_argument("--no-baselines", action="store_true", help="skip the prefill/decode routes")
     p.add_argument("--batches", default="64,256")
     p.add_argument("--ks", default="1,2,4")
+    p.add_argument("--kernels", default="triton,mgpu", help="triton and / or mgpu")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     global INTERPRET, GDN_HK, GDN_HV, KDA_H, D
     INTERPRET = args.interpret
-    if args.interpret:  # the interpreter runs every program on the CPU: tiny heads only
-        GDN_HK, GDN_HV, KDA_H, D = 2, 4, 2, 16
+    if args.interpret:  # the interpreter runs every program on the CPU: few heads only
+        GDN_HK, GDN_HV, KDA_H, D = 2, 4, 2, 64  # (Mosaic GPU's kernel takes Dk 64 or 128)
     batches, ks = ([2], [1, 2]) if args.quick else (_ints(args.batches), _ints(args.ks))
     summary = {
         "device": device_name(),
@@ -240,15 +251,23 @@ def main() -> None:
 
     guarded("floors", floors)
     bw = summary["floors"].get("copy_bandwidth_GBps")
+    kernels = args.kernels.split(",")
+    tag = {"triton": "", "mgpu": "_mgpu"}
     for family in FAMILIES:
-        guarded(f"check_{family}", lambda f=family: check(f))
+        for kern in kernels:
+            guarded(f"check_{family}{tag[kern]}", lambda f=family, kn=kern: check(f, kn))
     for family in FAMILIES:
         for rows in batches:
             for k in ks:
-                name = f"{family}_B{rows}_k{k}"
-                guarded(name, lambda f=family, r=rows, k=k: time_verify(f, r, k))
-                if bw and "GBps" in summary[name]:
-                    summary[name]["of_copy_bandwidth"] = summary[name]["GBps"] / bw
+                for kern in kernels:
+                    if not summary[f"check_{family}{tag[kern]}"].get("ok"):
+                        continue
+                    name = f"{family}{tag[kern]}_B{rows}_k{k}"
+                    guarded(
+                        name, lambda f=family, r=rows, k=k, kn=kern: time_verify(f, r, k, kernel=kn)
+                    )
+                    if bw and "GBps" in summary[name]:
+                        summary[name]["of_copy_bandwidth"] = summary[name]["GBps"] / bw
     if not args.no_baselines:
         for family in FAMILIES:
             for rows in batches:

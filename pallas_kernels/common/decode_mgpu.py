@@ -109,14 +109,22 @@ def smem_bytes(scratch) -> int:
     return sum(sizes) + 1024
 
 
-def unsupported_reason(
-    rows, heads, dk, dv, num_ckpt, pool_dtype, vectors=2, buffers=BUFFERS, item=BV
-) -> str | None:
-    """Why this kernel cannot take a decode (the Triton one then does), or None."""
+def tile_reason(pool_dtype, dk: int) -> str | None:
+    """Why a pool's ``[64, Dk]`` state tiles cannot stream through a Mosaic GPU decode (this
+    one or ``multi_decode_mgpu``), or None."""
     if jnp.dtype(pool_dtype) not in (jnp.dtype(f32), jnp.dtype(jnp.bfloat16)):
         return f"a {jnp.dtype(pool_dtype).name} pool"
     if dk not in (64, 128):
         return f"Dk={dk} (64 or 128: a [64, Dk] f32 tile in registers)"
+    return None
+
+
+def unsupported_reason(
+    rows, heads, dk, dv, num_ckpt, pool_dtype, vectors=2, buffers=BUFFERS, item=BV
+) -> str | None:
+    """Why this kernel cannot take a decode (the Triton one then does), or None."""
+    if why := tile_reason(pool_dtype, dk):
+        return why
     if item % BV or dv % item:
         return f"Dv={dv} in items of {item} rows (multiples of {BV} dividing Dv)"
     need = smem_bytes(_scratch(rows, heads, dk, vectors, num_ckpt, pool_dtype, buffers, item))

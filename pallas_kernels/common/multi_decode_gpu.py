@@ -51,6 +51,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.common import decode_mgpu, multi_decode_mgpu
 from pallas_kernels.common.delta_rule import group_refs
 from pallas_kernels.common.delta_rule_gpu import (
     check_key_dim,
@@ -177,6 +178,22 @@ def launch_multi_decode(
     return jnp.where(live[:, None, None], o, 0).astype(out_dtype), state
 
 
+def _on_mgpu(kernel, make_inputs, acts, vectors, state, qsl, slots, max_tokens, interpret):
+    """Mosaic GPU's kernel's ``(o, state)`` where ``kernel`` (or its default) picks it
+    (``multi_decode_mgpu.multi_decode_is_mgpu``), else None. ``acts``: the family's
+    activations (``q, k, v, ...``), ``make_inputs`` its ``decode_mgpu`` token inputs."""
+    if not multi_decode_mgpu.multi_decode_is_mgpu(
+        kernel, state, slots, max_tokens, vectors, interpret
+    ):
+        return None
+    check_max_tokens(max_tokens, qsl, slots.num_seqs)
+    name = "gdn_multi_decode" if vectors == 2 else "kda_multi_decode"
+    return multi_decode_mgpu.multi_decode_mgpu(
+        make_inputs(*acts), state, qsl, slots, max_tokens=max_tokens, out_dtype=acts[2].dtype,
+        name=name, interpret=interpret,
+    )  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- GDN
 
 
@@ -212,14 +229,20 @@ def gdn_multi_decode(
     block_v: int | None = None,
     num_warps: int = 4,
     num_stages: int = 1,
+    kernel: str | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``gdn_prefill`` for rows of at most ``max_tokens`` tokens (the caller guarantees it);
-    see the module docstring. Returns ``(o [T, Hv, Dv], state)``."""
+    see the module docstring. Returns ``(o [T, Hv, Dv], state)``. ``kernel``:
+    ``"mgpu"`` runs the Mosaic GPU kernel (``multi_decode_mgpu``), None its default."""
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     _, hk, dk = q.shape
     _, hv, dv = v.shape
     check_key_dim(dk)
+    acts = (q, k, v, a, b, A_log, dt_bias)
+    if mgpu := _on_mgpu(kernel, decode_mgpu.gdn_inputs, acts, 2, state, query_start_loc,
+                        slots, max_tokens, interpret):  # fmt: skip
+        return mgpu
     return launch_multi_decode(
         _gdn_kernel,
         name="gdn_multi_decode_gpu",
@@ -274,14 +297,20 @@ def kda_multi_decode(
     block_v: int | None = None,
     num_warps: int = 4,
     num_stages: int = 1,
+    kernel: str | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``kda_prefill`` for rows of at most ``max_tokens`` tokens (the caller guarantees it);
-    see the module docstring. Returns ``(o [T, H, Dv], state)``."""
+    see the module docstring. Returns ``(o [T, H, Dv], state)``. ``kernel``:
+    ``"mgpu"`` runs the Mosaic GPU kernel (``multi_decode_mgpu``), None its default."""
     check_kda_args(q, k, v, g, b, A_log, dt_bias, state, slots, query_start_loc)
     dk = q.shape[2]
     dv = v.shape[2]
     check_key_dim(dk)
+    acts = (q, k, v, g, b, A_log, dt_bias)
+    if mgpu := _on_mgpu(kernel, decode_mgpu.kda_inputs, acts, 3, state, query_start_loc,
+                        slots, max_tokens, interpret):  # fmt: skip
+        return mgpu
     return launch_multi_decode(
         _kda_kernel,
         name="kda_multi_decode_gpu",

@@ -155,18 +155,27 @@ def test_max_tokens_above_the_longest_row():
     assert_close(got_s, want_s, rtol=1e-5, atol=1e-5, what="state pool")
 
 
-def test_row_longer_than_max_tokens_is_poisoned_under_jit():
-    case = verify_case([3, 1, 2], 3, "every")
-    (got_o, got_s), (_, want_s), _ = run_both("kda", case, max_tokens=2)
+LONG_ROW = verify_case([3, 1, 2], 3, "every")  # row 0 longer than max_tokens=2
+
+
+def assert_long_row_poisoned(got, want, tol):
+    """:data:`LONG_ROW` run with ``max_tokens=2``: row 0's outputs and final state NaN, its
+    checkpoints at offsets 1 and 2 exact, offset 3's slot untouched, the other rows clean."""
+    case = LONG_ROW
+    (got_o, got_s), (_, want_s) = got, want
     got_o, got_s, want_s = map(np.asarray, (got_o, got_s, want_s))
     assert np.isnan(got_o[:2]).all(), "the long row's outputs"
     assert np.isnan(got_s[case.dst[0]]).all(), "the long row's final state"
     for m in range(2):  # its checkpoints within max_tokens are exact
         slot = case.ck_slot[0, m]
-        assert_close(got_s[slot], want_s[slot], rtol=1e-5, atol=1e-5, what=f"ckpt {m}")
+        assert_close(got_s[slot], want_s[slot], rtol=tol, atol=tol, what=f"ckpt {m}")
     assert np.isnan(got_s[case.ck_slot[0, 2]]).all(), "offset 3 is never reached"
-    rest = case.qsl[1]
-    assert not np.isnan(got_o[rest:]).any(), "the other rows"
+    assert not np.isnan(got_o[case.qsl[1] :]).any(), "the other rows"
+
+
+def test_row_longer_than_max_tokens_is_poisoned_under_jit():
+    got, want, _ = run_both("kda", LONG_ROW, max_tokens=2)
+    assert_long_row_poisoned(got, want, 1e-5)
 
 
 def test_host_checks():
