@@ -52,6 +52,8 @@
 #   ncugdn    ncu's counters (occupancy, launch statistics, warp states, memory) of the GDN
 #             prefill's intra and serial launches at SUITE_NCU_BATCH (default 8) x 4096 tokens
 #             (benchmarks.profile_delta_rule), in the section's log; ncukda the same for KDA
+#   ncugdn1src the default (Mosaic GPU) serial launch alone at 1 x 4096, with ncu's source
+#             counters and instruction statistics: the stalls of its chain by instruction
 #   ncugdndec the same of the GDN decode kernel at SUITE_NCU_ROWS (default 256) rows;
 #             ncukdadec of KDA's; ncugdnmdec / ncukdamdec of the Mosaic GPU decode's
 #   decode    benchmarks.decode_variants
@@ -143,6 +145,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         mgpu) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill_tf32,check_prefill_mgpu_aligned,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B1_T32768_default,prefill_B1_T32768_triton,prefill_B8_T4096_ckpt,fla --out $j" ;;
         ncugdn | ncukda)  # ncu's counters of the default prefill's two launches, in the log
             echo "$ncu --kernel-name regex:prefill_ --launch-skip 2 --launch-count 2 $sections python -m benchmarks.profile_delta_rule --family ${1#ncu} --op prefill --batch ${SUITE_NCU_BATCH:-8} --seq-len 4096" ;;
+        ncugdn1src)  # the serial launch at one row, 4096 tokens: where its chain stalls, by instruction
+            echo "$ncu --kernel-name regex:serial_mgpu --launch-skip 1 --launch-count 1 $sections --section SourceCounters --section InstructionStats python -m benchmarks.profile_delta_rule --family gdn --op prefill --batch 1 --seq-len 4096" ;;
         ncugdndec | ncukdadec)  # the same of the decode kernel (rows in place, f32 state)
             n=${1#ncu}
             echo "$ncu --kernel-name regex:_decode_gpu --launch-skip 1 --launch-count 1 $sections python -m benchmarks.profile_delta_rule --family ${n%dec} --op decode --batch ${SUITE_NCU_ROWS:-256}" ;;
