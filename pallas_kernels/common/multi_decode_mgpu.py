@@ -118,14 +118,16 @@ def multi_decode_is_mgpu(
     )  # fmt: skip
 
 
-def _row_plan(qsl, slots: StateSlots, k: int) -> tuple[jax.Array, jax.Array]:
-    """i32 ``[4 + 2M, S padded]``: each row's first token, its tokens (at most ``k``; 0 for a
+def _row_plan(qsl, slots: StateSlots, k: int, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """i32 ``[4 + 2M, S padded]``: each row's first token (clamped to ``[0, T]``: a padding
+    row's window stays inside the inputs), its tokens (at most ``k``; 0 for a
     row ``>= num_seqs``), ``src``, ``dst`` (0 where nothing is read or written), checkpoint
     offsets, checkpoint slots (0: none); and each row's whether it is longer than ``k``."""
     rows = slots.num_rows
     live = jnp.arange(rows) < slots.num_seqs
     length = jnp.where(live, qsl[1:] - qsl[:-1], 0)
-    cols = [qsl[:-1], jnp.minimum(length, k), jnp.where(live, slots.src_slot, 0)]
+    first = jnp.clip(qsl[:-1], 0, num_tokens)
+    cols = [first, jnp.minimum(length, k), jnp.where(live, slots.src_slot, 0)]
     cols.append(jnp.where(live, slots.dst_slot, 0))
     ck = jnp.where(live[:, None], slots.ckpt_slots, 0)
     plan = jnp.concatenate([jnp.stack(cols), slots.ckpt_offsets.T, ck.T]).astype(jnp.int32)
@@ -250,7 +252,7 @@ def multi_decode_mgpu(
     if buffers < 2:
         raise ValueError(f"buffers={buffers}: at least 2 (one item in flight)")
     qsl = query_start_loc.astype(jnp.int32)
-    plan, too_long = _row_plan(qsl, slots, k)
+    plan, too_long = _row_plan(qsl, slots, k, num_tokens)
     pad = [(0, k)] + [(0, 0)] * (vectors.ndim - 1)  # a row's k-token window stays inside
     hp = _round_up(heads, LANES)
     gates = jnp.pad(gates.astype(f32), [(0, k), (0, 0), (0, hp - heads)])
