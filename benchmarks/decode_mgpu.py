@@ -11,8 +11,11 @@ the Triton decode, this kernel at its defaults and in its first design (two prog
 three buffers, no store lag), the kernel alone on inputs made outside the timed chain, and its
 copies and stores alone (``stream_only``: the design's streaming ceiling), with
 ``decode_variants``' timing (chains of unrolled calls, state donated, every output consumed).
-``--sweep``: GDN at (programs, buffers, item rows, lag) combinations, no check. ``--dry-run``:
-CPU, interpret mode, tiny shapes. A kernel that fails its check is not timed.
+``--bf16``: then both decodes (the engine's entries, ``kernel`` triton / mgpu) on a bf16 pool
+against a copy of its bytes, and how much faster than on the f32 pool (the issue's bf16 state:
+half the bytes). ``--sweep``: GDN at (programs, buffers, item rows, lag) combinations, no
+check. ``--dry-run``: CPU, interpret mode, tiny shapes. A kernel that fails its check is not
+timed.
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ from benchmarks.decode_variants import (
     Shapes,
     _swap,
     check_decode,
+    copy_step,
     pool,
     running_slots,
 )
 from pallas_kernels.common import decode_mgpu
+from pallas_kernels.gdn import gpu as gdn_gpu
+from pallas_kernels.kda import gpu as kda_gpu
 
 # (programs an SM or "pN": N programs, buffers, rows of S^T an item copies, lag, stream_only)
 SWEEP = [(2, 3, 64, 0, False), (2, 3, 64, 1, False), (1, 4, 64, 1, False), (1, 5, 64, 1, False),
@@ -70,6 +76,30 @@ def timed(run: Runner, fam, rows, programs, copy_s, buffers=None, kernel_only=Fa
     return run.timed(rows, run.time(_swap(fn), st, (acts, running_slots(rows))), copy_s)
 
 
+ENGINE_DECODES = {"gdn": gdn_gpu.gdn_decode, "kda": kda_gpu.kda_decode}
+
+
+def copy_bf16(run: Runner, rows: int) -> dict:
+    """A copy of a bf16 pool's bytes (half the f32 state's)."""
+    x = pool(run.sh, rows, jax.random.PRNGKey(0)).astype(jnp.bfloat16)
+    t = run.time(copy_step, x, ())
+    return {"us": 1e6 * t, "GBps": run.state_bytes(rows) / 2 / t / 1e9}
+
+
+def timed_bf16(run: Runner, fam, rows, copy_s, kernel, f32: dict) -> dict:
+    """The engine's decode entry (``kernel``: ``"triton"`` or ``"mgpu"``) on a bf16 pool
+    (``--state-dtype bfloat16``), against the bf16 copy; ``vs_f32``: how much faster than the
+    same kernel's f32 entry ``f32``."""
+    acts = INPUTS[fam](run.sh, rows, jax.random.PRNGKey(1))
+    st = pool(run.sh, rows + 1, jax.random.PRNGKey(2)).astype(jnp.bfloat16)
+    fn = functools.partial(ENGINE_DECODES[fam], kernel=kernel, interpret=run.interpret)
+    t = run.time(_swap(fn), st, (acts, running_slots(rows)))
+    out = {"us": 1e6 * t, "state_GBps": run.state_bytes(rows) / 2 / t / 1e9, "vs_copy": copy_s / t}
+    if "us" in f32:
+        out["vs_f32"] = f32["us"] / out["us"]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None)
@@ -80,6 +110,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=None)
     p.add_argument("--sweep", action="store_true",
                    help="GDN: (programs an SM, buffers, item rows) a batch, no check")  # fmt: skip
+    p.add_argument("--bf16", action="store_true",
+                   help="also both decodes on a bf16 pool, against a bf16 copy")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, interpret mode")
     args = p.parse_args()
     sh, batches = Shapes(), [int(b) for b in args.batches.split(",")]
@@ -139,6 +171,19 @@ def main() -> None:
             ),
         )
         run.record(f"copy_again_B{rows}", lambda rows=rows: run.copy(rows))
+        if not args.bf16:
+            continue
+        res = run.record(f"copy_bf16_B{rows}", lambda r=rows: copy_bf16(run, r))
+        copy16 = res.get("us", 0) * 1e-6
+        for fam in fams:
+            for kern, f32_name in (("triton", f"{fam}_decode"), ("mgpu", f"{fam}_mgpu")):
+                if kern == "mgpu" and not ok[fam]:
+                    continue
+                f32 = run.summary.get(f"{f32_name}_B{rows}", {})
+                run.record(
+                    f"{f32_name}_bf16_B{rows}",
+                    lambda f=fam, r=rows, c=copy16, kn=kern, x=f32: timed_bf16(run, f, r, c, kn, x),
+                )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@
 #             (common/multi_decode_mgpu.py) checked, then timed at 64 / 256 rows, k = 1, 2, 4
 #   kdackpt   KDA's default prefill at 8x4096 with 0, 1 and 4 checkpoints a sequence alone
 #   decmgpu   benchmarks.decode_mgpu: the Mosaic GPU decode (common/decode_mgpu.py) checked, then
-#             timed beside the Triton decode and a copy, GDN and KDA at 64 and 256 rows;
+#             timed beside the Triton decode and a copy, GDN and KDA at 64 and 256 rows, then
+#             both on a bf16 pool (--bf16);
 #             decmgpusw its sweep (programs, buffers, item rows, store lag; GDN); kimidec the
 #             kimi section with HYJAX_DECODE_KERNEL=mgpu (the engine's KDA decode on it: A/B
 #             against kimi)
@@ -138,7 +139,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         mgpukda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_triton,fla,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B8_T4096_ckpt --out $j" ;;
         multidec) echo "python -m benchmarks.multi_decode --no-baselines --out $j" ;;
         kdackpt) echo "python -m benchmarks.kda_kernels --only prefill_B8_T4096_ckpt --out $j" ;;
-        decmgpu) echo "python -m benchmarks.decode_mgpu --out $j" ;;
+        decmgpu) echo "python -m benchmarks.decode_mgpu --bf16 --out $j" ;;
         decmgpusw) echo "python -m benchmarks.decode_mgpu --sweep --out $j" ;;
         mgpuprobe) echo "python -m benchmarks.mgpu_probe --timeout 60 --out $j" ;;
         mgpuserve) echo "env HYJAX_PREFILL_SERIAL=mgpu python -m benchmarks.serving_throughput --model bench --layers 4 --concurrency 8 --input-len 700 --output-len 32 --max-seconds $((budget - 20)) --out $j" ;;

@@ -167,12 +167,13 @@ def test_benchmark_dry_run_checks_and_times(tmp_path, monkeypatch):
     from benchmarks import decode_mgpu as bench
 
     out = tmp_path / "d.json"
-    monkeypatch.setattr(sys, "argv", ["decode_mgpu", "--dry-run", "--out", str(out)])
+    monkeypatch.setattr(sys, "argv", ["decode_mgpu", "--dry-run", "--bf16", "--out", str(out)])
     bench.main()
     summary = json.loads(out.read_text())
     assert summary["gdn_mgpu_check"]["ok"] and summary["kda_mgpu_check"]["ok"]
     timed = [k for k in summary if k.endswith("_B8")]
-    want = {"gdn_mgpu_B8", "gdn_mgpu_first_B8", "kda_mgpu_kernel_only_B8", "gdn_decode_B8"}
+    want = {"gdn_mgpu_B8", "gdn_mgpu_first_B8", "kda_mgpu_kernel_only_B8", "gdn_decode_B8",
+            "kda_mgpu_bf16_B8", "gdn_decode_bf16_B8"}  # fmt: skip
     assert want <= set(timed), timed
     assert not [k for k in timed if "failed" in summary[k]], summary
 
