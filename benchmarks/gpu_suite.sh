@@ -43,9 +43,9 @@
 #             triton, with 0, 1, 4 checkpoints, and FLA
 #   multidec  benchmarks.multi_decode: the k-token (verify) decode, Triton's and Mosaic GPU's
 #             (common/multi_decode_mgpu.py) checked, then timed at 64 / 256 rows, k = 1, 2, 4
-#   split     gdn_kernels: the Mosaic GPU serial launch with each chunk's output made by a second
-#             warpgroup (serial_split) checked, then timed against the default and FLA;
-#             splitkda the same for KDA
+#   gdnsplit  gdn_kernels: the Mosaic GPU serial launch with each chunk's output made by a
+#             second warpgroup (serial_split) checked, then timed against the default and FLA;
+#             kdasplit the same for KDA
 #   kdackpt   KDA's default prefill at 8x4096 with 0, 1 and 4 checkpoints a sequence alone
 #   decmgpu   benchmarks.decode_mgpu: the Mosaic GPU decode (common/decode_mgpu.py) checked, then
 #             timed beside the Triton decode and a copy, GDN and KDA at 64 and 256 rows, then
@@ -57,7 +57,8 @@
 #             prefill's intra and serial launches at SUITE_NCU_BATCH (default 8) x 4096 tokens
 #             (benchmarks.profile_delta_rule), in the section's log; ncukda the same for KDA
 #   ncugdn1src the default (Mosaic GPU) serial launch alone at 1 x 4096, with ncu's source
-#             counters and instruction statistics: the stalls of its chain by instruction
+#             counters and instruction statistics: the stalls of its chain by instruction;
+#             ncugdn1srcs the same of the split launch (HYJAX_PREFILL_SPLIT=1)
 #   ncugdndec the same of the GDN decode kernel at SUITE_NCU_ROWS (default 256) rows;
 #             ncukdadec of KDA's; ncugdnmdec / ncukdamdec of the Mosaic GPU decode's
 #   decode    benchmarks.decode_variants
@@ -141,8 +142,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
         mgpukda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_triton,fla,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B8_T4096_ckpt --out $j" ;;
         multidec) echo "python -m benchmarks.multi_decode --no-baselines --out $j" ;;
-        split) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill_tf32,check_prefill_split,fla,prefill_B1_T4096_default,prefill_B1_T4096_split,prefill_B1_T16384_default,prefill_B1_T16384_split,prefill_B8_T4096_default,prefill_B8_T4096_split,prefill_B1_T32768_default,prefill_B1_T32768_split --out $j" ;;
-        splitkda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_split,fla,prefill_B1_T4096_default,prefill_B1_T4096_split,prefill_B1_T16384_default,prefill_B1_T16384_split,prefill_B8_T4096_default,prefill_B8_T4096_split --out $j" ;;
+        gdnsplit) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill_tf32,check_prefill_split,fla,prefill_B1_T4096_default,prefill_B1_T4096_split,prefill_B1_T16384_default,prefill_B1_T16384_split,prefill_B8_T4096_default,prefill_B8_T4096_split,prefill_B1_T32768_default,prefill_B1_T32768_split --out $j" ;;
+        kdasplit) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_split,fla,prefill_B1_T4096_default,prefill_B1_T4096_split,prefill_B1_T16384_default,prefill_B1_T16384_split,prefill_B8_T4096_default,prefill_B8_T4096_split --out $j" ;;
         kdackpt) echo "python -m benchmarks.kda_kernels --only prefill_B8_T4096_ckpt --out $j" ;;
         decmgpu) echo "python -m benchmarks.decode_mgpu --bf16 --out $j" ;;
         decmgpusw) echo "python -m benchmarks.decode_mgpu --sweep --out $j" ;;
@@ -151,8 +152,9 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         mgpu) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill_tf32,check_prefill_mgpu_aligned,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B1_T32768_default,prefill_B1_T32768_triton,prefill_B8_T4096_ckpt,fla --out $j" ;;
         ncugdn | ncukda)  # ncu's counters of the default prefill's two launches, in the log
             echo "$ncu --kernel-name regex:prefill_ --launch-skip 2 --launch-count 2 $sections python -m benchmarks.profile_delta_rule --family ${1#ncu} --op prefill --batch ${SUITE_NCU_BATCH:-8} --seq-len 4096" ;;
-        ncugdn1src)  # the serial launch at one row, 4096 tokens: where its chain stalls, by instruction
-            echo "$ncu --kernel-name regex:serial_mgpu --launch-skip 1 --launch-count 1 $sections --section SourceCounters --section InstructionStats python -m benchmarks.profile_delta_rule --family gdn --op prefill --batch 1 --seq-len 4096" ;;
+        ncugdn1src | ncugdn1srcs)  # the serial launch at one row, 4096 tokens: where its chain stalls
+            n=; [ "$1" = ncugdn1src ] || n="env HYJAX_PREFILL_SPLIT=1"
+            echo "$n $ncu --kernel-name regex:serial_mgpu --launch-skip 1 --launch-count 1 $sections --section SourceCounters --section InstructionStats python -m benchmarks.profile_delta_rule --family gdn --op prefill --batch 1 --seq-len 4096" ;;
         ncugdndec | ncukdadec)  # the same of the decode kernel (rows in place, f32 state)
             n=${1#ncu}
             echo "$ncu --kernel-name regex:_decode_gpu --launch-skip 1 --launch-count 1 $sections python -m benchmarks.profile_delta_rule --family ${n%dec} --op decode --batch ${SUITE_NCU_ROWS:-256}" ;;
