@@ -398,6 +398,9 @@ def _body(refs, scratch, *, ops, num_ckpt: int, per_channel: bool, split: bool =
 
     def o_step(i, carry):  # the output warpgroup: chunk i's o once the chain has handed it over
         plgpu.barrier_wait(handoff[0].at[0])
+        # the stage's copies, observed here too (they landed before the hand-over; this wait
+        # makes the TMA writes' visibility this warpgroup's own, not through the chain's)
+        plgpu.barrier_wait(bars.at[i % STAGES])
         (o,) = ops.mma(o_terms(i % STAGES))
         plgpu.barrier_arrive(handoff[1].at[0])  # its stage and S^T, V'^T may be rewritten
         store_o(i, o)
