@@ -307,6 +307,25 @@ def _num_sms() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
+def program_count(programs: int | None, items: int, per_sm: int, interpret: bool) -> int:
+    """A persistent decode's programs: ``programs``, or ``per_sm`` an SM (4 in the
+    interpreter), never more than its items."""
+    if programs is None:
+        programs = 4 if interpret else per_sm * _num_sms()
+    return max(1, min(programs, items))
+
+
+def padded_inputs(vectors, gates, v, heads: int, tokens_after: int = 0):
+    """The token inputs in f32 as the kernels copy them: ``gates`` padded to a multiple of
+    ``LANES`` heads (a TMA copy of 128-byte multiples), and each array by ``tokens_after``
+    zero rows (a k-token window never leaves them)."""
+    rows = [(0, tokens_after)]
+    hp = _round_up(heads, LANES)
+    gates = jnp.pad(gates.astype(f32), [*rows, (0, 0), (0, hp - heads)])
+    vectors = jnp.pad(vectors.astype(f32), rows + [(0, 0)] * (vectors.ndim - 1))
+    return vectors, gates, jnp.pad(v.astype(f32), rows + [(0, 0)] * (v.ndim - 1))
+
+
 def decode_mgpu(
     token_inputs: tuple[jax.Array, ...],  # gdn_inputs' / kda_inputs' (vectors, gates, v)
     state: jax.Array,  # f32 | bf16[num_slots, H, Dv, Dk]  donated: updated in place
@@ -339,14 +358,9 @@ def decode_mgpu(
     why = unsupported_reason(rows, heads, dk, dv, num_ckpt, state.dtype, nvec, buffers, item_rows)
     if why:
         raise ValueError(f"the Mosaic GPU decode cannot take this batch: {why}")
-    hp = _round_up(heads, LANES)
-    gates = jnp.pad(gates.astype(f32), [(0, 0), (0, 0), (0, hp - heads)])
-    token_inputs = (vectors.astype(f32), gates, v.astype(f32))
+    token_inputs = padded_inputs(vectors, gates, v, heads)
     meta = _slot_rows(slots)
-    items = rows * heads * (dv // item_rows)
-    if programs is None:
-        programs = 4 if interpret else PROGRAMS_PER_SM * _num_sms()
-    programs = max(1, min(programs, items))
+    programs = program_count(programs, rows * heads * (dv // item_rows), PROGRAMS_PER_SM, interpret)
     scratch = _scratch(rows, heads, dk, nvec, num_ckpt, state.dtype, buffers, item_rows)
     body = functools.partial(
         _body,

@@ -52,8 +52,9 @@ from pallas_kernels.common.chunk_scan_mgpu import (
 from pallas_kernels.common.decode_mgpu import (
     BV,
     LANES,
-    _num_sms,
     _round_up,
+    padded_inputs,
+    program_count,
     smem_bytes,
     tile_reason,
 )
@@ -253,14 +254,8 @@ def multi_decode_mgpu(
         raise ValueError(f"buffers={buffers}: at least 2 (one item in flight)")
     qsl = query_start_loc.astype(jnp.int32)
     plan, too_long = _row_plan(qsl, slots, k, num_tokens)
-    pad = [(0, k)] + [(0, 0)] * (vectors.ndim - 1)  # a row's k-token window stays inside
-    hp = _round_up(heads, LANES)
-    gates = jnp.pad(gates.astype(f32), [(0, k), (0, 0), (0, hp - heads)])
-    args = (plan, jnp.pad(vectors.astype(f32), pad), gates, jnp.pad(v.astype(f32), pad[:3]))
-    items = rows * heads * (dv // BV)
-    if programs is None:
-        programs = 4 if interpret else PROGRAMS_PER_SM * _num_sms()
-    programs = max(1, min(programs, items))
+    args = (plan, *padded_inputs(vectors, gates, v, heads, tokens_after=k))
+    programs = program_count(programs, rows * heads * (dv // BV), PROGRAMS_PER_SM, interpret)
     scratch = _scratch(rows, heads, dk, nvec, num_ckpt, k, state.dtype, buffers)
     body = functools.partial(
         _body, ops=InterpretOps if interpret else GpuOps, rows=rows, programs=programs,
