@@ -541,6 +541,9 @@ def main() -> None:
             summary[name] = {"failed": f"{type(e).__name__}: {e}"}
             traceback.print_exc()
         print(name, json.dumps(summary[name]), flush=True)
+        if args.out:  # after every entry: a run cut short still leaves its numbers
+            with open(args.out, "w") as f:
+                json.dump(summary, f, indent=2)
 
     if args.mgpu_scan:  # the serial launch alone, in its two lowerings
         for b, t in [(1, 256)] if args.quick else [(1, 4096), (8, 4096), (1, 16384), (1, 32768)]:

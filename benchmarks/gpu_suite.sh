@@ -45,7 +45,8 @@
 #             (common/multi_decode_mgpu.py) checked, then timed at 64 / 256 rows, k = 1, 2, 4
 #   gdnsplit  gdn_kernels: the Mosaic GPU serial launch with each chunk's output made by a
 #             second warpgroup (serial_split) checked, then timed against the default and FLA;
-#             kdasplit the same for KDA
+#             kdasplit the same for KDA; gdnsplit8 / kdasplit2 the timings alone (no checks, no
+#             FLA: the 1x4096 split GDN and the first KDA ones ran past 190 s with them)
 #   kdackpt   KDA's default prefill at 8x4096 with 0, 1 and 4 checkpoints a sequence alone
 #   decmgpu   benchmarks.decode_mgpu: the Mosaic GPU decode (common/decode_mgpu.py) checked, then
 #             timed beside the Triton decode and a copy, GDN and KDA at 64 and 256 rows, then
@@ -143,6 +144,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         mgpukda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_triton,fla,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B8_T4096_ckpt --out $j" ;;
         multidec) echo "python -m benchmarks.multi_decode --no-baselines --out $j" ;;
         gdnsplit) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill_tf32,check_prefill_split,fla,prefill_B1_T4096_default,prefill_B1_T4096_split,prefill_B1_T16384_default,prefill_B1_T16384_split,prefill_B8_T4096_default,prefill_B8_T4096_split,prefill_B1_T32768_default,prefill_B1_T32768_split --out $j" ;;
+        gdnsplit8) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only prefill_B8_T4096_default,prefill_B8_T4096_split,prefill_B1_T32768_default,prefill_B1_T32768_split --out $j" ;;
+        kdasplit2) echo "python -m benchmarks.kda_kernels --only prefill_B1_T4096_default,prefill_B1_T4096_split,prefill_B8_T4096_default,prefill_B8_T4096_split --out $j" ;;
         kdasplit) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_split,fla,prefill_B1_T4096_default,prefill_B1_T4096_split,prefill_B1_T16384_default,prefill_B1_T16384_split,prefill_B8_T4096_default,prefill_B8_T4096_split --out $j" ;;
         kdackpt) echo "python -m benchmarks.kda_kernels --only prefill_B8_T4096_ckpt --out $j" ;;
         decmgpu) echo "python -m benchmarks.decode_mgpu --bf16 --out $j" ;;

@@ -343,6 +343,9 @@ def main() -> None:
             summary[name] = {"failed": f"{type(e).__name__}: {e}"}
             traceback.print_exc()
         print(name, json.dumps(summary[name]), flush=True)
+        if args.out:  # after every entry: a run cut short still leaves its numbers
+            with open(args.out, "w") as f:
+                json.dump(summary, f, indent=2)
 
     guarded("check_decode", check_decode)
     checks = {
