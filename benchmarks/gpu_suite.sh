@@ -42,7 +42,10 @@
 #   mgpukda   the same for KDA: kda_kernels' checks and prefill, default (Mosaic GPU) and
 #             triton, with 0, 1, 4 checkpoints, and FLA
 #   multidec  benchmarks.multi_decode: the k-token (verify) decode, Triton's and Mosaic GPU's
-#             (common/multi_decode_mgpu.py) checked, then timed at 64 / 256 rows, k = 1, 2, 4
+#             (common/multi_decode_mgpu.py) checked, then timed at 64 / 256 rows, k = 1, 2, 4;
+#             multidec4 at k = 4 alone in chains of 50
+#   verifyk3  benchmarks.verify_step at 64 rows, K = 3 (4 tokens a row), 8 layers of the 80B:
+#             the engine's verify step on the default k-token decode; verifyk3m on Mosaic GPU's
 #   gdnsplit  gdn_kernels: the Mosaic GPU serial launch with each chunk's output made by a
 #             second warpgroup (serial_split) checked, then timed against the default and FLA;
 #             kdasplit the same for KDA; gdnsplit8 / kdasplit2 the timings alone (no checks, no
@@ -144,6 +147,9 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         mgpukda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_triton,fla,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B8_T4096_ckpt --out $j" ;;
         multidec) echo "python -m benchmarks.multi_decode --no-baselines --out $j" ;;
         gdnsplit) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill_tf32,check_prefill_split,fla,prefill_B1_T4096_default,prefill_B1_T4096_split,prefill_B1_T16384_default,prefill_B1_T16384_split,prefill_B8_T4096_default,prefill_B8_T4096_split,prefill_B1_T32768_default,prefill_B1_T32768_split --out $j" ;;
+        multidec4) echo "python -m benchmarks.multi_decode --no-baselines --ks 4 --chain 50 --out $j" ;;
+        verifyk3) echo "python -m benchmarks.verify_step --layers 8 --rows 64 --ks 3 --no-mixed --iters 10 --out $j" ;;
+        verifyk3m) echo "env HYJAX_MULTI_DECODE_KERNEL=mgpu python -m benchmarks.verify_step --layers 8 --rows 64 --ks 3 --no-mixed --iters 10 --out $j" ;;
         gdnsplit8) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only prefill_B8_T4096_default,prefill_B8_T4096_split,prefill_B1_T32768_default,prefill_B1_T32768_split --out $j" ;;
         kdasplit2) echo "python -m benchmarks.kda_kernels --only prefill_B1_T4096_default,prefill_B1_T4096_split,prefill_B8_T4096_default,prefill_B8_T4096_split --out $j" ;;
         kdasplit) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_split,fla,prefill_B1_T4096_default,prefill_B1_T4096_split,prefill_B1_T16384_default,prefill_B1_T16384_split,prefill_B8_T4096_default,prefill_B8_T4096_split --out $j" ;;

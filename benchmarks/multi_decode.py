@@ -50,11 +50,12 @@ from pallas_kernels.kda.reference import kda_prefill_reference
 
 GDN_HK, GDN_HV, KDA_H, D = 16, 32, 32, 128
 INTERPRET = False  # --interpret: the kernels in Pallas interpret mode (CPU smoke runs)
-# Calls in one timed program. Each call is lowered and compiled on its own (a Mosaic GPU one
-# ~0.25 s to lower on a CPU host, more to compile): 50 cost ~30 s an entry on an H200
-# (2026-11-29), 10 keep a section inside one device call. A chain of 10 at 64 rows, k = 1, is
-# ~1.3 ms against one dispatch of ~20 us: the figures are at most ~2 % low.
-CHAIN = 10
+# Calls in one timed program (--chain). Each call is lowered and compiled on its own (a Mosaic
+# GPU one ~0.25 s to lower on a CPU host, more to compile): 50 cost ~30 s an entry on an H200.
+# 10 are cheaper but read slow: on 2026-11-29 the same kernels at 64 rows, k = 1, read 159 / 205
+# us (Triton / Mosaic GPU) in chains of 10 against 134 / 166 us in chains of 50, a fixed cost
+# of each timed program spread over fewer calls. Compare kernels within one chain length only.
+CHAIN = 50
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -230,9 +231,11 @@ def main() -> None:
     p.add_argument("--batches", default="64,256")
     p.add_argument("--ks", default="1,2,4")
     p.add_argument("--kernels", default="triton,mgpu", help="triton and / or mgpu")
+    p.add_argument("--chain", type=int, default=CHAIN, help="calls in one timed program")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    global INTERPRET, GDN_HK, GDN_HV, KDA_H, D
+    global INTERPRET, GDN_HK, GDN_HV, KDA_H, D, CHAIN
+    CHAIN = args.chain
     INTERPRET = args.interpret
     if args.interpret:  # the interpreter runs every program on the CPU: few heads only
         GDN_HK, GDN_HV, KDA_H, D = 2, 4, 2, 64  # (Mosaic GPU's kernel takes Dk 64 or 128)
@@ -241,6 +244,7 @@ def main() -> None:
         "device": device_name(),
         "jax": jax.__version__,
         "shapes": f"GDN Hk={GDN_HK} Hv={GDN_HV} D={D}; KDA H={KDA_H} D={D}",
+        "chain": CHAIN,
     }
 
     def guarded(name, fn):

@@ -122,6 +122,9 @@ def main() -> None:
         default=",".join(f"{k}:{a}" for k, a in EMBEDDED_ACCEPTANCE.items()),
         help="K:acceptance-length pairs the speed-up is printed for",
     )
+    p.add_argument(
+        "--no-mixed", action="store_true", help="skip the mixed bucket (one compile less a K)"
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     row_counts = [int(r) for r in args.rows.split(",")]
@@ -173,7 +176,7 @@ def main() -> None:
             mixed_plan = step_plan(old, rows, n, k, args.context, k)
             assert not mixed_plan.shape.verify_only, mixed_plan.shape
             verify = time_plan(runner, verify_plan, args.iters)
-            mixed = time_plan(runner, mixed_plan, args.iters)
+            mixed = float("nan") if args.no_mixed else time_plan(runner, mixed_plan, args.iters)
             res = {
                 "rows": n,
                 "k": k,
