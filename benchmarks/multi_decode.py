@@ -55,7 +55,7 @@ INTERPRET = False  # --interpret: the kernels in Pallas interpret mode (CPU smok
 # 10 are cheaper but read slow: on 2026-11-29 the same kernels at 64 rows, k = 1, read 159 / 205
 # us (Triton / Mosaic GPU) in chains of 10 against 134 / 166 us in chains of 50, a fixed cost
 # of each timed program spread over fewer calls. Compare kernels within one chain length only.
-CHAIN = 50
+CHAIN = 50  # --chain
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -231,7 +231,7 @@ def main() -> None:
     p.add_argument("--batches", default="64,256")
     p.add_argument("--ks", default="1,2,4")
     p.add_argument("--kernels", default="triton,mgpu", help="triton and / or mgpu")
-    p.add_argument("--chain", type=int, default=CHAIN, help="calls in one timed program")
+    p.add_argument("--chain", type=int, default=50, help="calls in one timed program")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     global INTERPRET, GDN_HK, GDN_HV, KDA_H, D, CHAIN
