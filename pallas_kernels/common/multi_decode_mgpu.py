@@ -26,10 +26,11 @@ nothing, their outputs zero. A live row longer than ``max_tokens`` (only detecta
 ``jit``) is poisoned after the kernel as there: its outputs and its ``dst`` state NaN, its
 checkpoints at offsets ``<= max_tokens`` exact.
 
-Not yet run on a GPU: checked in Pallas' GPU interpreter against the prefill references and
-lowered at the 80B / Kimi heads (tests). ``multi_decode_gpu.gdn_multi_decode`` /
-``kda_multi_decode`` run it when asked (``kernel="mgpu"`` or ``HYJAX_MULTI_DECODE_KERNEL=mgpu``);
-Triton's by default.
+Checked in Pallas' GPU interpreter against the prefill references and lowered at the 80B /
+Kimi heads (tests); on an H200 (BENCHMARKS.md) checked against them compiled and timed beside
+Triton's: 1.44x at k = 4, slower at k = 1 and 2. ``multi_decode_gpu.gdn_multi_decode`` /
+``kda_multi_decode`` run it by default for rows of at least :data:`MGPU_MIN_TOKENS` tokens
+(``max_tokens``), and when asked (``kernel="mgpu"`` or ``HYJAX_MULTI_DECODE_KERNEL=mgpu``).
 """
 
 from __future__ import annotations
@@ -63,9 +64,14 @@ from pallas_kernels.common.slots import StateSlots
 BUFFERS = 3  # items a program has in shared memory: BUFFERS - 1 in flight beside the one updated
 PROGRAMS_PER_SM = 1
 f32 = jnp.float32
-# The k-token decode a GPU runs when not told (``kernel=None``): Triton's until this one has run
-# on a GPU; HYJAX_MULTI_DECODE_KERNEL=mgpu sets it for a process.
-MULTI_DECODE_DEFAULT = os.environ.get("HYJAX_MULTI_DECODE_KERNEL", "triton")
+# The k-token decode a GPU runs when not told (``kernel=None``): ``"auto"``, this one for rows of
+# at least MGPU_MIN_TOKENS tokens and Triton's below. On an H200 (2026-11-29, BENCHMARKS.md) at
+# k = 4 it took 279 against 400 us (GDN, 64 rows, 1.44x) and made the engine's verify step at
+# K = 3 4.4 % faster; at k = 1 and 2 Triton's was 1.25x and 1.11x faster (one state store a
+# token from registers against this kernel's trip through shared memory). k = 3 is not yet
+# measured. HYJAX_MULTI_DECODE_KERNEL=mgpu | triton | auto sets it for a process.
+MULTI_DECODE_DEFAULT = os.environ.get("HYJAX_MULTI_DECODE_KERNEL", "auto")
+MGPU_MIN_TOKENS = 4
 
 
 def _scratch(rows, heads, dk, nvec, num_ckpt, k, pool_dtype, buffers):
@@ -104,7 +110,8 @@ def multi_decode_is_mgpu(
     kernel, state, slots: StateSlots, max_tokens: int, vectors: int, interpret: bool
 ) -> bool:
     """Whether a GDN (``vectors`` 2) / KDA (3) k-token GPU decode runs this kernel: its
-    ``kernel`` (``"mgpu"``, ``"triton"``, or None: :data:`MULTI_DECODE_DEFAULT`, Triton in
+    ``kernel`` (``"mgpu"``, ``"triton"``, or None: :data:`MULTI_DECODE_DEFAULT`, where
+    ``"auto"`` is this kernel from :data:`MGPU_MIN_TOKENS` tokens a row on; Triton in
     interpret mode); see ``chunk_scan_mgpu.choose_mgpu``."""
     _, heads, dv, dk = state.shape
     num_ckpt = slots.ckpt_offsets.shape[1]
@@ -113,8 +120,11 @@ def multi_decode_is_mgpu(
         args = (slots.num_rows, heads, dk, dv, num_ckpt, max_tokens, state.dtype, vectors)
         return unsupported_reason(*args)
 
+    default = MULTI_DECODE_DEFAULT
+    if default == "auto":
+        default = "mgpu" if max_tokens >= MGPU_MIN_TOKENS else "triton"
     return choose_mgpu(
-        "kernel", kernel, MULTI_DECODE_DEFAULT, "HYJAX_MULTI_DECODE_KERNEL", interpret, why,
+        "kernel", kernel, default, "HYJAX_MULTI_DECODE_KERNEL", interpret, why,
         "k-token decode",
     )  # fmt: skip
 

@@ -115,6 +115,14 @@ def test_route_default_and_unsupported_shapes(monkeypatch, caplog):
     odd = jnp.zeros((case.num_slots, 4, 96, D))
     with pytest.raises(ValueError, match="Dv=96"):
         is_mgpu("mgpu", odd, slots, 2, 2, interpret=False)
+    # the default ("auto"): this kernel on a GPU from MGPU_MIN_TOKENS tokens a row on
+    monkeypatch.setattr(multi_decode_mgpu, "MULTI_DECODE_DEFAULT", "auto")
+    n = multi_decode_mgpu.MGPU_MIN_TOKENS
+    assert multi_decode_mgpu.MGPU_MIN_TOKENS == 4
+    assert is_mgpu(None, pool, slots, n, 2, interpret=False)
+    assert not is_mgpu(None, pool, slots, n - 1, 2, interpret=False)
+    assert not is_mgpu(None, pool, slots, n, 2, interpret=True)
+    assert not is_mgpu("triton", pool, slots, n, 2, interpret=False)
     monkeypatch.setattr(multi_decode_mgpu, "MULTI_DECODE_DEFAULT", "mgpu")
     with caplog.at_level("WARNING"):
         assert not is_mgpu(None, odd, slots, 2, 2, interpret=False)
