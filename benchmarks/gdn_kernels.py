@@ -56,8 +56,6 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     "triton": (None, None, None, dict(serial="triton")),  # the Triton serial launch
     # the Mosaic GPU serial launch (the timed batches' chunks start at multiples of 64 tokens)
     "mgpu": (None, None, None, dict(serial="mgpu")),
-    # its chunks' outputs made by a second warpgroup (chunk_scan_mgpu's split)
-    "split": (None, None, None, dict(serial="mgpu", serial_split=True)),
     "mgpu_early": (None, None, None, dict(serial="mgpu", intra_early_stores=True)),
     # q's products and rows stored before the UT transform (intra launch: 255 registers)
     "early": (None, None, None, dict(intra_early_stores=True)),
@@ -561,7 +559,6 @@ def main() -> None:
     guarded("check_prefill_bf16state", lambda: check_prefill(None, pool_dtype=jnp.bfloat16))
     guarded("check_prefill_mgpu", lambda: check_prefill(None, serial="mgpu"))
     guarded("check_prefill_mgpu_aligned", lambda: check_prefill_aligned(serial="mgpu"))
-    guarded("check_prefill_split", lambda: check_prefill(None, serial="mgpu", serial_split=True))
     for b, t in prefill_shapes:
         for variant, (prec, op, three, more) in PREFILL_VARIANTS.items():
             guarded(

@@ -46,10 +46,6 @@
 #             multidec4 at k = 4 alone in chains of 50
 #   verifyk3  benchmarks.verify_step at 64 rows, K = 3 (4 tokens a row), 8 layers of the 80B:
 #             the engine's verify step on the default k-token decode; verifyk3m on Mosaic GPU's
-#   gdnsplit  gdn_kernels: the Mosaic GPU serial launch with each chunk's output made by a
-#             second warpgroup (serial_split) checked, then timed against the default and FLA;
-#             kdasplit the same for KDA; gdnsplit8 / kdasplit2 the timings alone (no checks, no
-#             FLA: the 1x4096 split GDN and the first KDA ones ran past 190 s with them)
 #   kdackpt   KDA's default prefill at 8x4096 with 0, 1 and 4 checkpoints a sequence alone
 #   decmgpu   benchmarks.decode_mgpu: the Mosaic GPU decode (common/decode_mgpu.py) checked, then
 #             timed beside the Triton decode and a copy, GDN and KDA at 64 and 256 rows, then
@@ -61,8 +57,8 @@
 #             prefill's intra and serial launches at SUITE_NCU_BATCH (default 8) x 4096 tokens
 #             (benchmarks.profile_delta_rule), in the section's log; ncukda the same for KDA
 #   ncugdn1src the default (Mosaic GPU) serial launch alone at 1 x 4096, with ncu's source
-#             counters and instruction statistics: the stalls of its chain by instruction;
-#             ncugdn1srcs the same of the split launch (HYJAX_PREFILL_SPLIT=1)
+#             counters and instruction statistics: the stalls of its chain by instruction (its
+#             kernel replays ran past 72 s on 2026-11-29: give it ~150 s)
 #   ncugdndec the same of the GDN decode kernel at SUITE_NCU_ROWS (default 256) rows;
 #             ncukdadec of KDA's; ncugdnmdec / ncukdamdec of the Mosaic GPU decode's
 #   decode    benchmarks.decode_variants
@@ -146,13 +142,9 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
         mgpukda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_triton,fla,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B8_T4096_ckpt --out $j" ;;
         multidec) echo "python -m benchmarks.multi_decode --no-baselines --out $j" ;;
-        gdnsplit) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill_tf32,check_prefill_split,fla,prefill_B1_T4096_default,prefill_B1_T4096_split,prefill_B1_T16384_default,prefill_B1_T16384_split,prefill_B8_T4096_default,prefill_B8_T4096_split,prefill_B1_T32768_default,prefill_B1_T32768_split --out $j" ;;
         multidec4) echo "python -m benchmarks.multi_decode --no-baselines --ks 4 --chain 50 --out $j" ;;
         verifyk3) echo "python -m benchmarks.verify_step --layers 8 --rows 64 --ks 3 --no-mixed --iters 10 --out $j" ;;
         verifyk3m) echo "env HYJAX_MULTI_DECODE_KERNEL=mgpu python -m benchmarks.verify_step --layers 8 --rows 64 --ks 3 --no-mixed --iters 10 --out $j" ;;
-        gdnsplit8) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only prefill_B8_T4096_default,prefill_B8_T4096_split,prefill_B1_T32768_default,prefill_B1_T32768_split --out $j" ;;
-        kdasplit2) echo "python -m benchmarks.kda_kernels --only prefill_B1_T4096_default,prefill_B1_T4096_split,prefill_B8_T4096_default,prefill_B8_T4096_split --out $j" ;;
-        kdasplit) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_split,fla,prefill_B1_T4096_default,prefill_B1_T4096_split,prefill_B1_T16384_default,prefill_B1_T16384_split,prefill_B8_T4096_default,prefill_B8_T4096_split --out $j" ;;
         kdackpt) echo "python -m benchmarks.kda_kernels --only prefill_B8_T4096_ckpt --out $j" ;;
         decmgpu) echo "python -m benchmarks.decode_mgpu --bf16 --out $j" ;;
         decmgpusw) echo "python -m benchmarks.decode_mgpu --sweep --out $j" ;;
@@ -161,9 +153,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         mgpu) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill_tf32,check_prefill_mgpu_aligned,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B1_T32768_default,prefill_B1_T32768_triton,prefill_B8_T4096_ckpt,fla --out $j" ;;
         ncugdn | ncukda)  # ncu's counters of the default prefill's two launches, in the log
             echo "$ncu --kernel-name regex:prefill_ --launch-skip 2 --launch-count 2 $sections python -m benchmarks.profile_delta_rule --family ${1#ncu} --op prefill --batch ${SUITE_NCU_BATCH:-8} --seq-len 4096" ;;
-        ncugdn1src | ncugdn1srcs)  # the serial launch at one row, 4096 tokens: where its chain stalls
-            n=; [ "$1" = ncugdn1src ] || n="env HYJAX_PREFILL_SPLIT=1"
-            echo "$n $ncu --kernel-name regex:serial_mgpu --launch-skip 1 --launch-count 1 $sections --section SourceCounters --section InstructionStats python -m benchmarks.profile_delta_rule --family gdn --op prefill --batch 1 --seq-len 4096" ;;
+        ncugdn1src)  # the serial launch at one row, 4096 tokens: where its chain stalls
+            echo "$ncu --kernel-name regex:serial_mgpu --launch-skip 1 --launch-count 1 $sections --section SourceCounters --section InstructionStats python -m benchmarks.profile_delta_rule --family gdn --op prefill --batch 1 --seq-len 4096" ;;
         ncugdndec | ncukdadec)  # the same of the decode kernel (rows in place, f32 state)
             n=${1#ncu}
             echo "$ncu --kernel-name regex:_decode_gpu --launch-skip 1 --launch-count 1 $sections python -m benchmarks.profile_delta_rule --family ${n%dec} --op decode --batch ${SUITE_NCU_ROWS:-256}" ;;

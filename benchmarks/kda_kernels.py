@@ -54,8 +54,6 @@ VARIANTS = {
     "three": {"precision": None, "three_launches": True},
     # the serial launch in Mosaic GPU (TMA, wgmma; a token-aligned chunk plan)
     "mgpu": {"precision": None, "serial": "mgpu"},
-    # its chunks' outputs made by a second warpgroup (chunk_scan_mgpu's split)
-    "split": {"precision": None, "serial": "mgpu", "serial_split": True},
     "f32ops_tf32": {"precision": jax.lax.Precision.DEFAULT, "operand_dtype": jnp.float32},
 }
 

@@ -37,16 +37,6 @@ so ``o`` leaves as ``[C, BV]`` token rows, the engine's ``[T, H, Dv]`` layout. A
 at most six, of 32, 16, ..., 1 rows (its length's bits), so no program writes a token it does
 not own.
 
-**``split``** (not yet run on a GPU; off unless asked: ``scan_mgpu(split=True)``,
-``gdn_prefill(serial_split=True)`` or ``HYJAX_PREFILL_SPLIT=1``): two warpgroups a program.
-The first walks the chain above and leaves each chunk's bf16 ``S^T`` and ``V'^T`` in shared
-memory; a barrier hands them to the second, which makes ``o`` (its products and stores) while
-the first goes on to the state's update, and a second barrier hands them back before the next
-chunk rewrites them and its stage. At one row the chain is the prefill's bound (64 of 132 SMs,
-~2.2 us a chunk against ~0.5 us of products, BENCHMARKS.md): the output's products and its
-stores leave it. Same shared memory; the interpreter checks the hand-over (its barriers
-require every phase observed, in order).
-
 The intra launch leaves the scratch for it (``gdn.gpu.intra_launch(tma_layout=True)``): ``U``
 transposed (``[H, Dv, Tp]``, a block of ``U^T`` is one TMA box) and ``k_dec`` zero on the rows
 after the batch's last token (the last block multiplies them by the zero columns of ``V'^T``:
@@ -123,9 +113,6 @@ def smem_bytes(
 # ``benchmarks/mgpu_probe.py`` and the checks on an H200, 2026-11-29). The environment's
 # HYJAX_PREFILL_SERIAL=triton sets Triton's for a process.
 SERIAL_DEFAULT = os.environ.get("HYJAX_PREFILL_SERIAL", "mgpu")
-# Whether the launch hands each chunk's output to a second warpgroup (``split``) when not told:
-# off until it has run on a GPU; HYJAX_PREFILL_SPLIT=1 for a process.
-SPLIT_DEFAULT = os.environ.get("HYJAX_PREFILL_SPLIT", "0") == "1"
 
 
 @functools.cache
@@ -271,29 +258,22 @@ class InterpretOps:
         return tuple(out)
 
 
-def _body(refs, scratch, *, ops, num_ckpt: int, per_channel: bool, split: bool = False):
-    """One program (module docstring). ``split``: two warpgroups (thread axis ``"wg"``): the
-    first walks the state's chain, the second makes each chunk's output from the chunk's bf16
-    S^T and V'^T that the first leaves in shared memory (handed over by two barriers), so the
-    output's products and stores leave the chain."""
+def _body(refs, scratch, *, ops, num_ckpt: int, per_channel: bool):
     plgpu = _plgpu()
     ri_ref, meta_ref, dec_ref, w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, pool_in, pool_out, o_ref = (
         refs
     )
     (w_s, ut_s, qd_s, kd_s, aqk_s, st_t, vt_t, o_t, o_s, st_s, ri_s, meta_s, dec_s,
-     bars, plan_bar, state_bar, *handoff) = scratch  # fmt: skip
+     bars, plan_bar, state_bar) = scratch  # fmt: skip
     vb, head, r = jax.lax.axis_index("v"), jax.lax.axis_index("h"), jax.lax.axis_index("r")
     vs = pl.ds(vb * BV, BV)
     op = w_ref.dtype
-    chain_wg = jax.lax.axis_index("wg") == 0 if split else True
 
-    @pl.when(chain_wg)
-    def _():  # this row's plan, every chunk's start / length / end, this head's decays
-        plgpu.copy_gmem_to_smem(ri_ref.at[r], ri_s, plan_bar.at[0])
-        plgpu.copy_gmem_to_smem(meta_ref, meta_s, plan_bar.at[0])
-        if not per_channel:
-            plgpu.copy_gmem_to_smem(dec_ref.at[head], dec_s, plan_bar.at[0])
-
+    # this row's plan, every chunk's start / length / end and (one per head) this head's decays
+    plgpu.copy_gmem_to_smem(ri_ref.at[r], ri_s, plan_bar.at[0])
+    plgpu.copy_gmem_to_smem(meta_ref, meta_s, plan_bar.at[0])
+    if not per_channel:
+        plgpu.copy_gmem_to_smem(dec_ref.at[head], dec_s, plan_bar.at[0])
     plgpu.barrier_wait(plan_bar.at[0])
     first, n, src, dst = ri_s[0], ri_s[1], ri_s[2], ri_s[3]
 
@@ -323,12 +303,41 @@ def _body(refs, scratch, *, ops, num_ckpt: int, per_channel: bool, split: bool =
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(st_s, pool_out.at[slot, head, vs])
 
-    def o_terms(slot):  # o = q_dec S + Aqk V' from the chunk's tiles in shared memory
-        return ops.zeros((CHUNK, BV)), [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)]
-
-    def store_o(i, o):  # the chunk's rows of o
-        _, start, length, _ = chunk(i)
+    def step(i, s):
+        slot = i % STAGES
+        ci, start, length, end = chunk(i)
         lead = start - window(start)  # the block's rows before the chunk
+
+        @pl.when(i + 1 < n)
+        def _():
+            issue(i + 1, (i + 1) % STAGES)
+
+        plgpu.barrier_wait(bars.at[slot])
+        sb = s.astype(op)
+        st_t[...] = sb
+        (sw,) = ops.mma((ops.zeros((BV, CHUNK)), [(sb, w_s.at[slot], True)]))
+        ut = ops.load(ut_s.at[slot]).astype(f32)
+        col = ops.iota((BV, CHUNK), 1)
+        in_chunk = (col >= lead) & (col < lead + length)
+        vt = jnp.where(in_chunk, ut - sw, 0.0).astype(op)  # V'^T, zero outside the chunk
+        vt_t[...] = vt
+        plgpu.commit_smem()
+        if per_channel:  # e^gam_last per key channel: S^T's columns
+            vec = ops.load_row_vector(dec_s.at[slot])
+            decay = jax.lax.broadcast_in_dim(vec, s.shape, (1,))
+        else:
+            decay = dec_s[ci // META_COLS, ci % META_COLS]
+        s, o = ops.mma(  # the state's update (the serial chain) and the chunk's output
+            (s * decay, [(vt, kd_s.at[slot], False)]),
+            (ops.zeros((CHUNK, BV)), [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)]),
+        )  # fmt: skip
+        for m in range(num_ckpt):
+            ck_off, ck_slot = ri_s[4 + m], ri_s[4 + num_ckpt + m]
+
+            @pl.when((ck_slot > 0) & (ck_off == end))
+            def _(ck_slot=ck_slot):
+                store_state(s, ck_slot)
+
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's o has left
         o = o.astype(o_ref.dtype)
 
@@ -352,61 +361,9 @@ def _body(refs, scratch, *, ops, num_ckpt: int, per_channel: bool, split: bool =
                         o_ref.at[pl.ds(start + off, bit), head, vs],
                     )
 
-    def step(i, s):
-        slot = i % STAGES
-        ci, start, length, end = chunk(i)
-        lead = start - window(start)  # the block's rows before the chunk
-        if split:  # the output warpgroup is done with chunk i - 1: its stage and S^T, V'^T
-            plgpu.barrier_wait(handoff[1].at[0])
-
-        @pl.when(i + 1 < n)
-        def _():
-            issue(i + 1, (i + 1) % STAGES)
-
-        plgpu.barrier_wait(bars.at[slot])
-        sb = s.astype(op)
-        st_t[...] = sb
-        (sw,) = ops.mma((ops.zeros((BV, CHUNK)), [(sb, w_s.at[slot], True)]))
-        ut = ops.load(ut_s.at[slot]).astype(f32)
-        col = ops.iota((BV, CHUNK), 1)
-        in_chunk = (col >= lead) & (col < lead + length)
-        vt = jnp.where(in_chunk, ut - sw, 0.0).astype(op)  # V'^T, zero outside the chunk
-        vt_t[...] = vt
-        plgpu.commit_smem()
-        if split:
-            plgpu.barrier_arrive(handoff[0].at[0])  # chunk i's S^T and V'^T are ready
-        if per_channel:  # e^gam_last per key channel: S^T's columns
-            vec = ops.load_row_vector(dec_s.at[slot])
-            decay = jax.lax.broadcast_in_dim(vec, s.shape, (1,))
-        else:
-            decay = dec_s[ci // META_COLS, ci % META_COLS]
-        chain = (s * decay, [(vt, kd_s.at[slot], False)])  # the state's update: the serial chain
-        if split:
-            (s,) = ops.mma(chain)
-        else:  # and the chunk's output, issued with it
-            s, o = ops.mma(chain, o_terms(slot))
-        for m in range(num_ckpt):
-            ck_off, ck_slot = ri_s[4 + m], ri_s[4 + num_ckpt + m]
-
-            @pl.when((ck_slot > 0) & (ck_off == end))
-            def _(ck_slot=ck_slot):
-                store_state(s, ck_slot)
-
-        if not split:
-            store_o(i, o)
         return s
 
-    def o_step(i, carry):  # the output warpgroup: chunk i's o once the chain has handed it over
-        plgpu.barrier_wait(handoff[0].at[0])
-        # the stage's copies, observed here too (they landed before the hand-over; this wait
-        # makes the TMA writes' visibility this warpgroup's own, not through the chain's)
-        plgpu.barrier_wait(bars.at[i % STAGES])
-        (o,) = ops.mma(o_terms(i % STAGES))
-        plgpu.barrier_arrive(handoff[1].at[0])  # its stage and S^T, V'^T may be rewritten
-        store_o(i, o)
-        return carry
-
-    @pl.when((n > 0) & chain_wg)
+    @pl.when(n > 0)
     def _():
         @pl.when(src > 0)
         def _():
@@ -417,22 +374,12 @@ def _body(refs, scratch, *, ops, num_ckpt: int, per_channel: bool, split: bool =
         s = ops.load(st_s, optimized=False).astype(f32)
         s = jnp.where(src > 0, s, 0.0)  # st_s was not read into: zeros
         s = jax.lax.fori_loop(0, n, step, s)
-        if split:  # the last chunk's hand-back (every phase of the barrier observed)
-            plgpu.barrier_wait(handoff[1].at[0])
 
         @pl.when(dst > 0)
         def _():
             store_state(s, dst)
 
         plgpu.wait_smem_to_gmem(0)
-
-    if split:
-
-        @pl.when((n > 0) & jnp.logical_not(chain_wg))
-        def _():
-            plgpu.barrier_arrive(handoff[1].at[0])  # chunk 0's step waits for "chunk -1"
-            jax.lax.fori_loop(0, n, o_step, 0)
-            plgpu.wait_smem_to_gmem(0)
 
 
 def _plan_arrays(rp: RowPlan, decay: jax.Array):
@@ -476,18 +423,14 @@ def scan_mgpu(
     out_dtype,
     name: str = "gdn_prefill",
     live: jax.Array | None = None,
-    split: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The serial launch (module docstring) on the scratch of a token-aligned plan
     (``gdn.gpu.prefill_scratch(tma_layout=True)``; KDA's, with its decay per key channel,
     ``kda.gpu.intra_launch(tma_layout=True)``). Returns ``(o [Tp, H, Dv], state)``; rows
     outside every chunk of ``o`` are left unwritten, or with ``live`` (the plan's bool ``[T]``,
-    ``T <= Tp``) ``o`` is its ``T`` rows, zero where not live (the prefill's contract).
-    ``split``: the chunks' outputs made by a second warpgroup (:func:`_body`); None:
-    :data:`SPLIT_DEFAULT`."""
+    ``T <= Tp``) ``o`` is its ``T`` rows, zero where not live (the prefill's contract)."""
     plgpu = _plgpu()
-    split = SPLIT_DEFAULT if split is None else split
     h, num_tokens, dk = x.w.shape
     dv = x.u.shape[1]
     nc = x.decay.shape[0]
@@ -522,15 +465,11 @@ def scan_mgpu(
         plgpu.Barrier(num_arrivals=6 if per_channel else 5, num_barriers=STAGES),
         plgpu.Barrier(num_arrivals=2 if per_channel else 3, num_barriers=1),
         plgpu.Barrier(num_arrivals=1, num_barriers=1),
-        # split: a chunk's S^T and V'^T handed to the output warpgroup, and handed back
-        *([plgpu.Barrier(num_arrivals=1, num_barriers=1)] * (2 if split else 0)),
     )
     body = functools.partial(
-        _body, ops=InterpretOps if interpret else GpuOps, num_ckpt=num_ckpt,
-        per_channel=per_channel, split=split,
-    )  # fmt: skip
-    threads = dict(num_threads=2, thread_name="wg") if split else {}
-    mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"), **threads)
+        _body, ops=InterpretOps if interpret else GpuOps, num_ckpt=num_ckpt, per_channel=per_channel
+    )
+    mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)
     args = (ri, meta, dec, *tiles)
     slots, mask = _written_slots(rp)
@@ -549,18 +488,14 @@ def pool_kernel(body, scratch, mesh, args, state, o_type, written_slots, *, name
     ``jax.new_ref`` of ``state`` (donated). Returns ``(o, state)``.
 
     In Pallas' GPU interpreter (which takes no ref arguments) ``pool_out`` is an output of the
-    pool's shape instead, and its ``written_slots`` (i32, 0: none) are copied into the pool.
-    A ``mesh`` with a thread axis (warpgroups) shares the scratch across it."""
+    pool's shape instead, and its ``written_slots`` (i32, 0: none) are copied into the pool."""
     plgpu = _plgpu()
-    wg = (mesh.thread_name,) if mesh.thread_name else ()
     if not interpret:
         pool = jax.new_ref(state)
 
         def kernel(*refs):  # the pool is read and written through one ref
             *ins, pool_ref, o_ref = refs
-            pl.run_scoped(
-                lambda *s: body((*ins, pool_ref, pool_ref, o_ref), s), *scratch, collective_axes=wg
-            )
+            pl.run_scoped(lambda *s: body((*ins, pool_ref, pool_ref, o_ref), s), *scratch)
 
         params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
         o = pl.kernel(kernel, out_type=o_type, mesh=mesh, compiler_params=params, name=name)(
@@ -572,9 +507,7 @@ def pool_kernel(body, scratch, mesh, args, state, o_type, written_slots, *, name
 
     def kernel_i(*refs):
         *ins, pool_in, o_ref, pool_out = refs
-        pl.run_scoped(
-            lambda *s: body((*ins, pool_in, pool_out, o_ref), s), *scratch, collective_axes=wg
-        )
+        pl.run_scoped(lambda *s: body((*ins, pool_in, pool_out, o_ref), s), *scratch)
 
     o, written = pl.kernel(
         kernel_i,

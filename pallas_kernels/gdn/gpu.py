@@ -345,7 +345,6 @@ def gdn_prefill(
     intra_early_stores: bool = False,
     block_v_out: int | None = None,
     serial: str | None = None,
-    serial_split: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, Hv, Dv], state)``.
@@ -354,8 +353,7 @@ def gdn_prefill(
     :mod:`pallas_kernels.common.chunk_scan_mgpu`, on a token-aligned chunk plan; 16-bit
     operands, an f32 pool, ``Dk`` 64 or 128, ``Dv`` a multiple of 64, two launches), or None:
     ``chunk_scan_mgpu.SERIAL_DEFAULT`` (Mosaic GPU where it can take the shapes, else Triton
-    with one log line; in interpret mode Triton always). ``serial_split``: Mosaic GPU's with
-    each chunk's output made by a second warpgroup (``chunk_scan_mgpu.scan_mgpu``'s ``split``).
+    with one log line; in interpret mode Triton always).
     ``interpret`` runs either in its interpreter.
 
     ``precision`` is the matmul precision inside the chunk (``HIGHEST``: IEEE f32; a
@@ -388,9 +386,8 @@ def gdn_prefill(
     )  # fmt: skip
     if mgpu:
         return chunk_scan_mgpu.scan_mgpu(
-            rp, x, state, out_dtype=v.dtype, live=plan.live, split=serial_split,
-            interpret=interpret,
-        )  # fmt: skip
+            rp, x, state, out_dtype=v.dtype, live=plan.live, interpret=interpret
+        )
     bv = serial_block_v(slots.num_rows, hv, dv, block_v)
     o, state = scan_launches(
         rp, x, state, plan.start, plan.length, out_dtype=v.dtype, bv=bv, precision=precision,

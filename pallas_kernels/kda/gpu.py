@@ -396,14 +396,13 @@ def kda_prefill(
     three_launches: bool = False,
     block_v_out: int | None = None,
     serial: str | None = None,
-    serial_split: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, H, Dv], state)``.
 
     ``serial`` picks the serial launch as for GDN (``gdn.gpu.gdn_prefill``): ``"triton"``,
     ``"mgpu"`` (Mosaic GPU, :mod:`pallas_kernels.common.chunk_scan_mgpu`, with the decay per
-    key channel), or None (``chunk_scan_mgpu.SERIAL_DEFAULT``); ``serial_split`` as GDN's.
+    key channel), or None (``chunk_scan_mgpu.SERIAL_DEFAULT``).
 
     ``precision`` is the matmul precision inside the chunk (``HIGHEST``: IEEE f32; None or
     ``DEFAULT``: TF32 on NVIDIA). ``operand_dtype`` (:func:`operand_dtype_for`: bf16 for bf16
@@ -442,7 +441,7 @@ def kda_prefill(
     if mgpu:
         return chunk_scan_mgpu.scan_mgpu(
             rp, x, state, out_dtype=v.dtype, name="kda_prefill", live=plan.live,
-            split=serial_split, interpret=interpret,
+            interpret=interpret,
         )  # fmt: skip
     o, state = scan_launches(
         rp, x, state, plan.start, plan.length, out_dtype=v.dtype, bv=bv, precision=prec,

@@ -71,10 +71,10 @@ def test_ragged_batch_matches_the_triton_launch():
     )
 
 
-def _check_against_reference(args, pool, qsl, slots, **kw):
-    """``gdn_prefill(serial="mgpu", **kw)`` against the reference (bf16 operands: 2e-2)."""
+def _check_against_reference(args, pool, qsl, slots):
+    """``gdn_prefill(serial="mgpu")`` against the reference (bf16 operands: 2e-2)."""
     want_o, want_s = jax.jit(gdn_prefill_reference)(*args, pool, qsl, slots)
-    kernel = functools.partial(gpu.gdn_prefill, precision=None, serial="mgpu", interpret=True, **kw)
+    kernel = functools.partial(gpu.gdn_prefill, precision=None, serial="mgpu", interpret=True)
     got_o, got_s = jax.jit(kernel)(*args, jnp.copy(pool), qsl, slots)
     assert_rel_close(got_o, want_o, tol=2e-2, what="outputs")
     assert_rel_close(got_s, want_s, tol=2e-2, what="state pool")
@@ -99,18 +99,15 @@ def test_aligned_batch_through_gdn_prefill_matches_the_reference():
     _check_against_reference(args, pool, qsl, slots)
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_ragged_rows_through_gdn_prefill_match_the_reference(split):
+def test_ragged_rows_through_gdn_prefill_match_the_reference():
     """Rows starting inside 64-token blocks (lengths 70, 3, 130: the token-aligned plan cuts
-    them at the blocks' edges too), checkpoints, a padding row, poisoned slots. ``split``: each
-    chunk's output made by a second warpgroup, handed the chunk's S^T and V'^T by barriers
-    (three chunks a row and more: both stages and the hand-back's credit reused)."""
+    them at the blocks' edges too), checkpoints, a padding row, poisoned slots."""
     rng = np.random.default_rng(2)
     case = ragged_case([70, 3, 130])
     args = _inputs(rng, case.num_tokens)
     pool = jnp.asarray(case.pool(rng, (HV, D, D), np.float32))
     qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
-    _check_against_reference(args, pool, qsl, slots, serial_split=split)
+    _check_against_reference(args, pool, qsl, slots)
 
 
 def test_token_aligned_plan_keeps_each_chunk_inside_a_block():
@@ -198,8 +195,7 @@ def test_a_mosaic_gpu_default_falls_back_by_shape(monkeypatch, caplog):
     ) == 1
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_kda_ragged_batch_through_the_mosaic_gpu_launch(split):
+def test_kda_ragged_batch_through_the_mosaic_gpu_launch():
     """KDA's prefill on the same launch, its decay per key channel (a ``[Dk]`` vector a chunk,
     brought with the chunk's tiles): ragged rows starting inside blocks, checkpoints, a row
     from a state, poisoned slots, slow gates; against the reference and the Triton launch."""
@@ -219,7 +215,7 @@ def test_kda_ragged_batch_through_the_mosaic_gpu_launch(split):
     want_o, want_s = jax.jit(kda_prefill_reference)(*args)
     kernel = functools.partial(kda_gpu.kda_prefill, precision=None, interpret=True)
     tri_o, tri_s = jax.jit(functools.partial(kernel, serial="triton"))(*args)
-    got_o, got_s = jax.jit(functools.partial(kernel, serial="mgpu", serial_split=split))(*args)
+    got_o, got_s = jax.jit(functools.partial(kernel, serial="mgpu"))(*args)
     assert_rel_close(got_o, want_o, tol=2e-2, what="outputs")
     assert_rel_close(got_s, want_s, tol=2e-2, what="state pool")
     assert_rel_close(got_o, tri_o, tol=1e-2, what="outputs vs Triton")

@@ -68,19 +68,17 @@ def test_silu_ceiling_computes_silu():
 
 
 @pytest.mark.parametrize(
-    "rows, per_row, hk, hv, d, every, split",
-    [(2, 4096, 16, 32, 128, 1024, False), (3, 200, 2, 4, 64, 100, False),
-     (2, 4096, 16, 32, 128, 1024, True)],
-    ids=["80b", "embedded", "80b_split"],
-)  # fmt: skip
-def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every, split):
+    "rows, per_row, hk, hv, d, every",
+    [(2, 4096, 16, 32, 128, 1024), (3, 200, 2, 4, 64, 100)],
+    ids=["80b", "embedded"],
+)
+def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every):
     """GDN prefill's Mosaic GPU serial launch (``pallas_kernels.common.chunk_scan_mgpu``:
     TMA copies, ``wgmma`` products, the state the accumulator), the GPU prefill's default: at
     the 80B's GDN heads, two rows of 4096 tokens, and at the embedded model's (``Dk = Dv = 64``),
     three rows of 200 (off the 64-token grid), checkpoints in each row: its layouts, copies (a
     warpgroup's copy is a multiple of 128 bytes) and shared memory pass Mosaic GPU's checks,
-    and the pool is aliased in and out of the kernel (written in place). ``split``: two
-    warpgroups, the chunks' outputs made by the second (``serial_split``)."""
+    and the pool is aliased in and out of the kernel (written in place)."""
     from benchmarks.common import prefill_batch
     from pallas_kernels.gdn import gpu
 
@@ -92,7 +90,7 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every,
     args = (*acts, sd((hv,), f32), sd((hv,), f32), sd((num_slots, hv, d, d), f32))
 
     def prefill(*a):
-        return gpu.gdn_prefill(*a, qsl, slots, precision=None, serial="mgpu", serial_split=split)
+        return gpu.gdn_prefill(*a, qsl, slots, precision=None, serial="mgpu")
 
     text = jax.jit(prefill, donate_argnums=7).trace(*args).lower(lowering_platforms=("cuda",))
     text = text.as_text()
@@ -131,8 +129,7 @@ def test_gdn_serial_launch_lowers_in_a_layer_scan_under_shard_map():
     assert "custom_call @mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_kda_serial_launch_lowers_to_mosaic_gpu(split):
+def test_kda_serial_launch_lowers_to_mosaic_gpu():
     """KDA's prefill on the Mosaic GPU launch at Kimi-Linear-48B's heads (32 heads of 128):
     the per-channel decay (a ``[Dk]`` f32 vector a stage, loaded to scale ``S^T``'s columns)
     passes Mosaic GPU's layout checks."""
@@ -148,9 +145,7 @@ def test_kda_serial_launch_lowers_to_mosaic_gpu(split):
     args = (*acts, sd((h,), f32), sd((h, d), f32), sd((num_slots, h, d, d), f32))
 
     def prefill(*a):
-        return kda_gpu.kda_prefill(
-            *a, qsl, slots, precision=None, serial="mgpu", serial_split=split
-        )
+        return kda_gpu.kda_prefill(*a, qsl, slots, precision=None, serial="mgpu")
 
     lowered = jax.jit(prefill, donate_argnums=7).trace(*args).lower(lowering_platforms=("cuda",))
     assert "custom_call @mosaic_gpu" in lowered.as_text()
