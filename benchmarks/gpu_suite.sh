@@ -43,7 +43,10 @@
 #             triton, with 0, 1, 4 checkpoints, and FLA
 #   multidec  benchmarks.multi_decode: the k-token (verify) decode, Triton's and Mosaic GPU's
 #             (common/multi_decode_mgpu.py) checked, then timed at 64 / 256 rows, k = 1, 2, 4;
-#             multidec4 at k = 4 alone in chains of 50
+#             multidec4 at k = 4 alone in chains of 50; multidec3 GDN at k = 3 (where the two
+#             kernels cross); multideck KDA at k = 4; multidecbuf Mosaic GPU's at k = 4 with 3
+#             and 4 tile buffers a program (GDN, 64 rows: at 256 the row plan leaves 4 no room,
+#             237 KB of shared memory); each ~150-250 s
 #   verifyk3  benchmarks.verify_step at 64 rows, K = 3 (4 tokens a row), 8 layers of the 80B:
 #             the engine's verify step on the default k-token decode; verifyk3m on Mosaic GPU's
 #   kdackpt   KDA's default prefill at 8x4096 with 0, 1 and 4 checkpoints a sequence alone
@@ -143,6 +146,9 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         mgpukda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_triton,fla,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B8_T4096_ckpt --out $j" ;;
         multidec) echo "python -m benchmarks.multi_decode --no-baselines --out $j" ;;
         multidec4) echo "python -m benchmarks.multi_decode --no-baselines --ks 4 --chain 50 --out $j" ;;
+        multidec3) echo "python -m benchmarks.multi_decode --no-baselines --families gdn --ks 3 --chain 50 --out $j" ;;
+        multideck) echo "python -m benchmarks.multi_decode --no-baselines --families kda --ks 4 --chain 50 --out $j" ;;
+        multidecbuf) echo "python -m benchmarks.multi_decode --no-baselines --families gdn --ks 4 --batches 64 --kernels mgpu --mgpu-buffers 3,4 --chain 50 --out $j" ;;
         verifyk3) echo "python -m benchmarks.verify_step --layers 8 --rows 64 --ks 3 --no-mixed --iters 10 --out $j" ;;
         verifyk3m) echo "env HYJAX_MULTI_DECODE_KERNEL=mgpu python -m benchmarks.verify_step --layers 8 --rows 64 --ks 3 --no-mixed --iters 10 --out $j" ;;
         kdackpt) echo "python -m benchmarks.kda_kernels --only prefill_B8_T4096_ckpt --out $j" ;;

@@ -42,6 +42,7 @@ import numpy as np
 
 from benchmarks.common import copy_bandwidth, device_name, err_ratio, time_stateful
 from pallas_kernels.common import multi_decode_gpu as md
+from pallas_kernels.common import multi_decode_mgpu as md_mgpu
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.gdn import gpu as gdn_gpu
 from pallas_kernels.gdn.reference import gdn_prefill_reference
@@ -232,6 +233,12 @@ def main() -> None:
     p.add_argument("--ks", default="1,2,4")
     p.add_argument("--kernels", default="triton,mgpu", help="triton and / or mgpu")
     p.add_argument("--chain", type=int, default=50, help="calls in one timed program")
+    p.add_argument("--families", default="gdn,kda")
+    p.add_argument(
+        "--mgpu-buffers", default=None,
+        help="comma-separated tile buffers a Mosaic GPU program holds (multi_decode_mgpu.BUFFERS),"
+        " an entry each (suffix _buf<n>); default: the module's",
+    )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     global INTERPRET, GDN_HK, GDN_HV, KDA_H, D, CHAIN
@@ -261,24 +268,33 @@ def main() -> None:
     guarded("floors", floors)
     bw = summary["floors"].get("copy_bandwidth_GBps")
     kernels = args.kernels.split(",")
+    families = args.families.split(",")
     tag = {"triton": "", "mgpu": "_mgpu"}
-    for family in FAMILIES:
+    # (kernel, its name's suffix, Mosaic GPU's buffers or None)
+    runs = [(kern, tag[kern], None) for kern in kernels if kern != "mgpu"]
+    if "mgpu" in kernels:
+        sweep = _ints(args.mgpu_buffers) if args.mgpu_buffers else [None]
+        runs += [("mgpu", "_mgpu" + (f"_buf{n}" if n else ""), n) for n in sweep]
+    for family in families:
         for kern in kernels:
             guarded(f"check_{family}{tag[kern]}", lambda f=family, kn=kern: check(f, kn))
-    for family in FAMILIES:
+    default_buffers = md_mgpu.BUFFERS
+    for family in families:
         for rows in batches:
             for k in ks:
-                for kern in kernels:
+                for kern, suffix, buffers in runs:
                     if not summary[f"check_{family}{tag[kern]}"].get("ok"):
                         continue
-                    name = f"{family}{tag[kern]}_B{rows}_k{k}"
+                    md_mgpu.BUFFERS = buffers or default_buffers
+                    name = f"{family}{suffix}_B{rows}_k{k}"
                     guarded(
                         name, lambda f=family, r=rows, k=k, kn=kern: time_verify(f, r, k, kernel=kn)
                     )
+                    md_mgpu.BUFFERS = default_buffers
                     if bw and "GBps" in summary[name]:
                         summary[name]["of_copy_bandwidth"] = summary[name]["GBps"] / bw
     if not args.no_baselines:
-        for family in FAMILIES:
+        for family in families:
             for rows in batches:
                 for k in ks:
                     guarded(
@@ -286,7 +302,7 @@ def main() -> None:
                         lambda f=family, r=rows, k=k: time_routes(f, r, k),
                     )
     if args.sweep:
-        for family in FAMILIES:
+        for family in families:
             for bv, nw in [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]:
                 guarded(
                     f"sweep_{family}_B64_k4_bv{bv}_w{nw}",

@@ -93,9 +93,11 @@ def _scratch(rows, heads, dk, nvec, num_ckpt, k, pool_dtype, buffers):
 
 
 def unsupported_reason(
-    rows, heads, dk, dv, num_ckpt, k, pool_dtype, vectors=2, buffers=BUFFERS
+    rows, heads, dk, dv, num_ckpt, k, pool_dtype, vectors=2, buffers=None
 ) -> str | None:
-    """Why this kernel cannot take a k-token decode (the Triton one then does), or None."""
+    """Why this kernel cannot take a k-token decode (the Triton one then does), or None;
+    ``buffers`` None: :data:`BUFFERS` (read at the call: a benchmark's sweep sets it)."""
+    buffers = BUFFERS if buffers is None else buffers
     if why := tile_reason(pool_dtype, dk):
         return why
     if dv % BV:
@@ -245,7 +247,7 @@ def multi_decode_mgpu(
     out_dtype,
     name: str,
     programs: int | None = None,
-    buffers: int = BUFFERS,
+    buffers: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The kernel (module docstring) on the step's token inputs (``vectors [T, Hk, n, Dk]``,
@@ -257,6 +259,7 @@ def multi_decode_mgpu(
     vectors, gates, v = token_inputs
     num_tokens, hk, nvec = vectors.shape[0], vectors.shape[1], vectors.shape[2]
     k = max_tokens
+    buffers = BUFFERS if buffers is None else buffers
     why = unsupported_reason(rows, heads, dk, dv, num_ckpt, k, state.dtype, nvec, buffers)
     if why:
         raise ValueError(f"the Mosaic GPU k-token decode cannot take this batch: {why}")
