@@ -81,6 +81,37 @@ def copy_bandwidth(num_bytes: int = 2**30, *, iters: int = 10, repeats: int = 5)
     return 2 * x.nbytes / float(np.median(times))
 
 
+def fanout_bandwidth(
+    writes: int, num_bytes: int = 2**28, *, iters: int = 10, repeats: int = 5
+) -> float:
+    """Bytes / s of a pass that reads ``num_bytes`` of float32 once and writes it ``writes``
+    times (``(1 + writes) x num_bytes`` a pass): the floor of a kernel whose traffic is
+    mostly stores, as the k-token decode's (one state read, k + 1 written), which a copy's
+    1:1 mix need not predict. Chained and unrolled as :func:`copy_bandwidth`, each pass's
+    ``[writes, N]`` result kept (an optimization barrier), its last row the next pass's
+    input."""
+    x = jnp.ones((max(num_bytes // 4, 1),), jnp.float32)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def chain(x):
+        acc = jnp.zeros((), jnp.float32)
+        for i in range(iters):
+            y = jax.lax.optimization_barrier(
+                jnp.broadcast_to(x * (1.0 + 1e-7 * (i + 1)), (writes, *x.shape))
+            )
+            acc = acc + y[0, 0]
+            x = y[-1]
+        return x, acc
+
+    x, _ = jax.block_until_ready(chain(x))  # compile + warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x, _ = jax.block_until_ready(chain(x))
+        times.append((time.perf_counter() - t0) / iters)
+    return (1 + writes) * x.nbytes / float(np.median(times))
+
+
 def time_chained(fn, args, iters: int, repeats: int = 3) -> float:
     """Median seconds per call of ``fn(*args)``: one jitted program of ``iters`` chained calls.
 

@@ -40,7 +40,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import copy_bandwidth, device_name, err_ratio, time_stateful
+from benchmarks.common import (
+    copy_bandwidth,
+    device_name,
+    err_ratio,
+    fanout_bandwidth,
+    time_stateful,
+)
 from pallas_kernels.common import multi_decode_gpu as md
 from pallas_kernels.common import multi_decode_mgpu as md_mgpu
 from pallas_kernels.common.slots import StateSlots
@@ -124,11 +130,17 @@ def _time_stateful(step, state, operands, *, iters: int) -> float:
     return time_stateful(step, state, operands, iters=iters)
 
 
-def floors() -> dict:
+def floors(ks=()) -> dict:
     """Read + write bytes / s of an elementwise pass over 1 GiB of float32
-    (:func:`benchmarks.common.copy_bandwidth`, as ``benchmarks.gdn_kernels.floors``)."""
-    num_bytes, iters = (1 << 22, dict(iters=1, repeats=1)) if INTERPRET else (1 << 30, {})
-    return {"copy_bandwidth_GBps": copy_bandwidth(num_bytes, **iters) / 1e9}
+    (:func:`benchmarks.common.copy_bandwidth`, as ``benchmarks.gdn_kernels.floors``), and for
+    each k of ``ks`` a pass over 256 MiB read once and written k + 1 times, the verify step's
+    mix (:func:`benchmarks.common.fanout_bandwidth`)."""
+    small = dict(iters=1, repeats=1) if INTERPRET else {}
+    out = {"copy_bandwidth_GBps": copy_bandwidth(1 << 22 if INTERPRET else 1 << 30, **small) / 1e9}
+    for k in ks:
+        num_bytes = 1 << 20 if INTERPRET else 1 << 28
+        out[f"fanout_{k + 1}_GBps"] = fanout_bandwidth(k + 1, num_bytes, **small) / 1e9
+    return out
 
 
 # ----------------------------------------------------------------------------- checks
@@ -265,7 +277,7 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(summary, f, indent=2)
 
-    guarded("floors", floors)
+    guarded("floors", lambda: floors(ks))
     bw = summary["floors"].get("copy_bandwidth_GBps")
     kernels = args.kernels.split(",")
     families = args.families.split(",")
@@ -291,8 +303,11 @@ def main() -> None:
                         name, lambda f=family, r=rows, k=k, kn=kern: time_verify(f, r, k, kernel=kn)
                     )
                     md_mgpu.BUFFERS = default_buffers
+                    fan = summary["floors"].get(f"fanout_{k + 1}_GBps")
                     if bw and "GBps" in summary[name]:
                         summary[name]["of_copy_bandwidth"] = summary[name]["GBps"] / bw
+                    if fan and "GBps" in summary[name]:
+                        summary[name]["of_fanout_bandwidth"] = summary[name]["GBps"] / fan
     if not args.no_baselines:
         for family in families:
             for rows in batches:
