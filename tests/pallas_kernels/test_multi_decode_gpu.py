@@ -203,5 +203,6 @@ def test_kernels_lower_to_triton_at_real_shapes():
     kda = [sd((t, h, d), bf)] * 4 + [sd((t, h), bf), sd((h,), f32), sd((h, d), f32)]
     kda += [sd((8, h, d, d), f32), qsl, slots]
     for fn, args in [(md.gdn_multi_decode, gdn), (md.kda_multi_decode, kda)]:
-        lowered = jax.jit(functools.partial(fn, max_tokens=k)).trace(*args)
+        # (k = 4 runs Mosaic GPU's kernel by default: multi_decode_mgpu.MGPU_MIN_TOKENS)
+        lowered = jax.jit(functools.partial(fn, max_tokens=k, kernel="triton")).trace(*args)
         assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()
