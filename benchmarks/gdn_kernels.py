@@ -247,7 +247,9 @@ def mgpu_scan(batch, seq_len) -> dict:
     own layout (``gdn.gpu.prefill_scratch``; bf16 operands, ``batch`` rows of ``seq_len``
     tokens, two checkpoints a row): Mosaic GPU (``pallas_kernels.common.chunk_scan_mgpu``: TMA
     copies, ``wgmma`` products) against Triton, each checked against the other (outputs,
-    written slots), then each timed alone (the intra launch run once, outside the timing)."""
+    written slots), then each timed alone (the intra launch run once, outside the timing).
+    Then Mosaic GPU's two decompositions (``scan_mgpu(diagnostic=...)``): the state's chain
+    without ``o``, and the copies alone; with each time per chunk of a row."""
     from pallas_kernels.common import chunk_scan_gpu, chunk_scan_mgpu, delta_rule_gpu
 
     every = (seq_len // 3) // 64 * 64
@@ -275,9 +277,9 @@ def mgpu_scan(batch, seq_len) -> dict:
         )  # fmt: skip
         return pool, o
 
-    def mgpu(pool, rp, x):
+    def mgpu(pool, rp, x, diagnostic=None):
         o, pool = chunk_scan_mgpu.scan_mgpu(
-            rp, x, pool, out_dtype=jnp.bfloat16, interpret=INTERPRET
+            rp, x, pool, out_dtype=jnp.bfloat16, diagnostic=diagnostic, interpret=INTERPRET
         )
         return pool, o
 
@@ -297,6 +299,15 @@ def mgpu_scan(batch, seq_len) -> dict:
     out["triton_serial_ms"] = 1e3 * _time_stateful(triton, jnp.copy(pool), t_in, iters=10)
     out["mgpu_serial_ms"] = 1e3 * _time_stateful(mgpu, jnp.copy(pool), m_in[:2], iters=10)
     out["mgpu_over_triton"] = out["mgpu_serial_ms"] / out["triton_serial_ms"]
+    # What bounds it: the state's chain alone (no o, none of its copies), then the copies and
+    # their waits alone (no products); each per chunk of a row (programs walk a row's chunks)
+    chunks = -(-seq_len // 64)
+    for diagnostic in ("chain", "loads"):
+        step = functools.partial(mgpu, diagnostic=diagnostic)
+        ms = 1e3 * _time_stateful(step, jnp.copy(pool), m_in[:2], iters=10)
+        out[f"mgpu_{diagnostic}_only_ms"] = ms
+    for key in ("mgpu_serial", "mgpu_chain_only", "mgpu_loads_only"):
+        out[f"{key}_us_per_chunk"] = 1e3 * out[f"{key}_ms"] / chunks
     return out
 
 

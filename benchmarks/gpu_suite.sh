@@ -33,6 +33,8 @@
 #   mgpuscan  benchmarks.gdn_kernels --mgpu-scan: the serial launch in Mosaic GPU (TMA, wgmma,
 #             the state the accumulator) against the Triton one, each on its own scratch,
 #             checked against it, then each timed, at 1x4096, 8x4096, 1x16384, 1x32768
+#   mgpudiag  mgpuscan at 1x4096 and 8x4096 only: the serial launch against its chain alone
+#             (no o) and its copies alone (no products), per chunk of a row (what bounds it)
 #   mgpuprobe the Mosaic GPU prefill's ragged cases, a process each (benchmarks.mgpu_probe)
 #   mgpu      gdn_kernels' checks of the default prefill (the Mosaic GPU serial launch on its
 #             token-aligned plan) against the reference, its prefill at four shapes beside the
@@ -143,6 +145,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T4096_mgpu,prefill_B1_T4096_early,prefill_B1_T16384_default,prefill_B1_T16384_mgpu,prefill_B1_T16384_early,prefill_B8_T4096_default,prefill_B8_T4096_mgpu,prefill_B8_T4096_early,prefill_B1_T32768_default,prefill_B1_T32768_mgpu,prefill_B1_T32768_early,prefill_B8_T4096_ckpt,fla --out $j" ;;
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
+        mgpudiag) echo "python -m benchmarks.gdn_kernels --mgpu-scan --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;
         mgpukda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_triton,fla,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B8_T4096_ckpt --out $j" ;;
         multidec) echo "python -m benchmarks.multi_decode --no-baselines --out $j" ;;
         multidec4) echo "python -m benchmarks.multi_decode --no-baselines --ks 4 --chain 50 --out $j" ;;

@@ -258,7 +258,14 @@ class InterpretOps:
         return tuple(out)
 
 
-def _body(refs, scratch, *, ops, num_ckpt: int, per_channel: bool):
+DIAGNOSTICS = (None, "chain", "loads")
+
+
+def _body(refs, scratch, *, ops, num_ckpt: int, per_channel: bool, diagnostic=None):
+    """One program (module docstring). ``diagnostic`` (benchmarks only, :func:`scan_mgpu`):
+    ``"chain"`` copies a chunk's W, U^T, k_dec (and decays) only and runs the state's chain
+    without ``o`` (nothing written to it); ``"loads"`` copies all five tiles and waits for
+    them, with no products (the state passes through unchanged)."""
     plgpu = _plgpu()
     ri_ref, meta_ref, dec_ref, w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, pool_in, pool_out, o_ref = (
         refs
@@ -293,9 +300,10 @@ def _body(refs, scratch, *, ops, num_ckpt: int, per_channel: bool):
             plgpu.copy_gmem_to_smem(dec_ref.at[head, ci], dec_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(w_ref.at[head, tok], w_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(ut_ref.at[head, vs, tok], ut_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(qd_ref.at[head, tok], qd_s.at[slot], bar)
+        if diagnostic != "chain":  # (o's operands)
+            plgpu.copy_gmem_to_smem(qd_ref.at[head, tok], qd_s.at[slot], bar)
+            plgpu.copy_gmem_to_smem(aqk_ref.at[head, tok], aqk_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(kd_ref.at[head, tok], kd_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(aqk_ref.at[head, tok], aqk_s.at[slot], bar)
 
     def store_state(s, slot):  # S^T to pool[slot, head, vs] (rounded to the pool's dtype)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -313,24 +321,33 @@ def _body(refs, scratch, *, ops, num_ckpt: int, per_channel: bool):
             issue(i + 1, (i + 1) % STAGES)
 
         plgpu.barrier_wait(bars.at[slot])
+        if diagnostic == "loads":
+            return s
         sb = s.astype(op)
-        st_t[...] = sb
+        if diagnostic is None:
+            st_t[...] = sb
         (sw,) = ops.mma((ops.zeros((BV, CHUNK)), [(sb, w_s.at[slot], True)]))
         ut = ops.load(ut_s.at[slot]).astype(f32)
         col = ops.iota((BV, CHUNK), 1)
         in_chunk = (col >= lead) & (col < lead + length)
         vt = jnp.where(in_chunk, ut - sw, 0.0).astype(op)  # V'^T, zero outside the chunk
-        vt_t[...] = vt
-        plgpu.commit_smem()
+        if diagnostic is None:
+            vt_t[...] = vt
+            plgpu.commit_smem()
         if per_channel:  # e^gam_last per key channel: S^T's columns
             vec = ops.load_row_vector(dec_s.at[slot])
             decay = jax.lax.broadcast_in_dim(vec, s.shape, (1,))
         else:
             decay = dec_s[ci // META_COLS, ci % META_COLS]
-        s, o = ops.mma(  # the state's update (the serial chain) and the chunk's output
-            (s * decay, [(vt, kd_s.at[slot], False)]),
-            (ops.zeros((CHUNK, BV)), [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)]),
-        )  # fmt: skip
+        update = (s * decay, [(vt, kd_s.at[slot], False)])  # the state's (the serial chain)
+        if diagnostic == "chain":
+            (s,) = ops.mma(update)
+        else:  # and the chunk's output
+            s, o = ops.mma(
+                update,
+                (ops.zeros((CHUNK, BV)),
+                 [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)]),
+            )  # fmt: skip
         for m in range(num_ckpt):
             ck_off, ck_slot = ri_s[4 + m], ri_s[4 + num_ckpt + m]
 
@@ -338,6 +355,8 @@ def _body(refs, scratch, *, ops, num_ckpt: int, per_channel: bool):
             def _(ck_slot=ck_slot):
                 store_state(s, ck_slot)
 
+        if diagnostic == "chain":
+            return s
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's o has left
         o = o.astype(o_ref.dtype)
 
@@ -423,13 +442,21 @@ def scan_mgpu(
     out_dtype,
     name: str = "gdn_prefill",
     live: jax.Array | None = None,
+    diagnostic: str | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The serial launch (module docstring) on the scratch of a token-aligned plan
     (``gdn.gpu.prefill_scratch(tma_layout=True)``; KDA's, with its decay per key channel,
     ``kda.gpu.intra_launch(tma_layout=True)``). Returns ``(o [Tp, H, Dv], state)``; rows
     outside every chunk of ``o`` are left unwritten, or with ``live`` (the plan's bool ``[T]``,
-    ``T <= Tp``) ``o`` is its ``T`` rows, zero where not live (the prefill's contract)."""
+    ``T <= Tp``) ``o`` is its ``T`` rows, zero where not live (the prefill's contract).
+
+    ``diagnostic`` (benchmarks only: what bounds the chain, ``benchmarks.gdn_kernels
+    --mgpu-scan``): ``"chain"``, the state's chain without ``o`` or its operands' copies
+    (``o`` unwritten); ``"loads"``, the copies and their waits alone (the state unchanged,
+    ``o`` unwritten). See :func:`_body`."""
+    if diagnostic not in DIAGNOSTICS:
+        raise ValueError(f"diagnostic={diagnostic!r}: one of {DIAGNOSTICS}")
     plgpu = _plgpu()
     h, num_tokens, dk = x.w.shape
     dv = x.u.shape[1]
@@ -462,13 +489,17 @@ def scan_mgpu(
         plgpu.SMEM(meta.shape, jnp.int32),
         # the decays: this head's for every chunk, or a stage's chunk's per key channel
         plgpu.SMEM((STAGES, dk) if per_channel else dec.shape[1:], f32),
-        plgpu.Barrier(num_arrivals=6 if per_channel else 5, num_barriers=STAGES),
+        # a stage's copies: five tiles (three without o's), and per channel its decays
+        plgpu.Barrier(
+            num_arrivals=(3 if diagnostic == "chain" else 5) + per_channel, num_barriers=STAGES
+        ),
         plgpu.Barrier(num_arrivals=2 if per_channel else 3, num_barriers=1),
         plgpu.Barrier(num_arrivals=1, num_barriers=1),
     )
     body = functools.partial(
-        _body, ops=InterpretOps if interpret else GpuOps, num_ckpt=num_ckpt, per_channel=per_channel
-    )
+        _body, ops=InterpretOps if interpret else GpuOps, num_ckpt=num_ckpt,
+        per_channel=per_channel, diagnostic=diagnostic,
+    )  # fmt: skip
     mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)
     args = (ri, meta, dec, *tiles)

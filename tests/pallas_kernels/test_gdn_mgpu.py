@@ -71,6 +71,36 @@ def test_ragged_batch_matches_the_triton_launch():
     )
 
 
+def test_diagnostic_modes_keep_the_chain_and_the_loads():
+    """The benchmarks' decompositions of the launch (``scan_mgpu(diagnostic=...)``): ``"chain"``
+    (no o, none of its copies) writes every slot as the full launch does, bit for bit;
+    ``"loads"`` (the copies and waits alone) passes each row's source state to its ``dst``
+    unchanged (zeros from slot 0). The aligned case: a row from a state, one from zeros."""
+    rng = np.random.default_rng(3)
+    qsl, slots, n = _aligned_case()
+    args = _inputs(rng, n)
+    pool = jnp.asarray(rng.normal(size=(5, HV, D, D)), jnp.float32)
+
+    def run(diagnostic, pool):
+        _, rp, x = gpu.prefill_scratch(
+            *args, qsl, slots, operand_dtype=jnp.bfloat16, precision=None, tma_layout=True,
+            interpret=True,
+        )  # fmt: skip
+        return chunk_scan_mgpu.scan_mgpu(
+            rp, x, pool, out_dtype=jnp.bfloat16, diagnostic=diagnostic, interpret=True
+        )[1]
+
+    full = np.asarray(jax.jit(functools.partial(run, None))(jnp.copy(pool)))
+    chain = np.asarray(jax.jit(functools.partial(run, "chain"))(jnp.copy(pool)))
+    loads = np.asarray(jax.jit(functools.partial(run, "loads"))(jnp.copy(pool)))
+    np.testing.assert_array_equal(chain, full)
+    assert not np.allclose(full[2], np.asarray(pool)[1]), "the full launch changes the state"
+    np.testing.assert_array_equal(loads[2], np.asarray(pool)[1])  # row 0: slot 1 -> 2
+    np.testing.assert_array_equal(loads[3], 0.0)  # row 1: zeros -> 3
+    with pytest.raises(ValueError, match="diagnostic='fast'"):
+        run("fast", pool)
+
+
 def _check_against_reference(args, pool, qsl, slots):
     """``gdn_prefill(serial="mgpu")`` against the reference (bf16 operands: 2e-2)."""
     want_o, want_s = jax.jit(gdn_prefill_reference)(*args, pool, qsl, slots)

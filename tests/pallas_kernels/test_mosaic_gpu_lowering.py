@@ -98,6 +98,32 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every)
     assert "tf.aliasing_output" in text  # the donated pool is the kernel's output
 
 
+@pytest.mark.parametrize("diagnostic", ["chain", "loads"])
+def test_gdn_serial_launch_diagnostics_lower_to_mosaic_gpu(diagnostic):
+    """The serial launch's benchmark decompositions (``scan_mgpu(diagnostic=...)``, timed by
+    ``benchmarks.gdn_kernels --mgpu-scan``) at the 80B's GDN heads, one row of 1024 tokens
+    with checkpoints: fewer copies a stage (the barrier's arrivals follow), no ``o`` products."""
+    from benchmarks.common import prefill_batch
+    from pallas_kernels.common import chunk_scan_mgpu
+    from pallas_kernels.gdn import gpu
+
+    qsl, slots, num_slots = prefill_batch(1, 1024, ckpt_every=256)
+    n, hk, hv, d = 1024, 16, 32, 128
+    sd, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    acts = (sd((n, hk, d), bf), sd((n, hk, d), bf), sd((n, hv, d), bf), sd((n, hv), bf),
+            sd((n, hv), bf), sd((hv,), f32), sd((hv,), f32))  # fmt: skip
+
+    def serial(acts, pool):
+        _, rp, x = gpu.prefill_scratch(
+            *acts, qsl, slots, operand_dtype=bf, precision=None, tma_layout=True
+        )
+        return chunk_scan_mgpu.scan_mgpu(rp, x, pool, out_dtype=bf, diagnostic=diagnostic)
+
+    pool = sd((num_slots, hv, d, d), f32)
+    lowered = jax.jit(serial, donate_argnums=1).trace(acts, pool)
+    assert "custom_call @mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_gdn_serial_launch_lowers_in_a_layer_scan_under_shard_map():
     """Where the engine would call it: wrapped as the TP op (``hyjax.sharding._shard_op`` with
     Qwen3-Next's ``gdn_prefill`` specs, here on a one-device mesh) in a ``lax.scan`` over layers
