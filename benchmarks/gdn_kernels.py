@@ -249,7 +249,8 @@ def mgpu_scan(batch, seq_len) -> dict:
     copies, ``wgmma`` products) against Triton, each checked against the other (outputs,
     written slots), then each timed alone (the intra launch run once, outside the timing).
     Then Mosaic GPU's two decompositions (``scan_mgpu(diagnostic=...)``): the state's chain
-    without ``o``, and the copies alone; with each time per chunk of a row."""
+    without ``o``, and the copies alone; and the launch with later chunks' tiles prefetched
+    into L2 (``prefetch`` 1, 2); with each time per chunk of a row."""
     from pallas_kernels.common import chunk_scan_gpu, chunk_scan_mgpu, delta_rule_gpu
 
     every = (seq_len // 3) // 64 * 64
@@ -277,10 +278,11 @@ def mgpu_scan(batch, seq_len) -> dict:
         )  # fmt: skip
         return pool, o
 
-    def mgpu(pool, rp, x, diagnostic=None):
+    def mgpu(pool, rp, x, diagnostic=None, prefetch=0):
         o, pool = chunk_scan_mgpu.scan_mgpu(
-            rp, x, pool, out_dtype=jnp.bfloat16, diagnostic=diagnostic, interpret=INTERPRET
-        )
+            rp, x, pool, out_dtype=jnp.bfloat16, diagnostic=diagnostic, prefetch=prefetch,
+            interpret=INTERPRET,
+        )  # fmt: skip
         return pool, o
 
     t_in, m_in = scratch(False), scratch(True)
@@ -302,12 +304,16 @@ def mgpu_scan(batch, seq_len) -> dict:
     # What bounds it: the state's chain alone (no o, none of its copies), then the copies and
     # their waits alone (no products); each per chunk of a row (programs walk a row's chunks)
     chunks = -(-seq_len // 64)
-    for diagnostic in ("chain", "loads"):
-        step = functools.partial(mgpu, diagnostic=diagnostic)
+    # and with a later chunk's tiles prefetched into L2 (scan_mgpu's prefetch), 1 or 2 ahead
+    variants = {"chain_only": dict(diagnostic="chain"), "loads_only": dict(diagnostic="loads"),
+                "prefetch1": dict(prefetch=1), "prefetch2": dict(prefetch=2),
+                "loads_only_prefetch1": dict(diagnostic="loads", prefetch=1)}  # fmt: skip
+    for name, kwargs in variants.items():
+        step = functools.partial(mgpu, **kwargs)
         ms = 1e3 * _time_stateful(step, jnp.copy(pool), m_in[:2], iters=10)
-        out[f"mgpu_{diagnostic}_only_ms"] = ms
-    for key in ("mgpu_serial", "mgpu_chain_only", "mgpu_loads_only"):
-        out[f"{key}_us_per_chunk"] = 1e3 * out[f"{key}_ms"] / chunks
+        out[f"mgpu_{name}_ms"] = ms
+    for key in ("serial", *variants):
+        out[f"mgpu_{key}_us_per_chunk"] = 1e3 * out[f"mgpu_{key}_ms"] / chunks
     return out
 
 

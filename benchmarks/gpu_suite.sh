@@ -34,7 +34,8 @@
 #             the state the accumulator) against the Triton one, each on its own scratch,
 #             checked against it, then each timed, at 1x4096, 8x4096, 1x16384, 1x32768
 #   mgpudiag  mgpuscan at 1x4096 and 8x4096 only: the serial launch against its chain alone
-#             (no o) and its copies alone (no products), per chunk of a row (what bounds it)
+#             (no o) and its copies alone (no products), per chunk of a row (what bounds it),
+#             and with later chunks' tiles prefetched into L2 (prefetch 1, 2); ~200 s
 #   mgpuprobe the Mosaic GPU prefill's ragged cases, a process each (benchmarks.mgpu_probe)
 #   mgpu      gdn_kernels' checks of the default prefill (the Mosaic GPU serial launch on its
 #             token-aligned plan) against the reference, its prefill at four shapes beside the

@@ -113,6 +113,10 @@ def smem_bytes(
 # ``benchmarks/mgpu_probe.py`` and the checks on an H200, 2026-11-29). The environment's
 # HYJAX_PREFILL_SERIAL=triton sets Triton's for a process.
 SERIAL_DEFAULT = os.environ.get("HYJAX_PREFILL_SERIAL", "mgpu")
+# Chunks ahead of the next one whose tiles a program prefetches into L2 (``scan_mgpu``'s
+# ``prefetch``) when not told: 0 (none) until measured on a GPU; HYJAX_PREFILL_PREFETCH=N for
+# a process.
+PREFETCH = int(os.environ.get("HYJAX_PREFILL_PREFETCH", "0"))
 
 
 @functools.cache
@@ -208,6 +212,10 @@ class GpuOps:
         return plgpu.layout_cast(jnp.zeros(shape, f32), plgpu.Layout.WGMMA)
 
     @staticmethod
+    def prefetch(ref):  # a TMA prefetch of a global-memory slice into L2
+        _plgpu().async_prefetch(ref)
+
+    @staticmethod
     def mma(*groups):
         """``acc + sum(a @ b)`` for each group ``(acc, terms)`` of ``(a, b_ref, transpose_b)``
         terms (``a`` in registers or shared memory, ``b`` in shared memory), every product
@@ -247,6 +255,10 @@ class InterpretOps:
         return jnp.zeros(shape, f32)
 
     @staticmethod
+    def prefetch(ref):  # (the interpreter has no caches, and no prefetch)
+        pass
+
+    @staticmethod
     def mma(*groups):
         out = []
         for acc, terms in groups:
@@ -261,8 +273,12 @@ class InterpretOps:
 DIAGNOSTICS = (None, "chain", "loads")
 
 
-def _body(refs, scratch, *, ops, num_ckpt: int, per_channel: bool, diagnostic=None):
-    """One program (module docstring). ``diagnostic`` (benchmarks only, :func:`scan_mgpu`):
+def _body(
+    refs, scratch, *, ops, num_ckpt: int, per_channel: bool, diagnostic=None, prefetch: int = 0
+):
+    """One program (module docstring). ``prefetch``: at chunk ``i``, chunk ``i + 1 +
+    prefetch``'s tiles are prefetched into L2 (0: none). ``diagnostic`` (benchmarks only,
+    :func:`scan_mgpu`):
     ``"chain"`` copies a chunk's W, U^T, k_dec (and decays) only and runs the state's chain
     without ``o`` (nothing written to it); ``"loads"`` copies all five tiles and waits for
     them, with no products (the state passes through unchanged)."""
@@ -292,18 +308,18 @@ def _body(refs, scratch, *, ops, num_ckpt: int, per_channel: bool, diagnostic=No
     def window(start):  # the 64-token block of the batch the chunk lies in
         return start - start % CHUNK
 
-    def issue(i, slot):  # the row's i-th chunk's five tiles (and decays) into stage ``slot``
+    def tiles(i):  # the row's i-th chunk's tiles (and decays): (global slice, stage buffers)
         ci, start, _, _ = chunk(i)
         tok = pl.ds(window(start), CHUNK)
-        bar = bars.at[slot]
-        if per_channel:
-            plgpu.copy_gmem_to_smem(dec_ref.at[head, ci], dec_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(w_ref.at[head, tok], w_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(ut_ref.at[head, vs, tok], ut_s.at[slot], bar)
+        pairs = [(dec_ref.at[head, ci], dec_s)] if per_channel else []
+        pairs += [(w_ref.at[head, tok], w_s), (ut_ref.at[head, vs, tok], ut_s)]
         if diagnostic != "chain":  # (o's operands)
-            plgpu.copy_gmem_to_smem(qd_ref.at[head, tok], qd_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(aqk_ref.at[head, tok], aqk_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(kd_ref.at[head, tok], kd_s.at[slot], bar)
+            pairs += [(qd_ref.at[head, tok], qd_s), (aqk_ref.at[head, tok], aqk_s)]
+        return [*pairs, (kd_ref.at[head, tok], kd_s)]
+
+    def issue(i, slot):  # the row's i-th chunk's five tiles (and decays) into stage ``slot``
+        for src_ref, buf in tiles(i):
+            plgpu.copy_gmem_to_smem(src_ref, buf.at[slot], bars.at[slot])
 
     def store_state(s, slot):  # S^T to pool[slot, head, vs] (rounded to the pool's dtype)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -319,6 +335,13 @@ def _body(refs, scratch, *, ops, num_ckpt: int, per_channel: bool, diagnostic=No
         @pl.when(i + 1 < n)
         def _():
             issue(i + 1, (i + 1) % STAGES)
+
+        if prefetch:
+
+            @pl.when(i + 1 + prefetch < n)
+            def _():  # a later chunk's tiles on their way into L2
+                for src_ref, _ in tiles(i + 1 + prefetch):
+                    ops.prefetch(src_ref)
 
         plgpu.barrier_wait(bars.at[slot])
         if diagnostic == "loads":
@@ -443,6 +466,7 @@ def scan_mgpu(
     name: str = "gdn_prefill",
     live: jax.Array | None = None,
     diagnostic: str | None = None,
+    prefetch: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The serial launch (module docstring) on the scratch of a token-aligned plan
@@ -454,9 +478,17 @@ def scan_mgpu(
     ``diagnostic`` (benchmarks only: what bounds the chain, ``benchmarks.gdn_kernels
     --mgpu-scan``): ``"chain"``, the state's chain without ``o`` or its operands' copies
     (``o`` unwritten); ``"loads"``, the copies and their waits alone (the state unchanged,
-    ``o`` unwritten). See :func:`_body`."""
+    ``o`` unwritten). See :func:`_body`.
+
+    ``prefetch`` (None: :data:`PREFETCH`): while chunk ``i + 1``'s tiles are copied into
+    their stage, chunk ``i + 1 + prefetch``'s are prefetched into L2 (TMA prefetches; 0:
+    none). Two stages put one chunk's copies in flight; a prefetch gives later ones a head
+    start without shared memory. No effect on the results (the interpreter skips it)."""
     if diagnostic not in DIAGNOSTICS:
         raise ValueError(f"diagnostic={diagnostic!r}: one of {DIAGNOSTICS}")
+    prefetch = PREFETCH if prefetch is None else prefetch
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r}: a chunk count >= 0")
     plgpu = _plgpu()
     h, num_tokens, dk = x.w.shape
     dv = x.u.shape[1]
@@ -498,7 +530,7 @@ def scan_mgpu(
     )
     body = functools.partial(
         _body, ops=InterpretOps if interpret else GpuOps, num_ckpt=num_ckpt,
-        per_channel=per_channel, diagnostic=diagnostic,
+        per_channel=per_channel, diagnostic=diagnostic, prefetch=prefetch,
     )  # fmt: skip
     mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)

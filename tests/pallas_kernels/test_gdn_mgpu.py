@@ -72,7 +72,8 @@ def test_ragged_batch_matches_the_triton_launch():
 
 
 def test_diagnostic_modes_keep_the_chain_and_the_loads():
-    """The benchmarks' decompositions of the launch (``scan_mgpu(diagnostic=...)``): ``"chain"``
+    """L2 prefetches change no result (``scan_mgpu(prefetch=1)``). The benchmarks'
+    decompositions of the launch (``scan_mgpu(diagnostic=...)``): ``"chain"``
     (no o, none of its copies) writes every slot as the full launch does, bit for bit;
     ``"loads"`` (the copies and waits alone) passes each row's source state to its ``dst``
     unchanged (zeros from slot 0). The aligned case: a row from a state, one from zeros."""
@@ -81,16 +82,24 @@ def test_diagnostic_modes_keep_the_chain_and_the_loads():
     args = _inputs(rng, n)
     pool = jnp.asarray(rng.normal(size=(5, HV, D, D)), jnp.float32)
 
-    def run(diagnostic, pool):
+    def run(diagnostic, pool, prefetch=0):
         _, rp, x = gpu.prefill_scratch(
             *args, qsl, slots, operand_dtype=jnp.bfloat16, precision=None, tma_layout=True,
             interpret=True,
         )  # fmt: skip
         return chunk_scan_mgpu.scan_mgpu(
-            rp, x, pool, out_dtype=jnp.bfloat16, diagnostic=diagnostic, interpret=True
+            rp,
+            x,
+            pool,
+            out_dtype=jnp.bfloat16,
+            diagnostic=diagnostic,
+            prefetch=prefetch,
+            interpret=True,
         )[1]
 
     full = np.asarray(jax.jit(functools.partial(run, None))(jnp.copy(pool)))
+    prefetched = np.asarray(jax.jit(functools.partial(run, None, prefetch=1))(jnp.copy(pool)))
+    np.testing.assert_array_equal(prefetched, full)  # (the prefetch's indexing runs, no effect)
     chain = np.asarray(jax.jit(functools.partial(run, "chain"))(jnp.copy(pool)))
     loads = np.asarray(jax.jit(functools.partial(run, "loads"))(jnp.copy(pool)))
     np.testing.assert_array_equal(chain, full)
@@ -99,6 +108,8 @@ def test_diagnostic_modes_keep_the_chain_and_the_loads():
     np.testing.assert_array_equal(loads[3], 0.0)  # row 1: zeros -> 3
     with pytest.raises(ValueError, match="diagnostic='fast'"):
         run("fast", pool)
+    with pytest.raises(ValueError, match="prefetch=-1"):
+        run(None, pool, prefetch=-1)
 
 
 def _check_against_reference(args, pool, qsl, slots):

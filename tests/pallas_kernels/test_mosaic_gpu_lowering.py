@@ -98,11 +98,14 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every)
     assert "tf.aliasing_output" in text  # the donated pool is the kernel's output
 
 
-@pytest.mark.parametrize("diagnostic", ["chain", "loads"])
-def test_gdn_serial_launch_diagnostics_lower_to_mosaic_gpu(diagnostic):
+@pytest.mark.parametrize(
+    "diagnostic, prefetch", [("chain", 0), ("loads", 0), (None, 1), (None, 2), ("chain", 1)]
+)
+def test_gdn_serial_launch_variants_lower_to_mosaic_gpu(diagnostic, prefetch):
     """The serial launch's benchmark decompositions (``scan_mgpu(diagnostic=...)``, timed by
-    ``benchmarks.gdn_kernels --mgpu-scan``) at the 80B's GDN heads, one row of 1024 tokens
-    with checkpoints: fewer copies a stage (the barrier's arrivals follow), no ``o`` products."""
+    ``benchmarks.gdn_kernels --mgpu-scan``: fewer copies a stage, the barrier's arrivals
+    following, no ``o`` products) and its L2 prefetches of later chunks' tiles
+    (``prefetch``), at the 80B's GDN heads, one row of 1024 tokens with checkpoints."""
     from benchmarks.common import prefill_batch
     from pallas_kernels.common import chunk_scan_mgpu
     from pallas_kernels.gdn import gpu
@@ -117,11 +120,15 @@ def test_gdn_serial_launch_diagnostics_lower_to_mosaic_gpu(diagnostic):
         _, rp, x = gpu.prefill_scratch(
             *acts, qsl, slots, operand_dtype=bf, precision=None, tma_layout=True
         )
-        return chunk_scan_mgpu.scan_mgpu(rp, x, pool, out_dtype=bf, diagnostic=diagnostic)
+        return chunk_scan_mgpu.scan_mgpu(
+            rp, x, pool, out_dtype=bf, diagnostic=diagnostic, prefetch=prefetch
+        )
 
     pool = sd((num_slots, hv, d, d), f32)
     lowered = jax.jit(serial, donate_argnums=1).trace(acts, pool)
-    assert "custom_call @mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @mosaic_gpu" in text
+    assert ("prefetch" in text) == bool(prefetch)  # the kernel's TMA prefetches, only if asked
 
 
 def test_gdn_serial_launch_lowers_in_a_layer_scan_under_shard_map():
