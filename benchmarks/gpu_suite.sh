@@ -45,7 +45,9 @@
 #   mgpukda   the same for KDA: kda_kernels' checks and prefill, default (Mosaic GPU) and
 #             triton, with 0, 1, 4 checkpoints, and FLA
 #   multidec  benchmarks.multi_decode: the k-token (verify) decode, Triton's and Mosaic GPU's
-#             (common/multi_decode_mgpu.py) checked, then timed at 64 / 256 rows, k = 1, 2, 4;
+#             (common/multi_decode_mgpu.py) checked, then timed at 64 / 256 rows, k = 1, 2, 4
+#             (in chains of 50 a Mosaic GPU entry takes ~30 s: the whole section runs past one
+#             call, the smaller ones below do not);
 #             multidec4 at k = 4 alone in chains of 50; multidec3 GDN at k = 3 (where the two
 #             kernels cross); multideck KDA at k = 4; multidecbuf Mosaic GPU's at k = 4 with 3
 #             and 4 tile buffers a program (GDN, 64 rows: at 256 the row plan leaves 4 no room,
