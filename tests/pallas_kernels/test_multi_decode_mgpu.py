@@ -174,3 +174,48 @@ def test_benchmark_dry_run_checks_and_times(tmp_path, monkeypatch):
     assert summary["check_gdn_mgpu"]["ok"] and summary["check_kda_mgpu"]["ok"], summary
     timed = [k for k in summary if "_mgpu_B" in k]
     assert len(timed) == 4 and all("us" in summary[k] for k in timed), summary
+
+
+@pytest.mark.parametrize("family", ["gdn", "kda"])
+@pytest.mark.parametrize("k, mosaic", [(4, True), (2, False)])
+def test_engine_verify_op_takes_the_default_by_tokens_a_row(family, k, mosaic, monkeypatch):
+    """Where the engine calls it: the family's k-token decode with no kernel asked for, wrapped
+    as the TP op (its model's ``SHARDING`` specs on a one-device mesh) in a ``lax.scan`` over
+    layers whose pools are the scan's operand, at the 80B / Kimi heads and 64 rows. The
+    default ("auto") lowers Mosaic GPU's kernel at 4 tokens a row and Triton's at 2."""
+    from hyjax.sharding import _shard_op, make_mesh
+    from tests.pallas_kernels.ragged_cases import abstract_slots
+
+    monkeypatch.setattr(multi_decode_mgpu, "MULTI_DECODE_DEFAULT", "auto")
+    sd, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
+    rows, d = 64, 128
+    t = rows * k
+    if family == "gdn":
+        from hyjax.models.qwen3_next.sharding import SHARDING
+
+        hk, h = 16, 32
+        acts = (sd((t, hk, d), bf), sd((t, hk, d), bf), sd((t, h, d), bf), sd((t, h), bf),
+                sd((t, h), bf), sd((h,), f32), sd((h,), f32))  # fmt: skip
+        op = md.gdn_multi_decode
+    else:
+        from hyjax.models.kimi_linear.sharding import SHARDING
+
+        h = 32
+        acts = (*[sd((t, h, d), bf)] * 4, sd((t, h), bf), sd((h,), f32), sd((h, d), f32))
+        op = md.kda_multi_decode
+    in_specs, out_specs = SHARDING.ops[f"{family}_multi_decode"]
+    sharded = _shard_op(functools.partial(op, max_tokens=k), make_mesh(1), in_specs, out_specs, 1)
+    qsl, slots = sd((rows + 1,), i32), abstract_slots(rows, k)
+
+    def step(acts, pools, qsl, slots):
+        def layer(total, pool):
+            o, pool = sharded(*acts, pool, qsl, slots)
+            return total + o.astype(f32).sum(), pool
+
+        return jax.lax.scan(layer, 0.0, pools)
+
+    pools = sd((2, 1 + rows * (k + 1), h, d, d), f32)
+    lowered = jax.jit(step, donate_argnums=1).trace(acts, pools, qsl, slots)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert ("custom_call @mosaic_gpu" in text) == mosaic
+    assert ("triton" in text) == (not mosaic)
