@@ -36,6 +36,7 @@ from benchmarks.common import copy_bandwidth, device_name, time_stateful
 from hyjax.layers.conv_channels import pack_conv_channels, split_qkvz
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d import gpu
+from pallas_kernels.conv1d import mgpu as conv_mgpu
 from pallas_kernels.conv1d.reference import causal_conv1d_prefill_reference
 
 # Qwen3-Next-80B's GDN conv: q and k (16 heads x 128) and v (32 heads x 128), width 4.
@@ -69,9 +70,11 @@ def bytes_moved(x, pool, batch: int, writes: int) -> int:
     return 2 * x.nbytes + (batch + writes) * window
 
 
-def check(channels: int, **tiles) -> dict:
+def check(channels: int, kernel=None, **tiles) -> dict:
     """Kernel vs reference on a ragged batch: in-place rows, rows shorter than K - 1, a fresh
-    destination, checkpoints at offsets 1, 2, 64 and 700, a padding row and padding tokens."""
+    destination, checkpoints at offsets 1, 2, 64 and 700, a padding row and padding tokens
+    (to 832 tokens: a multiple of 64, as the Mosaic GPU kernel takes). ``kernel``: the
+    function checked (the Triton kernel with ``tiles`` by default)."""
     rng = np.random.default_rng(0)
     lens = [1, 2, 700, 64, 3]
     qsl = jnp.asarray(np.concatenate([[0], np.cumsum(lens), [sum(lens)]]), jnp.int32)
@@ -80,12 +83,12 @@ def check(channels: int, **tiles) -> dict:
     ck_off = jnp.array([[0, 0], [1, 0], [64, 700], [2, 64], [0, 0], [0, 0]], jnp.int32)
     ck_slot = jnp.array([[0, 0], [7, 0], [8, 9], [10, 11], [0, 0], [0, 0]], jnp.int32)
     slots = StateSlots(src, dst, ck_off, ck_slot, jnp.int32(len(lens)))
-    x = jnp.asarray(rng.normal(size=(sum(lens) + 9, channels)), DTYPE)
+    x = jnp.asarray(rng.normal(size=(-(-(sum(lens) + 9) // 64) * 64, channels)), DTYPE)
     w = jnp.asarray(0.5 * rng.normal(size=(channels, WIDTH)), DTYPE)
     pool = jnp.asarray(rng.normal(size=(12, WIDTH - 1, channels)), DTYPE)
     args = (x, w, pool, qsl, slots)
     want_y, want_s = jax.jit(causal_conv1d_prefill_reference)(*args)
-    kernel = functools.partial(gpu.causal_conv1d_prefill, interpret=INTERPRET, **tiles)
+    kernel = functools.partial(kernel or gpu.causal_conv1d_prefill, interpret=INTERPRET, **tiles)
     got_y, got_s = jax.jit(kernel)(*args)
     got_y, want_y = np.asarray(got_y, np.float32), np.asarray(want_y, np.float32)
     return {
@@ -109,12 +112,17 @@ def _step(fn, qsl, slots):
     return one
 
 
-def time_prefill(batch, seq_len, channels, *, reference: bool, ckpt_every: int, bw, **tiles):
-    """Kernel (and reference) seconds per call, bytes moved per second, % of copy bandwidth."""
+def time_prefill(
+    batch, seq_len, channels, *, reference: bool, ckpt_every: int, bw, mgpu=False, **tiles
+):
+    """Kernel (and reference; with ``mgpu`` the Mosaic GPU kernel, ``conv1d/mgpu.py``) seconds
+    per call, bytes moved per second, % of copy bandwidth."""
     x, weight, pool, qsl, slots, writes = prefill_batch(batch, seq_len, channels, ckpt_every)
     moved = bytes_moved(x, pool, batch, writes)
     iters, repeats = (1, 1) if INTERPRET else (20, 5)
     fns = {"pallas": functools.partial(gpu.causal_conv1d_prefill, interpret=INTERPRET, **tiles)}
+    if mgpu:
+        fns["mgpu"] = functools.partial(conv_mgpu.causal_conv1d_prefill_mgpu, interpret=INTERPRET)
     if reference:
         fns["xla"] = causal_conv1d_prefill_reference
     out = {"bytes_moved_MB": moved / 1e6}
@@ -442,6 +450,10 @@ def main() -> None:
         action="store_true",
         help="only the silu ceilings (Triton, Mosaic GPU, XLA) at every shape, no conv",
     )
+    p.add_argument(
+        "--mgpu", action="store_true",
+        help="the Mosaic GPU kernel (conv1d/mgpu.py) checked and timed beside the Triton one",
+    )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     global INTERPRET
@@ -449,7 +461,7 @@ def main() -> None:
     shapes = [(1, 4096), (1, 16384), (8, 4096)]
     channels, ckpt_every = CHANNELS, 1024
     if args.quick:
-        shapes, channels, ckpt_every = [(1, 64), (3, 32)], 256, 16
+        shapes, channels, ckpt_every = [(1, 64), (2, 32)], 256, 16
     summary = {
         "device": device_name(),
         "jax": jax.__version__,
@@ -488,11 +500,13 @@ def main() -> None:
         shapes = []  # and no conv
     else:
         guarded("check", lambda: check(channels))
+        if args.mgpu:
+            guarded("check_mgpu", lambda: check(channels, conv_mgpu.causal_conv1d_prefill_mgpu))
     for b, t in shapes:
         guarded(
             f"prefill_B{b}_T{t}",
             lambda b=b, t=t: time_prefill(
-                b, t, channels, reference=True, ckpt_every=ckpt_every, bw=bw
+                b, t, channels, reference=True, ckpt_every=ckpt_every, bw=bw, mgpu=args.mgpu
             ),
         )
     if args.sweep and shapes:

@@ -90,7 +90,6 @@ def causal_conv1d_prefill_reference(
 ) -> tuple[jax.Array, jax.Array]:
     """Returns ``(y [T, C] in x.dtype, updated conv_state)``; padding tokens give 0."""
     num_tokens, _ = x.shape
-    num_slots = conv_state.shape[0]
     seq_id, local, live = token_seq_ids(query_start_loc, slots.num_seqs, num_tokens)
     init = read_slots(conv_state, slots.src_slot)  # [S, K-1, C]
 
@@ -99,8 +98,19 @@ def causal_conv1d_prefill_reference(
     window = jnp.concatenate([prev, x[:, None, :]], axis=1)  # [T, K, C]
     y = _silu(_taps(window, weight))
     y = jnp.where(live[:, None], y, 0).astype(x.dtype)
+    return y, write_windows(x, init, conv_state, query_start_loc, slots)
 
-    # Final windows -> dst, checkpoint windows -> their slots.
+
+def write_windows(
+    x: jax.Array,  # [T, C]
+    init: jax.Array,  # [S, K-1, C]  each row's source window (zeros where src == 0)
+    conv_state: jax.Array,  # [num_slots, K-1, C]
+    query_start_loc: jax.Array,  # i32[S+1]
+    slots: StateSlots,
+) -> jax.Array:
+    """The pool with each live row's final window in ``dst`` and its checkpoint windows in
+    their slots (one scatter)."""
+    num_slots = conv_state.shape[0]
     rows = jnp.arange(slots.num_rows, dtype=jnp.int32)
     row_live = rows < slots.num_seqs
     q_len = query_start_loc[1:] - query_start_loc[:-1]
@@ -114,8 +124,31 @@ def causal_conv1d_prefill_reference(
         ]
     )
     vals = jnp.concatenate([ckpt, final]).astype(conv_state.dtype)
-    conv_state = conv_state.at[idx].set(vals, mode="drop")
-    return y, conv_state
+    return conv_state.at[idx].set(vals, mode="drop")
+
+
+def row_start_outputs(
+    x: jax.Array,  # [T, C]
+    weight: jax.Array,  # [C, K]
+    init: jax.Array,  # [S, K-1, C]
+    query_start_loc: jax.Array,  # i32[S+1]
+    slots: StateSlots,
+) -> tuple[jax.Array, jax.Array]:
+    """The outputs of each row's first ``K - 1`` tokens, whose taps reach into its source
+    window: ``(tokens i32[S (K-1)], y [S (K-1), C])``, the token ``T`` (out of range: a
+    dropped write) where the row is not live or is shorter."""
+    num_tokens = x.shape[0]
+    km1 = init.shape[1]
+    rows = jnp.arange(slots.num_rows, dtype=jnp.int32)
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    seq = jnp.repeat(rows, km1)
+    local = jnp.tile(jnp.arange(km1, dtype=jnp.int32), slots.num_rows)
+    tok = query_start_loc[seq] + local
+    prev = _window_after(x, init, query_start_loc, seq, local)  # [S (K-1), K-1, C]
+    here = x[jnp.clip(tok, 0, num_tokens - 1)][:, None, :]
+    y = _silu(_taps(jnp.concatenate([prev, here], axis=1), weight)).astype(x.dtype)
+    ok = (seq < slots.num_seqs) & (local < q_len[seq])
+    return jnp.where(ok, tok, num_tokens), y
 
 
 def causal_conv1d_update_reference(
