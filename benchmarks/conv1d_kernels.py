@@ -121,8 +121,11 @@ def time_prefill(
     moved = bytes_moved(x, pool, batch, writes)
     iters, repeats = (1, 1) if INTERPRET else (20, 5)
     fns = {"pallas": functools.partial(gpu.causal_conv1d_prefill, interpret=INTERPRET, **tiles)}
-    if mgpu:
-        fns["mgpu"] = functools.partial(conv_mgpu.causal_conv1d_prefill_mgpu, interpret=INTERPRET)
+    if mgpu:  # tiles a program walks: 1, the default (4), 8
+        for steps in (1, 4, 8):
+            fns[f"mgpu_s{steps}"] = functools.partial(
+                conv_mgpu.causal_conv1d_prefill_mgpu, steps=steps, interpret=INTERPRET
+            )
     if reference:
         fns["xla"] = causal_conv1d_prefill_reference
     out = {"bytes_moved_MB": moved / 1e6}

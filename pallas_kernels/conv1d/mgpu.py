@@ -9,10 +9,12 @@ Triton kernel's per-row vectors and window programs cost the rest. This one is t
 plus the taps:
 
 1. One Mosaic GPU launch over ``[64, 128]`` tiles of ``y``, the batch read as one sequence:
-   a program copies the tile's rows and the 8 before them (``[72, 128]``, one TMA box; the
-   first tile its 64 rows, its 8 rows before the batch never used) and the weights
-   (``[K, 128]``), and tap ``j`` of its rows is the box's rows shifted by ``j``: no halo
-   logic, no per-token row search. Tokens past ``query_start_loc[num_seqs]`` give 0.
+   for each tile, a program copies its rows and the 8 before them (``[72, 128]``, one TMA
+   box; the batch's first tile its 64 rows, its 8 rows before the batch never used), and tap
+   ``j`` of its rows is the box's rows shifted by ``j``: no halo logic, no per-token row
+   search. A program walks ``steps`` tiles down the tokens, the next one's copy in flight
+   while it computes one, each tile's output stored by TMA from one of two buffers; the
+   weights (``[K, 128]``) are copied once. Tokens past ``query_start_loc[num_seqs]`` give 0.
 2. Each live row's first ``K - 1`` tokens, whose taps reach into its source window instead of
    the previous row's tokens, are recomputed from the window and written over (XLA:
    ``S (K - 1)`` tokens, :func:`~pallas_kernels.conv1d.reference.row_start_outputs`).
@@ -25,6 +27,8 @@ Takes ``T`` a multiple of 64, ``C`` of 128, 16-bit ``x`` and ``K <= 9``
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +43,7 @@ BT = 64  # tokens a tile: the WGMMA layout's rows
 BC = 128  # channels a tile
 HALO = 8  # rows copied before a tile (K - 1 of them used): a multiple of 8 keeps boxes aligned
 META = 32  # i32 values of the scalars' copy (128 bytes)
+STEPS = 4  # tiles a program walks: a guess until measured (the bare pass's best kept 2 in flight)
 f32 = jnp.float32
 
 
@@ -55,57 +60,84 @@ def unsupported_reason(num_tokens: int, channels: int, width: int, dtype) -> str
     return None
 
 
-def _body(refs, scratch, *, ops, width: int):
+def _body(refs, scratch, *, ops, width: int, steps: int):
     plgpu = _plgpu()
     x_ref, w_ref, meta_ref, y_ref = refs
-    xs, ws, ms, ys, bar = scratch
-    tb, cb = jax.lax.axis_index("t"), jax.lax.axis_index("c")
-    t0, cols = tb * BT, pl.ds(cb * BC, BC)
+    xs, ws, ms, ys, bars, wbar = scratch
+    pb, cb = jax.lax.axis_index("t"), jax.lax.axis_index("c")
+    cols = pl.ds(cb * BC, BC)
+    first = pb * steps  # this program's first tile; it owns up to ``steps`` in a row
+    count = jnp.minimum(steps, x_ref.shape[0] // BT - first)
 
-    @pl.when(tb == 0)
-    def _():  # the batch's first tile: its rows only (the 8 before it are never used)
-        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, BT), cols], xs.at[pl.ds(HALO, BT)], bar.at[0])
+    def issue(i, slot):  # tile first + i's rows and the 8 before them into buffer ``slot``
+        t0 = (first + i) * BT
 
-    @pl.when(tb > 0)
-    def _():
-        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(t0 - HALO, BT + HALO), cols], xs, bar.at[0])
+        @pl.when(t0 == 0)
+        def _():  # the batch's first tile: its rows only (the 8 before it are never used)
+            dst = xs.at[slot, pl.ds(HALO, BT)]
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, BT), cols], dst, bars.at[slot])
 
-    plgpu.copy_gmem_to_smem(w_ref.at[:, cols], ws, bar.at[0])
-    plgpu.copy_gmem_to_smem(meta_ref, ms, bar.at[0])
-    plgpu.barrier_wait(bar.at[0])
-    acc = ops.zeros((BT, BC))
-    for j in range(width):  # y[t] = sum_j w[j] x[t + j - (K-1)], the reference's order
-        tap = ops.load(xs.at[pl.ds(HALO - (width - 1) + j, BT)], optimized=False).astype(f32)
-        w = jax.lax.broadcast_in_dim(ops.load_row_vector(ws.at[j]).astype(f32), (BT, BC), (1,))
-        acc = tap * w if j == 0 else acc + tap * w
-    y = acc * jax.nn.sigmoid(acc)
-    live = t0 + ops.iota((BT, BC), 0) < ms[0]  # padding tokens give 0
-    ys[...] = jnp.where(live, y, 0.0).astype(ys.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(ys, y_ref.at[pl.ds(t0, BT), cols])
+        @pl.when(t0 > 0)
+        def _():
+            src = x_ref.at[pl.ds(t0 - HALO, BT + HALO), cols]
+            plgpu.copy_gmem_to_smem(src, xs.at[slot], bars.at[slot])
+
+    plgpu.copy_gmem_to_smem(w_ref.at[:, cols], ws, wbar.at[0])
+    plgpu.copy_gmem_to_smem(meta_ref, ms, wbar.at[0])
+    issue(0, 0)
+    plgpu.barrier_wait(wbar.at[0])
+
+    def step(i, carry):
+        slot = i % 2
+
+        @pl.when(i + 1 < count)
+        def _():  # the other buffer's tile is in registers already
+            issue(i + 1, 1 - slot)
+
+        plgpu.barrier_wait(bars.at[slot])
+        acc = None
+        for j in range(width):  # y[t] = sum_j w[j] x[t + j - (K-1)], the reference's order
+            rows = pl.ds(HALO - (width - 1) + j, BT)
+            tap = ops.load(xs.at[slot, rows], optimized=False).astype(f32)
+            w = ops.load_row_vector(ws.at[j]).astype(f32)
+            term = tap * jax.lax.broadcast_in_dim(w, (BT, BC), (1,))
+            acc = term if j == 0 else acc + term
+        y = acc * jax.nn.sigmoid(acc)
+        t0 = (first + i) * BT
+        live = t0 + ops.iota((BT, BC), 0) < ms[0]  # padding tokens give 0
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # tile i - 2's store has read ys[slot]
+        ys.at[slot][...] = jnp.where(live, y, 0.0).astype(ys.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(ys.at[slot], y_ref.at[pl.ds(t0, BT), cols])
+        return carry
+
+    jax.lax.fori_loop(0, count, step, 0)
     plgpu.wait_smem_to_gmem(0)
 
 
-def _main_pass(x, weight, n_live, *, interpret: bool) -> jax.Array:
-    """Step 1 of the module docstring: ``y [T, C]``, the batch as one sequence."""
+def _main_pass(x, weight, n_live, *, steps: int, interpret: bool) -> jax.Array:
+    """Step 1 of the module docstring: ``y [T, C]``, the batch as one sequence; a program
+    walks ``steps`` consecutive tiles, the next one's copy in flight while it computes one."""
     plgpu = _plgpu()
     n, c = x.shape
     width = weight.shape[1]
     w_t = weight.T.astype(x.dtype)  # [K, C]: a tile's weights are one box
     meta = jnp.zeros((META,), jnp.int32).at[0].set(n_live)
     scratch = (
-        plgpu.SMEM((BT + HALO, BC), x.dtype),
+        plgpu.SMEM((2, BT + HALO, BC), x.dtype),
         plgpu.SMEM((width, BC), x.dtype),
         plgpu.SMEM((META,), jnp.int32),
-        plgpu.SMEM((BT, BC), x.dtype),
-        plgpu.Barrier(num_arrivals=3, num_barriers=1),
+        plgpu.SMEM((2, BT, BC), x.dtype),
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),
+        plgpu.Barrier(num_arrivals=2, num_barriers=1),
     )
     ops = InterpretOps if interpret else GpuOps
 
     def kernel(*refs):
-        pl.run_scoped(lambda *s: _body(refs, s, ops=ops, width=width), *scratch)
+        body = functools.partial(_body, ops=ops, width=width, steps=steps)
+        pl.run_scoped(lambda *s: body(refs, s), *scratch)
 
-    mesh = plgpu.Mesh(grid=(n // BT, c // BC), grid_names=("t", "c"))
+    mesh = plgpu.Mesh(grid=(pl.cdiv(n // BT, steps), c // BC), grid_names=("t", "c"))
     out = jax.ShapeDtypeStruct((n, c), x.dtype)
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -126,17 +158,21 @@ def causal_conv1d_prefill_mgpu(
     query_start_loc: jax.Array,  # i32[S+1]
     slots: StateSlots,  # DESIGN.md §3
     *,
+    steps: int = STEPS,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Ragged prefill (module docstring). Returns ``(y [T, C], conv_state)``; padding tokens
-    give 0. A shape :func:`unsupported_reason` names is a ``ValueError``."""
+    give 0. A shape :func:`unsupported_reason` names is a ``ValueError``. ``steps``: the
+    tiles a program walks (each next one's copy in flight while it computes one)."""
+    if steps < 1:
+        raise ValueError(f"steps={steps}: at least 1")
     check_conv1d_args(x, weight, conv_state, slots, query_start_loc)
     if why := unsupported_reason(*x.shape, weight.shape[1], x.dtype):
         raise ValueError(f"the Mosaic GPU conv cannot take this prefill: {why}")
     qsl = query_start_loc.astype(jnp.int32)
     init = read_slots(conv_state, slots.src_slot)  # [S, K-1, C], before the pool is written
     n_live = qsl[jnp.asarray(slots.num_seqs, jnp.int32)]
-    y = _main_pass(x, weight, n_live, interpret=interpret)
+    y = _main_pass(x, weight, n_live, steps=steps, interpret=interpret)
     tokens, starts = row_start_outputs(x, weight, init, qsl, slots)
     y = y.at[tokens].set(starts, mode="drop")
     return y, write_windows(x, init, conv_state, qsl, slots)

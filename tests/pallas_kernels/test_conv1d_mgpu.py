@@ -16,11 +16,12 @@ from pallas_kernels.conv1d.reference import causal_conv1d_prefill_reference
 from tests.pallas_kernels.ragged_cases import abstract_slots, ragged_case
 
 
-@pytest.mark.parametrize("width", [4, 2])
-def test_ragged_batch_matches_the_reference_bit_for_bit(width):
+@pytest.mark.parametrize("width, steps", [(4, 1), (4, 2), (2, 3), (4, 8)])
+def test_ragged_batch_matches_the_reference_bit_for_bit(width, steps):
     """Rows of 70, 2, 130, 1 and 64 tokens (the second and fourth from a state and shorter than
     K - 1; rows starting inside tiles and on a tile's edge), checkpoints, two empty rows, 47
-    padding tokens (zeros), NaN in every slot no row reads or writes."""
+    padding tokens (zeros), NaN in every slot no row reads or writes. Five tiles: a program
+    walks one, two (both buffers twice), three (the last program one) or all of them."""
     rng = np.random.default_rng(0)
     case = ragged_case([70, 2, 130, 1, 64])
     num_tokens, channels = 320, 256
@@ -29,7 +30,7 @@ def test_ragged_batch_matches_the_reference_bit_for_bit(width):
     pool = jnp.asarray(case.pool(rng, (width - 1, channels), np.float32), jnp.bfloat16)
     qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
     want_y, want_s = jax.jit(causal_conv1d_prefill_reference)(x, w, pool, qsl, slots)
-    run = jax.jit(lambda *a: mgpu.causal_conv1d_prefill_mgpu(*a, interpret=True))
+    run = jax.jit(lambda *a: mgpu.causal_conv1d_prefill_mgpu(*a, steps=steps, interpret=True))
     got_y, got_s = run(x, w, pool, qsl, slots)
     got_y, want_y = np.asarray(got_y, np.float32), np.asarray(want_y, np.float32)
     assert not np.isnan(got_y).any(), "a poisoned slot was read"
@@ -48,6 +49,11 @@ def test_shapes_it_cannot_take_are_named():
     x = jnp.zeros((100, 128), jnp.bfloat16)
     pool = jnp.zeros((2, 3, 128), jnp.bfloat16)
     slots = ragged_case([100], extra_rows=0).slots()
+    with pytest.raises(ValueError, match="steps=0"):
+        mgpu.causal_conv1d_prefill_mgpu(
+            x[:64], jnp.zeros((128, 4), jnp.bfloat16), pool, jnp.array([0, 64], jnp.int32),
+            ragged_case([64], extra_rows=0).slots(), steps=0,
+        )  # fmt: skip
     with pytest.raises(ValueError, match="T=100"):
         mgpu.causal_conv1d_prefill_mgpu(
             x, jnp.zeros((128, 4), jnp.bfloat16), pool, jnp.array([0, 100], jnp.int32), slots
