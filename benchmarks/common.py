@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import json
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -189,6 +191,28 @@ def prefill_batch(batch, seq_len, max_ckpt=2, ckpt_every=None):
         ck_slot = jnp.where(ck_off > 0, slots, 0)
     num_slots = 1 + s + s * max_ckpt
     return qsl, StateSlots(src, dst, ck_off, ck_slot, jnp.int32(s)), num_slots
+
+
+def guarded_entries(summary: dict, out: str | None, only: tuple[str, ...] | None = None):
+    """A benchmark's ``guarded(name, fn)``: ``summary[name] = fn()`` (a failure recorded as
+    ``{"failed": ...}`` and the run going on), printed as one line, and ``summary`` rewritten
+    to ``out`` after every entry, so a run cut short keeps its numbers. With ``only`` (name
+    prefixes), entries named otherwise are skipped."""
+
+    def guarded(name, fn):
+        if only and not name.startswith(only):
+            return
+        try:
+            summary[name] = fn()
+        except Exception as e:  # noqa: BLE001 - keep going, report the failure
+            summary[name] = {"failed": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()
+        print(name, json.dumps(summary[name]), flush=True)
+        if out:
+            with open(out, "w") as f:
+                json.dump(summary, f, indent=2)
+
+    return guarded
 
 
 def err_ratio(got, want) -> float:

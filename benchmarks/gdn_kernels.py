@@ -23,7 +23,6 @@ import argparse
 import functools
 import json
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +32,7 @@ from benchmarks.common import (
     copy_bandwidth,
     device_name,
     err_ratio,
+    guarded_entries,
     prefill_batch,
     sweep_launches,
     time_stateful,
@@ -547,18 +547,7 @@ def main() -> None:
         prefill_shapes, decode_rows = [(1, 256)], [1, 4]
     summary = {"device": device_name(), "jax": jax.__version__, "shapes": f"Hk={HK} Hv={HV} D={D}"}
 
-    def guarded(name, fn):
-        if only and not name.startswith(only):
-            return
-        try:
-            summary[name] = fn()
-        except Exception as e:  # noqa: BLE001 - keep going, report the failure
-            summary[name] = {"failed": f"{type(e).__name__}: {e}"}
-            traceback.print_exc()
-        print(name, json.dumps(summary[name]), flush=True)
-        if args.out:  # after every entry: a run cut short still leaves its numbers
-            with open(args.out, "w") as f:
-                json.dump(summary, f, indent=2)
+    guarded = guarded_entries(summary, args.out, only)
 
     if args.mgpu_scan:  # the serial launch alone, in its two lowerings
         for b, t in [(1, 256)] if args.quick else [(1, 4096), (8, 4096), (1, 16384), (1, 32768)]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +33,7 @@ import numpy as np
 from benchmarks.common import (
     device_name,
     err_ratio,
+    guarded_entries,
     prefill_batch,
     sweep_launches,
     time_stateful,
@@ -332,18 +332,7 @@ def main() -> None:
         ckpt_shape, sweep_shapes = (2, 256), [(1, 128)]
     summary = {"device": device_name(), "jax": jax.__version__, "shapes": f"H={H} D={D}"}
 
-    def guarded(name, fn):
-        if only and not name.startswith(only):
-            return
-        try:
-            summary[name] = fn()
-        except Exception as e:  # noqa: BLE001 - keep going, report the failure
-            summary[name] = {"failed": f"{type(e).__name__}: {e}"}
-            traceback.print_exc()
-        print(name, json.dumps(summary[name]), flush=True)
-        if args.out:  # after every entry: a run cut short still leaves its numbers
-            with open(args.out, "w") as f:
-                json.dump(summary, f, indent=2)
+    guarded = guarded_entries(summary, args.out, only)
 
     guarded("check_decode", check_decode)
     checks = {

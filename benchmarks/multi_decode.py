@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +44,7 @@ from benchmarks.common import (
     device_name,
     err_ratio,
     fanout_bandwidth,
+    guarded_entries,
     time_stateful,
 )
 from pallas_kernels.common import multi_decode_gpu as md
@@ -266,16 +266,7 @@ def main() -> None:
         "chain": CHAIN,
     }
 
-    def guarded(name, fn):
-        try:
-            summary[name] = fn()
-        except Exception as e:  # noqa: BLE001 - keep going, report the failure
-            summary[name] = {"failed": f"{type(e).__name__}: {e}"}
-            traceback.print_exc()
-        print(name, json.dumps(summary[name]), flush=True)
-        if args.out:  # after every entry: a run cut short still leaves its numbers
-            with open(args.out, "w") as f:
-                json.dump(summary, f, indent=2)
+    guarded = guarded_entries(summary, args.out)
 
     guarded("floors", lambda: floors(ks))
     bw = summary["floors"].get("copy_bandwidth_GBps")

@@ -545,6 +545,20 @@ def scan_mgpu(
     return o, state
 
 
+def mgpu_kernel(kernel, out_type, mesh, *, name: str, interpret: bool):
+    """``pl.kernel`` of ``kernel`` over ``mesh`` in Mosaic GPU's Lane semantics, or in Pallas'
+    GPU interpreter (a CPU host)."""
+    plgpu = _plgpu()
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        return pl.kernel(
+            kernel, out_type=out_type, mesh=mesh, interpret=InterpretGPUParams(), name=name
+        )
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    return pl.kernel(kernel, out_type=out_type, mesh=mesh, compiler_params=params, name=name)
+
+
 def pool_kernel(body, scratch, mesh, args, state, o_type, written_slots, *, name, interpret):
     """``body((*args refs, pool_in, pool_out, o), scratch refs)`` as one Mosaic GPU kernel over
     ``mesh`` that writes the pool in place: ``pool_in`` and ``pool_out`` are one ref, a
@@ -552,7 +566,6 @@ def pool_kernel(body, scratch, mesh, args, state, o_type, written_slots, *, name
 
     In Pallas' GPU interpreter (which takes no ref arguments) ``pool_out`` is an output of the
     pool's shape instead, and its ``written_slots`` (i32, 0: none) are copied into the pool."""
-    plgpu = _plgpu()
     if not interpret:
         pool = jax.new_ref(state)
 
@@ -560,25 +573,15 @@ def pool_kernel(body, scratch, mesh, args, state, o_type, written_slots, *, name
             *ins, pool_ref, o_ref = refs
             pl.run_scoped(lambda *s: body((*ins, pool_ref, pool_ref, o_ref), s), *scratch)
 
-        params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-        o = pl.kernel(kernel, out_type=o_type, mesh=mesh, compiler_params=params, name=name)(
-            *args, pool
-        )
+        o = mgpu_kernel(kernel, o_type, mesh, name=name, interpret=False)(*args, pool)
         return o, jax.freeze(pool)
-
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     def kernel_i(*refs):
         *ins, pool_in, o_ref, pool_out = refs
         pl.run_scoped(lambda *s: body((*ins, pool_in, pool_out, o_ref), s), *scratch)
 
-    o, written = pl.kernel(
-        kernel_i,
-        out_type=(o_type, jax.ShapeDtypeStruct(state.shape, state.dtype)),
-        mesh=mesh,
-        interpret=InterpretGPUParams(),
-        name=name,
-    )(*args, state)
+    out_type = (o_type, jax.ShapeDtypeStruct(state.shape, state.dtype))
+    o, written = mgpu_kernel(kernel_i, out_type, mesh, name=name, interpret=True)(*args, state)
     n = state.shape[0]
     to = jnp.where(written_slots > 0, written_slots, n).reshape(-1)  # out of range: dropped
     return o, state.at[to].set(written[jnp.minimum(to, n - 1)], mode="drop")

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common.chunk_scan_mgpu import GpuOps, InterpretOps, _plgpu
+from pallas_kernels.common.chunk_scan_mgpu import GpuOps, InterpretOps, _plgpu, mgpu_kernel
 from pallas_kernels.common.ragged import read_slots
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import check_conv1d_args, row_start_outputs, write_windows
@@ -139,15 +139,7 @@ def _main_pass(x, weight, n_live, *, steps: int, interpret: bool) -> jax.Array:
 
     mesh = plgpu.Mesh(grid=(pl.cdiv(n // BT, steps), c // BC), grid_names=("t", "c"))
     out = jax.ShapeDtypeStruct((n, c), x.dtype)
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-        call = pl.kernel(kernel, out_type=out, mesh=mesh, interpret=InterpretGPUParams(),
-                         name="conv1d_prefill_mgpu")  # fmt: skip
-    else:
-        params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-        call = pl.kernel(kernel, out_type=out, mesh=mesh, compiler_params=params,
-                         name="conv1d_prefill_mgpu")  # fmt: skip
+    call = mgpu_kernel(kernel, out, mesh, name="conv1d_prefill_mgpu", interpret=interpret)
     return call(x, w_t, meta)
 
 
