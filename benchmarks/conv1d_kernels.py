@@ -26,13 +26,12 @@ import argparse
 import functools
 import json
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import copy_bandwidth, device_name, time_stateful
+from benchmarks.common import copy_bandwidth, device_name, guarded_entries, time_stateful
 from hyjax.layers.conv_channels import pack_conv_channels, split_qkvz
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d import gpu
@@ -472,13 +471,7 @@ def main() -> None:
         f"{MAX_CKPT} checkpoints a row every {ckpt_every} tokens",
     }
 
-    def guarded(name, fn):
-        try:
-            summary[name] = fn()
-        except Exception as e:  # noqa: BLE001 - keep going, report the failure
-            summary[name] = {"failed": f"{type(e).__name__}: {e}"}
-            traceback.print_exc()
-        print(name, json.dumps(summary[name]), flush=True)
+    guarded = guarded_entries(summary, args.out)
 
     copy_bytes = 2**20 if args.quick else 2**30
     iters = dict(iters=1, repeats=1) if INTERPRET else {}
