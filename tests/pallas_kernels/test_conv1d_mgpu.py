@@ -2,8 +2,9 @@
 in Pallas' GPU interpreter on CPU, and lowered for CUDA at a Qwen3-Next layer's shapes.
 
 Its main pass reads the batch as one sequence; each row's first K - 1 tokens are then
-recomputed from the row's source window. Both sum the taps in the reference's order in float32,
-so the outputs match the reference bit for bit, and the pool (copies of inputs) does too.
+recomputed from the row's source window. Both sum the taps in the reference's order in float32;
+rounded to bf16 the outputs are at most a bf16 step apart (one host's compiler may fuse a
+multiply-add the other keeps apart), and the pool (copies of inputs) is bit for bit.
 """
 
 import jax
@@ -13,11 +14,11 @@ import pytest
 
 from pallas_kernels.conv1d import mgpu
 from pallas_kernels.conv1d.reference import causal_conv1d_prefill_reference
-from tests.pallas_kernels.ragged_cases import abstract_slots, ragged_case
+from tests.pallas_kernels.ragged_cases import abstract_slots, assert_rel_close, ragged_case
 
 
 @pytest.mark.parametrize("width, steps", [(4, 1), (4, 2), (2, 3), (4, 8)])
-def test_ragged_batch_matches_the_reference_bit_for_bit(width, steps):
+def test_ragged_batch_matches_the_reference(width, steps):
     """Rows of 70, 2, 130, 1 and 64 tokens (the second and fourth from a state and shorter than
     K - 1; rows starting inside tiles and on a tile's edge), checkpoints, two empty rows, 47
     padding tokens (zeros), NaN in every slot no row reads or writes. Five tiles: a program
@@ -34,7 +35,7 @@ def test_ragged_batch_matches_the_reference_bit_for_bit(width, steps):
     got_y, got_s = run(x, w, pool, qsl, slots)
     got_y, want_y = np.asarray(got_y, np.float32), np.asarray(want_y, np.float32)
     assert not np.isnan(got_y).any(), "a poisoned slot was read"
-    np.testing.assert_array_equal(got_y, want_y)
+    assert_rel_close(got_y, want_y, tol=8e-3, what="outputs")
     assert (got_y[int(case.query_start_loc[-1]) :] == 0).all()
     np.testing.assert_array_equal(np.asarray(got_s, np.float32), np.asarray(want_s, np.float32))
 

@@ -74,7 +74,7 @@ def test_ragged_batch_matches_the_triton_launch():
 def test_diagnostic_modes_keep_the_chain_and_the_loads():
     """L2 prefetches change no result (``scan_mgpu(prefetch=1)``). The benchmarks'
     decompositions of the launch (``scan_mgpu(diagnostic=...)``): ``"chain"``
-    (no o, none of its copies) writes every slot as the full launch does, bit for bit;
+    (no o, none of its copies) writes every slot as the full launch does;
     ``"loads"`` (the copies and waits alone) passes each row's source state to its ``dst``
     unchanged (zeros from slot 0). The aligned case: a row from a state, one from zeros."""
     rng = np.random.default_rng(3)
@@ -102,7 +102,7 @@ def test_diagnostic_modes_keep_the_chain_and_the_loads():
     np.testing.assert_array_equal(prefetched, full)  # (the prefetch's indexing runs, no effect)
     chain = np.asarray(jax.jit(functools.partial(run, "chain"))(jnp.copy(pool)))
     loads = np.asarray(jax.jit(functools.partial(run, "loads"))(jnp.copy(pool)))
-    np.testing.assert_array_equal(chain, full)
+    assert_rel_close(chain, full, tol=1e-6, what="the chain alone")  # (other fusions)
     assert not np.allclose(full[2], np.asarray(pool)[1]), "the full launch changes the state"
     np.testing.assert_array_equal(loads[2], np.asarray(pool)[1])  # row 0: slot 1 -> 2
     np.testing.assert_array_equal(loads[3], 0.0)  # row 1: zeros -> 3
