@@ -144,13 +144,34 @@ def time_chained(fn, args, iters: int, repeats: int = 3) -> float:
     return float(np.median(times))
 
 
-def time_stateful(step, state, operands, *, iters: int, repeats: int = 3) -> float:
+def device_trace(run) -> dict:
+    """The device's kernels while ``run()`` runs once under ``jax.profiler.trace``
+    (:func:`benchmarks.step_profile.summarize`): their busy time, the span from the first
+    kernel's start to the last one's end (busy below span: the device waited between them),
+    and the kernels by name. Empty kernel lists on a host without device events (a CPU)."""
+    import tempfile
+
+    from benchmarks.step_profile import device_events, summarize
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            run()
+        return summarize(device_events(d), top=6)
+
+
+def time_stateful(
+    step, state, operands, *, iters: int, repeats: int = 3, trace: dict | None = None
+) -> float:
     """Median seconds of one ``state, out = step(state, *operands)`` on a donated state.
 
     One jitted program of ``iters`` calls, unrolled (an XLA while loop syncs with the host on
     every trip on a GPU), the state passed from call to call, and every call's outputs
     consumed: one element of each is summed into a returned scalar, so XLA cannot delete a
     kernel whose output is otherwise unused (a custom call is never partly computed).
+
+    ``trace``: a dict filled with :func:`device_trace` of one more run of the program after
+    the timing (what the device ran in the timed figure, and whether it waited between its
+    kernels).
     """
 
     @functools.partial(jax.jit, donate_argnums=0)
@@ -170,6 +191,14 @@ def time_stateful(step, state, operands, *, iters: int, repeats: int = 3) -> flo
         state, acc = chain(state, operands)
         jax.block_until_ready((state, acc))
         times.append((time.perf_counter() - t0) / iters)
+    if trace is not None:
+
+        def run():
+            nonlocal state, acc
+            state, acc = chain(state, operands)
+            jax.block_until_ready((state, acc))
+
+        trace.update(device_trace(run))
     return float(np.median(times))
 
 

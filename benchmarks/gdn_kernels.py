@@ -48,6 +48,11 @@ from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_prefill_refer
 
 HK, HV, D = 16, 32, 128
 INTERPRET = False  # --interpret: run the kernels in Pallas interpret mode (CPU smoke runs)
+# --trace: the timed prefill programs run once more under the profiler; their kernels' times
+# and the device's idle time between them are recorded beside each figure (``*_trace``)
+TRACE = False
+# --mgpu-variants: which of mgpu_scan's decompositions and prefetches run (MGPU_SCAN_VARIANTS)
+MGPU_VARIANTS: tuple[str, ...] | None = None
 # The prefill variants timed: (precision, operand dtype, three launches). ``default`` is what
 # the engine calls for a bf16 model (hyjax.ops: precision None, operands in the activations'
 # dtype, the launch count by the scratch rule).
@@ -105,11 +110,13 @@ def _pool(key, num_slots, dtype=jnp.float32):
 # ----------------------------------------------------------------------------- timing
 
 
-def _time_stateful(step, state, operands, *, iters: int) -> float:
-    """:func:`benchmarks.common.time_stateful`: every output consumed, no loop round trips."""
+def _time_stateful(step, state, operands, *, iters: int, trace: dict | None = None) -> float:
+    """:func:`benchmarks.common.time_stateful`: every output consumed, no loop round trips;
+    ``trace`` filled (with ``--trace``) with what the device ran in the timed program."""
+    trace = trace if TRACE else None
     if INTERPRET:  # CPU smoke run: exercise the code path only
-        return time_stateful(step, state, operands, iters=1, repeats=1)
-    return time_stateful(step, state, operands, iters=iters)
+        return time_stateful(step, state, operands, iters=1, repeats=1, trace=trace)
+    return time_stateful(step, state, operands, iters=iters, trace=trace)
 
 
 def floors() -> dict:
@@ -232,14 +239,27 @@ def time_prefill(
 
         return one
 
-    t = _time_stateful(step(kernel), pool, (acts, slots), iters=10)
+    trace = {}
+    t = _time_stateful(step(kernel), pool, (acts, slots), iters=10, trace=trace)
     out["pallas_ms"] = 1e3 * t
+    if trace:
+        out["pallas_trace"] = trace
     out["pallas_Mtok_per_s"] = batch * seq_len / t / 1e6
     if reference:
         t = _time_stateful(step(gdn_prefill_reference), _pool(jax.random.PRNGKey(5), num_slots),
                            (acts, slots), iters=1)  # fmt: skip
         out["reference_ms"] = 1e3 * t
     return out
+
+
+# mgpu_scan's decompositions of the Mosaic GPU serial launch (scan_mgpu's arguments)
+MGPU_SCAN_VARIANTS = {
+    "chain_only": dict(diagnostic="chain"),
+    "loads_only": dict(diagnostic="loads"),
+    "prefetch1": dict(prefetch=1),
+    "prefetch2": dict(prefetch=2),
+    "loads_only_prefetch1": dict(diagnostic="loads", prefetch=1),
+}
 
 
 def mgpu_scan(batch, seq_len) -> dict:
@@ -298,20 +318,28 @@ def mgpu_scan(batch, seq_len) -> dict:
         "state_err_vs_triton": err_ratio(got_pool[written], want_pool[written]),
         "slots_checked": len(written),
     }
-    out["triton_serial_ms"] = 1e3 * _time_stateful(triton, jnp.copy(pool), t_in, iters=10)
-    out["mgpu_serial_ms"] = 1e3 * _time_stateful(mgpu, jnp.copy(pool), m_in[:2], iters=10)
+    traces = {"triton": {}, "mgpu": {}}
+    out["triton_serial_ms"] = 1e3 * _time_stateful(
+        triton, jnp.copy(pool), t_in, iters=10, trace=traces["triton"]
+    )
+    out["mgpu_serial_ms"] = 1e3 * _time_stateful(
+        mgpu, jnp.copy(pool), m_in[:2], iters=10, trace=traces["mgpu"]
+    )
+    out.update({f"{k}_trace": v for k, v in traces.items() if v})
     out["mgpu_over_triton"] = out["mgpu_serial_ms"] / out["triton_serial_ms"]
     # What bounds it: the state's chain alone (no o, none of its copies), then the copies and
     # their waits alone (no products); each per chunk of a row (programs walk a row's chunks)
     chunks = -(-seq_len // 64)
     # and with a later chunk's tiles prefetched into L2 (scan_mgpu's prefetch), 1 or 2 ahead
-    variants = {"chain_only": dict(diagnostic="chain"), "loads_only": dict(diagnostic="loads"),
-                "prefetch1": dict(prefetch=1), "prefetch2": dict(prefetch=2),
-                "loads_only_prefetch1": dict(diagnostic="loads", prefetch=1)}  # fmt: skip
+    variants = {k: v for k, v in MGPU_SCAN_VARIANTS.items()
+                if MGPU_VARIANTS is None or k in MGPU_VARIANTS}  # fmt: skip
     for name, kwargs in variants.items():
         step = functools.partial(mgpu, **kwargs)
-        ms = 1e3 * _time_stateful(step, jnp.copy(pool), m_in[:2], iters=10)
+        trace = {}
+        ms = 1e3 * _time_stateful(step, jnp.copy(pool), m_in[:2], iters=10, trace=trace)
         out[f"mgpu_{name}_ms"] = ms
+        if trace:
+            out[f"mgpu_{name}_trace"] = trace
     for key in ("serial", *variants):
         out[f"mgpu_{key}_us_per_chunk"] = 1e3 * out[f"mgpu_{key}_ms"] / chunks
     return out
@@ -537,10 +565,23 @@ def main() -> None:
         "--mgpu-scan", action="store_true",
         help="only the serial launch, Mosaic GPU against Triton on the same scratch",
     )  # fmt: skip
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="record the device's kernels and idle time in each timed prefill",
+    )
+    p.add_argument("--mgpu-variants", default=None,
+                   help=f"--mgpu-scan: comma-separated of {','.join(MGPU_SCAN_VARIANTS)} "
+                   "(default all; 'none': the two launches only)")  # fmt: skip
     args = p.parse_args()
     only = tuple(args.only.split(",")) if args.only else None
-    global INTERPRET
-    INTERPRET = args.interpret
+    global INTERPRET, TRACE, MGPU_VARIANTS
+    INTERPRET, TRACE = args.interpret, args.trace
+    if args.mgpu_variants is not None:
+        names = tuple(n for n in args.mgpu_variants.split(",") if n and n != "none")
+        if bad := set(names) - set(MGPU_SCAN_VARIANTS):
+            p.error(f"--mgpu-variants: unknown {sorted(bad)}; of {list(MGPU_SCAN_VARIANTS)}")
+        MGPU_VARIANTS = names
     prefill_shapes = [(1, 4096), (1, 16384), (8, 4096), (1, 32768)]
     decode_rows = [1, 16, 64, 256]
     if args.quick:

@@ -37,6 +37,10 @@
 #   mgpudiag  mgpuscan at 1x4096 and 8x4096 only: the serial launch against its chain alone
 #             (no o) and its copies alone (no products), per chunk of a row (what bounds it),
 #             and with later chunks' tiles prefetched into L2 (prefetch 1, 2); ~200 s
+#   mgputrace mgpudiag's chain and copies alone, each timed program run once more under the
+#             profiler (--trace): the kernels' own times beside the timed figure, and the
+#             device's idle time between them; gdntrace the default prefill's the same at
+#             1x4096, 8x4096, 1x16384
 #   mgpuprobe the Mosaic GPU prefill's ragged cases, a process each (benchmarks.mgpu_probe)
 #   mgpu      gdn_kernels' checks of the default prefill (the Mosaic GPU serial launch on its
 #             token-aligned plan) against the reference, its prefill at four shapes beside the
@@ -150,6 +154,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T4096_mgpu,prefill_B1_T4096_early,prefill_B1_T16384_default,prefill_B1_T16384_mgpu,prefill_B1_T16384_early,prefill_B8_T4096_default,prefill_B8_T4096_mgpu,prefill_B8_T4096_early,prefill_B1_T32768_default,prefill_B1_T32768_mgpu,prefill_B1_T32768_early,prefill_B8_T4096_ckpt,fla --out $j" ;;
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
+        mgputrace) echo "python -m benchmarks.gdn_kernels --mgpu-scan --trace --mgpu-variants chain_only,loads_only --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;
+        gdntrace) echo "python -m benchmarks.gdn_kernels --trace --skip-floors --only prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default --out $j" ;;
         mgpudiag) echo "python -m benchmarks.gdn_kernels --mgpu-scan --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;
         mgpukda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_triton,fla,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B8_T4096_ckpt --out $j" ;;
         multidec) echo "python -m benchmarks.multi_decode --no-baselines --out $j" ;;
