@@ -114,15 +114,25 @@ def fanout_bandwidth(
     return (1 + writes) * x.nbytes / float(np.median(times))
 
 
+def distinct_copies(operands, n: int) -> tuple:
+    """``n`` copies of ``operands`` (a pytree of arrays), each array its own buffer: the
+    operands of a timed program's ``n`` calls. With one set shared by every call, XLA computes
+    what a call does not derive from its chained argument once for all of them (common
+    subexpression elimination: the delta-rule prefill's intra launch, which does not read the
+    state, ran once in ten chained calls, 2026-11-29), and the figure is not a call's."""
+    return tuple(jax.tree.map(jnp.copy, operands) for _ in range(n))
+
+
 def time_chained(fn, args, iters: int, repeats: int = 3) -> float:
     """Median seconds per call of ``fn(*args)``: one jitted program of ``iters`` chained calls.
 
     Unrolled, not a ``fori_loop``: on a GPU every loop trip is a host round trip (~10 us) that
     would be counted as the kernel's. Each call's output feeds the next call's first argument
     (times zero), so XLA can neither drop nor reorder the calls; that link is one small
-    elementwise op per call (a sum first when the output's shape differs).
+    elementwise op per call (a sum first when the output's shape differs). Each call reads its
+    own copy of the other arguments (:func:`distinct_copies`).
     """
-    x, rest = args[0], args[1:]
+    x, rest = args[0], distinct_copies(args[1:], iters)
 
     def link(x, out):
         if out.shape != x.shape:
@@ -131,8 +141,8 @@ def time_chained(fn, args, iters: int, repeats: int = 3) -> float:
 
     @jax.jit
     def loop(x, rest):
-        for _ in range(iters):
-            x = link(x, fn(x, *rest))
+        for i in range(iters):
+            x = link(x, fn(x, *rest[i]))
         return x
 
     jax.block_until_ready(loop(x, rest))
@@ -159,6 +169,22 @@ def device_trace(run) -> dict:
         return summarize(device_events(d), top=6)
 
 
+def stateful_chain(step, iters: int):
+    """:func:`time_stateful`'s program: ``chain(state, operand_sets) -> (state, acc)``, call
+    ``i`` of ``step`` on ``operand_sets[i]`` (the state donated)."""
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def chain(state, operand_sets):
+        acc = jnp.zeros((), jnp.float32)
+        for i in range(iters):
+            state, out = step(state, *operand_sets[i])
+            for leaf in jax.tree_util.tree_leaves(out):
+                acc = acc + leaf.reshape(-1)[0].astype(jnp.float32)
+        return state, acc
+
+    return chain
+
+
 def time_stateful(
     step, state, operands, *, iters: int, repeats: int = 3, trace: dict | None = None
 ) -> float:
@@ -167,22 +193,17 @@ def time_stateful(
     One jitted program of ``iters`` calls, unrolled (an XLA while loop syncs with the host on
     every trip on a GPU), the state passed from call to call, and every call's outputs
     consumed: one element of each is summed into a returned scalar, so XLA cannot delete a
-    kernel whose output is otherwise unused (a custom call is never partly computed).
+    kernel whose output is otherwise unused (a custom call is never partly computed). Each
+    call reads its own copy of the operands (:func:`distinct_copies`), so a part that does not
+    read the state is computed in every call, not once.
 
     ``trace``: a dict filled with :func:`device_trace` of one more run of the program after
     the timing (what the device ran in the timed figure, and whether it waited between its
     kernels).
     """
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def chain(state, operands):
-        acc = jnp.zeros((), jnp.float32)
-        for _ in range(iters):
-            state, out = step(state, *operands)
-            for leaf in jax.tree_util.tree_leaves(out):
-                acc = acc + leaf.reshape(-1)[0].astype(jnp.float32)
-        return state, acc
-
+    chain = stateful_chain(step, iters)
+    operands = distinct_copies(operands, iters)
     state, acc = chain(state, operands)  # compile + warm up
     jax.block_until_ready((state, acc))
     times = []

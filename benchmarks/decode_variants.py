@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import device_name
+from benchmarks.common import device_name, distinct_copies
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import causal_conv1d_update_reference
 from pallas_kernels.gdn import fused_decode, gpu
@@ -214,18 +214,19 @@ def check_slots(rows: int) -> StateSlots:
 def time_chain(step, state, operands, *, iters: int, chains: int, repeats: int = 3) -> float:
     """Median seconds of one ``state, out = step(state, *operands)``: ``chains`` dispatches of
     one jitted program of ``iters`` unrolled calls (state donated, passed from call to call,
-    one element of every output summed into a returned scalar, as
-    :func:`benchmarks.common.time_stateful`), then one sync."""
+    one element of every output summed into a returned scalar, each call on its own copy of
+    the operands, as :func:`benchmarks.common.time_stateful`), then one sync."""
 
     @functools.partial(jax.jit, donate_argnums=0)
-    def chain(state, acc, operands):
-        for _ in range(iters):
-            state, out = step(state, *operands)
+    def chain(state, acc, operand_sets):
+        for i in range(iters):
+            state, out = step(state, *operand_sets[i])
             for leaf in jax.tree_util.tree_leaves(out):
                 acc = acc + leaf.reshape(-1)[0].astype(jnp.float32)
         return state, acc
 
     acc = jnp.zeros((), jnp.float32)
+    operands = distinct_copies(operands, iters)  # each call its own (no call computed once)
     state, acc = chain(state, acc, operands)  # compile + warm up
     jax.block_until_ready((state, acc))
     times = []

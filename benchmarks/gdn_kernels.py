@@ -362,6 +362,48 @@ SERIAL_SWEEP = [
 INTRA_SWEEP = [(4, 2), (4, 1), (8, 2)]  # the intra launch's (warps, stages)
 
 
+# The intra launch's (warps, stages, early stores) timed by --intra-sweep: at 8 warps it sits
+# at the register cap (255 a thread, a 1 KB stack: ncu at 8x4096); 16 warps halve each
+# thread's share of a chunk's tiles
+INTRA_CONFIGS = [(4, 1, False), (4, 2, False), (8, 1, False), (8, 2, False), (8, 2, True),
+                 (16, 1, False), (16, 2, False), (16, 2, True)]  # fmt: skip
+
+
+def intra_sweep(batch, seq_len) -> dict:
+    """The default prefill's intra launch alone (``gpu.prefill_scratch`` with the Mosaic GPU
+    serial launch's layout, bf16 operands) at each of :data:`INTRA_CONFIGS`, each call on its
+    own inputs; with its bytes (inputs read, scratch written) at the copy rate measured here.
+    A configuration that does not compile is a result."""
+    qsl, slots, _ = prefill_batch(batch, seq_len)
+    acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
+
+    def intra(nw, ns, early):
+        def one(st, acts, qsl, slots):
+            _, _, x = gpu.prefill_scratch(
+                *acts, qsl, slots, operand_dtype=jnp.bfloat16, precision=None,
+                num_warps=nw, num_stages=ns, early_stores=early, tma_layout=True,
+                interpret=INTERPRET,
+            )  # fmt: skip
+            return st, tuple(x)
+
+        return one
+
+    x = jax.eval_shape(intra(8, 2, False), jnp.zeros(()), acts, qsl, slots)[1]
+    bytes_out = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(x))
+    bytes_in = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(acts))
+    bw = copy_bandwidth(2**30, **(dict(iters=1, repeats=1) if INTERPRET else {}))
+    out = {"bytes_MB": (bytes_in + bytes_out) / 1e6, "copy_GBps": bw / 1e9,
+           "byte_floor_ms": 1e3 * (bytes_in + bytes_out) / bw}  # fmt: skip
+    for nw, ns, early in INTRA_CONFIGS:
+        name = f"w{nw}_s{ns}{'_early' if early else ''}_ms"
+        try:
+            t = _time_stateful(intra(nw, ns, early), jnp.zeros(()), (acts, qsl, slots), iters=10)
+            out[name] = 1e3 * t
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+    return out
+
+
 def sweep_prefill(batch, seq_len) -> dict:
     """The default prefill's two launches tuned apart (:func:`benchmarks.common.sweep_launches`):
     the intra launch alone at each of ``INTRA_SWEEP``, the whole at each of ``SERIAL_SWEEP``."""
@@ -565,6 +607,8 @@ def main() -> None:
         "--mgpu-scan", action="store_true",
         help="only the serial launch, Mosaic GPU against Triton on the same scratch",
     )  # fmt: skip
+    p.add_argument("--intra-sweep", action="store_true",
+                   help="only the intra launch, at each of INTRA_CONFIGS")  # fmt: skip
     p.add_argument(
         "--trace",
         action="store_true",
@@ -620,6 +664,11 @@ def main() -> None:
             f"prefill_B{b}_T{t}_ckpt{n_ckpt}",
             lambda n_ckpt=n_ckpt: time_prefill(b, t, None, reference=False, checkpoints=n_ckpt),
         )
+    if args.intra_sweep:  # the intra launch alone, at each of INTRA_CONFIGS
+        for b, t in [(1, 256)] if args.quick else [(1, 4096), (8, 4096)]:
+            guarded(f"intra_B{b}_T{t}", lambda b=b, t=t: intra_sweep(b, t))
+        _write(summary, args.out)
+        return
     if args.sweep:  # tuning: each launch of the default (two-launch) prefill apart
         for b, t in [(1, 256)] if args.quick else [(1, 4096), (2, 4096), (8, 4096)]:
             guarded(f"sweep_prefill_B{b}_T{t}", lambda b=b, t=t: sweep_prefill(b, t))

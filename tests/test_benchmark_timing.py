@@ -1,0 +1,43 @@
+"""The benchmarks' timed programs time what a call costs (``benchmarks.common``)."""
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import distinct_copies, stateful_chain
+
+
+def _dots(chain, state, operand_sets) -> int:
+    hlo = chain.lower(state, operand_sets).compile().as_text()
+    return sum(" dot(" in line for line in hlo.splitlines())
+
+
+def test_timed_chain_computes_a_state_independent_part_in_every_call():
+    # The delta-rule prefill's intra launch does not read the state: with one operand set
+    # shared by the chained calls, XLA computed it once for all of them (2026-11-29)
+    def step(state, x, w):
+        return state + 1.0, jnp.tanh(x @ w)  # x @ w reads no state
+
+    x = jnp.arange(64.0).reshape(8, 8) / 64
+    w = jnp.eye(8) * 0.5
+    chain = stateful_chain(step, 3)
+    assert _dots(chain, jnp.zeros(4), distinct_copies((x, w), 3)) == 3
+
+    @jax.jit
+    def shared(state, operands):  # the chain as it was: every call on the same operands
+        acc = jnp.zeros(())
+        for _ in range(3):
+            state, out = step(state, *operands)
+            acc = acc + out[0, 0]
+        return state, acc
+
+    assert _dots(shared, jnp.zeros(4), (x, w)) == 1  # one product for the three calls
+
+
+def test_distinct_copies_are_equal_and_their_own_buffers():
+    x = jnp.arange(6.0)
+    sets = distinct_copies((x, {"y": x + 1}), 2)
+    assert len(sets) == 2
+    for a, b in sets:
+        assert (a == x).all() and (b["y"] == x + 1).all()
+        assert a.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
+    assert sets[0][0].unsafe_buffer_pointer() != sets[1][0].unsafe_buffer_pointer()
