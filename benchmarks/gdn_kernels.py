@@ -64,6 +64,8 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     "mgpu_early": (None, None, None, dict(serial="mgpu", intra_early_stores=True)),
     # q's products and rows stored before the UT transform (intra launch: 255 registers)
     "early": (None, None, None, dict(intra_early_stores=True)),
+    # the intra launch by 16-row blocks (gpu._intra_kernel_blocked)
+    "blocked": (None, None, None, dict(intra_blocked=True)),
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
     "bf16ops_three": (None, jnp.bfloat16, True, {}),
     "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True, {}),
@@ -362,46 +364,50 @@ SERIAL_SWEEP = [
 INTRA_SWEEP = [(4, 2), (4, 1), (8, 2)]  # the intra launch's (warps, stages)
 
 
-# The intra launch's (warps, stages, early stores) timed by --intra-sweep: at 8 warps it sits
+# The intra launch's (warps, stages, form) timed by --intra-sweep: at 8 warps it sits
 # at the register cap (255 a thread, a 1 KB stack: ncu at 8x4096); 16 warps halve each
-# thread's share of a chunk's tiles
-INTRA_CONFIGS = [(4, 1, False), (4, 2, False), (8, 1, False), (8, 2, False), (8, 2, True),
-                 (16, 1, False), (16, 2, False), (16, 2, True)]  # fmt: skip
+# thread's share of a chunk's tiles. Forms: "whole" (the default), "early" (early stores),
+# "blocked" (by 16-row blocks: gpu._intra_kernel_blocked)
+INTRA_CONFIGS = [
+    (4, 1, "whole"), (4, 2, "whole"), (8, 1, "whole"), (8, 2, "whole"), (8, 2, "early"),
+    (16, 1, "whole"), (16, 2, "whole"), (16, 2, "early"),
+    (2, 1, "blocked"), (4, 1, "blocked"), (4, 2, "blocked"), (8, 2, "blocked"),
+]  # fmt: skip
 
 
-def intra_sweep(batch, seq_len) -> dict:
+def _intra_step(batch, seq_len, nw, ns, form):
     """The default prefill's intra launch alone (``gpu.prefill_scratch`` with the Mosaic GPU
-    serial launch's layout, bf16 operands) at each of :data:`INTRA_CONFIGS`, each call on its
-    own inputs; with its bytes (inputs read, scratch written) at the copy rate measured here.
-    A configuration that does not compile is a result."""
+    serial launch's layout, bf16 operands) as a :func:`time_stateful` step, and its operands."""
     qsl, slots, _ = prefill_batch(batch, seq_len)
     acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
 
-    def intra(nw, ns, early):
-        def one(st, acts, qsl, slots):
-            _, _, x = gpu.prefill_scratch(
-                *acts, qsl, slots, operand_dtype=jnp.bfloat16, precision=None,
-                num_warps=nw, num_stages=ns, early_stores=early, tma_layout=True,
-                interpret=INTERPRET,
-            )  # fmt: skip
-            return st, tuple(x)
+    def one(st, acts, qsl, slots):
+        _, _, x = gpu.prefill_scratch(
+            *acts, qsl, slots, operand_dtype=jnp.bfloat16, precision=None, num_warps=nw,
+            num_stages=ns, early_stores=form == "early", tma_layout=True,
+            blocked=form == "blocked", interpret=INTERPRET,
+        )  # fmt: skip
+        return st, tuple(x)
 
-        return one
+    return one, (acts, qsl, slots)
 
-    x = jax.eval_shape(intra(8, 2, False), jnp.zeros(()), acts, qsl, slots)[1]
+
+def intra_floor(batch, seq_len) -> dict:
+    """The intra launch's bytes (its inputs read, its scratch written) at the copy rate
+    measured here: the floor of :func:`intra_time`'s figures."""
+    step, operands = _intra_step(batch, seq_len, 8, 2, "whole")
+    x = jax.eval_shape(step, jnp.zeros(()), *operands)[1]
     bytes_out = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(x))
-    bytes_in = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(acts))
+    bytes_in = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(operands[0]))
     bw = copy_bandwidth(2**30, **(dict(iters=1, repeats=1) if INTERPRET else {}))
-    out = {"bytes_MB": (bytes_in + bytes_out) / 1e6, "copy_GBps": bw / 1e9,
-           "byte_floor_ms": 1e3 * (bytes_in + bytes_out) / bw}  # fmt: skip
-    for nw, ns, early in INTRA_CONFIGS:
-        name = f"w{nw}_s{ns}{'_early' if early else ''}_ms"
-        try:
-            t = _time_stateful(intra(nw, ns, early), jnp.zeros(()), (acts, qsl, slots), iters=10)
-            out[name] = 1e3 * t
-        except Exception as e:  # noqa: BLE001
-            out[name] = f"failed: {type(e).__name__}: {str(e)[:300]}"
-    return out
+    return {"bytes_MB": (bytes_in + bytes_out) / 1e6, "copy_GBps": bw / 1e9,
+            "byte_floor_ms": 1e3 * (bytes_in + bytes_out) / bw}  # fmt: skip
+
+
+def intra_time(batch, seq_len, nw, ns, form) -> dict:
+    """The intra launch alone at one of :data:`INTRA_CONFIGS`, each call on its own inputs."""
+    step, operands = _intra_step(batch, seq_len, nw, ns, form)
+    return {"ms": 1e3 * _time_stateful(step, jnp.zeros(()), operands, iters=10)}
 
 
 def sweep_prefill(batch, seq_len) -> dict:
@@ -639,6 +645,16 @@ def main() -> None:
             guarded(f"mgpu_scan_B{b}_T{t}", lambda b=b, t=t: mgpu_scan(b, t))
         _write(summary, args.out)
         return
+    if args.intra_sweep:  # the intra launch alone, at each of INTRA_CONFIGS
+        for b, t in [(1, 256)] if args.quick else [(1, 4096), (8, 4096)]:
+            guarded(f"intra_B{b}_T{t}_floor", lambda b=b, t=t: intra_floor(b, t))
+            for nw, ns, form in INTRA_CONFIGS:  # an entry each: saved as it ends
+                guarded(
+                    f"intra_B{b}_T{t}_{form}_w{nw}_s{ns}",
+                    lambda b=b, t=t, nw=nw, ns=ns, form=form: intra_time(b, t, nw, ns, form),
+                )
+        _write(summary, args.out)
+        return
     if not args.skip_floors:
         guarded("floors", floors)
     guarded("check_decode", check_decode)
@@ -664,11 +680,6 @@ def main() -> None:
             f"prefill_B{b}_T{t}_ckpt{n_ckpt}",
             lambda n_ckpt=n_ckpt: time_prefill(b, t, None, reference=False, checkpoints=n_ckpt),
         )
-    if args.intra_sweep:  # the intra launch alone, at each of INTRA_CONFIGS
-        for b, t in [(1, 256)] if args.quick else [(1, 4096), (8, 4096)]:
-            guarded(f"intra_B{b}_T{t}", lambda b=b, t=t: intra_sweep(b, t))
-        _write(summary, args.out)
-        return
     if args.sweep:  # tuning: each launch of the default (two-launch) prefill apart
         for b, t in [(1, 256)] if args.quick else [(1, 4096), (2, 4096), (8, 4096)]:
             guarded(f"sweep_prefill_B{b}_T{t}", lambda b=b, t=t: sweep_prefill(b, t))

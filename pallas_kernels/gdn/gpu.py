@@ -57,6 +57,7 @@ which head dims ``hyjax.ops`` must leave to the reference.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,7 @@ from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, chunk_refs_shapes, s
 from pallas_kernels.common.chunking import live_end, max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
     NT,
+    block_unit_lower_inverse,
     l2norm,
     mm,
     softplus,
@@ -87,6 +89,7 @@ from pallas_kernels.common.delta_rule_gpu import (
     pick_block_v,
     row_plan,
     serial_block_v,
+    sub_rows,
     window,
 )
 from pallas_kernels.common.delta_rule_gpu import unsupported_reason as unsupported_reason
@@ -94,6 +97,12 @@ from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.gdn.reference import check_gdn_args
 
 CHUNK = 64
+SUB = 16  # the blocked intra launch's sub-blocks (_intra_kernel_blocked)
+NSUB = CHUNK // SUB
+# The intra launch a prefill runs when not told (``intra_blocked=None``): the whole chunk's
+# (False) until the blocked one (``_intra_kernel_blocked``) is timed on a GPU;
+# HYJAX_GDN_INTRA=blocked for a process.
+INTRA_BLOCKED = os.environ.get("HYJAX_GDN_INTRA", "full") == "blocked"
 
 
 def _gates(alog_ref, dtb_ref, h, a, b):
@@ -265,30 +274,119 @@ def _intra_kernel(
         dl_ref[ci, h] = jnp.exp(gam_last)
 
 
+def _intra_kernel_blocked(
+    c_start_ref, c_len_ref, live_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
+    w_ref, u_ref, qd_ref, kd_ref, aqk_ref, dl_ref,
+    *, ratio: int, scale: float, precision, tma_layout: bool = False,
+):  # fmt: skip
+    """:func:`_intra_kernel`'s outputs by ``[16, 16]`` blocks of the chunk (``blocked=True``),
+    as KDA's intra launch: the rows read as four 16-row sub-blocks, ``A`` and ``Aqk`` by
+    blocks ``(I, J)``, ``J <= I`` (with one decay a token, a block below the diagonal is a
+    plain product times ``e^(gam_i - gam_j)``, every exponent <= 0), and ``Tm`` by
+    :func:`~pallas_kernels.common.delta_rule.block_unit_lower_inverse`: ~30 products of
+    ``[16, 16]`` blocks where the whole chunk's inverse is 12 dependent ``[64, 64]`` ones
+    (their masks multiply zeros), 60 % of the launch's multiply-adds. Same arithmetic
+    otherwise (f32 operands at ``precision``)."""
+    ci, h = pl.program_id(0), pl.program_id(1)
+    start, length = c_start_ref[ci], c_len_ref[ci]
+    num_tokens = k_ref.shape[0]
+    dv = v_ref.shape[-1]
+    ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    jj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+    hk = h // ratio
+
+    @pl.when(length > 0)
+    def _():
+        w0 = window(start, length, num_tokens, CHUNK, aligned=tma_layout).rows.start
+        rows, valid, q, k, beta, gam = [], [], [], [], [], []
+        carry = jnp.zeros((), jnp.float32)
+        for blk in range(NSUB):  # rows outside the chunk load zeros and get g = beta = 0
+            r, ok = sub_rows(w0, blk, SUB, start, length)
+            kb = pltr.load(k_ref.at[r, hk, :], mask=ok[:, None], other=0.0)
+            qb = pltr.load(q_ref.at[r, hk, :], mask=ok[:, None], other=0.0)
+            ab = pltr.load(a_ref.at[r, h], mask=ok, other=0.0)
+            bb = pltr.load(b_ref.at[r, h], mask=ok, other=0.0)
+            g, be = _gates(alog_ref, dtb_ref, h, ab, bb)
+            g = jnp.where(ok, g, 0.0)
+            gam.append(carry + jnp.cumsum(g))  # [16], from the window's first row
+            carry = carry + jnp.sum(g)
+            rows.append(r)
+            valid.append(ok)
+            k.append(l2norm(kb.astype(jnp.float32)))
+            q.append(l2norm(qb.astype(jnp.float32)) * scale)
+            beta.append(jnp.where(ok, be, 0.0))
+        gam_last = carry
+        a_kk, a_qk = {}, {}
+        for bi in range(NSUB):
+            for bj in range(bi + 1):
+                diff = gam[bi][:, None] - gam[bj][None, :]  # <= 0 where i >= j
+                if bi == bj:
+                    e_kk = jnp.exp(jnp.where(ii > jj, diff, -1e30))
+                    e_qk = jnp.exp(jnp.where(ii >= jj, diff, -1e30))
+                else:
+                    e_kk = e_qk = jnp.exp(diff)
+                a_kk[bi, bj] = beta[bi][:, None] * mm(k[bi], k[bj], NT, precision) * e_kk
+                a_qk[bi, bj] = mm(q[bi], k[bj], NT, precision) * e_qk
+        t = block_unit_lower_inverse(a_kk, NSUB, precision)
+        kb_dec = [k[b] * (beta[b] * jnp.exp(gam[b]))[:, None] for b in range(NSUB)]
+        bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
+        v_beta = {}
+        for b in range(NSUB):
+            for vb in range(dv // bv):
+                vt = pltr.load(
+                    v_ref.at[rows[b], h, pl.ds(vb * bv, bv)], mask=valid[b][:, None], other=0.0
+                )
+                v_beta[b, vb] = vt.astype(jnp.float32) * beta[b][:, None]
+        for bi in range(NSUB):
+            r, ok = rows[bi], valid[bi][:, None]
+            w = sum(mm(t[bi, bj], kb_dec[bj], precision=precision) for bj in range(bi + 1))
+            pltr.store(w_ref.at[h, r, :], w.astype(w_ref.dtype), mask=ok)
+            for vb in range(dv // bv):
+                vs = pl.ds(vb * bv, bv)
+                u = sum(mm(t[bi, bj], v_beta[bj, vb], precision=precision) for bj in range(bi + 1))
+                if tma_layout:
+                    pltr.store(u_ref.at[h, vs, r], u.T.astype(u_ref.dtype), mask=ok.T)
+                else:
+                    pltr.store(u_ref.at[h, r, vs], u.astype(u_ref.dtype), mask=ok)
+            q_dec = q[bi] * jnp.exp(gam[bi])[:, None]
+            k_dec = k[bi] * jnp.exp(gam_last - gam[bi])[:, None]  # zero outside the chunk
+            kd_ok = ok
+            if tma_layout:  # k_dec zero on the block's rows after the batch's last token
+                tok = w0 + bi * SUB + jnp.arange(SUB, dtype=jnp.int32)
+                kd_ok = ok | (tok >= live_ref[0])[:, None]
+            pltr.store(qd_ref.at[h, r, :], q_dec.astype(qd_ref.dtype), mask=ok)
+            pltr.store(kd_ref.at[h, r, :], k_dec.astype(kd_ref.dtype), mask=kd_ok)
+            for bj in range(NSUB):  # Aqk is inclusive lower: the blocks above it are zeros
+                blk = a_qk[bi, bj] if bj <= bi else jnp.zeros((SUB, SUB), jnp.float32)
+                cols = pl.ds(bj * SUB, SUB)
+                pltr.store(aqk_ref.at[h, r, cols], blk.astype(aqk_ref.dtype), mask=ok)
+        dl_ref[ci, h] = jnp.exp(gam_last)
+
+
 def intra_launch(
     q, k, v, a, b, A_log, dt_bias, plan, *, num_chunks: int, operand_dtype, precision,
     num_warps: int = 8, num_stages: int = 2, early_stores: bool = False,
-    tma_layout: bool = False, interpret: bool = False,
+    tma_layout: bool = False, blocked: bool = False, interpret: bool = False,
 ) -> ChunkRefs:  # fmt: skip
-    """Launch 1 (:func:`_intra_kernel`) over grid ``(NC, Hv)`` on inputs padded to at least one
-    chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`). ``tma_layout``: the
-    Mosaic GPU serial launch's scratch, on a token-aligned plan; ``u`` is then
-    ``U^T [Hv, Dv, Tp]`` (``Tp`` a multiple of 64: TMA's tiles)."""
+    """Launch 1 (:func:`_intra_kernel`, or by 16-row blocks :func:`_intra_kernel_blocked`)
+    over grid ``(NC, Hv)`` on inputs padded to at least one chunk
+    (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`). ``tma_layout``: the Mosaic GPU
+    serial launch's scratch, on a token-aligned plan; ``u`` is then ``U^T [Hv, Dv, Tp]``
+    (``Tp`` a multiple of 64: TMA's tiles)."""
     tp, hk, dk = q.shape
     _, hv, dv = v.shape
     op = operand_dtype
     shapes = chunk_refs_shapes(hv, tp, dk, dv, CHUNK, num_chunks, op, False, tma_layout)
     live = live_end(plan) if tma_layout else jnp.zeros(1, jnp.int32)
+    common = dict(ratio=hv // hk, scale=float(dk) ** -0.5, precision=precision,
+                  tma_layout=tma_layout)  # fmt: skip
+    if blocked:
+        kernel = functools.partial(_intra_kernel_blocked, **common)
+    else:
+        kernel = functools.partial(_intra_kernel, early_stores=early_stores, **common)
     return ChunkRefs(
         *pl.pallas_call(
-            functools.partial(
-                _intra_kernel,
-                ratio=hv // hk,
-                scale=float(dk) ** -0.5,
-                precision=precision,
-                early_stores=early_stores,
-                tma_layout=tma_layout,
-            ),  # fmt: skip
+            kernel,
             grid=(num_chunks, hv),
             out_shape=list(shapes),
             compiler_params=compiler_params(num_warps, num_stages),
@@ -301,7 +399,7 @@ def intra_launch(
 def prefill_scratch(
     q, k, v, a, b, A_log, dt_bias, query_start_loc, slots: StateSlots, *, operand_dtype,
     precision, num_warps: int = 8, num_stages: int = 2, early_stores: bool = False,
-    tma_layout: bool = False, interpret: bool = False,
+    tma_layout: bool = False, blocked: bool | None = None, interpret: bool = False,
 ):  # fmt: skip
     """The prefill up to its serial launch: the chunk plan, the plan by row and the intra
     launch's scratch (:func:`intra_launch`, on inputs padded to a 64-row window; in the Mosaic
@@ -316,7 +414,8 @@ def prefill_scratch(
     x = intra_launch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=operand_dtype,
         precision=precision, num_warps=num_warps, num_stages=num_stages,
-        early_stores=early_stores, tma_layout=tma_layout, interpret=interpret,
+        early_stores=early_stores, tma_layout=tma_layout,
+        blocked=INTRA_BLOCKED if blocked is None else blocked, interpret=interpret,
     )  # fmt: skip
     return plan, row_plan(plan, slots, nc), x
 
@@ -343,6 +442,7 @@ def gdn_prefill(
     vb_first: bool = SERIAL_VB_FIRST,
     three_launches: bool = False,
     intra_early_stores: bool = False,
+    intra_blocked: bool | None = None,
     block_v_out: int | None = None,
     serial: str | None = None,
     interpret: bool = False,
@@ -367,7 +467,9 @@ def gdn_prefill(
     by the launch's size), ``num_warps`` and ``num_stages`` tune the serial launch,
     ``intra_num_warps`` / ``intra_num_stages`` the intra launch, ``vb_first`` the serial
     grid's order (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`),
-    ``intra_early_stores`` the intra launch's order of stores (:func:`_intra_kernel`).
+    ``intra_early_stores`` the intra launch's order of stores (:func:`_intra_kernel`),
+    ``intra_blocked`` its form (by 16-row blocks: :func:`_intra_kernel_blocked`; None:
+    :data:`INTRA_BLOCKED`).
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, _, dk = q.shape
@@ -382,7 +484,8 @@ def gdn_prefill(
     plan, rp, x = prefill_scratch(
         q, k, v, a, b, A_log, dt_bias, query_start_loc, slots, operand_dtype=op,
         precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
-        early_stores=intra_early_stores, tma_layout=mgpu, interpret=interpret,
+        early_stores=intra_early_stores, tma_layout=mgpu, blocked=intra_blocked,
+        interpret=interpret,
     )  # fmt: skip
     if mgpu:
         return chunk_scan_mgpu.scan_mgpu(

@@ -127,7 +127,10 @@ def test_kernels_lower_to_triton_at_80b_shapes():
     gates = [sd((hv,), f32)] * 2
     slots = abstract_slots(rows, m)
     pool = sd((8, hv, d, d), f32)
-    for t, f, extra in [(n, gpu.gdn_prefill, [sd((rows + 1,), i32)]), (rows, gpu.gdn_decode, [])]:
+    prefill = [sd((rows + 1,), i32)]
+    blocked = functools.partial(gpu.gdn_prefill, intra_blocked=True)
+    for t, f, extra in [(n, gpu.gdn_prefill, prefill), (n, blocked, prefill),
+                        (rows, gpu.gdn_decode, [])]:  # fmt: skip
         acts = [sd((t, hk, d), bf)] * 2 + [sd((t, hv, d), bf)] + [sd((t, hv), bf)] * 2
         lowered = jax.jit(f).trace(*acts, *gates, pool, *extra, slots)
         assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()
@@ -143,3 +146,26 @@ def test_serial_block_v_widens_when_the_launch_fills_the_sms(monkeypatch):
     assert delta_rule_gpu.serial_block_v(8, 32, 128, None) == 64
     assert delta_rule_gpu.serial_block_v(8, 32, 48, None) == 16  # Dv's largest power-of-2 divisor
     assert delta_rule_gpu.serial_block_v(8, 32, 128, 16) == 16  # a requested block is kept
+
+
+@pytest.mark.parametrize("lens,hk,hv,dk,dv,dtype,bv", PREFILL_CASES[::2], ids=PREFILL_IDS[::2])
+def test_blocked_intra_launch_matches_reference(lens, hk, hv, dk, dv, dtype, bv):
+    """The intra launch by 16-row blocks (``intra_blocked=True``: A and Aqk by blocks, the
+    block forward substitution for Tm): ragged rows of 1-200 tokens, checkpoints, slots, as
+    the whole-chunk launch (f32: to 1e-4 of the reference; its chunks span all four blocks
+    and cross the diagonal ones, so a wrong block decay or a missing block shows)."""
+    rng = np.random.default_rng(sum(lens) + 1)
+    case = ragged_case(lens)
+    inputs = _inputs(rng, case.num_tokens, hk, hv, dk, dv, dtype)
+    pool = jnp.asarray(case.pool(rng, (hv, dv, dk), np.float32))
+    args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
+    want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
+    kernel = functools.partial(gpu.gdn_prefill, block_v=bv, intra_blocked=True, interpret=True)
+    got_o, got_s = jax.jit(kernel)(*args)
+    assert not np.isnan(np.asarray(got_o, np.float32)).any(), "a poisoned slot was read"
+    if dtype == jnp.float32:
+        assert_close(got_o, want_o, rtol=1e-4, atol=1e-4, what="outputs")
+        assert_close(got_s, want_s, rtol=1e-4, atol=1e-4, what="state pool")
+    else:
+        assert_rel_close(got_o, want_o, tol=2e-2, what="outputs")
+        assert_rel_close(got_s, want_s, tol=2e-2, what="state pool")

@@ -35,12 +35,13 @@ def _inputs(rng, n):
     return q, k, v, a, b, A_log, dt_bias
 
 
-def _serial(tma_layout, args, pool, qsl, slots):
+def _serial(tma_layout, args, pool, qsl, slots, blocked=False):
     """The prefill up to its serial launch in one layout (row-aligned chunks for Triton,
-    token-aligned ones for Mosaic GPU), then the launch, interpreted."""
+    token-aligned ones for Mosaic GPU), then the launch, interpreted; ``blocked``: the intra
+    launch by 16-row blocks."""
     plan, rp, x = gpu.prefill_scratch(
         *args, qsl, slots, operand_dtype=jnp.bfloat16, precision=None, tma_layout=tma_layout,
-        interpret=True,
+        blocked=blocked, interpret=True,
     )  # fmt: skip
     if tma_layout:
         return chunk_scan_mgpu.scan_mgpu(rp, x, pool, out_dtype=jnp.bfloat16, interpret=True)
@@ -51,11 +52,13 @@ def _serial(tma_layout, args, pool, qsl, slots):
     )  # fmt: skip
 
 
-def test_ragged_batch_matches_the_triton_launch():
+@pytest.mark.parametrize("blocked", [False, True], ids=["whole_chunk_intra", "blocked_intra"])
+def test_ragged_batch_matches_the_triton_launch(blocked):
     """Rows of 70, 3 and 130 tokens (rows and checkpoints at 1 and 64, or 35 and 65, cut chunks
     inside the blocks), one row from a state, two padding rows, NaN in every slot no row reads:
     the Triton launch's outputs and written slots (the two plans group tokens differently: bf16
-    roundings apart), and untouched slots bit for bit."""
+    roundings apart), and untouched slots bit for bit. ``blocked``: the Mosaic GPU launch on
+    the scratch of the blocked intra launch (its transposed U, k_dec zeroed after the batch)."""
     rng = np.random.default_rng(0)
     case = ragged_case([70, 3, 130])
     args = _inputs(rng, case.num_tokens)
@@ -63,7 +66,8 @@ def test_ragged_batch_matches_the_triton_launch():
     qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
     n = int(case.query_start_loc[-1])
     want_o, want_s = jax.jit(functools.partial(_serial, False))(args, jnp.copy(pool), qsl, slots)
-    got_o, got_s = jax.jit(functools.partial(_serial, True))(args, jnp.copy(pool), qsl, slots)
+    mgpu = functools.partial(_serial, True, blocked=blocked)
+    got_o, got_s = jax.jit(mgpu)(args, jnp.copy(pool), qsl, slots)
     assert_rel_close(got_o[:n], want_o[:n], tol=1e-2, what="outputs")
     assert_rel_close(got_s, want_s, tol=1e-2, what="state pool")
     np.testing.assert_array_equal(  # NaN == NaN: unwritten slots come back as they were
