@@ -35,7 +35,6 @@ from benchmarks.common import copy_bandwidth, device_name, guarded_entries, time
 from hyjax.layers.conv_channels import pack_conv_channels, split_qkvz
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d import gpu
-from pallas_kernels.conv1d import mgpu as conv_mgpu
 from pallas_kernels.conv1d.reference import causal_conv1d_prefill_reference
 
 # Qwen3-Next-80B's GDN conv: q and k (16 heads x 128) and v (32 heads x 128), width 4.
@@ -72,8 +71,8 @@ def bytes_moved(x, pool, batch: int, writes: int) -> int:
 def check(channels: int, kernel=None, **tiles) -> dict:
     """Kernel vs reference on a ragged batch: in-place rows, rows shorter than K - 1, a fresh
     destination, checkpoints at offsets 1, 2, 64 and 700, a padding row and padding tokens
-    (to 832 tokens: a multiple of 64, as the Mosaic GPU kernel takes). ``kernel``: the
-    function checked (the Triton kernel with ``tiles`` by default)."""
+    (to 832 tokens). ``kernel``: the function checked (the Triton kernel with ``tiles`` by
+    default)."""
     rng = np.random.default_rng(0)
     lens = [1, 2, 700, 64, 3]
     qsl = jnp.asarray(np.concatenate([[0], np.cumsum(lens), [sum(lens)]]), jnp.int32)
@@ -111,20 +110,12 @@ def _step(fn, qsl, slots):
     return one
 
 
-def time_prefill(
-    batch, seq_len, channels, *, reference: bool, ckpt_every: int, bw, mgpu=False, **tiles
-):
-    """Kernel (and reference; with ``mgpu`` the Mosaic GPU kernel, ``conv1d/mgpu.py``) seconds
-    per call, bytes moved per second, % of copy bandwidth."""
+def time_prefill(batch, seq_len, channels, *, reference: bool, ckpt_every: int, bw, **tiles):
+    """Kernel (and reference) seconds per call, bytes moved per second, % of copy bandwidth."""
     x, weight, pool, qsl, slots, writes = prefill_batch(batch, seq_len, channels, ckpt_every)
     moved = bytes_moved(x, pool, batch, writes)
     iters, repeats = (1, 1) if INTERPRET else (20, 5)
     fns = {"pallas": functools.partial(gpu.causal_conv1d_prefill, interpret=INTERPRET, **tiles)}
-    if mgpu:  # tiles a program walks: 1, the default (4), 8
-        for steps in (1, 4, 8):
-            fns[f"mgpu_s{steps}"] = functools.partial(
-                conv_mgpu.causal_conv1d_prefill_mgpu, steps=steps, interpret=INTERPRET
-            )
     if reference:
         fns["xla"] = causal_conv1d_prefill_reference
     out = {"bytes_moved_MB": moved / 1e6}
@@ -452,10 +443,6 @@ def main() -> None:
         action="store_true",
         help="only the silu ceilings (Triton, Mosaic GPU, XLA) at every shape, no conv",
     )
-    p.add_argument(
-        "--mgpu", action="store_true",
-        help="the Mosaic GPU kernel (conv1d/mgpu.py) checked and timed beside the Triton one",
-    )  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     global INTERPRET
@@ -496,13 +483,11 @@ def main() -> None:
         shapes = []  # and no conv
     else:
         guarded("check", lambda: check(channels))
-        if args.mgpu:
-            guarded("check_mgpu", lambda: check(channels, conv_mgpu.causal_conv1d_prefill_mgpu))
     for b, t in shapes:
         guarded(
             f"prefill_B{b}_T{t}",
             lambda b=b, t=t: time_prefill(
-                b, t, channels, reference=True, ckpt_every=ckpt_every, bw=bw, mgpu=args.mgpu
+                b, t, channels, reference=True, ckpt_every=ckpt_every, bw=bw
             ),
         )
     if args.sweep and shapes:

@@ -19,7 +19,6 @@
 #   route     benchmarks.moe_kernels --route-only: the sorted route plan against the pairwise
 #   conv1d    benchmarks.conv1d_kernels --sweep
 #   conv1dq   benchmarks.conv1d_kernels: the default tiles against XLA's reference, no sweep
-#   conv1dm   the same with the Mosaic GPU conv (conv1d/mgpu.py) checked and timed beside it
 #   qkvz      benchmarks.conv1d_kernels --qkvz-only: the GDN layer's conv packed by XLA around
 #             the kernel against the kernel reading the projection's output in place
 #   split     benchmarks.conv1d_kernels --split-only: the KDA layer's conv (Kimi-Linear-48B's
@@ -150,7 +149,6 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         sampler) echo "python -m benchmarks.sampler_ops --out $j" ;;
         route) echo "python -m benchmarks.moe_kernels --route-only --no-torch --out $j" ;;
         conv1d) echo "python -m benchmarks.conv1d_kernels --sweep --out $j" ;;
-        conv1dm) echo "python -m benchmarks.conv1d_kernels --mgpu --out $j" ;;
         conv1dq) echo "python -m benchmarks.conv1d_kernels --out $j" ;;
         ceil) echo "python -m benchmarks.conv1d_kernels --ceiling-only --out $j" ;;
         qkvz) echo "python -m benchmarks.conv1d_kernels --qkvz-only --out $j" ;;

@@ -127,30 +127,6 @@ def write_windows(
     return conv_state.at[idx].set(vals, mode="drop")
 
 
-def row_start_outputs(
-    x: jax.Array,  # [T, C]
-    weight: jax.Array,  # [C, K]
-    init: jax.Array,  # [S, K-1, C]
-    query_start_loc: jax.Array,  # i32[S+1]
-    slots: StateSlots,
-) -> tuple[jax.Array, jax.Array]:
-    """The outputs of each row's first ``K - 1`` tokens, whose taps reach into its source
-    window: ``(tokens i32[S (K-1)], y [S (K-1), C])``, the token ``T`` (out of range: a
-    dropped write) where the row is not live or is shorter."""
-    num_tokens = x.shape[0]
-    km1 = init.shape[1]
-    rows = jnp.arange(slots.num_rows, dtype=jnp.int32)
-    q_len = query_start_loc[1:] - query_start_loc[:-1]
-    seq = jnp.repeat(rows, km1)
-    local = jnp.tile(jnp.arange(km1, dtype=jnp.int32), slots.num_rows)
-    tok = query_start_loc[seq] + local
-    prev = _window_after(x, init, query_start_loc, seq, local)  # [S (K-1), K-1, C]
-    here = x[jnp.clip(tok, 0, num_tokens - 1)][:, None, :]
-    y = _silu(_taps(jnp.concatenate([prev, here], axis=1), weight)).astype(x.dtype)
-    ok = (seq < slots.num_seqs) & (local < q_len[seq])
-    return jnp.where(ok, tok, num_tokens), y
-
-
 def causal_conv1d_update_reference(
     x: jax.Array,  # [S, C] one new token per sequence
     weight: jax.Array,  # [C, K]
