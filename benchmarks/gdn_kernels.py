@@ -61,11 +61,10 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     "triton": (None, None, None, dict(serial="triton")),  # the Triton serial launch
     # the Mosaic GPU serial launch (the timed batches' chunks start at multiples of 64 tokens)
     "mgpu": (None, None, None, dict(serial="mgpu")),
-    "mgpu_early": (None, None, None, dict(serial="mgpu", intra_early_stores=True)),
     # q's products and rows stored before the UT transform (intra launch: 255 registers)
-    "early": (None, None, None, dict(intra_early_stores=True)),
-    # the intra launch by 16-row blocks (gpu._intra_kernel_blocked)
-    "blocked": (None, None, None, dict(intra_blocked=True)),
+    # the intra launch by 16-row blocks (gpu._intra_kernel_blocked), f32 or bf16 operands
+    "blocked": (None, None, None, dict(intra_form="blocked")),
+    "blocked_bf16": (None, None, None, dict(intra_form="blocked_bf16")),
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
     "bf16ops_three": (None, jnp.bfloat16, True, {}),
     "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True, {}),
@@ -366,12 +365,12 @@ INTRA_SWEEP = [(4, 2), (4, 1), (8, 2)]  # the intra launch's (warps, stages)
 
 # The intra launch's (warps, stages, form) timed by --intra-sweep: at 8 warps it sits
 # at the register cap (255 a thread, a 1 KB stack: ncu at 8x4096); 16 warps halve each
-# thread's share of a chunk's tiles. Forms: "whole" (the default), "early" (early stores),
-# "blocked" (by 16-row blocks: gpu._intra_kernel_blocked)
+# thread's share of a chunk's tiles. Forms: gpu.INTRA_FORMS
 INTRA_CONFIGS = [
-    (4, 1, "whole"), (4, 2, "whole"), (8, 1, "whole"), (8, 2, "whole"), (8, 2, "early"),
-    (16, 1, "whole"), (16, 2, "whole"), (16, 2, "early"),
-    (2, 1, "blocked"), (4, 1, "blocked"), (4, 2, "blocked"), (8, 2, "blocked"),
+    (4, 1, "whole"), (4, 2, "whole"), (8, 1, "whole"), (8, 2, "whole"), (16, 1, "whole"),
+    (16, 2, "whole"), (2, 1, "blocked"), (4, 1, "blocked"), (4, 2, "blocked"),
+    (8, 2, "blocked"), (2, 1, "blocked_bf16"), (4, 1, "blocked_bf16"), (4, 2, "blocked_bf16"),
+    (8, 2, "blocked_bf16"),
 ]  # fmt: skip
 
 
@@ -384,8 +383,7 @@ def _intra_step(batch, seq_len, nw, ns, form):
     def one(st, acts, qsl, slots):
         _, _, x = gpu.prefill_scratch(
             *acts, qsl, slots, operand_dtype=jnp.bfloat16, precision=None, num_warps=nw,
-            num_stages=ns, early_stores=form == "early", tma_layout=True,
-            blocked=form == "blocked", interpret=INTERPRET,
+            num_stages=ns, tma_layout=True, form=form, interpret=INTERPRET,
         )  # fmt: skip
         return st, tuple(x)
 

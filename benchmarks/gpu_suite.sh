@@ -26,8 +26,7 @@
 #   ceil      benchmarks.conv1d_kernels --ceiling-only: silu over the conv's bytes through
 #             Pallas' Triton and Mosaic GPU lowerings and XLA, at the three shapes
 #   gdn       benchmarks.gdn_kernels --sweep
-#   gdnp      benchmarks.gdn_kernels: the default prefill at its four shapes and FLA, no sweep,
-#             and the intra launch's early stores (intra_early_stores) beside it
+#   gdnp      benchmarks.gdn_kernels: the default prefill at its four shapes and FLA, no sweep
 #   kda       benchmarks.kda_kernels --sweep (FLA's chunk_kda beside it: its wheels in .whl);
 #             with its sweep it ran past 400 s on 2026-11-29: give it a call of its own
 #   mgpuscan  benchmarks.gdn_kernels --mgpu-scan: the serial launch in Mosaic GPU (TMA, wgmma,
@@ -154,7 +153,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         qkvz) echo "python -m benchmarks.conv1d_kernels --qkvz-only --out $j" ;;
         split) echo "python -m benchmarks.conv1d_kernels --split-only --out $j" ;;
         gdn) echo "python -m benchmarks.gdn_kernels --sweep --out $j" ;;
-        gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T4096_mgpu,prefill_B1_T4096_early,prefill_B1_T16384_default,prefill_B1_T16384_mgpu,prefill_B1_T16384_early,prefill_B8_T4096_default,prefill_B8_T4096_mgpu,prefill_B8_T4096_early,prefill_B1_T32768_default,prefill_B1_T32768_mgpu,prefill_B1_T32768_early,prefill_B8_T4096_ckpt,fla --out $j" ;;
+        gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T4096_mgpu,prefill_B1_T16384_default,prefill_B1_T16384_mgpu,prefill_B8_T4096_default,prefill_B8_T4096_mgpu,prefill_B1_T32768_default,prefill_B1_T32768_mgpu,prefill_B8_T4096_ckpt,fla --out $j" ;;
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
         gdnreal) echo "python -m benchmarks.gdn_kernels --trace --skip-floors --only fla,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default,prefill_B1_T32768_default --out $j" ;;

@@ -68,6 +68,7 @@ from pallas_kernels.common import chunk_scan_mgpu, decode_mgpu
 from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, chunk_refs_shapes, scan_launches
 from pallas_kernels.common.chunking import live_end, max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
+    HIGHEST,
     NT,
     block_unit_lower_inverse,
     l2norm,
@@ -99,10 +100,13 @@ from pallas_kernels.gdn.reference import check_gdn_args
 CHUNK = 64
 SUB = 16  # the blocked intra launch's sub-blocks (_intra_kernel_blocked)
 NSUB = CHUNK // SUB
-# The intra launch a prefill runs when not told (``intra_blocked=None``): the whole chunk's
-# (False) until the blocked one (``_intra_kernel_blocked``) is timed on a GPU;
-# HYJAX_GDN_INTRA=blocked for a process.
-INTRA_BLOCKED = os.environ.get("HYJAX_GDN_INTRA", "full") == "blocked"
+# The intra launch's forms (:func:`intra_launch`): the whole chunk's tiles (_intra_kernel),
+# or by 16-row blocks (_intra_kernel_blocked) with f32 operands at the prefill's precision or
+# bf16 ones (the products' operands rounded as FLA's chunk kernels do; the inverse f32).
+INTRA_FORMS = ("whole", "blocked", "blocked_bf16")
+# The form a prefill runs when not told (``intra_form=None``): the whole chunk's until the
+# blocked ones are timed on a GPU; HYJAX_GDN_INTRA=blocked|blocked_bf16 for a process.
+INTRA_FORM = os.environ.get("HYJAX_GDN_INTRA", "whole")
 
 
 def _gates(alog_ref, dtb_ref, h, a, b):
@@ -205,13 +209,11 @@ def _intra_kernel(
     kd_ref,  # [Hv, Tp, Dk] out: k e^(gam_last - gam) (l2-normed)
     aqk_ref,  # [Hv, Tp, C] out: incl_lower(q k^T e^(gam_i - gam_j)), window columns
     dl_ref,  # f32[NC, Hv]  out: e^gam_last, the chunk's state decay
-    *, ratio: int, scale: float, precision, early_stores: bool = False, tma_layout: bool = False,
+    *, ratio: int, scale: float, precision, tma_layout: bool = False,
 ):  # fmt: skip
     """Kernel 1, one program per (chunk, value head), all in parallel: everything of the chunk
     that does not depend on the state (the gates, the UT transform, the decayed q / k rows and
     the intra-chunk scores), so the serial launch does only the state's products.
-    ``early_stores``: q's products and rows stored before the UT transform, not after (the
-    same arithmetic; on an H200 the launch sits at 255 registers a thread, ncu at 8x4096).
     ``tma_layout``: the scratch the Mosaic GPU serial launch reads
     (:mod:`pallas_kernels.common.chunk_scan_mgpu`): a token-aligned plan's chunks, each read in
     the 64-token block of the batch it lies in, ``U`` transposed, and ``k_dec`` zero on the
@@ -244,20 +246,14 @@ def _intra_kernel(
         diff = gam[:, None] - gam[None, :]
         rows = valid[:, None]
 
-        def store_q_rows():  # q's products and rows: q is dead after them
-            a_qk = mm(q, k, NT, precision) * jnp.exp(jnp.where(ii >= jj, diff, -1e30))
-            pltr.store(aqk_ref.at[h, win.rows, :], a_qk.astype(op), mask=rows)
-            q_dec = (q * jnp.exp(gam)[:, None]).astype(op)
-            pltr.store(qd_ref.at[h, win.rows, :], q_dec, mask=rows)
-
-        if early_stores:  # before the UT transform: fewer tiles live through the inverse
-            store_q_rows()
         a_mat = beta[:, None] * mm(k, k, NT, precision) * jnp.exp(jnp.where(ii > jj, diff, -1e30))
         tm = unit_lower_inverse(a_mat, precision)
         w = mm(tm, k * (beta * jnp.exp(gam))[:, None], precision=precision)  # [C, Dk]
         pltr.store(w_ref.at[h, win.rows, :], w.astype(op), mask=rows)
-        if not early_stores:
-            store_q_rows()
+        a_qk = mm(q, k, NT, precision) * jnp.exp(jnp.where(ii >= jj, diff, -1e30))
+        pltr.store(aqk_ref.at[h, win.rows, :], a_qk.astype(op), mask=rows)
+        q_dec = (q * jnp.exp(gam)[:, None]).astype(op)
+        pltr.store(qd_ref.at[h, win.rows, :], q_dec, mask=rows)
         k_dec = k * jnp.exp(gam_last - gam)[:, None]  # zero on the rows outside the chunk
         kd_rows = (valid | (win.tok >= live_ref[0]))[:, None] if tma_layout else rows
         pltr.store(kd_ref.at[h, win.rows, :], k_dec.astype(op), mask=kd_rows)
@@ -277,7 +273,7 @@ def _intra_kernel(
 def _intra_kernel_blocked(
     c_start_ref, c_len_ref, live_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
     w_ref, u_ref, qd_ref, kd_ref, aqk_ref, dl_ref,
-    *, ratio: int, scale: float, precision, tma_layout: bool = False,
+    *, ratio: int, scale: float, precision, tma_layout: bool = False, bf16_products: bool = False,
 ):  # fmt: skip
     """:func:`_intra_kernel`'s outputs by ``[16, 16]`` blocks of the chunk (``blocked=True``),
     as KDA's intra launch: the rows read as four 16-row sub-blocks, ``A`` and ``Aqk`` by
@@ -286,7 +282,9 @@ def _intra_kernel_blocked(
     :func:`~pallas_kernels.common.delta_rule.block_unit_lower_inverse`: ~30 products of
     ``[16, 16]`` blocks where the whole chunk's inverse is 12 dependent ``[64, 64]`` ones
     (their masks multiply zeros), 60 % of the launch's multiply-adds. Same arithmetic
-    otherwise (f32 operands at ``precision``)."""
+    otherwise: f32 operands at ``precision``, or with ``bf16_products`` the operands of the
+    score and W / U products rounded to bf16 (f32 accumulation; the inverse stays f32), as
+    FLA's chunk kernels: bf16 MMAs run at twice TF32's rate on Hopper."""
     ci, h = pl.program_id(0), pl.program_id(1)
     start, length = c_start_ref[ci], c_len_ref[ci]
     num_tokens = k_ref.shape[0]
@@ -294,6 +292,11 @@ def _intra_kernel_blocked(
     ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     jj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
     hk = h // ratio
+
+    def pmm(x, y, contract=((1,), (0,))):  # a score or W / U product
+        if bf16_products:  # HIGHEST on bf16: a plain bf16 MMA (kda.gpu._operand_precision)
+            return mm(x.astype(jnp.bfloat16), y.astype(jnp.bfloat16), contract, HIGHEST)
+        return mm(x, y, contract, precision)
 
     @pl.when(length > 0)
     def _():
@@ -325,8 +328,8 @@ def _intra_kernel_blocked(
                     e_qk = jnp.exp(jnp.where(ii >= jj, diff, -1e30))
                 else:
                     e_kk = e_qk = jnp.exp(diff)
-                a_kk[bi, bj] = beta[bi][:, None] * mm(k[bi], k[bj], NT, precision) * e_kk
-                a_qk[bi, bj] = mm(q[bi], k[bj], NT, precision) * e_qk
+                a_kk[bi, bj] = beta[bi][:, None] * pmm(k[bi], k[bj], NT) * e_kk
+                a_qk[bi, bj] = pmm(q[bi], k[bj], NT) * e_qk
         t = block_unit_lower_inverse(a_kk, NSUB, precision)
         kb_dec = [k[b] * (beta[b] * jnp.exp(gam[b]))[:, None] for b in range(NSUB)]
         bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
@@ -339,11 +342,11 @@ def _intra_kernel_blocked(
                 v_beta[b, vb] = vt.astype(jnp.float32) * beta[b][:, None]
         for bi in range(NSUB):
             r, ok = rows[bi], valid[bi][:, None]
-            w = sum(mm(t[bi, bj], kb_dec[bj], precision=precision) for bj in range(bi + 1))
+            w = sum(pmm(t[bi, bj], kb_dec[bj]) for bj in range(bi + 1))
             pltr.store(w_ref.at[h, r, :], w.astype(w_ref.dtype), mask=ok)
             for vb in range(dv // bv):
                 vs = pl.ds(vb * bv, bv)
-                u = sum(mm(t[bi, bj], v_beta[bj, vb], precision=precision) for bj in range(bi + 1))
+                u = sum(pmm(t[bi, bj], v_beta[bj, vb]) for bj in range(bi + 1))
                 if tma_layout:
                     pltr.store(u_ref.at[h, vs, r], u.T.astype(u_ref.dtype), mask=ok.T)
                 else:
@@ -365,14 +368,14 @@ def _intra_kernel_blocked(
 
 def intra_launch(
     q, k, v, a, b, A_log, dt_bias, plan, *, num_chunks: int, operand_dtype, precision,
-    num_warps: int = 8, num_stages: int = 2, early_stores: bool = False,
-    tma_layout: bool = False, blocked: bool = False, interpret: bool = False,
+    num_warps: int = 8, num_stages: int = 2, tma_layout: bool = False, form: str = "whole",
+    interpret: bool = False,
 ) -> ChunkRefs:  # fmt: skip
-    """Launch 1 (:func:`_intra_kernel`, or by 16-row blocks :func:`_intra_kernel_blocked`)
-    over grid ``(NC, Hv)`` on inputs padded to at least one chunk
-    (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`). ``tma_layout``: the Mosaic GPU
-    serial launch's scratch, on a token-aligned plan; ``u`` is then ``U^T [Hv, Dv, Tp]``
-    (``Tp`` a multiple of 64: TMA's tiles)."""
+    """Launch 1 (:func:`_intra_kernel`, or by 16-row blocks :func:`_intra_kernel_blocked`:
+    ``form``, one of :data:`INTRA_FORMS`) over grid ``(NC, Hv)`` on inputs padded to at least
+    one chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`). ``tma_layout``: the
+    Mosaic GPU serial launch's scratch, on a token-aligned plan; ``u`` is then
+    ``U^T [Hv, Dv, Tp]`` (``Tp`` a multiple of 64: TMA's tiles)."""
     tp, hk, dk = q.shape
     _, hv, dv = v.shape
     op = operand_dtype
@@ -380,10 +383,14 @@ def intra_launch(
     live = live_end(plan) if tma_layout else jnp.zeros(1, jnp.int32)
     common = dict(ratio=hv // hk, scale=float(dk) ** -0.5, precision=precision,
                   tma_layout=tma_layout)  # fmt: skip
-    if blocked:
-        kernel = functools.partial(_intra_kernel_blocked, **common)
+    if form not in INTRA_FORMS:
+        raise ValueError(f"intra launch form {form!r}: one of {INTRA_FORMS}")
+    if form == "whole":
+        kernel = functools.partial(_intra_kernel, **common)
     else:
-        kernel = functools.partial(_intra_kernel, early_stores=early_stores, **common)
+        kernel = functools.partial(
+            _intra_kernel_blocked, bf16_products=form == "blocked_bf16", **common
+        )
     return ChunkRefs(
         *pl.pallas_call(
             kernel,
@@ -398,8 +405,8 @@ def intra_launch(
 
 def prefill_scratch(
     q, k, v, a, b, A_log, dt_bias, query_start_loc, slots: StateSlots, *, operand_dtype,
-    precision, num_warps: int = 8, num_stages: int = 2, early_stores: bool = False,
-    tma_layout: bool = False, blocked: bool | None = None, interpret: bool = False,
+    precision, num_warps: int = 8, num_stages: int = 2, tma_layout: bool = False,
+    form: str | None = None, interpret: bool = False,
 ):  # fmt: skip
     """The prefill up to its serial launch: the chunk plan, the plan by row and the intra
     launch's scratch (:func:`intra_launch`, on inputs padded to a 64-row window; in the Mosaic
@@ -414,8 +421,7 @@ def prefill_scratch(
     x = intra_launch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=operand_dtype,
         precision=precision, num_warps=num_warps, num_stages=num_stages,
-        early_stores=early_stores, tma_layout=tma_layout,
-        blocked=INTRA_BLOCKED if blocked is None else blocked, interpret=interpret,
+        tma_layout=tma_layout, form=INTRA_FORM if form is None else form, interpret=interpret,
     )  # fmt: skip
     return plan, row_plan(plan, slots, nc), x
 
@@ -441,8 +447,7 @@ def gdn_prefill(
     intra_num_stages: int = 2,
     vb_first: bool = SERIAL_VB_FIRST,
     three_launches: bool = False,
-    intra_early_stores: bool = False,
-    intra_blocked: bool | None = None,
+    intra_form: str | None = None,
     block_v_out: int | None = None,
     serial: str | None = None,
     interpret: bool = False,
@@ -467,9 +472,7 @@ def gdn_prefill(
     by the launch's size), ``num_warps`` and ``num_stages`` tune the serial launch,
     ``intra_num_warps`` / ``intra_num_stages`` the intra launch, ``vb_first`` the serial
     grid's order (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`),
-    ``intra_early_stores`` the intra launch's order of stores (:func:`_intra_kernel`),
-    ``intra_blocked`` its form (by 16-row blocks: :func:`_intra_kernel_blocked`; None:
-    :data:`INTRA_BLOCKED`).
+    ``intra_form`` the intra launch's form (:data:`INTRA_FORMS`; None: :data:`INTRA_FORM`).
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, _, dk = q.shape
@@ -484,8 +487,7 @@ def gdn_prefill(
     plan, rp, x = prefill_scratch(
         q, k, v, a, b, A_log, dt_bias, query_start_loc, slots, operand_dtype=op,
         precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
-        early_stores=intra_early_stores, tma_layout=mgpu, blocked=intra_blocked,
-        interpret=interpret,
+        tma_layout=mgpu, form=intra_form, interpret=interpret,
     )  # fmt: skip
     if mgpu:
         return chunk_scan_mgpu.scan_mgpu(

@@ -75,21 +75,6 @@ def test_prefill_matches_reference(lens, hk, hv, dk, dv, dtype, bv, path):
         assert_rel_close(got_s, want_s, tol=2e-2, what="state pool")
 
 
-def test_intra_early_stores_are_the_same_arithmetic():
-    """The intra launch's stores of q's products and rows before the UT transform (a tuning
-    of its registers): the default's outputs and states, bit for bit."""
-    rng = np.random.default_rng(6)
-    case = ragged_case([70, 3, 130])
-    inputs = _inputs(rng, case.num_tokens, 2, 4, 16, 16, jnp.bfloat16)
-    pool = jnp.asarray(case.pool(rng, (4, 16, 16), np.float32))
-    args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
-    kernel = functools.partial(gpu.gdn_prefill, block_v=8, interpret=True)
-    want = jax.jit(kernel)(*args)
-    got = jax.jit(functools.partial(kernel, intra_early_stores=True))(*args)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-
-
 def test_decode_matches_reference():
     rng = np.random.default_rng(2)
     rows, num_seqs, hk, hv, dk, dv, m = 6, 5, 2, 6, 16, 8, 2
@@ -128,7 +113,7 @@ def test_kernels_lower_to_triton_at_80b_shapes():
     slots = abstract_slots(rows, m)
     pool = sd((8, hv, d, d), f32)
     prefill = [sd((rows + 1,), i32)]
-    blocked = functools.partial(gpu.gdn_prefill, intra_blocked=True)
+    blocked = functools.partial(gpu.gdn_prefill, intra_form="blocked_bf16")
     for t, f, extra in [(n, gpu.gdn_prefill, prefill), (n, blocked, prefill),
                         (rows, gpu.gdn_decode, [])]:  # fmt: skip
         acts = [sd((t, hk, d), bf)] * 2 + [sd((t, hv, d), bf)] + [sd((t, hv), bf)] * 2
@@ -148,19 +133,23 @@ def test_serial_block_v_widens_when_the_launch_fills_the_sms(monkeypatch):
     assert delta_rule_gpu.serial_block_v(8, 32, 128, 16) == 16  # a requested block is kept
 
 
+@pytest.mark.parametrize("form", ["blocked", "blocked_bf16"])
 @pytest.mark.parametrize("lens,hk,hv,dk,dv,dtype,bv", PREFILL_CASES[::2], ids=PREFILL_IDS[::2])
-def test_blocked_intra_launch_matches_reference(lens, hk, hv, dk, dv, dtype, bv):
-    """The intra launch by 16-row blocks (``intra_blocked=True``: A and Aqk by blocks, the
+def test_blocked_intra_launch_matches_reference(lens, hk, hv, dk, dv, dtype, bv, form):
+    """The intra launch by 16-row blocks (``intra_form="blocked"``: A and Aqk by blocks, the
     block forward substitution for Tm): ragged rows of 1-200 tokens, checkpoints, slots, as
     the whole-chunk launch (f32: to 1e-4 of the reference; its chunks span all four blocks
-    and cross the diagonal ones, so a wrong block decay or a missing block shows)."""
+    and cross the diagonal ones, so a wrong block decay or a missing block shows). With bf16
+    products (``"blocked_bf16"``) to bf16's rounding (2e-2 relative), as the bf16 models."""
+    if form == "blocked_bf16" and dtype == jnp.float32:
+        dtype = jnp.bfloat16  # bf16 operands: a bf16 model's path
     rng = np.random.default_rng(sum(lens) + 1)
     case = ragged_case(lens)
     inputs = _inputs(rng, case.num_tokens, hk, hv, dk, dv, dtype)
     pool = jnp.asarray(case.pool(rng, (hv, dv, dk), np.float32))
     args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
     want_o, want_s = jax.jit(gdn_prefill_reference)(*args)
-    kernel = functools.partial(gpu.gdn_prefill, block_v=bv, intra_blocked=True, interpret=True)
+    kernel = functools.partial(gpu.gdn_prefill, block_v=bv, intra_form=form, interpret=True)
     got_o, got_s = jax.jit(kernel)(*args)
     assert not np.isnan(np.asarray(got_o, np.float32)).any(), "a poisoned slot was read"
     if dtype == jnp.float32:
@@ -169,3 +158,14 @@ def test_blocked_intra_launch_matches_reference(lens, hk, hv, dk, dv, dtype, bv)
     else:
         assert_rel_close(got_o, want_o, tol=2e-2, what="outputs")
         assert_rel_close(got_s, want_s, tol=2e-2, what="state pool")
+
+
+def test_an_unknown_intra_form_is_named():
+    rng = np.random.default_rng(3)
+    case = ragged_case([5, 2])
+    inputs = _inputs(rng, case.num_tokens, 2, 4, 16, 16, jnp.float32)
+    pool = jnp.asarray(case.pool(rng, (4, 16, 16), np.float32))
+    args = (*inputs, pool, jnp.asarray(case.query_start_loc), case.slots())
+    kernel = functools.partial(gpu.gdn_prefill, intra_form="fast", interpret=True)
+    with pytest.raises(ValueError, match="intra launch form 'fast'"):
+        jax.eval_shape(kernel, *args)

@@ -35,13 +35,13 @@ def _inputs(rng, n):
     return q, k, v, a, b, A_log, dt_bias
 
 
-def _serial(tma_layout, args, pool, qsl, slots, blocked=False):
+def _serial(tma_layout, args, pool, qsl, slots, form="whole"):
     """The prefill up to its serial launch in one layout (row-aligned chunks for Triton,
-    token-aligned ones for Mosaic GPU), then the launch, interpreted; ``blocked``: the intra
-    launch by 16-row blocks."""
+    token-aligned ones for Mosaic GPU), then the launch, interpreted; ``form``: the intra
+    launch's (``gpu.INTRA_FORMS``)."""
     plan, rp, x = gpu.prefill_scratch(
         *args, qsl, slots, operand_dtype=jnp.bfloat16, precision=None, tma_layout=tma_layout,
-        blocked=blocked, interpret=True,
+        form=form, interpret=True,
     )  # fmt: skip
     if tma_layout:
         return chunk_scan_mgpu.scan_mgpu(rp, x, pool, out_dtype=jnp.bfloat16, interpret=True)
@@ -52,13 +52,14 @@ def _serial(tma_layout, args, pool, qsl, slots, blocked=False):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("blocked", [False, True], ids=["whole_chunk_intra", "blocked_intra"])
-def test_ragged_batch_matches_the_triton_launch(blocked):
+@pytest.mark.parametrize("form", ["whole", "blocked_bf16"])
+def test_ragged_batch_matches_the_triton_launch(form):
     """Rows of 70, 3 and 130 tokens (rows and checkpoints at 1 and 64, or 35 and 65, cut chunks
     inside the blocks), one row from a state, two padding rows, NaN in every slot no row reads:
     the Triton launch's outputs and written slots (the two plans group tokens differently: bf16
-    roundings apart), and untouched slots bit for bit. ``blocked``: the Mosaic GPU launch on
-    the scratch of the blocked intra launch (its transposed U, k_dec zeroed after the batch)."""
+    roundings apart), and untouched slots bit for bit. ``form``: the Mosaic GPU launch on the
+    scratch of that intra launch (the blocked one: its transposed U, k_dec zeroed after the
+    batch)."""
     rng = np.random.default_rng(0)
     case = ragged_case([70, 3, 130])
     args = _inputs(rng, case.num_tokens)
@@ -66,7 +67,7 @@ def test_ragged_batch_matches_the_triton_launch(blocked):
     qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
     n = int(case.query_start_loc[-1])
     want_o, want_s = jax.jit(functools.partial(_serial, False))(args, jnp.copy(pool), qsl, slots)
-    mgpu = functools.partial(_serial, True, blocked=blocked)
+    mgpu = functools.partial(_serial, True, form=form)
     got_o, got_s = jax.jit(mgpu)(args, jnp.copy(pool), qsl, slots)
     assert_rel_close(got_o[:n], want_o[:n], tol=1e-2, what="outputs")
     assert_rel_close(got_s, want_s, tol=1e-2, what="state pool")
