@@ -48,9 +48,10 @@ not model in registers, as plain dots; the pool written through an output, not i
 It is the GPU prefill's default (:data:`SERIAL_DEFAULT`); ``serial="triton"`` (or
 ``HYJAX_PREFILL_SERIAL=triton`` for a process) asks for the Triton launch.
 
-Measured on an H200 on the token-aligned plan (BENCHMARKS.md): GDN's whole prefill 1.14-1.44x
-the Triton one in one process, KDA's 1.04-1.21x; ragged batches (rows of 1-200 tokens,
-checkpoints inside a block) match the Triton launch (``benchmarks/mgpu_probe.py``).
+Measured on an H200 on the token-aligned plan (BENCHMARKS.md, session 30): GDN's serial launch
+alone 1.30-1.59x the Triton one in device time (606 against 787 us at 8x4096, 104 against 165
+at 1x4096); ragged batches (rows of 1-200 tokens, checkpoints inside a block) match the Triton
+launch (``benchmarks/mgpu_probe.py``).
 """
 
 from __future__ import annotations
