@@ -35,9 +35,12 @@
 #   mgpudiag  mgpuscan at 1x4096 and 8x4096 only: the serial launch against its chain alone
 #             (no o) and its copies alone (no products), per chunk of a row (what bounds it),
 #             and with later chunks' tiles prefetched into L2 (prefetch 1, 2); ~200 s
-#   gdnreal   the default GDN prefill at its four shapes and FLA, each timed program traced
-#             (--trace: the intra launch ran once in ten chained calls until every call had its
-#             own operands, 2026-11-29); kdareal KDA's default prefill and FLA at three shapes
+#   gdnreal   FLA, then the default GDN prefill and the blocked intra launch's (f32 and bf16
+#             products) at four shapes (the intra launch ran once in ten chained calls until
+#             every call had its own operands, 2026-11-29: ~70 s an entry, give it
+#             SUITE_LIMIT_S >= 500 or a call of its own); gdnrealtr the default and blocked at
+#             1x4096 and 8x4096 traced (--trace: the kernels' device time); kdareal KDA's default prefill and FLA at three
+#             shapes
 #   gdnintra  benchmarks.gdn_kernels --intra-sweep: the intra launch alone at 1x4096 and 8x4096,
 #             warps 4 / 8 / 16, stages 1 / 2, early stores, beside its byte floor
 #   mgputrace mgpudiag's chain and copies alone, each timed program run once more under the
@@ -156,7 +159,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T4096_mgpu,prefill_B1_T16384_default,prefill_B1_T16384_mgpu,prefill_B8_T4096_default,prefill_B8_T4096_mgpu,prefill_B1_T32768_default,prefill_B1_T32768_mgpu,prefill_B8_T4096_ckpt,fla --out $j" ;;
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
-        gdnreal) echo "python -m benchmarks.gdn_kernels --trace --skip-floors --only fla,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default,prefill_B1_T32768_default --out $j" ;;
+        gdnreal) echo "python -m benchmarks.gdn_kernels --skip-floors --only fla,prefill_B1_T4096_default,prefill_B1_T4096_blocked,prefill_B8_T4096_default,prefill_B8_T4096_blocked,prefill_B1_T16384_default,prefill_B1_T16384_blocked,prefill_B1_T32768_default,prefill_B1_T32768_blocked --out $j" ;;
+        gdnrealtr) echo "python -m benchmarks.gdn_kernels --trace --skip-floors --only prefill_B1_T4096_default,prefill_B1_T4096_blocked,prefill_B8_T4096_default,prefill_B8_T4096_blocked --out $j" ;;
         gdnintra) echo "python -m benchmarks.gdn_kernels --intra-sweep --out $j" ;;
         kdareal) echo "python -m benchmarks.kda_kernels --only fla,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default --out $j" ;;
         mgputrace) echo "python -m benchmarks.gdn_kernels --mgpu-scan --trace --mgpu-variants chain_only,loads_only --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;
