@@ -41,8 +41,9 @@
 #             SUITE_LIMIT_S >= 500 or a call of its own); gdnrealtr the default and blocked at
 #             1x4096 and 8x4096 traced (--trace: the kernels' device time); kdareal KDA's default prefill and FLA at three
 #             shapes
-#   gdnintra  benchmarks.gdn_kernels --intra-sweep: the intra launch alone at 1x4096 and 8x4096,
-#             warps 4 / 8 / 16, stages 1 / 2, early stores, beside its byte floor
+#   gdnintra  benchmarks.gdn_kernels --intra-sweep: the intra launch alone at 8x4096, its three
+#             forms (whole chunk, 16-row blocks with f32 or bf16 products) at 2-16 warps, each
+#             an entry, beside its byte floor
 #   mgputrace mgpudiag's chain and copies alone, each timed program run once more under the
 #             profiler (--trace): the kernels' own times beside the timed figure, and the
 #             device's idle time between them; gdntrace the default prefill's the same at
