@@ -319,50 +319,57 @@ def _intra_kernel_blocked(
             q.append(l2norm(qb.astype(jnp.float32)) * scale)
             beta.append(jnp.where(ok, be, 0.0))
         gam_last = carry
-        a_kk, a_qk = {}, {}
-        for bi in range(NSUB):
-            for bj in range(bi + 1):
-                diff = gam[bi][:, None] - gam[bj][None, :]  # <= 0 where i >= j
-                if bi == bj:
-                    e_kk = jnp.exp(jnp.where(ii > jj, diff, -1e30))
-                    e_qk = jnp.exp(jnp.where(ii >= jj, diff, -1e30))
-                else:
-                    e_kk = e_qk = jnp.exp(diff)
-                a_kk[bi, bj] = beta[bi][:, None] * pmm(k[bi], k[bj], NT) * e_kk
-                a_qk[bi, bj] = pmm(q[bi], k[bj], NT) * e_qk
-        t = block_unit_lower_inverse(a_kk, NSUB, precision)
-        kb_dec = [k[b] * (beta[b] * jnp.exp(gam[b]))[:, None] for b in range(NSUB)]
-        bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
-        v_beta = {}
-        for b in range(NSUB):
-            for vb in range(dv // bv):
-                vt = pltr.load(
-                    v_ref.at[rows[b], h, pl.ds(vb * bv, bv)], mask=valid[b][:, None], other=0.0
-                )
-                v_beta[b, vb] = vt.astype(jnp.float32) * beta[b][:, None]
+        # In the order that ends each tile's life soonest (registers: the whole chunk's launch
+        # sits at the cap): the scores, q's products and rows stored (q dead after them)
+        a_kk = {}
         for bi in range(NSUB):
             r, ok = rows[bi], valid[bi][:, None]
-            w = sum(pmm(t[bi, bj], kb_dec[bj]) for bj in range(bi + 1))
-            pltr.store(w_ref.at[h, r, :], w.astype(w_ref.dtype), mask=ok)
-            for vb in range(dv // bv):
-                vs = pl.ds(vb * bv, bv)
-                u = sum(pmm(t[bi, bj], v_beta[bj, vb]) for bj in range(bi + 1))
-                if tma_layout:
-                    pltr.store(u_ref.at[h, vs, r], u.T.astype(u_ref.dtype), mask=ok.T)
-                else:
-                    pltr.store(u_ref.at[h, r, vs], u.astype(u_ref.dtype), mask=ok)
+            for bj in range(NSUB):  # Aqk is inclusive lower: the blocks above it are zeros
+                a_qk = jnp.zeros((SUB, SUB), jnp.float32)
+                if bj <= bi:
+                    diff = gam[bi][:, None] - gam[bj][None, :]  # <= 0 where i >= j
+                    if bi == bj:
+                        e_kk = jnp.exp(jnp.where(ii > jj, diff, -1e30))
+                        e_qk = jnp.exp(jnp.where(ii >= jj, diff, -1e30))
+                    else:
+                        e_kk = e_qk = jnp.exp(diff)
+                    a_kk[bi, bj] = beta[bi][:, None] * pmm(k[bi], k[bj], NT) * e_kk
+                    a_qk = pmm(q[bi], k[bj], NT) * e_qk
+                cols = pl.ds(bj * SUB, SUB)
+                pltr.store(aqk_ref.at[h, r, cols], a_qk.astype(aqk_ref.dtype), mask=ok)
             q_dec = q[bi] * jnp.exp(gam[bi])[:, None]
+            pltr.store(qd_ref.at[h, r, :], q_dec.astype(qd_ref.dtype), mask=ok)
+        t = block_unit_lower_inverse(a_kk, NSUB, precision)
+        # k's rows stored and turned into W's operand (k dead after them), then W
+        kb_dec = []
+        for bi in range(NSUB):
+            r, ok = rows[bi], valid[bi][:, None]
             k_dec = k[bi] * jnp.exp(gam_last - gam[bi])[:, None]  # zero outside the chunk
             kd_ok = ok
             if tma_layout:  # k_dec zero on the block's rows after the batch's last token
                 tok = w0 + bi * SUB + jnp.arange(SUB, dtype=jnp.int32)
                 kd_ok = ok | (tok >= live_ref[0])[:, None]
-            pltr.store(qd_ref.at[h, r, :], q_dec.astype(qd_ref.dtype), mask=ok)
             pltr.store(kd_ref.at[h, r, :], k_dec.astype(kd_ref.dtype), mask=kd_ok)
-            for bj in range(NSUB):  # Aqk is inclusive lower: the blocks above it are zeros
-                blk = a_qk[bi, bj] if bj <= bi else jnp.zeros((SUB, SUB), jnp.float32)
-                cols = pl.ds(bj * SUB, SUB)
-                pltr.store(aqk_ref.at[h, r, cols], blk.astype(aqk_ref.dtype), mask=ok)
+            kb_dec.append(k[bi] * (beta[bi] * jnp.exp(gam[bi]))[:, None])
+        for bi in range(NSUB):
+            w = sum(pmm(t[bi, bj], kb_dec[bj]) for bj in range(bi + 1))
+            pltr.store(w_ref.at[h, rows[bi], :], w.astype(w_ref.dtype), mask=valid[bi][:, None])
+        # U, v's rows read for each product (from L2 after the first: no v tile kept live)
+        bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
+
+        def v_beta(bj, vs):
+            vt = pltr.load(v_ref.at[rows[bj], h, vs], mask=valid[bj][:, None], other=0.0)
+            return vt.astype(jnp.float32) * beta[bj][:, None]
+
+        for bi in range(NSUB):
+            r, ok = rows[bi], valid[bi][:, None]
+            for vb in range(dv // bv):
+                vs = pl.ds(vb * bv, bv)
+                u = sum(pmm(t[bi, bj], v_beta(bj, vs)) for bj in range(bi + 1))
+                if tma_layout:
+                    pltr.store(u_ref.at[h, vs, r], u.T.astype(u_ref.dtype), mask=ok.T)
+                else:
+                    pltr.store(u_ref.at[h, r, vs], u.astype(u_ref.dtype), mask=ok)
         dl_ref[ci, h] = jnp.exp(gam_last)
 
 
