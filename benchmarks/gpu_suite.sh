@@ -36,14 +36,14 @@
 #             (no o) and its copies alone (no products), per chunk of a row (what bounds it),
 #             and with later chunks' tiles prefetched into L2 (prefetch 1, 2); ~200 s
 #   gdnreal   FLA, then the default GDN prefill and the blocked intra launch's (f32 and bf16
-#             products) at four shapes (the intra launch ran once in ten chained calls until
+#             products) at four shapes, the split one's at 1x4096 and 8x4096 (the intra launch ran once in ten chained calls until
 #             every call had its own operands, 2026-11-29: ~70 s an entry, give it
 #             SUITE_LIMIT_S >= 500 or a call of its own); gdnrealtr the default and blocked at
 #             1x4096 and 8x4096 traced (--trace: the kernels' device time); kdareal KDA's default prefill and FLA at three
 #             shapes
-#   gdnintra  benchmarks.gdn_kernels --intra-sweep: the intra launch alone at 8x4096, its three
-#             forms (whole chunk, 16-row blocks with f32 or bf16 products) at 2-16 warps, each
-#             an entry, beside its byte floor
+#   gdnintra  benchmarks.gdn_kernels --intra-sweep: the intra launch alone at 8x4096, its four
+#             forms (whole chunk, 16-row blocks with f32 or bf16 products, split in two
+#             launches) at 2-16 warps, each an entry, beside its byte floor
 #   mgputrace mgpudiag's chain and copies alone, each timed program run once more under the
 #             profiler (--trace): the kernels' own times beside the timed figure, and the
 #             device's idle time between them; gdntrace the default prefill's the same at
@@ -160,8 +160,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T4096_mgpu,prefill_B1_T16384_default,prefill_B1_T16384_mgpu,prefill_B8_T4096_default,prefill_B8_T4096_mgpu,prefill_B1_T32768_default,prefill_B1_T32768_mgpu,prefill_B8_T4096_ckpt,fla --out $j" ;;
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
-        gdnreal) echo "python -m benchmarks.gdn_kernels --skip-floors --only fla,prefill_B1_T4096_default,prefill_B1_T4096_blocked,prefill_B8_T4096_default,prefill_B8_T4096_blocked,prefill_B1_T16384_default,prefill_B1_T16384_blocked,prefill_B1_T32768_default,prefill_B1_T32768_blocked --out $j" ;;
-        gdnrealtr) echo "python -m benchmarks.gdn_kernels --trace --skip-floors --only prefill_B1_T4096_default,prefill_B1_T4096_blocked,prefill_B8_T4096_default,prefill_B8_T4096_blocked --out $j" ;;
+        gdnreal) echo "python -m benchmarks.gdn_kernels --skip-floors --only fla,prefill_B1_T4096_default,prefill_B1_T4096_blocked,prefill_B1_T4096_split,prefill_B8_T4096_default,prefill_B8_T4096_blocked,prefill_B8_T4096_split,prefill_B1_T16384_default,prefill_B1_T16384_blocked,prefill_B1_T32768_default,prefill_B1_T32768_blocked --out $j" ;;
+        gdnrealtr) echo "python -m benchmarks.gdn_kernels --trace --skip-floors --only prefill_B1_T4096_default,prefill_B1_T4096_blocked,prefill_B1_T4096_split,prefill_B8_T4096_default,prefill_B8_T4096_blocked,prefill_B8_T4096_split --out $j" ;;
         gdnintra) echo "python -m benchmarks.gdn_kernels --intra-sweep --out $j" ;;
         kdareal) echo "python -m benchmarks.kda_kernels --only fla,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default --out $j" ;;
         mgputrace) echo "python -m benchmarks.gdn_kernels --mgpu-scan --trace --mgpu-variants chain_only,loads_only --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -102,8 +103,9 @@ SUB = 16  # the blocked intra launch's sub-blocks (_intra_kernel_blocked)
 NSUB = CHUNK // SUB
 # The intra launch's forms (:func:`intra_launch`): the whole chunk's tiles (_intra_kernel),
 # or by 16-row blocks (_intra_kernel_blocked) with f32 operands at the prefill's precision or
-# bf16 ones (the products' operands rounded as FLA's chunk kernels do; the inverse f32).
-INTRA_FORMS = ("whole", "blocked", "blocked_bf16")
+# bf16 ones (the products' operands rounded as FLA's chunk kernels do; the inverse f32), or
+# split in two launches, Tm stored between them (_intra_kernel_scores, _intra_kernel_wu).
+INTRA_FORMS = ("whole", "blocked", "blocked_bf16", "split")
 # The form a prefill runs when not told (``intra_form=None``): the whole chunk's until the
 # blocked ones are timed on a GPU; HYJAX_GDN_INTRA=blocked|blocked_bf16 for a process.
 INTRA_FORM = os.environ.get("HYJAX_GDN_INTRA", "whole")
@@ -220,54 +222,127 @@ def _intra_kernel(
     block's rows after the batch's last token, which no chunk writes."""
     ci, h = pl.program_id(0), pl.program_id(1)
     start, length = c_start_ref[ci], c_len_ref[ci]
-    num_tokens = k_ref.shape[0]
-    op = w_ref.dtype
 
     @pl.when(length > 0)
     def _():
-        win = window(start, length, num_tokens, CHUNK, aligned=tma_layout)
-        valid = win.valid
-        c = CHUNK
-        ii = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-        jj = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-        hk = h // ratio
-        k = pltr.load(k_ref.at[win.rows, hk, :], mask=valid[:, None], other=0.0)
-        q = pltr.load(q_ref.at[win.rows, hk, :], mask=valid[:, None], other=0.0)
-        k = l2norm(k.astype(jnp.float32))
-        q = l2norm(q.astype(jnp.float32)) * scale
-        a = pltr.load(a_ref.at[win.rows, h], mask=valid, other=0.0)
-        b = pltr.load(b_ref.at[win.rows, h], mask=valid, other=0.0)
-        g, beta = _gates(alog_ref, dtb_ref, h, a, b)
-        g = jnp.where(valid, g, 0.0)
-        beta = jnp.where(valid, beta, 0.0)
-        gam = jnp.cumsum(g)  # [C]; rows outside the chunk add 0
-        gam_last = jnp.sum(g)
-        # gam is non-increasing, so every exponent below is <= 0 (no overflow).
-        diff = gam[:, None] - gam[None, :]
-        rows = valid[:, None]
-
-        a_mat = beta[:, None] * mm(k, k, NT, precision) * jnp.exp(jnp.where(ii > jj, diff, -1e30))
+        win = window(start, length, k_ref.shape[0], CHUNK, aligned=tma_layout)
+        x = _chunk_rows(win, h, h // ratio, scale, alog_ref, dtb_ref, k_ref, a_ref, b_ref, q_ref)
+        a_mat = _kk_scores(x, precision)
         tm = unit_lower_inverse(a_mat, precision)
-        w = mm(tm, k * (beta * jnp.exp(gam))[:, None], precision=precision)  # [C, Dk]
-        pltr.store(w_ref.at[h, win.rows, :], w.astype(op), mask=rows)
-        a_qk = mm(q, k, NT, precision) * jnp.exp(jnp.where(ii >= jj, diff, -1e30))
-        pltr.store(aqk_ref.at[h, win.rows, :], a_qk.astype(op), mask=rows)
-        q_dec = (q * jnp.exp(gam)[:, None]).astype(op)
-        pltr.store(qd_ref.at[h, win.rows, :], q_dec, mask=rows)
-        k_dec = k * jnp.exp(gam_last - gam)[:, None]  # zero on the rows outside the chunk
-        kd_rows = (valid | (win.tok >= live_ref[0]))[:, None] if tma_layout else rows
-        pltr.store(kd_ref.at[h, win.rows, :], k_dec.astype(op), mask=kd_rows)
-        dv = v_ref.shape[-1]
-        bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
-        for vb in range(dv // bv):
-            vs = pl.ds(vb * bv, bv)
-            v = pltr.load(v_ref.at[win.rows, h, vs], mask=rows, other=0.0)
-            u = mm(tm, v.astype(jnp.float32) * beta[:, None], precision=precision)  # [C, BV]
-            if tma_layout:
-                pltr.store(u_ref.at[h, vs, win.rows], u.T.astype(op), mask=valid[None, :])
-            else:
-                pltr.store(u_ref.at[h, win.rows, vs], u.astype(op), mask=rows)
-        dl_ref[ci, h] = jnp.exp(gam_last)
+        _store_w_u(x, win, h, tm, precision, v_ref, w_ref, u_ref, tma_layout)
+        _store_q_k_rows(x, win, h, precision, live_ref, qd_ref, kd_ref, aqk_ref, tma_layout)
+        dl_ref[ci, h] = jnp.exp(x.gam_last)
+
+
+class _ChunkRows(NamedTuple):
+    """A chunk's rows in its 64-row window (rows outside the chunk: zeros, ``g = beta = 0``)."""
+
+    k: jax.Array  # f32[C, Dk]  l2-normed
+    q: jax.Array | None  # f32[C, Dk]  l2-normed, scaled
+    beta: jax.Array  # f32[C]
+    gam: jax.Array  # f32[C]  cumsum of g from the window's first row (non-increasing)
+    gam_last: jax.Array  # f32[]
+
+
+def _chunk_rows(win, h, hk, scale, alog_ref, dtb_ref, k_ref, a_ref, b_ref, q_ref=None):
+    valid = win.valid
+    k = pltr.load(k_ref.at[win.rows, hk, :], mask=valid[:, None], other=0.0)
+    k = l2norm(k.astype(jnp.float32))
+    q = None
+    if q_ref is not None:
+        q = pltr.load(q_ref.at[win.rows, hk, :], mask=valid[:, None], other=0.0)
+        q = l2norm(q.astype(jnp.float32)) * scale
+    a = pltr.load(a_ref.at[win.rows, h], mask=valid, other=0.0)
+    b = pltr.load(b_ref.at[win.rows, h], mask=valid, other=0.0)
+    g, beta = _gates(alog_ref, dtb_ref, h, a, b)
+    g = jnp.where(valid, g, 0.0)
+    return _ChunkRows(k, q, jnp.where(valid, beta, 0.0), jnp.cumsum(g), jnp.sum(g))
+
+
+def _decays(x: _ChunkRows, inclusive: bool):
+    """``e^(gam_i - gam_j)`` below the diagonal (on it too with ``inclusive``), 0 above: every
+    exponent kept is <= 0 (gam never increases), so none overflows."""
+    ii = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
+    jj = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
+    below = ii >= jj if inclusive else ii > jj
+    return jnp.exp(jnp.where(below, x.gam[:, None] - x.gam[None, :], -1e30))
+
+
+def _kk_scores(x: _ChunkRows, precision):
+    """``A = strict_lower(beta_i k_i . k_j e^(gam_i - gam_j))``."""
+    return x.beta[:, None] * mm(x.k, x.k, NT, precision) * _decays(x, False)
+
+
+def _store_w_u(x: _ChunkRows, win, h, tm, precision, v_ref, w_ref, u_ref, tma_layout):
+    """``W = Tm (beta e^gam k)`` and ``U = Tm (beta v)`` (``U^T`` with ``tma_layout``)."""
+    op, rows = w_ref.dtype, win.valid[:, None]
+    w = mm(tm, x.k * (x.beta * jnp.exp(x.gam))[:, None], precision=precision)  # [C, Dk]
+    pltr.store(w_ref.at[h, win.rows, :], w.astype(op), mask=rows)
+    dv = v_ref.shape[-1]
+    bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
+    for vb in range(dv // bv):
+        vs = pl.ds(vb * bv, bv)
+        v = pltr.load(v_ref.at[win.rows, h, vs], mask=rows, other=0.0)
+        u = mm(tm, v.astype(jnp.float32) * x.beta[:, None], precision=precision)  # [C, BV]
+        if tma_layout:
+            pltr.store(u_ref.at[h, vs, win.rows], u.T.astype(op), mask=win.valid[None, :])
+        else:
+            pltr.store(u_ref.at[h, win.rows, vs], u.astype(op), mask=rows)
+
+
+def _store_q_k_rows(x: _ChunkRows, win, h, precision, live_ref, qd_ref, kd_ref, aqk_ref,
+                    tma_layout):  # fmt: skip
+    """``Aqk = incl_lower(q_i . k_j e^(gam_i - gam_j))``, ``q e^gam`` and
+    ``k e^(gam_last - gam)`` (with ``tma_layout`` zero on the block's rows after the batch's
+    last token, which no chunk writes)."""
+    op, rows = qd_ref.dtype, win.valid[:, None]
+    a_qk = mm(x.q, x.k, NT, precision) * _decays(x, True)
+    pltr.store(aqk_ref.at[h, win.rows, :], a_qk.astype(op), mask=rows)
+    q_dec = (x.q * jnp.exp(x.gam)[:, None]).astype(op)
+    pltr.store(qd_ref.at[h, win.rows, :], q_dec, mask=rows)
+    k_dec = x.k * jnp.exp(x.gam_last - x.gam)[:, None]  # zero on the rows outside the chunk
+    kd_rows = (win.valid | (win.tok >= live_ref[0]))[:, None] if tma_layout else rows
+    pltr.store(kd_ref.at[h, win.rows, :], k_dec.astype(op), mask=kd_rows)
+
+
+def _intra_kernel_scores(
+    c_start_ref, c_len_ref, live_ref, alog_ref, dtb_ref, q_ref, k_ref, a_ref, b_ref,
+    qd_ref, kd_ref, aqk_ref, dl_ref, tm_ref,
+    *, ratio: int, scale: float, precision, tma_layout: bool = False,
+):  # fmt: skip
+    """The split form's first launch (``form="split"``, as FLA's chunk kernels split it): the
+    scores, q's and k's rows, the decay, and ``Tm = (I + A)^-1`` stored (``[Hv, Tp, C]`` in
+    the operand dtype, window columns) for :func:`_intra_kernel_wu`. No v, no W / U: fewer
+    tiles live than in :func:`_intra_kernel`, which sits at the register cap."""
+    ci, h = pl.program_id(0), pl.program_id(1)
+    start, length = c_start_ref[ci], c_len_ref[ci]
+
+    @pl.when(length > 0)
+    def _():
+        win = window(start, length, k_ref.shape[0], CHUNK, aligned=tma_layout)
+        x = _chunk_rows(win, h, h // ratio, scale, alog_ref, dtb_ref, k_ref, a_ref, b_ref, q_ref)
+        _store_q_k_rows(x, win, h, precision, live_ref, qd_ref, kd_ref, aqk_ref, tma_layout)
+        tm = unit_lower_inverse(_kk_scores(x, precision), precision)
+        pltr.store(tm_ref.at[h, win.rows, :], tm.astype(tm_ref.dtype), mask=win.valid[:, None])
+        dl_ref[ci, h] = jnp.exp(x.gam_last)
+
+
+def _intra_kernel_wu(
+    c_start_ref, c_len_ref, alog_ref, dtb_ref, k_ref, v_ref, a_ref, b_ref, tm_ref, w_ref, u_ref,
+    *, ratio: int, precision, tma_layout: bool = False,
+):  # fmt: skip
+    """The split form's second launch: ``W`` and ``U`` from the stored ``Tm`` (its rows outside
+    the chunk read as zeros: those of W and U are not stored), k's rows and the gates read
+    again."""
+    ci, h = pl.program_id(0), pl.program_id(1)
+    start, length = c_start_ref[ci], c_len_ref[ci]
+
+    @pl.when(length > 0)
+    def _():
+        win = window(start, length, k_ref.shape[0], CHUNK, aligned=tma_layout)
+        x = _chunk_rows(win, h, h // ratio, 1.0, alog_ref, dtb_ref, k_ref, a_ref, b_ref)
+        tm = pltr.load(tm_ref.at[h, win.rows, :], mask=win.valid[:, None], other=0.0)
+        _store_w_u(x, win, h, tm.astype(jnp.float32), precision, v_ref, w_ref, u_ref, tma_layout)
 
 
 def _intra_kernel_blocked(
@@ -392,6 +467,11 @@ def intra_launch(
                   tma_layout=tma_layout)  # fmt: skip
     if form not in INTRA_FORMS:
         raise ValueError(f"intra launch form {form!r}: one of {INTRA_FORMS}")
+    if form == "split":
+        return _split_intra(
+            q, k, v, a, b, A_log, dt_bias, plan, live, shapes, common, num_chunks, num_warps,
+            num_stages, interpret,
+        )  # fmt: skip
     if form == "whole":
         kernel = functools.partial(_intra_kernel, **common)
     else:
@@ -408,6 +488,27 @@ def intra_launch(
             name="gdn_prefill_intra_gpu",
         )(plan.start, plan.length, live, A_log, dt_bias, q, k, v, a, b)
     )
+
+
+def _split_intra(q, k, v, a, b, A_log, dt_bias, plan, live, shapes: ChunkRefs, common,
+                 num_chunks, num_warps, num_stages, interpret) -> ChunkRefs:  # fmt: skip
+    """:func:`intra_launch`'s split form: two launches over grid ``(NC, Hv)``."""
+    hv, tp, _ = shapes.q_dec.shape
+    tm_type = jax.ShapeDtypeStruct((hv, tp, CHUNK), shapes.q_dec.dtype)
+    params = dict(grid=(num_chunks, hv), compiler_params=compiler_params(num_warps, num_stages),
+                  interpret=interpret)  # fmt: skip
+    q_dec, k_dec, a_qk, decay, tm = pl.pallas_call(
+        functools.partial(_intra_kernel_scores, **common),
+        out_shape=[shapes.q_dec, shapes.k_dec, shapes.a_qk, shapes.decay, tm_type],
+        name="gdn_prefill_intra_scores_gpu", **params,
+    )(plan.start, plan.length, live, A_log, dt_bias, q, k, a, b)  # fmt: skip
+    wu = {key: common[key] for key in ("ratio", "precision", "tma_layout")}
+    w, u = pl.pallas_call(
+        functools.partial(_intra_kernel_wu, **wu),
+        out_shape=[shapes.w, shapes.u],
+        name="gdn_prefill_intra_wu_gpu", **params,
+    )(plan.start, plan.length, A_log, dt_bias, k, v, a, b, tm)  # fmt: skip
+    return ChunkRefs(w, u, q_dec, k_dec, a_qk, decay)
 
 
 def prefill_scratch(
