@@ -220,18 +220,26 @@ def _intra_kernel(
     (:mod:`pallas_kernels.common.chunk_scan_mgpu`): a token-aligned plan's chunks, each read in
     the 64-token block of the batch it lies in, ``U`` transposed, and ``k_dec`` zero on the
     block's rows after the batch's last token, which no chunk writes."""
+
+    def body(ci, h, win):
+        x = _chunk_rows(win, h, h // ratio, scale, alog_ref, dtb_ref, k_ref, a_ref, b_ref, q_ref)
+        tm = unit_lower_inverse(_kk_scores(x, precision), precision)
+        _store_w_u(x, win, h, tm, precision, v_ref, w_ref, u_ref, tma_layout)
+        _store_q_k_rows(x, win, h, precision, live_ref, qd_ref, kd_ref, aqk_ref, tma_layout)
+        dl_ref[ci, h] = jnp.exp(x.gam_last)
+
+    _chunk_program(c_start_ref, c_len_ref, k_ref.shape[0], tma_layout, body)
+
+
+def _chunk_program(c_start_ref, c_len_ref, num_tokens: int, tma_layout: bool, body) -> None:
+    """An intra launch's program (chunk ``ci``, value head ``h``): ``body(ci, h, window)`` on
+    a chunk with tokens (the plan's padding chunks have none)."""
     ci, h = pl.program_id(0), pl.program_id(1)
     start, length = c_start_ref[ci], c_len_ref[ci]
 
     @pl.when(length > 0)
     def _():
-        win = window(start, length, k_ref.shape[0], CHUNK, aligned=tma_layout)
-        x = _chunk_rows(win, h, h // ratio, scale, alog_ref, dtb_ref, k_ref, a_ref, b_ref, q_ref)
-        a_mat = _kk_scores(x, precision)
-        tm = unit_lower_inverse(a_mat, precision)
-        _store_w_u(x, win, h, tm, precision, v_ref, w_ref, u_ref, tma_layout)
-        _store_q_k_rows(x, win, h, precision, live_ref, qd_ref, kd_ref, aqk_ref, tma_layout)
-        dl_ref[ci, h] = jnp.exp(x.gam_last)
+        body(ci, h, window(start, length, num_tokens, CHUNK, aligned=tma_layout))
 
 
 class _ChunkRows(NamedTuple):
@@ -314,17 +322,15 @@ def _intra_kernel_scores(
     scores, q's and k's rows, the decay, and ``Tm = (I + A)^-1`` stored (``[Hv, Tp, C]`` in
     the operand dtype, window columns) for :func:`_intra_kernel_wu`. No v, no W / U: fewer
     tiles live than in :func:`_intra_kernel`, which sits at the register cap."""
-    ci, h = pl.program_id(0), pl.program_id(1)
-    start, length = c_start_ref[ci], c_len_ref[ci]
 
-    @pl.when(length > 0)
-    def _():
-        win = window(start, length, k_ref.shape[0], CHUNK, aligned=tma_layout)
+    def body(ci, h, win):
         x = _chunk_rows(win, h, h // ratio, scale, alog_ref, dtb_ref, k_ref, a_ref, b_ref, q_ref)
         _store_q_k_rows(x, win, h, precision, live_ref, qd_ref, kd_ref, aqk_ref, tma_layout)
         tm = unit_lower_inverse(_kk_scores(x, precision), precision)
         pltr.store(tm_ref.at[h, win.rows, :], tm.astype(tm_ref.dtype), mask=win.valid[:, None])
         dl_ref[ci, h] = jnp.exp(x.gam_last)
+
+    _chunk_program(c_start_ref, c_len_ref, k_ref.shape[0], tma_layout, body)
 
 
 def _intra_kernel_wu(
@@ -334,15 +340,13 @@ def _intra_kernel_wu(
     """The split form's second launch: ``W`` and ``U`` from the stored ``Tm`` (its rows outside
     the chunk read as zeros: those of W and U are not stored), k's rows and the gates read
     again."""
-    ci, h = pl.program_id(0), pl.program_id(1)
-    start, length = c_start_ref[ci], c_len_ref[ci]
 
-    @pl.when(length > 0)
-    def _():
-        win = window(start, length, k_ref.shape[0], CHUNK, aligned=tma_layout)
+    def body(ci, h, win):
         x = _chunk_rows(win, h, h // ratio, 1.0, alog_ref, dtb_ref, k_ref, a_ref, b_ref)
         tm = pltr.load(tm_ref.at[h, win.rows, :], mask=win.valid[:, None], other=0.0)
         _store_w_u(x, win, h, tm.astype(jnp.float32), precision, v_ref, w_ref, u_ref, tma_layout)
+
+    _chunk_program(c_start_ref, c_len_ref, k_ref.shape[0], tma_layout, body)
 
 
 def _intra_kernel_blocked(
