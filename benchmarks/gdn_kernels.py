@@ -261,6 +261,7 @@ MGPU_SCAN_VARIANTS = {
     "prefetch1": dict(prefetch=1),
     "prefetch2": dict(prefetch=2),
     "loads_only_prefetch1": dict(diagnostic="loads", prefetch=1),
+    "overlap_o": dict(overlap_o=True),  # o's first product beside the making of V'
 }
 
 
@@ -300,10 +301,10 @@ def mgpu_scan(batch, seq_len) -> dict:
         )  # fmt: skip
         return pool, o
 
-    def mgpu(pool, rp, x, diagnostic=None, prefetch=0):
+    def mgpu(pool, rp, x, diagnostic=None, prefetch=0, overlap_o=False):
         o, pool = chunk_scan_mgpu.scan_mgpu(
             rp, x, pool, out_dtype=jnp.bfloat16, diagnostic=diagnostic, prefetch=prefetch,
-            interpret=INTERPRET,
+            overlap_o=overlap_o, interpret=INTERPRET,
         )  # fmt: skip
         return pool, o
 
@@ -337,6 +338,11 @@ def mgpu_scan(batch, seq_len) -> dict:
                 if MGPU_VARIANTS is None or k in MGPU_VARIANTS}  # fmt: skip
     for name, kwargs in variants.items():
         step = functools.partial(mgpu, **kwargs)
+        if "diagnostic" not in kwargs:  # the same results as the launch: checked, not assumed
+            got_pool, got_o = jax.jit(step)(jnp.copy(pool), *m_in[:2])
+            out[f"mgpu_{name}_err_vs_triton"] = (
+                err_ratio(got_o[:n], want_o[:n]), err_ratio(got_pool[written], want_pool[written])
+            )  # fmt: skip
         trace = {}
         ms = 1e3 * _time_stateful(step, jnp.copy(pool), m_in[:2], iters=10, trace=trace)
         out[f"mgpu_{name}_ms"] = ms
