@@ -232,7 +232,11 @@ def time_prefill(
     pool = _pool(jax.random.PRNGKey(5), num_slots)
     slots = (qsl, slot_args)
     out = {}
-    kernel = functools.partial(gpu.gdn_prefill, precision=precision, interpret=INTERPRET, **tuning)
+    # jitted: the chain's calls share one lowering (a Pallas call lowers in Python, a Mosaic GPU
+    # one in ~0.25 s; ten apart took a prefill entry to ~70 s, 2026-11-29)
+    kernel = jax.jit(
+        functools.partial(gpu.gdn_prefill, precision=precision, interpret=INTERPRET, **tuning)
+    )
 
     def step(fn):
         def one(st, acts, slots):
@@ -387,12 +391,16 @@ def _intra_step(batch, seq_len, nw, ns, form):
     qsl, slots, _ = prefill_batch(batch, seq_len)
     acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
 
-    def one(st, acts, qsl, slots):
+    @jax.jit  # the chain's calls share one lowering
+    def scratch(acts, qsl, slots):
         _, _, x = gpu.prefill_scratch(
             *acts, qsl, slots, operand_dtype=jnp.bfloat16, precision=None, num_warps=nw,
             num_stages=ns, tma_layout=True, form=form, interpret=INTERPRET,
         )  # fmt: skip
-        return st, tuple(x)
+        return tuple(x)
+
+    def one(st, acts, qsl, slots):
+        return st, scratch(acts, qsl, slots)
 
     return one, (acts, qsl, slots)
 

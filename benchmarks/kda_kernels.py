@@ -243,7 +243,8 @@ def time_prefill(bsz, seq_len, checkpoints: int = 0, **tuning) -> dict:
     every = (seq_len // (checkpoints + 1)) // 64 * 64 if checkpoints else None
     qsl, slots, num_slots = prefill_batch(bsz, seq_len, checkpoints or 2, every)
     acts = _activations(jax.random.PRNGKey(4), bsz * seq_len)
-    kernel = functools.partial(gpu.kda_prefill, interpret=INTERPRET, **tuning)
+    # jitted: the chain's calls share one lowering (gdn_kernels.time_prefill)
+    kernel = jax.jit(functools.partial(gpu.kda_prefill, interpret=INTERPRET, **tuning))
     t = _time_stateful(
         _prefill_step(kernel), _pool(jax.random.PRNGKey(5), num_slots), (acts, qsl, slots),
         iters=10,
