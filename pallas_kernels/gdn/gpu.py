@@ -31,7 +31,12 @@ shorter batches).
    ``U = Tm (beta v)``, the decayed rows ``q e^gam`` and ``k e^(gam_last - gam)``, the
    intra-chunk scores ``Aqk = incl_lower(q k^T * decay)`` and the chunk's state decay
    ``e^gam_last``. Stored head-major (``[Hv, T, D]``: a chunk's rows are contiguous) in the
-   *operand dtype*, valid rows only, so the scratch is proportional to the tokens.
+   *operand dtype*, valid rows only, so the scratch is proportional to the tokens. This
+   launch is most of a prefill's time on an H200 (84-86 % at 1x16384 and 8x4096, BENCHMARKS.md:
+   255 registers a thread, one program an SM); its other forms (``intra_form``:
+   :data:`INTRA_FORMS`) are the same outputs by 16-row blocks (``_intra_kernel_blocked``, with
+   f32 or bf16 products) or in two launches with ``Tm`` stored between them
+   (``_intra_kernel_scores``, ``_intra_kernel_wu``), not yet timed.
 2. The serial launch (:mod:`pallas_kernels.common.chunk_scan_gpu`, shared with KDA), one
    program per (row, value head, Dv block), the blocks on the fastest grid axis
    (``serial_grid``; BV 64 when that fills the SMs, else 32: ``serial_block_v``): a program
@@ -48,8 +53,8 @@ a scratch that grows with the chunks; not the default (slower at every measured 
 The operand dtype (:func:`operand_dtype_for`) is that of the products' inputs after the UT
 transform: bf16 for bf16 activations (FLA's and FlashInfer's choice: bf16 tensor-core products,
 f32 accumulation, the state kept in f32 between chunks), f32 for f32 ones (the products then
-follow ``precision``). The UT transform itself (``k k^T``, the inverse, W, U) always runs on
-f32 operands at ``precision``. Requirements: ``Dk`` a power of two, ``BV`` a power of two
+follow ``precision``). The UT transform itself (``k k^T``, the inverse, W, U) runs on f32
+operands at ``precision`` (the ``"blocked_bf16"`` form: bf16 products, the inverse f32). Requirements: ``Dk`` a power of two, ``BV`` a power of two
 dividing ``Dv`` (by default the largest one up to 32 or 64); :func:`unsupported_reason` says
 which head dims ``hyjax.ops`` must leave to the reference.
 """
