@@ -54,9 +54,10 @@ The operand dtype (:func:`operand_dtype_for`) is that of the products' inputs af
 transform: bf16 for bf16 activations (FLA's and FlashInfer's choice: bf16 tensor-core products,
 f32 accumulation, the state kept in f32 between chunks), f32 for f32 ones (the products then
 follow ``precision``). The UT transform itself (``k k^T``, the inverse, W, U) runs on f32
-operands at ``precision`` (the ``"blocked_bf16"`` form: bf16 products, the inverse f32). Requirements: ``Dk`` a power of two, ``BV`` a power of two
-dividing ``Dv`` (by default the largest one up to 32 or 64); :func:`unsupported_reason` says
-which head dims ``hyjax.ops`` must leave to the reference.
+operands at ``precision`` (the ``"blocked_bf16"`` form: bf16 products, the inverse f32).
+Requirements: ``Dk`` a power of two, ``BV`` a power of two dividing ``Dv`` (by default the
+largest one up to 32 or 64); :func:`unsupported_reason` says which head dims ``hyjax.ops``
+must leave to the reference.
 """
 
 from __future__ import annotations
