@@ -66,6 +66,7 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     "blocked": (None, None, None, dict(intra_form="blocked")),
     "blocked_bf16": (None, None, None, dict(intra_form="blocked_bf16")),
     "split": (None, None, None, dict(intra_form="split")),  # two intra launches, Tm between
+    "split_blocked": (None, None, None, dict(intra_form="split_blocked")),
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
     "bf16ops_three": (None, jnp.bfloat16, True, {}),
     "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True, {}),
@@ -381,7 +382,7 @@ INTRA_CONFIGS = [
     (8, 2, "whole"), (4, 2, "whole"), (16, 2, "whole"),
     (8, 2, "blocked"), (4, 2, "blocked"), (2, 1, "blocked"),
     (8, 2, "blocked_bf16"), (4, 2, "blocked_bf16"), (4, 1, "blocked_bf16"), (2, 1, "blocked_bf16"),
-    (8, 2, "split"), (4, 2, "split"),
+    (8, 2, "split"), (4, 2, "split"), (8, 2, "split_blocked"), (4, 2, "split_blocked"),
 ]  # fmt: skip
 
 

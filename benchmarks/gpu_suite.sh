@@ -36,14 +36,16 @@
 #             (no o) and its copies alone (no products), per chunk of a row (what bounds it),
 #             and with later chunks' tiles prefetched into L2 (prefetch 1, 2); ~200 s
 #   gdnreal   FLA, then the default GDN prefill and the blocked intra launch's (f32 and bf16
-#             products) at four shapes, the split one's at 1x4096 and 8x4096 (the intra launch ran once in ten chained calls until
+#             products) at four shapes, the split ones' (split, split_blocked) at 1x4096 and
+#             8x4096 (the intra launch ran once in ten chained calls until
 #             every call had its own operands, 2026-11-29: ~70 s an entry, give it
 #             SUITE_LIMIT_S >= 500 or a call of its own); gdnrealtr the default and blocked at
 #             1x4096 and 8x4096 traced (--trace: the kernels' device time); kdareal KDA's default prefill and FLA at three
 #             shapes
-#   gdnintra  benchmarks.gdn_kernels --intra-sweep: the intra launch alone at 8x4096, its four
-#             forms (whole chunk, 16-row blocks with f32 or bf16 products, split in two
-#             launches) at 2-16 warps, each an entry, beside its byte floor
+#   gdnintra  benchmarks.gdn_kernels --intra-sweep: the intra launch alone at 8x4096, its five
+#             forms (gdn.gpu.INTRA_FORMS: whole chunk, 16-row blocks with f32 or bf16 products,
+#             split in two launches, the first by blocks or not) at 2-16 warps, each an entry,
+#             beside its byte floor (~14 entries: SUITE_LIMIT_S >= 300)
 #   mgpuov    the serial launch with o's first product beside the making of V' (scan_mgpu's
 #             overlap_o), checked against the Triton launch and traced beside the default and
 #             its chain alone, at 1x4096 and 8x4096; gdnov the default prefill with it on

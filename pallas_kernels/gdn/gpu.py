@@ -110,8 +110,9 @@ NSUB = CHUNK // SUB
 # The intra launch's forms (:func:`intra_launch`): the whole chunk's tiles (_intra_kernel),
 # or by 16-row blocks (_intra_kernel_blocked) with f32 operands at the prefill's precision or
 # bf16 ones (the products' operands rounded as FLA's chunk kernels do; the inverse f32), or
-# split in two launches, Tm stored between them (_intra_kernel_scores, _intra_kernel_wu).
-INTRA_FORMS = ("whole", "blocked", "blocked_bf16", "split")
+# split in two launches, Tm stored between them (_intra_kernel_scores, _intra_kernel_wu), its
+# first by blocks in "split_blocked" (_intra_kernel_blocked_scores).
+INTRA_FORMS = ("whole", "blocked", "blocked_bf16", "split", "split_blocked")
 # The form a prefill runs when not told (``intra_form=None``): the whole chunk's until the
 # blocked ones are timed on a GPU; HYJAX_GDN_INTRA=blocked|blocked_bf16 for a process.
 INTRA_FORM = os.environ.get("HYJAX_GDN_INTRA", "whole")
@@ -357,7 +358,7 @@ def _intra_kernel_wu(
 
 def _intra_kernel_blocked(
     c_start_ref, c_len_ref, live_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
-    w_ref, u_ref, qd_ref, kd_ref, aqk_ref, dl_ref,
+    w_ref, u_ref, qd_ref, kd_ref, aqk_ref, dl_ref, tm_ref=None,
     *, ratio: int, scale: float, precision, tma_layout: bool = False, bf16_products: bool = False,
 ):  # fmt: skip
     """:func:`_intra_kernel`'s outputs by ``[16, 16]`` blocks of the chunk (``blocked=True``),
@@ -369,11 +370,12 @@ def _intra_kernel_blocked(
     (their masks multiply zeros), 60 % of the launch's multiply-adds. Same arithmetic
     otherwise: f32 operands at ``precision``, or with ``bf16_products`` the operands of the
     score and W / U products rounded to bf16 (f32 accumulation; the inverse stays f32), as
-    FLA's chunk kernels: bf16 MMAs run at twice TF32's rate on Hopper."""
+    FLA's chunk kernels: bf16 MMAs run at twice TF32's rate on Hopper. With ``tm_ref`` (the
+    ``"split_blocked"`` form's first launch: no ``v``, ``W``, ``U``) ``Tm``'s blocks are stored
+    there instead of W and U (:func:`_intra_kernel_wu` makes them)."""
     ci, h = pl.program_id(0), pl.program_id(1)
     start, length = c_start_ref[ci], c_len_ref[ci]
     num_tokens = k_ref.shape[0]
-    dv = v_ref.shape[-1]
     ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     jj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
     hk = h // ratio
@@ -436,10 +438,19 @@ def _intra_kernel_blocked(
                 kd_ok = ok | (tok >= live_ref[0])[:, None]
             pltr.store(kd_ref.at[h, r, :], k_dec.astype(kd_ref.dtype), mask=kd_ok)
             kb_dec.append(k[bi] * (beta[bi] * jnp.exp(gam[bi]))[:, None])
+        dl_ref[ci, h] = jnp.exp(gam_last)
+        if tm_ref is not None:  # Tm by blocks, zeros above the diagonal ones; W, U elsewhere
+            for bi in range(NSUB):
+                for bj in range(NSUB):
+                    blk = t[bi, bj] if bj <= bi else jnp.zeros((SUB, SUB), jnp.float32)
+                    pltr.store(tm_ref.at[h, rows[bi], pl.ds(bj * SUB, SUB)],
+                               blk.astype(tm_ref.dtype), mask=valid[bi][:, None])  # fmt: skip
+            return
         for bi in range(NSUB):
             w = sum(pmm(t[bi, bj], kb_dec[bj]) for bj in range(bi + 1))
             pltr.store(w_ref.at[h, rows[bi], :], w.astype(w_ref.dtype), mask=valid[bi][:, None])
         # U, v's rows read for each product (from L2 after the first: no v tile kept live)
+        dv = v_ref.shape[-1]
         bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
 
         def v_beta(bj, vs):
@@ -455,7 +466,18 @@ def _intra_kernel_blocked(
                     pltr.store(u_ref.at[h, vs, r], u.T.astype(u_ref.dtype), mask=ok.T)
                 else:
                     pltr.store(u_ref.at[h, r, vs], u.astype(u_ref.dtype), mask=ok)
-        dl_ref[ci, h] = jnp.exp(gam_last)
+
+
+def _intra_kernel_blocked_scores(
+    c_start_ref, c_len_ref, live_ref, alog_ref, dtb_ref, q_ref, k_ref, a_ref, b_ref,
+    qd_ref, kd_ref, aqk_ref, dl_ref, tm_ref, **params,
+):  # fmt: skip
+    """The ``"split_blocked"`` form's first launch: :func:`_intra_kernel_scores`'s outputs
+    made by :func:`_intra_kernel_blocked` (the cheaper inverse by blocks)."""
+    _intra_kernel_blocked(
+        c_start_ref, c_len_ref, live_ref, alog_ref, dtb_ref, q_ref, k_ref, None, a_ref, b_ref,
+        None, None, qd_ref, kd_ref, aqk_ref, dl_ref, tm_ref, **params,
+    )  # fmt: skip
 
 
 def intra_launch(
@@ -477,10 +499,10 @@ def intra_launch(
                   tma_layout=tma_layout)  # fmt: skip
     if form not in INTRA_FORMS:
         raise ValueError(f"intra launch form {form!r}: one of {INTRA_FORMS}")
-    if form == "split":
+    if form in ("split", "split_blocked"):
         return _split_intra(
             q, k, v, a, b, A_log, dt_bias, plan, live, shapes, common, num_chunks, num_warps,
-            num_stages, interpret,
+            num_stages, interpret, blocked=form == "split_blocked",
         )  # fmt: skip
     if form == "whole":
         kernel = functools.partial(_intra_kernel, **common)
@@ -501,14 +523,16 @@ def intra_launch(
 
 
 def _split_intra(q, k, v, a, b, A_log, dt_bias, plan, live, shapes: ChunkRefs, common,
-                 num_chunks, num_warps, num_stages, interpret) -> ChunkRefs:  # fmt: skip
-    """:func:`intra_launch`'s split form: two launches over grid ``(NC, Hv)``."""
+                 num_chunks, num_warps, num_stages, interpret, blocked) -> ChunkRefs:  # fmt: skip
+    """:func:`intra_launch`'s split forms: two launches over grid ``(NC, Hv)``, the first by
+    16-row blocks with ``blocked``."""
     hv, tp, _ = shapes.q_dec.shape
     tm_type = jax.ShapeDtypeStruct((hv, tp, CHUNK), shapes.q_dec.dtype)
     params = dict(grid=(num_chunks, hv), compiler_params=compiler_params(num_warps, num_stages),
                   interpret=interpret)  # fmt: skip
+    first = _intra_kernel_blocked_scores if blocked else _intra_kernel_scores
     q_dec, k_dec, a_qk, decay, tm = pl.pallas_call(
-        functools.partial(_intra_kernel_scores, **common),
+        functools.partial(first, **common),
         out_shape=[shapes.q_dec, shapes.k_dec, shapes.a_qk, shapes.decay, tm_type],
         name="gdn_prefill_intra_scores_gpu", **params,
     )(plan.start, plan.length, live, A_log, dt_bias, q, k, a, b)  # fmt: skip

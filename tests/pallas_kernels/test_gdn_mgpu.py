@@ -52,7 +52,7 @@ def _serial(tma_layout, args, pool, qsl, slots, form="whole"):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("form", ["whole", "blocked_bf16", "split"])
+@pytest.mark.parametrize("form", ["whole", "blocked_bf16", "split", "split_blocked"])
 def test_ragged_batch_matches_the_triton_launch(form):
     """Rows of 70, 3 and 130 tokens (rows and checkpoints at 1 and 64, or 35 and 65, cut chunks
     inside the blocks), one row from a state, two padding rows, NaN in every slot no row reads:
