@@ -31,13 +31,12 @@ import functools
 import importlib.util
 import json
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import time_chained
+from benchmarks.common import guarded_entries, time_chained
 from pallas_kernels.attention import gpu
 from pallas_kernels.attention.reference import ragged_paged_attention_reference
 
@@ -283,16 +282,7 @@ def main() -> None:
     INTERPRET = args.interpret
     summary = {"device": device_name(), "jax": jax.__version__, "shapes": f"{HQ=} {HKV=} {D=}"}
 
-    def guarded(name, fn):
-        try:
-            summary[name] = fn()
-        except Exception as e:  # noqa: BLE001 - keep going, report the failure
-            summary[name] = {"failed": f"{type(e).__name__}: {str(e)[:500]}"}
-            traceback.print_exc()
-        print(name, json.dumps(summary[name]), flush=True)
-        if args.out:  # as it goes: a run stopped at its time limit keeps what it measured
-            with open(args.out, "w") as f:
-                json.dump(summary, f, indent=1)
+    guarded = guarded_entries(summary, args.out)  # saved as it goes
 
     small = INTERPRET
     if not small:

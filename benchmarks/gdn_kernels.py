@@ -61,7 +61,6 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     "triton": (None, None, None, dict(serial="triton")),  # the Triton serial launch
     # the Mosaic GPU serial launch (the timed batches' chunks start at multiples of 64 tokens)
     "mgpu": (None, None, None, dict(serial="mgpu")),
-    # q's products and rows stored before the UT transform (intra launch: 255 registers)
     # the intra launch by 16-row blocks (gpu._intra_kernel_blocked), f32 or bf16 operands
     "blocked": (None, None, None, dict(intra_form="blocked")),
     "blocked_bf16": (None, None, None, dict(intra_form="blocked_bf16")),

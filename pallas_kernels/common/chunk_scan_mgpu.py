@@ -116,8 +116,7 @@ def smem_bytes(
 SERIAL_DEFAULT = os.environ.get("HYJAX_PREFILL_SERIAL", "mgpu")
 # Chunks ahead of the next one whose tiles a program prefetches into L2 (``scan_mgpu``'s
 # ``prefetch``) when not told: 0 (none; 1 and 2 measured no gain on an H200, session 30, 168
-# against 173 / 182 us at 1x4096); HYJAX_PREFILL_PREFETCH=N for
-# a process.
+# against 173 / 182 us at 1x4096); HYJAX_PREFILL_PREFETCH=N for a process.
 PREFETCH = int(os.environ.get("HYJAX_PREFILL_PREFETCH", "0"))
 # Whether a chunk's o products overlap the making of V' (``scan_mgpu``'s ``overlap_o``) when not
 # told: off until timed on a GPU; HYJAX_PREFILL_OVERLAP_O=1 for a process.

@@ -373,25 +373,20 @@ def _intra_kernel_blocked(
     FLA's chunk kernels: bf16 MMAs run at twice TF32's rate on Hopper. With ``tm_ref`` (the
     ``"split_blocked"`` form's first launch: no ``v``, ``W``, ``U``) ``Tm``'s blocks are stored
     there instead of W and U (:func:`_intra_kernel_wu` makes them)."""
-    ci, h = pl.program_id(0), pl.program_id(1)
-    start, length = c_start_ref[ci], c_len_ref[ci]
-    num_tokens = k_ref.shape[0]
     ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     jj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-    hk = h // ratio
 
     def pmm(x, y, contract=((1,), (0,))):  # a score or W / U product
         if bf16_products:  # HIGHEST on bf16: a plain bf16 MMA (kda.gpu._operand_precision)
             return mm(x.astype(jnp.bfloat16), y.astype(jnp.bfloat16), contract, HIGHEST)
         return mm(x, y, contract, precision)
 
-    @pl.when(length > 0)
-    def _():
-        w0 = window(start, length, num_tokens, CHUNK, aligned=tma_layout).rows.start
+    def body(ci, h, win):
+        hk, w0 = h // ratio, win.rows.start
         rows, valid, q, k, beta, gam = [], [], [], [], [], []
         carry = jnp.zeros((), jnp.float32)
         for blk in range(NSUB):  # rows outside the chunk load zeros and get g = beta = 0
-            r, ok = sub_rows(w0, blk, SUB, start, length)
+            r, ok = sub_rows(w0, blk, SUB, win.start, win.length)
             kb = pltr.load(k_ref.at[r, hk, :], mask=ok[:, None], other=0.0)
             qb = pltr.load(q_ref.at[r, hk, :], mask=ok[:, None], other=0.0)
             ab = pltr.load(a_ref.at[r, h], mask=ok, other=0.0)
@@ -427,7 +422,8 @@ def _intra_kernel_blocked(
             q_dec = q[bi] * jnp.exp(gam[bi])[:, None]
             pltr.store(qd_ref.at[h, r, :], q_dec.astype(qd_ref.dtype), mask=ok)
         t = block_unit_lower_inverse(a_kk, NSUB, precision)
-        # k's rows stored and turned into W's operand (k dead after them), then W
+        # k's rows stored and turned into W's operand (k dead after them), then W (not in the
+        # split form's first launch: Tm's blocks are stored instead)
         kb_dec = []
         for bi in range(NSUB):
             r, ok = rows[bi], valid[bi][:, None]
@@ -437,7 +433,8 @@ def _intra_kernel_blocked(
                 tok = w0 + bi * SUB + jnp.arange(SUB, dtype=jnp.int32)
                 kd_ok = ok | (tok >= live_ref[0])[:, None]
             pltr.store(kd_ref.at[h, r, :], k_dec.astype(kd_ref.dtype), mask=kd_ok)
-            kb_dec.append(k[bi] * (beta[bi] * jnp.exp(gam[bi]))[:, None])
+            if tm_ref is None:
+                kb_dec.append(k[bi] * (beta[bi] * jnp.exp(gam[bi]))[:, None])
         dl_ref[ci, h] = jnp.exp(gam_last)
         if tm_ref is not None:  # Tm by blocks, zeros above the diagonal ones; W, U elsewhere
             for bi in range(NSUB):
@@ -466,6 +463,8 @@ def _intra_kernel_blocked(
                     pltr.store(u_ref.at[h, vs, r], u.T.astype(u_ref.dtype), mask=ok.T)
                 else:
                     pltr.store(u_ref.at[h, r, vs], u.astype(u_ref.dtype), mask=ok)
+
+    _chunk_program(c_start_ref, c_len_ref, k_ref.shape[0], tma_layout, body)
 
 
 def _intra_kernel_blocked_scores(
