@@ -107,15 +107,15 @@ def test_diagnostic_modes_keep_the_chain_and_the_loads():
     full = np.asarray(jax.jit(functools.partial(run, None))(jnp.copy(pool)))
     prefetched = np.asarray(jax.jit(functools.partial(run, None, prefetch=1))(jnp.copy(pool)))
     np.testing.assert_array_equal(prefetched, full)  # (the prefetch's indexing runs, no effect)
-    # o and the state, bit for bit (rows outside every chunk of o are left unwritten: live ones)
+    # o and the state: the same products and sums in another program, so relative to their
+    # size (another host's compiler may fuse them apart; bf16 o: one rounding step apart at
+    # most). Rows outside every chunk of o are left unwritten: the live ones only
     o_full = jax.jit(functools.partial(run, None, out=0))(jnp.copy(pool))[:n]
     o_over, s_over = jax.jit(functools.partial(run, None, overlap_o=True, out=slice(None)))(
         jnp.copy(pool)
     )
-    np.testing.assert_array_equal(np.asarray(s_over), full)
-    np.testing.assert_array_equal(
-        np.asarray(o_over[:n], np.float32), np.asarray(o_full, np.float32)
-    )
+    assert_rel_close(np.asarray(s_over), full, tol=1e-6, what="the state, o overlapped")
+    assert_rel_close(o_over[:n], o_full, tol=1e-3, what="o, overlapped")
     chain = np.asarray(jax.jit(functools.partial(run, "chain"))(jnp.copy(pool)))
     loads = np.asarray(jax.jit(functools.partial(run, "loads"))(jnp.copy(pool)))
     assert_rel_close(chain, full, tol=1e-6, what="the chain alone")  # (other fusions)
