@@ -269,6 +269,15 @@ def guarded_entries(summary: dict, out: str | None, only: tuple[str, ...] | None
     return guarded
 
 
+def write_summary(summary: dict, out: str | None) -> None:
+    """A benchmark's results printed and, with ``out``, written there as JSON."""
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+
+
 def err_ratio(got, want) -> float:
     """FLA's error ratio: ``rms(got - want) / rms(want)``, in float64."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 
 import jax
@@ -37,6 +36,7 @@ from benchmarks.common import (
     sweep_launches,
     time_stateful,
     torch_graph_ms,
+    write_summary,
 )
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import (
@@ -61,7 +61,9 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     "triton": (None, None, None, dict(serial="triton")),  # the Triton serial launch
     # the Mosaic GPU serial launch (the timed batches' chunks start at multiples of 64 tokens)
     "mgpu": (None, None, None, dict(serial="mgpu")),
-    # the intra launch by 16-row blocks (gpu._intra_kernel_blocked), f32 or bf16 operands
+    # the intra launch of the whole chunk (the default until 2026-11-29), or by 16-row blocks
+    # (gpu._intra_kernel_blocked) with f32 or bf16 products (bf16: a bf16 model's default)
+    "whole": (None, None, None, dict(intra_form="whole")),
     "blocked": (None, None, None, dict(intra_form="blocked")),
     "blocked_bf16": (None, None, None, dict(intra_form="blocked_bf16")),
     "split": (None, None, None, dict(intra_form="split")),  # two intra launches, Tm between
@@ -656,7 +658,7 @@ def main() -> None:
     if args.mgpu_scan:  # the serial launch alone, in its two lowerings
         for b, t in [(1, 256)] if args.quick else [(1, 4096), (8, 4096), (1, 16384), (1, 32768)]:
             guarded(f"mgpu_scan_B{b}_T{t}", lambda b=b, t=t: mgpu_scan(b, t))
-        _write(summary, args.out)
+        write_summary(summary, args.out)
         return
     if args.intra_sweep:  # the intra launch alone, at each of INTRA_CONFIGS
         for b, t in [(1, 256)] if args.quick else [(8, 4096)]:  # 17k programs: 130 waves
@@ -666,7 +668,7 @@ def main() -> None:
                     f"intra_B{b}_T{t}_{form}_w{nw}_s{ns}",
                     lambda b=b, t=t, nw=nw, ns=ns, form=form: intra_time(b, t, nw, ns, form),
                 )
-        _write(summary, args.out)
+        write_summary(summary, args.out)
         return
     if not args.skip_floors:
         guarded("floors", floors)
@@ -729,15 +731,7 @@ def main() -> None:
         summary["decode_floor_us"] = {
             f"B{r}": 1e6 * 2 * r * HV * D * D * 4 / (bw * 1e9) for r in decode_rows
         }
-    _write(summary, args.out)
-
-
-def _write(summary: dict, path: str | None) -> None:
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if path:
-        with open(path, "w") as f:
-            f.write(text)
+    write_summary(summary, args.out)
 
 
 if __name__ == "__main__":

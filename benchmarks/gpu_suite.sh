@@ -35,13 +35,13 @@
 #   mgpudiag  mgpuscan at 1x4096 and 8x4096 only: the serial launch against its chain alone
 #             (no o) and its copies alone (no products), per chunk of a row (what bounds it),
 #             and with later chunks' tiles prefetched into L2 (prefetch 1, 2); ~200 s
-#   gdnreal   FLA, then the default GDN prefill and the blocked intra launch's (f32 and bf16
-#             products) at four shapes, the split ones' (split, split_blocked) at 1x4096 and
-#             8x4096 (the intra launch ran once in ten chained calls until
-#             every call had its own operands, 2026-11-29: ~70 s an entry, give it
-#             SUITE_LIMIT_S >= 500 or a call of its own); gdnrealtr the default and blocked at
-#             1x4096 and 8x4096 traced (--trace: the kernels' device time); kdareal KDA's default prefill and FLA at three
-#             shapes
+#   gdnreal   FLA, then the default GDN prefill at four shapes (a bf16 model's: the intra
+#             launch by blocks with bf16 products, gdn.gpu.default_intra_form) and at 8x4096
+#             the whole chunk's intra launch, the default until 2026-11-29 (~70 s an entry:
+#             SUITE_LIMIT_S >= 450); gdnrealtr the default at 1x4096, 8x4096, 1x16384 traced
+#             (--trace: the kernels' device time); gdnckpt the default at 8x4096 with 0, 1, 4
+#             checkpoints a sequence; kdareal KDA's default prefill and FLA at three shapes;
+#             kdaintra KDA's intra launch alone at 8x4096 at 2-8 warps
 #   gdnintra  benchmarks.gdn_kernels --intra-sweep: the intra launch alone at 8x4096, its five
 #             forms (gdn.gpu.INTRA_FORMS: whole chunk, 16-row blocks with f32 or bf16 products,
 #             split in two launches, the first by blocks or not) at 2-16 warps, each an entry,
@@ -166,10 +166,12 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T4096_mgpu,prefill_B1_T16384_default,prefill_B1_T16384_mgpu,prefill_B8_T4096_default,prefill_B8_T4096_mgpu,prefill_B1_T32768_default,prefill_B1_T32768_mgpu,prefill_B8_T4096_ckpt,fla --out $j" ;;
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
-        gdnreal) echo "python -m benchmarks.gdn_kernels --skip-floors --only fla,prefill_B1_T4096_default,prefill_B1_T4096_blocked,prefill_B1_T4096_split,prefill_B8_T4096_default,prefill_B8_T4096_blocked,prefill_B8_T4096_split,prefill_B1_T16384_default,prefill_B1_T16384_blocked,prefill_B1_T32768_default,prefill_B1_T32768_blocked --out $j" ;;
-        gdnrealtr) echo "python -m benchmarks.gdn_kernels --trace --skip-floors --only prefill_B1_T4096_default,prefill_B1_T4096_blocked,prefill_B1_T4096_split,prefill_B8_T4096_default,prefill_B8_T4096_blocked,prefill_B8_T4096_split --out $j" ;;
+        gdnreal) echo "python -m benchmarks.gdn_kernels --skip-floors --only fla,prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default,prefill_B1_T32768_default,prefill_B8_T4096_whole --out $j" ;;
+        gdnrealtr) echo "python -m benchmarks.gdn_kernels --trace --skip-floors --only prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default --out $j" ;;
+        gdnckpt) echo "python -m benchmarks.gdn_kernels --skip-floors --only prefill_B8_T4096_ckpt --out $j" ;;
         gdnintra) echo "python -m benchmarks.gdn_kernels --intra-sweep --out $j" ;;
         kdareal) echo "python -m benchmarks.kda_kernels --only fla,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default --out $j" ;;
+        kdaintra) echo "python -m benchmarks.kda_kernels --intra-sweep --out $j" ;;
         mgpuov) echo "python -m benchmarks.gdn_kernels --mgpu-scan --trace --mgpu-variants overlap_o,chain_only --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;
         gdnov) echo "env HYJAX_PREFILL_OVERLAP_O=1 python -m benchmarks.gdn_kernels --skip-floors --only prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default --out $j" ;;
         mgputrace) echo "python -m benchmarks.gdn_kernels --mgpu-scan --trace --mgpu-variants chain_only,loads_only --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;

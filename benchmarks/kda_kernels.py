@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +37,7 @@ from benchmarks.common import (
     sweep_launches,
     time_stateful,
     torch_graph_ms,
+    write_summary,
 )
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.kda import gpu
@@ -257,31 +257,49 @@ SERIAL_SWEEP = [(32, 4, 2), (64, 4, 2), (64, 4, 1), (32, 4, 3), (16, 2, 2), (128
 INTRA_SWEEP = [(4, 2), (8, 1), (8, 2), (8, 3)]
 
 
+# The intra launch alone at 8x4096, (warps, stages), by --intra-sweep (GDN's blocked launch,
+# the same 16-row blocks, ran 1.7x faster at 4 warps than at 8 on an H200)
+INTRA_CONFIGS = [(8, 2), (4, 2), (4, 1), (2, 1)]
+
+
+def _intra_step(n, nw, ns, tma_layout=False):
+    """The intra launch alone as a :func:`time_stateful` step on ``(acts, qsl, slots)`` of
+    ``n`` tokens; ``tma_layout``: the default (Mosaic GPU) serial launch's scratch."""
+
+    @jax.jit  # the chain's calls share one lowering
+    def scratch(acts, qsl, slots):
+        q, k, v, g, b, A_log, dt_bias = acts
+        plan = gpu.plan_chunks(qsl, slots, num_tokens=n, chunk=gpu.CHUNK, token_aligned=tma_layout)
+        nc = gpu.max_chunks(n, slots.num_rows, slots.ckpt_offsets.shape[1], gpu.CHUNK)
+        (q, k, g, v, b), _ = gpu.pad_tokens((q, k, g, v, b), gpu.CHUNK)
+        x = gpu.intra_launch(
+            q, k, v, g, b, -jnp.exp(A_log), dt_bias, plan, num_chunks=nc,
+            operand_dtype=v.dtype, precision=None, num_warps=nw, num_stages=ns,
+            tma_layout=tma_layout, interpret=INTERPRET,
+        )  # fmt: skip
+        return tuple(x)
+
+    return lambda st, acts, qsl, slots: (st, scratch(acts, qsl, slots))
+
+
+def intra_time(bsz, seq_len, nw, ns) -> dict:
+    """The default prefill's intra launch alone (bf16 operands, the Mosaic GPU serial
+    launch's layout) at ``nw`` warps, ``ns`` stages; each chained call on its own inputs."""
+    qsl, slots, _ = prefill_batch(bsz, seq_len)
+    acts = _activations(jax.random.PRNGKey(4), bsz * seq_len)
+    step = _intra_step(bsz * seq_len, nw, ns, tma_layout=True)
+    return {"ms": 1e3 * _time_stateful(step, jnp.zeros(()), (acts, qsl, slots), iters=10)}
+
+
 def sweep_prefill(bsz, seq_len) -> dict:
     """The default prefill's two launches tuned apart (:func:`benchmarks.common.sweep_launches`):
     the intra launch alone at each of ``INTRA_SWEEP``, the whole at each of ``SERIAL_SWEEP``."""
     qsl, slots, num_slots = prefill_batch(bsz, seq_len)
     acts = _activations(jax.random.PRNGKey(4), bsz * seq_len)
     n = bsz * seq_len
-
-    def intra(nw, ns):
-        def one(st, acts, qsl, slots):
-            q, k, v, g, b, A_log, dt_bias = acts
-            plan = gpu.plan_chunks(qsl, slots, num_tokens=n, chunk=gpu.CHUNK)
-            nc = gpu.max_chunks(n, slots.num_rows, slots.ckpt_offsets.shape[1], gpu.CHUNK)
-            (q, k, g, v, b), _ = gpu.pad_tokens((q, k, g, v, b), gpu.CHUNK)
-            neg_a = -jnp.exp(A_log)
-            x = gpu.intra_launch(
-                q, k, v, g, b, neg_a, dt_bias, plan, num_chunks=nc, operand_dtype=v.dtype,
-                precision=None, num_warps=nw, num_stages=ns, interpret=INTERPRET,
-            )  # fmt: skip
-            return st, tuple(x)
-
-        return one
-
     return sweep_launches(
         functools.partial(gpu.kda_prefill, precision=None, interpret=INTERPRET),
-        intra,
+        lambda nw, ns: _intra_step(n, nw, ns),
         (acts, qsl, slots),
         lambda: _pool(jax.random.PRNGKey(5), num_slots),
         intra_sweep=INTRA_SWEEP,
@@ -316,6 +334,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
     p.add_argument("--sweep", action="store_true", help="tune the prefill's launches")
+    p.add_argument("--intra-sweep", action="store_true",
+                   help="only the intra launch, at each of INTRA_CONFIGS")  # fmt: skip
     p.add_argument("--out", default=None)
     p.add_argument("--only", default=None, help="comma-separated name prefixes to run")
     args = p.parse_args()
@@ -335,6 +355,13 @@ def main() -> None:
 
     guarded = guarded_entries(summary, args.out, only)
 
+    if args.intra_sweep:  # the intra launch alone, an entry a configuration
+        bsz, t = (1, 128) if args.quick else (8, 4096)
+        for nw, ns in INTRA_CONFIGS:
+            guarded(f"intra_B{bsz}_T{t}_w{nw}_s{ns}",
+                    lambda nw=nw, ns=ns: intra_time(bsz, t, nw, ns))  # fmt: skip
+        write_summary(summary, args.out)
+        return
     guarded("check_decode", check_decode)
     checks = {
         **VARIANTS,
@@ -362,11 +389,7 @@ def main() -> None:
             guarded(f"sweep_prefill_B{bsz}_T{t}", lambda b=bsz, t=t: sweep_prefill(b, t))
     for rows in decode_rows:
         guarded(f"decode_B{rows}", lambda rows=rows: time_decode(rows))
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    write_summary(summary, args.out)
 
 
 if __name__ == "__main__":

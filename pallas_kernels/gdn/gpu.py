@@ -32,11 +32,13 @@ shorter batches).
    intra-chunk scores ``Aqk = incl_lower(q k^T * decay)`` and the chunk's state decay
    ``e^gam_last``. Stored head-major (``[Hv, T, D]``: a chunk's rows are contiguous) in the
    *operand dtype*, valid rows only, so the scratch is proportional to the tokens. This
-   launch is most of a prefill's time on an H200 (84-86 % at 1x16384 and 8x4096, BENCHMARKS.md:
-   255 registers a thread, one program an SM); its other forms (``intra_form``:
-   :data:`INTRA_FORMS`) are the same outputs by 16-row blocks (``_intra_kernel_blocked``, with
-   f32 or bf16 products) or in two launches with ``Tm`` stored between them
-   (``_intra_kernel_scores``, ``_intra_kernel_wu``), not yet timed.
+   launch was most of a prefill's time on an H200 in this whole-chunk form (84-86 % at
+   1x16384 and 8x4096, BENCHMARKS.md: 255 registers a thread, one program an SM); its other
+   forms (``intra_form``: :data:`INTRA_FORMS`) are the same outputs by 16-row blocks
+   (``_intra_kernel_blocked``, with f32 or bf16 products) or in two launches with ``Tm``
+   stored between them (``_intra_kernel_scores``, ``_intra_kernel_wu``). A bf16 model's
+   prefill runs the blocked one with bf16 products at 4 warps (:func:`default_intra_form`,
+   :data:`INTRA_TUNING`: 2.1x the whole chunk's launch at 8x4096).
 2. The serial launch (:mod:`pallas_kernels.common.chunk_scan_gpu`, shared with KDA), one
    program per (row, value head, Dv block), the blocks on the fastest grid axis
    (``serial_grid``; BV 64 when that fills the SMs, else 32: ``serial_block_v``): a program
@@ -53,8 +55,10 @@ a scratch that grows with the chunks; not the default (slower at every measured 
 The operand dtype (:func:`operand_dtype_for`) is that of the products' inputs after the UT
 transform: bf16 for bf16 activations (FLA's and FlashInfer's choice: bf16 tensor-core products,
 f32 accumulation, the state kept in f32 between chunks), f32 for f32 ones (the products then
-follow ``precision``). The UT transform itself (``k k^T``, the inverse, W, U) runs on f32
-operands at ``precision`` (the ``"blocked_bf16"`` form: bf16 products, the inverse f32).
+follow ``precision``). In the ``"whole"`` and ``"blocked"`` forms the UT transform itself
+(``k k^T``, the inverse, W, U) runs on f32 operands at ``precision``; in ``"blocked_bf16"`` (a
+bf16 model's default) the scores, W and U are bf16 products and the inverse f32 at
+``precision``, as FLA's ``chunk_gated_delta_rule``.
 Requirements: ``Dk`` a power of two, ``BV`` a power of two dividing ``Dv`` (by default the
 largest one up to 32 or 64); :func:`unsupported_reason` says which head dims ``hyjax.ops``
 must leave to the reference.
@@ -113,9 +117,27 @@ NSUB = CHUNK // SUB
 # split in two launches, Tm stored between them (_intra_kernel_scores, _intra_kernel_wu), its
 # first by blocks in "split_blocked" (_intra_kernel_blocked_scores).
 INTRA_FORMS = ("whole", "blocked", "blocked_bf16", "split", "split_blocked")
-# The form a prefill runs when not told (``intra_form=None``): the whole chunk's until the
-# blocked ones are timed on a GPU; HYJAX_GDN_INTRA=blocked|blocked_bf16 for a process.
-INTRA_FORM = os.environ.get("HYJAX_GDN_INTRA", "whole")
+# The form a prefill runs when not told (``intra_form=None``; HYJAX_GDN_INTRA=<form> for a
+# process): :func:`default_intra_form`.
+INTRA_FORM = os.environ.get("HYJAX_GDN_INTRA") or None
+# Each form's (warps, stages) when not told: the fastest of the intra launch alone at 8x4096
+# on an H200 (gdn_kernels --intra-sweep, BENCHMARKS.md: blocked_bf16 1.79 ms at 4 warps, 3.03
+# at 8; the whole chunk's 3.81 at 8, 5.29 at 4).
+INTRA_TUNING = {
+    "whole": (8, 2), "blocked": (2, 1), "blocked_bf16": (4, 2), "split": (4, 2),
+    "split_blocked": (4, 2),
+}  # fmt: skip
+
+
+def default_intra_form(operand_dtype) -> str:
+    """:data:`INTRA_FORM` if set, else by the operands: 16-bit ones (a bf16 model's) by 16-row
+    blocks with bf16 products and the inverse at the prefill's precision, as FLA's chunk
+    kernels (2.1x the whole chunk's launch at 8x4096 on an H200); f32 ones the whole chunk's
+    at the prefill's precision (an f32 model's products stay f32; the f32 blocked form is
+    slower, 5.2 ms against 3.8)."""
+    if INTRA_FORM is not None:
+        return INTRA_FORM
+    return "whole" if jnp.dtype(operand_dtype) == jnp.float32 else "blocked_bf16"
 
 
 def _gates(alog_ref, dtb_ref, h, a, b):
@@ -546,12 +568,18 @@ def _split_intra(q, k, v, a, b, A_log, dt_bias, plan, live, shapes: ChunkRefs, c
 
 def prefill_scratch(
     q, k, v, a, b, A_log, dt_bias, query_start_loc, slots: StateSlots, *, operand_dtype,
-    precision, num_warps: int = 8, num_stages: int = 2, tma_layout: bool = False,
-    form: str | None = None, interpret: bool = False,
+    precision, num_warps: int | None = None, num_stages: int | None = None,
+    tma_layout: bool = False, form: str | None = None, interpret: bool = False,
 ):  # fmt: skip
     """The prefill up to its serial launch: the chunk plan, the plan by row and the intra
     launch's scratch (:func:`intra_launch`, on inputs padded to a 64-row window; in the Mosaic
-    GPU launch's layout with ``tma_layout``): ``(plan, row plan, ChunkRefs)``."""
+    GPU launch's layout with ``tma_layout``): ``(plan, row plan, ChunkRefs)``. ``form`` None:
+    :func:`default_intra_form`; ``num_warps`` / ``num_stages`` None: the form's
+    :data:`INTRA_TUNING`."""
+    form = default_intra_form(operand_dtype) if form is None else form
+    tuned_warps, tuned_stages = INTRA_TUNING.get(form, (8, 2))  # intra_launch names a bad one
+    num_warps = tuned_warps if num_warps is None else num_warps
+    num_stages = tuned_stages if num_stages is None else num_stages
     n = q.shape[0]
     rows, max_ckpt = slots.ckpt_offsets.shape
     plan = plan_chunks(query_start_loc, slots, num_tokens=n, chunk=CHUNK, token_aligned=tma_layout)
@@ -562,7 +590,7 @@ def prefill_scratch(
     x = intra_launch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=operand_dtype,
         precision=precision, num_warps=num_warps, num_stages=num_stages,
-        tma_layout=tma_layout, form=INTRA_FORM if form is None else form, interpret=interpret,
+        tma_layout=tma_layout, form=form, interpret=interpret,
     )  # fmt: skip
     return plan, row_plan(plan, slots, nc), x
 
@@ -584,8 +612,8 @@ def gdn_prefill(
     operand_dtype=None,
     num_warps: int = 4,
     num_stages: int = 2,
-    intra_num_warps: int = 8,
-    intra_num_stages: int = 2,
+    intra_num_warps: int | None = None,
+    intra_num_stages: int | None = None,
     vb_first: bool = SERIAL_VB_FIRST,
     three_launches: bool = False,
     intra_form: str | None = None,
@@ -611,9 +639,10 @@ def gdn_prefill(
     cost of a scratch of every chunk's starting state (``[NC, Hv, Dk, Dv]`` in the operand
     dtype). ``block_v`` (default: :func:`~pallas_kernels.common.delta_rule_gpu.serial_block_v`
     by the launch's size), ``num_warps`` and ``num_stages`` tune the serial launch,
-    ``intra_num_warps`` / ``intra_num_stages`` the intra launch, ``vb_first`` the serial
-    grid's order (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`),
-    ``intra_form`` the intra launch's form (:data:`INTRA_FORMS`; None: :data:`INTRA_FORM`).
+    ``intra_num_warps`` / ``intra_num_stages`` the intra launch (None: its form's
+    :data:`INTRA_TUNING`), ``vb_first`` the serial grid's order
+    (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`), ``intra_form`` the intra
+    launch's form (:data:`INTRA_FORMS`; None: :func:`default_intra_form`).
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, _, dk = q.shape
