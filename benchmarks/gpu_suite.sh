@@ -166,11 +166,11 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdnp) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill,prefill_B1_T4096_default,prefill_B1_T4096_mgpu,prefill_B1_T16384_default,prefill_B1_T16384_mgpu,prefill_B8_T4096_default,prefill_B8_T4096_mgpu,prefill_B1_T32768_default,prefill_B1_T32768_mgpu,prefill_B8_T4096_ckpt,fla --out $j" ;;
         kda) echo "python -m benchmarks.kda_kernels --sweep --out $j" ;;
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
-        gdnreal) echo "python -m benchmarks.gdn_kernels --skip-floors --only fla,prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default,prefill_B1_T32768_default,prefill_B8_T4096_whole --out $j" ;;
+        gdnreal) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --only fla,prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default,prefill_B1_T32768_default,prefill_B8_T4096_whole --out $j" ;;
         gdnrealtr) echo "python -m benchmarks.gdn_kernels --trace --skip-floors --only prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default --out $j" ;;
         gdnckpt) echo "python -m benchmarks.gdn_kernels --skip-floors --only prefill_B8_T4096_ckpt --out $j" ;;
         gdnintra) echo "python -m benchmarks.gdn_kernels --intra-sweep --out $j" ;;
-        kdareal) echo "python -m benchmarks.kda_kernels --only fla,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default --out $j" ;;
+        kdareal) echo "python -m benchmarks.kda_kernels --no-fla-decode --only check_prefill_default,fla,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default --out $j" ;;
         kdaintra) echo "python -m benchmarks.kda_kernels --intra-sweep --out $j" ;;
         mgpuov) echo "python -m benchmarks.gdn_kernels --mgpu-scan --trace --mgpu-variants overlap_o,chain_only --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;
         gdnov) echo "env HYJAX_PREFILL_OVERLAP_O=1 python -m benchmarks.gdn_kernels --skip-floors --only prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default --out $j" ;;

@@ -259,10 +259,12 @@ INTRA_SWEEP = [(4, 2), (8, 1), (8, 2), (8, 3)]
 
 # The intra launch alone at 8x4096, (warps, stages), by --intra-sweep (GDN's blocked launch,
 # the same 16-row blocks, ran 1.7x faster at 4 warps than at 8 on an H200)
-INTRA_CONFIGS = [(8, 2), (4, 2), (4, 1), (2, 1)]
+# and the diagonal blocks' two forms (gpu.DIAG_FORMS: the column loop took 12.9 ms at 8 warps)
+INTRA_CONFIGS = [(8, 2, "levels"), (4, 2, "levels"), (4, 1, "levels"), (2, 1, "levels"),
+                 (16, 2, "levels"), (8, 2, "columns")]  # fmt: skip
 
 
-def _intra_step(n, nw, ns, tma_layout=False):
+def _intra_step(n, nw, ns, tma_layout=False, diag_form=None):
     """The intra launch alone as a :func:`time_stateful` step on ``(acts, qsl, slots)`` of
     ``n`` tokens; ``tma_layout``: the default (Mosaic GPU) serial launch's scratch."""
 
@@ -275,19 +277,20 @@ def _intra_step(n, nw, ns, tma_layout=False):
         x = gpu.intra_launch(
             q, k, v, g, b, -jnp.exp(A_log), dt_bias, plan, num_chunks=nc,
             operand_dtype=v.dtype, precision=None, num_warps=nw, num_stages=ns,
-            tma_layout=tma_layout, interpret=INTERPRET,
+            tma_layout=tma_layout, diag_form=diag_form, interpret=INTERPRET,
         )  # fmt: skip
         return tuple(x)
 
     return lambda st, acts, qsl, slots: (st, scratch(acts, qsl, slots))
 
 
-def intra_time(bsz, seq_len, nw, ns) -> dict:
+def intra_time(bsz, seq_len, nw, ns, diag_form) -> dict:
     """The default prefill's intra launch alone (bf16 operands, the Mosaic GPU serial
-    launch's layout) at ``nw`` warps, ``ns`` stages; each chained call on its own inputs."""
+    launch's layout) at ``nw`` warps, ``ns`` stages, the diagonal blocks in ``diag_form``;
+    each chained call on its own inputs."""
     qsl, slots, _ = prefill_batch(bsz, seq_len)
     acts = _activations(jax.random.PRNGKey(4), bsz * seq_len)
-    step = _intra_step(bsz * seq_len, nw, ns, tma_layout=True)
+    step = _intra_step(bsz * seq_len, nw, ns, tma_layout=True, diag_form=diag_form)
     return {"ms": 1e3 * _time_stateful(step, jnp.zeros(()), (acts, qsl, slots), iters=10)}
 
 
@@ -334,6 +337,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script")
     p.add_argument("--sweep", action="store_true", help="tune the prefill's launches")
+    p.add_argument("--no-fla-decode", action="store_true",
+                   help="FLA's prefill only (gdn_kernels: its GDN decode at 256 rows hit an "
+                        "illegal address, which ends the process)")  # fmt: skip
     p.add_argument("--intra-sweep", action="store_true",
                    help="only the intra launch, at each of INTRA_CONFIGS")  # fmt: skip
     p.add_argument("--out", default=None)
@@ -357,9 +363,9 @@ def main() -> None:
 
     if args.intra_sweep:  # the intra launch alone, an entry a configuration
         bsz, t = (1, 128) if args.quick else (8, 4096)
-        for nw, ns in INTRA_CONFIGS:
-            guarded(f"intra_B{bsz}_T{t}_w{nw}_s{ns}",
-                    lambda nw=nw, ns=ns: intra_time(bsz, t, nw, ns))  # fmt: skip
+        for nw, ns, form in INTRA_CONFIGS:
+            guarded(f"intra_B{bsz}_T{t}_{form}_w{nw}_s{ns}",
+                    lambda nw=nw, ns=ns, f=form: intra_time(bsz, t, nw, ns, f))  # fmt: skip
         write_summary(summary, args.out)
         return
     guarded("check_decode", check_decode)
@@ -370,7 +376,8 @@ def main() -> None:
     for vname, variant in checks.items():
         guarded(f"check_prefill_{vname}", lambda v=variant: check_prefill(check_lens, **v))
     guarded("check_reference_vs_fla", check_against_fla)
-    guarded("fla", lambda: time_fla(prefill_shapes, decode_rows))  # the baseline first
+    fla_rows = [] if args.no_fla_decode else decode_rows
+    guarded("fla", lambda: time_fla(prefill_shapes, fla_rows))  # the baseline first
     for i, (bsz, t) in enumerate(prefill_shapes):
         for vname, variant in VARIANTS.items():
             if vname.startswith("f32ops") and i > 0:  # a float32 model's path: one shape

@@ -58,6 +58,7 @@ reference.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,11 @@ from pallas_kernels.kda.reference import check_kda_args
 
 CHUNK = 64  # the prefill's chunks: four 16-row sub-blocks
 SUB = 16
+# The diagonal blocks' scores (intra_launch's diag_form): "levels" by dots through each
+# pair's middle row (_diag_block_levels), "columns" a column at a time, elementwise f32
+# (_diag_block). HYJAX_KDA_DIAG=<form> for a process.
+DIAG_FORMS = ("levels", "columns")
+DIAG_FORM = os.environ.get("HYJAX_KDA_DIAG") or "levels"
 NSUB = CHUNK // SUB
 
 
@@ -205,6 +211,36 @@ def _row(x, i: int):
     return jnp.sum(jnp.where(sel, x, 0.0), axis=0)
 
 
+def _diag_block_levels(q, k, gam, opmm):
+    """:func:`_diag_block`'s blocks by dots, every exponent <= 0: a pair ``i > j`` of the
+    block lies in exactly one group of ``2h`` rows (``h`` = 8, 4, 2, 1) with ``i`` in its upper
+    half and ``j`` in its lower one; through the group's middle row ``m`` (``j < m <= i``),
+    ``e^(gam_i - gam_j) = e^(gam_i - gam_m) e^(gam_m - gam_j)``, both factors <= 1. Each level
+    is one ``[16, Dk] x [Dk, 16]`` dot per score (``opmm``: the off-diagonal blocks'
+    operands), the rows' ``gam_m`` gathered by an exact 0/1 product (IEEE f32: each output is
+    one term), the diagonal ``i = j`` (no decay) a row sum. Four levels of dots where the
+    column loop does 16 steps of cross-row sums."""
+    ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    jj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+    ri = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
+    a_kk = jnp.zeros((SUB, SUB), jnp.float32)
+    a_qk = jnp.where(ii == jj, jnp.sum(q * k, axis=1)[:, None], 0.0)
+    lg = SUB.bit_length() - 2  # log2(h) for h = SUB / 2 .. 1
+    while lg >= 0:
+        group = lg + 1  # rows i, j share a group of 2h when i >> group == j >> group
+        mid = jnp.left_shift(jnp.right_shift(ii, group), group) + (1 << lg)  # m of row i
+        gam_m = mm(jnp.where(jj == mid, 1.0, 0.0), gam, NN, jax.lax.Precision.HIGHEST)
+        upper = jnp.bitwise_and(jnp.right_shift(ri, lg), 1) == 1  # [16, 1]: i >= m
+        e_up = jnp.exp(jnp.where(upper, gam - gam_m, 0.0))  # rows i >= m: <= 1
+        e_low = jnp.exp(jnp.where(upper, 0.0, gam_m - gam))  # rows j < m: <= 1
+        k_low = jnp.where(upper, 0.0, k * e_low)
+        same = jnp.right_shift(ii, group) == jnp.right_shift(jj, group)
+        a_kk += jnp.where(same, opmm(jnp.where(upper, k * e_up, 0.0), k_low, NT), 0.0)
+        a_qk += jnp.where(same, opmm(jnp.where(upper, q * e_up, 0.0), k_low, NT), 0.0)
+        lg -= 1
+    return a_kk, a_qk
+
+
 def _diag_block(q, k, gam):
     """The diagonal ``[16, 16]`` blocks of ``sum_d k_id k_jd e_ij`` and ``sum_d q_id k_jd
     e_ij`` (``i >= j``, 0 above), one column ``j`` at a time so that every ``exp`` argument
@@ -242,6 +278,7 @@ def _intra_kernel(
     aqk_ref,  # [H, Tp, C]  out: Aqk's row of the token, columns = the chunk's window rows
     decay_ref,  # f32[NC, H, Dk]  out: e^gam_last
     *, scale: float, precision, operand_dtype, tma_layout: bool = False,
+    diag_form: str = "levels",
 ):  # fmt: skip
     """Launch 1, one program per (chunk, head), all in parallel: the chunk's UT form and the
     decayed operands of the serial launch (module docstring), as
@@ -293,7 +330,10 @@ def _intra_kernel(
         a_kk = {}
         a_qk = {}
         for bi in range(NSUB):
-            d_kk, d_qk = _diag_block(q[bi], k[bi], gam[bi])
+            if diag_form == "levels":
+                d_kk, d_qk = _diag_block_levels(q[bi], k[bi], gam[bi], opmm)
+            else:
+                d_kk, d_qk = _diag_block(q[bi], k[bi], gam[bi])
             a_kk[bi, bi] = jnp.where(ii > jj, beta[bi][:, None] * d_kk, 0.0)
             a_qk[bi, bi] = d_qk
             if bi == 0:
@@ -346,18 +386,22 @@ def _intra_kernel(
 def intra_launch(
     q, k, v, g, b, neg_a, dt, plan, *, num_chunks: int, operand_dtype, precision,
     num_warps: int = 8, num_stages: int = 2, tma_layout: bool = False,
-    interpret: bool = False,
+    diag_form: str | None = None, interpret: bool = False,
 ) -> ChunkRefs:  # fmt: skip
     """Launch 1 (:func:`_intra_kernel`) over grid ``(NC, H)`` on inputs padded to at least one
     chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`); ``tma_layout`` (the
     Mosaic GPU serial launch's scratch, on a token-aligned plan and tokens padded to a multiple
-    of 64): ``U^T [H, Dv, Tp]``."""
+    of 64): ``U^T [H, Dv, Tp]``. ``diag_form``: how the diagonal blocks' scores are made, one
+    of :data:`DIAG_FORMS` (None: :data:`DIAG_FORM`)."""
+    diag_form = DIAG_FORM if diag_form is None else diag_form
+    if diag_form not in DIAG_FORMS:
+        raise ValueError(f"diagonal block form {diag_form!r}: one of {DIAG_FORMS}")
     tp, h, dk = q.shape
     dv = v.shape[2]
     op = operand_dtype
     kernel = functools.partial(
         _intra_kernel, scale=float(dk) ** -0.5, precision=precision, operand_dtype=op,
-        tma_layout=tma_layout,
+        tma_layout=tma_layout, diag_form=diag_form,
     )  # fmt: skip
     shapes = chunk_refs_shapes(h, tp, dk, dv, CHUNK, num_chunks, op, True, tma_layout)
     live = live_end(plan) if tma_layout else jnp.zeros(1, jnp.int32)

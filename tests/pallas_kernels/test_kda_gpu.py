@@ -66,6 +66,24 @@ PREFILL_PATH_CASES = [
 
 @pytest.mark.parametrize("lens,h,dk,dv,dtype,bv,path", PREFILL_PATH_CASES)
 def test_prefill_matches_reference(lens, h, dk, dv, dtype, bv, path):
+    _check_prefill(lens, h, dk, dv, dtype, bv, path)
+
+
+def test_prefill_diagonal_blocks_by_columns(monkeypatch):
+    """The diagonal blocks' other form (``DIAG_FORM="columns"``: a column at a time,
+    elementwise) on the ragged case whose chunks fill all four 16-row blocks."""
+    monkeypatch.setattr(gpu, "DIAG_FORM", "columns")
+    lens, h, dk, dv, dtype, bv = PREFILL_CASES[3]
+    _check_prefill(lens, h, dk, dv, dtype, bv, "two")
+
+
+def test_an_unknown_diagonal_form_is_named():
+    with pytest.raises(ValueError, match="diagonal block form 'fast'"):
+        gpu.intra_launch(*([None] * 8), num_chunks=1, operand_dtype=jnp.float32,
+                         precision=None, diag_form="fast")  # fmt: skip
+
+
+def _check_prefill(lens, h, dk, dv, dtype, bv, path):
     rng = np.random.default_rng(sum(lens))
     case = ragged_case(lens)
     inputs = _inputs(rng, case.num_tokens, h, dk, dv, dtype)
@@ -83,9 +101,13 @@ def test_prefill_matches_reference(lens, h, dk, dv, dtype, bv, path):
         assert_rel_close(got_s, want_s, tol=2e-2, what="state pool")
 
 
-def test_prefill_strong_gates_stay_finite():
+@pytest.mark.parametrize("diag_form", gpu.DIAG_FORMS)
+def test_prefill_strong_gates_stay_finite(diag_form, monkeypatch):
     """Decays of ~e^-100 per token: every exp argument in the chunk must stay <= 0 (a factored
-    form e^gam_i e^-gam_j would overflow), and the tiny products underflow to exact zeros."""
+    form e^gam_i e^-gam_j would overflow), and the tiny products underflow to exact zeros.
+    Both forms of the diagonal blocks: through each pair's middle row (the default), and a
+    column at a time."""
+    monkeypatch.setattr(gpu, "DIAG_FORM", diag_form)
     rng = np.random.default_rng(7)
     case = ragged_case([150, 40])
     h, dk, dv = 1, 16, 16
