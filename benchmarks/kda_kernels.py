@@ -260,8 +260,8 @@ INTRA_SWEEP = [(4, 2), (8, 1), (8, 2), (8, 3)]
 # The intra launch alone at 8x4096, (warps, stages), by --intra-sweep (GDN's blocked launch,
 # the same 16-row blocks, ran 1.7x faster at 4 warps than at 8 on an H200)
 # and the diagonal blocks' two forms (gpu.DIAG_FORMS: the column loop took 12.9 ms at 8 warps)
-INTRA_CONFIGS = [(8, 2, "levels"), (4, 2, "levels"), (4, 1, "levels"), (2, 1, "levels"),
-                 (16, 2, "levels"), (8, 2, "columns")]  # fmt: skip
+INTRA_CONFIGS = [(8, 2, "levels"), (4, 2, "levels"), (8, 2, "columns"), (4, 2, "columns"),
+                 (2, 1, "columns")]  # fmt: skip
 
 
 def _intra_step(n, nw, ns, tma_layout=False, diag_form=None):

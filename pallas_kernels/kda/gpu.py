@@ -104,6 +104,9 @@ SUB = 16
 # (_diag_block). HYJAX_KDA_DIAG=<form> for a process.
 DIAG_FORMS = ("levels", "columns")
 DIAG_FORM = os.environ.get("HYJAX_KDA_DIAG") or "levels"
+# The intra launch's warps when not told (kda_prefill's intra_num_warps None;
+# HYJAX_KDA_INTRA_WARPS for a process)
+INTRA_NUM_WARPS = int(os.environ.get("HYJAX_KDA_INTRA_WARPS") or 8)
 NSUB = CHUNK // SUB
 
 
@@ -302,85 +305,93 @@ def _intra_kernel(
     def _():
         w0 = window(start, length, num_tokens, CHUNK, aligned=tma_layout).rows.start
         neg_a, dt = neg_a_ref[h], dt_ref[h, :]
-        # Per sub-block b (16 rows): the gate, its cumsum from the window's first row, the
-        # normalised rows. Rows outside the chunk load zeros and get g = beta = 0.
-        rows, valid, q, k, beta, gam = [], [], [], [], [], []
+        # In the order that ends each tile's life soonest (a [16, Dk] f32 tile is 16 registers
+        # a thread at 4 warps; holding q, k, gam and beta v of all four blocks spilled).
+        # 1. Per 16-row block I (rows outside the chunk load zeros, g = beta = 0): its gate,
+        # gam from the window's first row, the normalised rows, then its scores against the
+        # blocks up to it, stored with q's rows (q dead after its block): Akk and Aqk by
+        # [16, 16] blocks (I, J), J <= I. Diagonal: _diag_block(_levels). Below it, factored
+        # through the first row of block I (gam_ref): rows of I decay from gam_ref
+        # (e^(gam_i - gam_ref)), rows of J up to it (e^(gam_ref - gam_j)); both exponents are
+        # <= 0 because gam never increases and J's rows precede gam_ref's.
+        rows, valid, k, beta, gam = [], [], [], [], []
+        a_kk = {}
         carry = jnp.zeros((dk,), jnp.float32)
-        for b in range(NSUB):
-            r, ok = sub_rows(w0, b, SUB, start, length)
+        for bi in range(NSUB):
+            r, ok = sub_rows(w0, bi, SUB, start, length)
             qb = pltr.load(q_ref.at[r, h, :], mask=ok[:, None], other=0.0)
             kb = pltr.load(k_ref.at[r, h, :], mask=ok[:, None], other=0.0)
             gb = pltr.load(g_ref.at[r, h, :], mask=ok[:, None], other=0.0)
             bb = pltr.load(b_ref.at[r, h], mask=ok, other=0.0)
             gb = jnp.where(ok[:, None], neg_a * softplus(gb.astype(jnp.float32) + dt), 0.0)
-            gam.append(carry[None, :] + jnp.cumsum(gb, axis=0))  # [16, Dk]
+            gam_i = carry[None, :] + jnp.cumsum(gb, axis=0)  # [16, Dk]
             carry = carry + jnp.sum(gb, axis=0)
+            q_i = l2norm(qb.astype(jnp.float32)) * scale
+            k_i = l2norm(kb.astype(jnp.float32))
+            beta_i = jnp.where(ok, jax.nn.sigmoid(bb.astype(jnp.float32)), 0.0)
             rows.append(r)
             valid.append(ok)
-            q.append(l2norm(qb.astype(jnp.float32)) * scale)
-            k.append(l2norm(kb.astype(jnp.float32)))
-            beta.append(jnp.where(ok, jax.nn.sigmoid(bb.astype(jnp.float32)), 0.0))
+            k.append(k_i)
+            beta.append(beta_i)
+            gam.append(gam_i)
+            if diag_form == "levels":
+                d_kk, d_qk = _diag_block_levels(q_i, k_i, gam_i, opmm)
+            else:
+                d_kk, d_qk = _diag_block(q_i, k_i, gam_i)
+            a_kk[bi, bi] = jnp.where(ii > jj, beta_i[:, None] * d_kk, 0.0)
+            a_qk = {bi: d_qk}
+            if bi > 0:
+                gam_ref = _row(gam_i, 0)  # [Dk]
+                to_ref = jnp.exp(gam_i - gam_ref[None, :])  # [16, Dk]
+                qr_i, kr_i = q_i * to_ref, k_i * to_ref * beta_i[:, None]
+                for bj in range(bi):
+                    k_j = k[bj] * jnp.exp(gam_ref[None, :] - gam[bj])  # [16, Dk]
+                    a_kk[bi, bj] = opmm(kr_i, k_j, NT)
+                    a_qk[bj] = opmm(qr_i, k_j, NT)
+            ok2 = ok[:, None]
+            for bj in range(NSUB):  # Aqk is inclusive lower: the blocks above it are zeros
+                blk = a_qk[bj] if bj <= bi else jnp.zeros((SUB, SUB), jnp.float32)
+                cols = pl.ds(bj * SUB, SUB)
+                pltr.store(aqk_ref.at[h, r, cols], blk.astype(aqk_ref.dtype), mask=ok2)
+            pltr.store(qd_ref.at[h, r, :], (q_i * jnp.exp(gam_i)).astype(qd_ref.dtype), mask=ok2)
         gam_last = carry  # [Dk]: the chunk's total log-decay (padding rows add 0)
         decay_ref[ci, h, :] = jnp.exp(gam_last)
 
-        # Akk and Aqk by [16, 16] blocks (I, J), J <= I. Diagonal: column by column.
-        # Below it, factored through the first row of block I (gam_ref): rows of I decay
-        # from gam_ref (e^(gam_i - gam_ref)), rows of J up to it (e^(gam_ref - gam_j)); both
-        # exponents are <= 0 because gam never increases and J's rows precede gam_ref's.
-        a_kk = {}
-        a_qk = {}
-        for bi in range(NSUB):
-            if diag_form == "levels":
-                d_kk, d_qk = _diag_block_levels(q[bi], k[bi], gam[bi], opmm)
-            else:
-                d_kk, d_qk = _diag_block(q[bi], k[bi], gam[bi])
-            a_kk[bi, bi] = jnp.where(ii > jj, beta[bi][:, None] * d_kk, 0.0)
-            a_qk[bi, bi] = d_qk
-            if bi == 0:
-                continue
-            gam_ref = _row(gam[bi], 0)  # [Dk]
-            to_ref = jnp.exp(gam[bi] - gam_ref[None, :])  # [16, Dk]
-            q_i, kb_i = q[bi] * to_ref, k[bi] * to_ref * beta[bi][:, None]
-            for bj in range(bi):
-                k_j = k[bj] * jnp.exp(gam_ref[None, :] - gam[bj])  # [16, Dk]
-                a_kk[bi, bj] = opmm(kb_i, k_j, NT)
-                a_qk[bi, bj] = opmm(q_i, k_j, NT)
-
-        # Tm = (I + Akk)^-1 by blocks: T_II = (I + A_II)^-1, then
+        # 2. Tm = (I + Akk)^-1 by blocks: T_II = (I + A_II)^-1, then
         # T_IJ = -T_II sum_{J <= K < I} A_IK T_KJ (block forward substitution).
         t = block_unit_lower_inverse(a_kk, NSUB, precision)
 
-        kb_dec = [k[b] * (beta[b][:, None] * jnp.exp(gam[b])) for b in range(NSUB)]
-        bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
-        v_beta = {}
+        # 3. k's rows stored, each block's k and gam turned into W's operand (both dead after)
+        kb_dec = []
         for b in range(NSUB):
-            for vb in range(dv // bv):
-                vs = pl.ds(vb * bv, bv)
-                vt = pltr.load(v_ref.at[rows[b], h, vs], mask=valid[b][:, None], other=0.0)
-                v_beta[b, vb] = vt.astype(jnp.float32) * beta[b][:, None]
+            k_dec = k[b] * jnp.exp(gam_last[None, :] - gam[b])  # zero outside the chunk
+            kd_ok = valid[b][:, None]
+            if tma_layout:  # k_dec zero on the block's rows after the batch's last token
+                tok = w0 + b * SUB + jnp.arange(SUB, dtype=jnp.int32)
+                kd_ok = kd_ok | (tok >= live_ref[0])[:, None]
+            pltr.store(kd_ref.at[h, rows[b], :], k_dec.astype(kd_ref.dtype), mask=kd_ok)
+            kb_dec.append(k[b] * (beta[b][:, None] * jnp.exp(gam[b])))
+
+        # 4. W, then U with v's rows read for each product (from L2 after the first: no v
+        # tile kept live)
+        for bi in range(NSUB):
+            w = sum(opmm(t[bi, bj], kb_dec[bj]) for bj in range(bi + 1))  # [16, Dk]
+            pltr.store(w_ref.at[h, rows[bi], :], w.astype(w_ref.dtype), mask=valid[bi][:, None])
+        bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
+
+        def v_beta(bj, vs):
+            vt = pltr.load(v_ref.at[rows[bj], h, vs], mask=valid[bj][:, None], other=0.0)
+            return vt.astype(jnp.float32) * beta[bj][:, None]
+
         for bi in range(NSUB):
             r, ok = rows[bi], valid[bi][:, None]
-            w = sum(opmm(t[bi, bj], kb_dec[bj]) for bj in range(bi + 1))  # [16, Dk]
-            pltr.store(w_ref.at[h, r, :], w.astype(w_ref.dtype), mask=ok)
             for vb in range(dv // bv):
-                u = sum(opmm(t[bi, bj], v_beta[bj, vb]) for bj in range(bi + 1))  # [16, BV]
+                vs = pl.ds(vb * bv, bv)
+                u = sum(opmm(t[bi, bj], v_beta(bj, vs)) for bj in range(bi + 1))  # [16, BV]
                 if tma_layout:
-                    u_t = u.T.astype(u_ref.dtype)
-                    pltr.store(u_ref.at[h, pl.ds(vb * bv, bv), r], u_t, mask=ok.T)
+                    pltr.store(u_ref.at[h, vs, r], u.T.astype(u_ref.dtype), mask=ok.T)
                 else:
-                    pltr.store(u_ref.at[h, r, pl.ds(vb * bv, bv)], u.astype(u_ref.dtype), mask=ok)
-            q_dec = q[bi] * jnp.exp(gam[bi])
-            k_dec = k[bi] * jnp.exp(gam_last[None, :] - gam[bi])  # zero outside the chunk
-            kd_ok = ok
-            if tma_layout:
-                tok = w0 + bi * SUB + jnp.arange(SUB, dtype=jnp.int32)
-                kd_ok = ok | (tok >= live_ref[0])[:, None]
-            pltr.store(qd_ref.at[h, r, :], q_dec.astype(qd_ref.dtype), mask=ok)
-            pltr.store(kd_ref.at[h, r, :], k_dec.astype(kd_ref.dtype), mask=kd_ok)
-            for bj in range(NSUB):  # Aqk is inclusive lower: the blocks above it are zeros
-                blk = a_qk[bi, bj] if bj <= bi else jnp.zeros((SUB, SUB), jnp.float32)
-                cols = pl.ds(bj * SUB, SUB)
-                pltr.store(aqk_ref.at[h, r, cols], blk.astype(aqk_ref.dtype), mask=ok)
+                    pltr.store(u_ref.at[h, r, vs], u.astype(u_ref.dtype), mask=ok)
 
 
 def intra_launch(
@@ -434,7 +445,7 @@ def kda_prefill(
     operand_dtype=None,
     num_warps: int = 4,
     num_stages: int = 2,
-    intra_num_warps: int = 8,
+    intra_num_warps: int | None = None,
     intra_num_stages: int = 2,
     vb_first: bool = SERIAL_VB_FIRST,
     three_launches: bool = False,
@@ -457,8 +468,8 @@ def kda_prefill(
     cost of a scratch of every chunk's starting state (``[NC, H, Dk, Dv]``). ``block_v``
     (default: :func:`~pallas_kernels.common.delta_rule_gpu.serial_block_v` by the launch's
     size), ``num_warps`` and ``num_stages`` tune the serial launch, ``intra_num_warps`` /
-    ``intra_num_stages`` the intra launch (it holds a whole chunk: four 16-row sub-blocks of
-    q, k, gam and v), ``vb_first`` the serial grid's order
+    ``intra_num_stages`` the intra launch (None warps: :data:`INTRA_NUM_WARPS`), ``vb_first``
+    the serial grid's order
     (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`).
     """
     _check(q, k, v, g, b, A_log, dt_bias, state, slots, query_start_loc)
@@ -479,7 +490,8 @@ def kda_prefill(
     (q, k, g, v, b), _ = pad_tokens((q, k, g, v, b), CHUNK, CHUNK if mgpu else 1)
     x = intra_launch(
         q, k, v, g, b, neg_a, dt, plan, num_chunks=nc, operand_dtype=op, precision=precision,
-        num_warps=intra_num_warps, num_stages=intra_num_stages,
+        num_warps=INTRA_NUM_WARPS if intra_num_warps is None else intra_num_warps,
+        num_stages=intra_num_stages,
         tma_layout=mgpu, interpret=interpret,
     )  # fmt: skip
     if mgpu:
