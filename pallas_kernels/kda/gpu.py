@@ -99,14 +99,15 @@ from pallas_kernels.kda.reference import check_kda_args
 
 CHUNK = 64  # the prefill's chunks: four 16-row sub-blocks
 SUB = 16
-# The diagonal blocks' scores (intra_launch's diag_form): "levels" by dots through each
-# pair's middle row (_diag_block_levels), "columns" a column at a time, elementwise f32
-# (_diag_block). HYJAX_KDA_DIAG=<form> for a process.
-DIAG_FORMS = ("levels", "columns")
-DIAG_FORM = os.environ.get("HYJAX_KDA_DIAG") or "levels"
+# The diagonal blocks' scores (intra_launch's diag_form): "columns" a column at a time,
+# elementwise f32 (_diag_block), or "levels" by dots through each pair's middle row
+# (_diag_block_levels: slower, 15.8 ms against 12.1 for the intra launch alone at 8x4096 on
+# an H200, 4 warps). HYJAX_KDA_DIAG=<form> for a process.
+DIAG_FORMS = ("columns", "levels")
+DIAG_FORM = os.environ.get("HYJAX_KDA_DIAG") or "columns"
 # The intra launch's warps when not told (kda_prefill's intra_num_warps None;
-# HYJAX_KDA_INTRA_WARPS for a process)
-INTRA_NUM_WARPS = int(os.environ.get("HYJAX_KDA_INTRA_WARPS") or 8)
+# HYJAX_KDA_INTRA_WARPS for a process): at 8x4096 on an H200 2 warps 10.4 ms, 4 12.1, 8 12.2
+INTRA_NUM_WARPS = int(os.environ.get("HYJAX_KDA_INTRA_WARPS") or 2)
 NSUB = CHUNK // SUB
 
 
@@ -281,7 +282,7 @@ def _intra_kernel(
     aqk_ref,  # [H, Tp, C]  out: Aqk's row of the token, columns = the chunk's window rows
     decay_ref,  # f32[NC, H, Dk]  out: e^gam_last
     *, scale: float, precision, operand_dtype, tma_layout: bool = False,
-    diag_form: str = "levels",
+    diag_form: str = "columns",
 ):  # fmt: skip
     """Launch 1, one program per (chunk, head), all in parallel: the chunk's UT form and the
     decayed operands of the serial launch (module docstring), as

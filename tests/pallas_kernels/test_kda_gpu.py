@@ -69,10 +69,10 @@ def test_prefill_matches_reference(lens, h, dk, dv, dtype, bv, path):
     _check_prefill(lens, h, dk, dv, dtype, bv, path)
 
 
-def test_prefill_diagonal_blocks_by_columns(monkeypatch):
-    """The diagonal blocks' other form (``DIAG_FORM="columns"``: a column at a time,
-    elementwise) on the ragged case whose chunks fill all four 16-row blocks."""
-    monkeypatch.setattr(gpu, "DIAG_FORM", "columns")
+def test_prefill_diagonal_blocks_by_levels(monkeypatch):
+    """The diagonal blocks' other form (``DIAG_FORM="levels"``: by dots through each pair's
+    middle row) on the ragged case whose chunks fill all four 16-row blocks."""
+    monkeypatch.setattr(gpu, "DIAG_FORM", "levels")
     lens, h, dk, dv, dtype, bv = PREFILL_CASES[3]
     _check_prefill(lens, h, dk, dv, dtype, bv, "two")
 
@@ -105,8 +105,8 @@ def _check_prefill(lens, h, dk, dv, dtype, bv, path):
 def test_prefill_strong_gates_stay_finite(diag_form, monkeypatch):
     """Decays of ~e^-100 per token: every exp argument in the chunk must stay <= 0 (a factored
     form e^gam_i e^-gam_j would overflow), and the tiny products underflow to exact zeros.
-    Both forms of the diagonal blocks: through each pair's middle row (the default), and a
-    column at a time."""
+    Both forms of the diagonal blocks: a column at a time (the default), and through each
+    pair's middle row."""
     monkeypatch.setattr(gpu, "DIAG_FORM", diag_form)
     rng = np.random.default_rng(7)
     case = ragged_case([150, 40])
