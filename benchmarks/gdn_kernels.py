@@ -267,7 +267,6 @@ MGPU_SCAN_VARIANTS = {
     "prefetch1": dict(prefetch=1),
     "prefetch2": dict(prefetch=2),
     "loads_only_prefetch1": dict(diagnostic="loads", prefetch=1),
-    "overlap_o": dict(overlap_o=True),  # o's first product beside the making of V'
 }
 
 
@@ -307,10 +306,10 @@ def mgpu_scan(batch, seq_len) -> dict:
         )  # fmt: skip
         return pool, o
 
-    def mgpu(pool, rp, x, diagnostic=None, prefetch=0, overlap_o=False):
+    def mgpu(pool, rp, x, diagnostic=None, prefetch=0):
         o, pool = chunk_scan_mgpu.scan_mgpu(
             rp, x, pool, out_dtype=jnp.bfloat16, diagnostic=diagnostic, prefetch=prefetch,
-            overlap_o=overlap_o, interpret=INTERPRET,
+            interpret=INTERPRET,
         )  # fmt: skip
         return pool, o
 

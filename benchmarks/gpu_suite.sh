@@ -46,10 +46,6 @@
 #             forms (gdn.gpu.INTRA_FORMS: whole chunk, 16-row blocks with f32 or bf16 products,
 #             split in two launches, the first by blocks or not) at 2-16 warps, each an entry,
 #             beside its byte floor (~14 entries: SUITE_LIMIT_S >= 300)
-#   mgpuov    the serial launch with o's first product beside the making of V' (scan_mgpu's
-#             overlap_o), checked against the Triton launch and traced beside the default and
-#             its chain alone, at 1x4096 and 8x4096; gdnov the default prefill with it on
-#             (HYJAX_PREFILL_OVERLAP_O=1) at three shapes
 #   mgputrace mgpudiag's chain and copies alone, each timed program run once more under the
 #             profiler (--trace): the kernels' own times beside the timed figure, and the
 #             device's idle time between them; gdntrace the default prefill's the same at
@@ -172,8 +168,6 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdnintra) echo "python -m benchmarks.gdn_kernels --intra-sweep --out $j" ;;
         kdareal) echo "python -m benchmarks.kda_kernels --no-fla-decode --only check_prefill_default,fla,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default --out $j" ;;
         kdaintra) echo "python -m benchmarks.kda_kernels --intra-sweep --out $j" ;;
-        mgpuov) echo "python -m benchmarks.gdn_kernels --mgpu-scan --trace --mgpu-variants overlap_o,chain_only --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;
-        gdnov) echo "env HYJAX_PREFILL_OVERLAP_O=1 python -m benchmarks.gdn_kernels --skip-floors --only prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default --out $j" ;;
         mgputrace) echo "python -m benchmarks.gdn_kernels --mgpu-scan --trace --mgpu-variants chain_only,loads_only --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;
         gdntrace) echo "python -m benchmarks.gdn_kernels --trace --skip-floors --only prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default --out $j" ;;
         mgpudiag) echo "python -m benchmarks.gdn_kernels --mgpu-scan --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;

@@ -118,9 +118,6 @@ SERIAL_DEFAULT = os.environ.get("HYJAX_PREFILL_SERIAL", "mgpu")
 # ``prefetch``) when not told: 0 (none; 1 and 2 measured no gain on an H200, session 30, 168
 # against 173 / 182 us at 1x4096); HYJAX_PREFILL_PREFETCH=N for a process.
 PREFETCH = int(os.environ.get("HYJAX_PREFILL_PREFETCH", "0"))
-# Whether a chunk's o products overlap the making of V' (``scan_mgpu``'s ``overlap_o``) when not
-# told: off until timed on a GPU; HYJAX_PREFILL_OVERLAP_O=1 for a process.
-OVERLAP_O = os.environ.get("HYJAX_PREFILL_OVERLAP_O", "0") == "1"
 
 
 @functools.cache
@@ -234,27 +231,6 @@ class GpuOps:
 
         return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _ in groups))
 
-    @staticmethod
-    def chunk_products(s_dec, sb, w, st_t, qd, make_vt, kd, vt_t, aqk):
-        """A chunk's ``(S^T, o)`` with ``o``'s first product in flight while ``V'^T`` is made:
-        ``S^T W^T`` and ``q_dec S`` (``st_t``: ``sb`` stored and fenced) issued, the first
-        awaited alone (``wait_n=1``), ``V'^T = make_vt(S^T W^T)`` (it stores and fences
-        ``vt_t``), then ``s_dec + V'^T k_dec`` and ``o += Aqk V'``."""
-        plgpu = _plgpu()
-
-        def run(refs):
-            sw_acc, o_acc, s_acc = refs
-            plgpu.wgmma(sw_acc, sb, plgpu.transpose_ref(w, (1, 0)))
-            plgpu.wgmma(o_acc, qd, plgpu.transpose_ref(st_t, (1, 0)))
-            vt = make_vt(plgpu.wgmma_accumulator_load(sw_acc, wait_n=1))
-            plgpu.wgmma(s_acc, vt, kd)
-            plgpu.wgmma(o_acc, aqk, plgpu.transpose_ref(vt_t, (1, 0)))
-
-        zeros = GpuOps.zeros
-        accs = (zeros((BV, CHUNK)), zeros((CHUNK, BV)), s_dec)
-        _, o, s = pl.run_state(run)(tuple(plgpu.ACC.init(a) for a in accs))
-        return s, o
-
 
 class InterpretOps:
     """The same in Pallas' GPU interpreter: plain arrays and dots."""
@@ -294,13 +270,6 @@ class InterpretOps:
             out.append(acc)
         return tuple(out)
 
-    @staticmethod
-    def chunk_products(s_dec, sb, w, st_t, qd, make_vt, kd, vt_t, aqk):
-        (sw,) = InterpretOps.mma((jnp.zeros((BV, CHUNK), f32), [(sb, w, True)]))
-        (o,) = InterpretOps.mma((jnp.zeros((CHUNK, BV), f32), [(qd, st_t, True)]))
-        vt = make_vt(sw)
-        return InterpretOps.mma((s_dec, [(vt, kd, False)]), (o, [(aqk, vt_t, True)]))
-
 
 DIAGNOSTICS = (None, "chain", "loads")
 
@@ -314,15 +283,13 @@ def _body(
     per_channel: bool,
     diagnostic=None,
     prefetch: int = 0,
-    overlap_o: bool = False,
 ):
     """One program (module docstring). ``prefetch``: at chunk ``i``, chunk ``i + 1 +
     prefetch``'s tiles are prefetched into L2 (0: none). ``diagnostic`` (benchmarks only,
     :func:`scan_mgpu`):
     ``"chain"`` copies a chunk's W, U^T, k_dec (and decays) only and runs the state's chain
     without ``o`` (nothing written to it); ``"loads"`` copies all five tiles and waits for
-    them, with no products (the state passes through unchanged). ``overlap_o``: ``o``'s first
-    product runs while ``V'`` is made (``ops.chunk_products``), not after it."""
+    them, with no products (the state passes through unchanged)."""
     plgpu = _plgpu()
     ri_ref, meta_ref, dec_ref, w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, pool_in, pool_out, o_ref = (
         refs
@@ -406,23 +373,16 @@ def _body(
                 plgpu.commit_smem()
             return vt
 
-        if overlap_o and diagnostic is None:  # o's first product beside V'^T's making
-            plgpu.commit_smem()  # S^T's bf16 copy, read by it
-            s, o = ops.chunk_products(
-                s * decay, sb, w_s.at[slot], st_t, qd_s.at[slot], make_vt, kd_s.at[slot],
-                vt_t, aqk_s.at[slot],
+        (sw,) = ops.mma((ops.zeros((BV, CHUNK)), [(sb, w_s.at[slot], True)]))
+        update = (s * decay, [(make_vt(sw), kd_s.at[slot], False)])  # the serial chain
+        if diagnostic == "chain":
+            (s,) = ops.mma(update)
+        else:  # and the chunk's output
+            s, o = ops.mma(
+                update,
+                (ops.zeros((CHUNK, BV)),
+                 [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)]),
             )  # fmt: skip
-        else:
-            (sw,) = ops.mma((ops.zeros((BV, CHUNK)), [(sb, w_s.at[slot], True)]))
-            update = (s * decay, [(make_vt(sw), kd_s.at[slot], False)])  # the serial chain
-            if diagnostic == "chain":
-                (s,) = ops.mma(update)
-            else:  # and the chunk's output
-                s, o = ops.mma(
-                    update,
-                    (ops.zeros((CHUNK, BV)),
-                     [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)]),
-                )  # fmt: skip
         for m in range(num_ckpt):
             ck_off, ck_slot = ri_s[4 + m], ri_s[4 + num_ckpt + m]
 
@@ -519,7 +479,6 @@ def scan_mgpu(
     live: jax.Array | None = None,
     diagnostic: str | None = None,
     prefetch: int | None = None,
-    overlap_o: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The serial launch (module docstring) on the scratch of a token-aligned plan
@@ -536,15 +495,10 @@ def scan_mgpu(
     ``prefetch`` (None: :data:`PREFETCH`): while chunk ``i + 1``'s tiles are copied into
     their stage, chunk ``i + 1 + prefetch``'s are prefetched into L2 (TMA prefetches; 0:
     none). Two stages put one chunk's copies in flight; a prefetch gives later ones a head
-    start without shared memory. No effect on the results (the interpreter skips it).
-
-    ``overlap_o`` (None: :data:`OVERLAP_O`): a chunk's ``o`` product of ``q_dec S`` issued
-    with ``S^T W^T`` and run while ``V'`` is made, not after it beside the state's update (at
-    one row ``o``'s part is ~0.65 of a chunk's 1.6 us, H200). The same products and sums."""
+    start without shared memory. No effect on the results (the interpreter skips it)."""
     if diagnostic not in DIAGNOSTICS:
         raise ValueError(f"diagnostic={diagnostic!r}: one of {DIAGNOSTICS}")
     prefetch = PREFETCH if prefetch is None else prefetch
-    overlap_o = OVERLAP_O if overlap_o is None else overlap_o
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}: a chunk count >= 0")
     plgpu = _plgpu()
@@ -588,7 +542,7 @@ def scan_mgpu(
     )
     body = functools.partial(
         _body, ops=InterpretOps if interpret else GpuOps, num_ckpt=num_ckpt,
-        per_channel=per_channel, diagnostic=diagnostic, prefetch=prefetch, overlap_o=overlap_o,
+        per_channel=per_channel, diagnostic=diagnostic, prefetch=prefetch,
     )  # fmt: skip
     mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)

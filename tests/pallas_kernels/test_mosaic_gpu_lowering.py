@@ -99,17 +99,13 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every)
 
 
 @pytest.mark.parametrize(
-    "diagnostic, prefetch, overlap_o",
-    [("chain", 0, False), ("loads", 0, False), (None, 1, False), (None, 2, False),
-     ("chain", 1, False), (None, 0, True)],
-)  # fmt: skip
-def test_gdn_serial_launch_variants_lower_to_mosaic_gpu(diagnostic, prefetch, overlap_o):
+    "diagnostic, prefetch", [("chain", 0), ("loads", 0), (None, 1), (None, 2), ("chain", 1)]
+)
+def test_gdn_serial_launch_variants_lower_to_mosaic_gpu(diagnostic, prefetch):
     """The serial launch's benchmark decompositions (``scan_mgpu(diagnostic=...)``, timed by
     ``benchmarks.gdn_kernels --mgpu-scan``: fewer copies a stage, the barrier's arrivals
     following, no ``o`` products) and its L2 prefetches of later chunks' tiles
-    (``prefetch``), and ``o``'s product beside the making of V' (``overlap_o``: an
-    accumulator read while another product is in flight), at the 80B's GDN heads, one row of
-    1024 tokens with checkpoints."""
+    (``prefetch``), at the 80B's GDN heads, one row of 1024 tokens with checkpoints."""
     from benchmarks.common import prefill_batch
     from pallas_kernels.common import chunk_scan_mgpu
     from pallas_kernels.gdn import gpu
@@ -125,17 +121,14 @@ def test_gdn_serial_launch_variants_lower_to_mosaic_gpu(diagnostic, prefetch, ov
             *acts, qsl, slots, operand_dtype=bf, precision=None, tma_layout=True
         )
         return chunk_scan_mgpu.scan_mgpu(
-            rp, x, pool, out_dtype=bf, diagnostic=diagnostic, prefetch=prefetch,
-            overlap_o=overlap_o,
-        )  # fmt: skip
+            rp, x, pool, out_dtype=bf, diagnostic=diagnostic, prefetch=prefetch
+        )
 
     pool = sd((num_slots, hv, d, d), f32)
     lowered = jax.jit(serial, donate_argnums=1).trace(acts, pool)
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @mosaic_gpu" in text
     assert ("prefetch" in text) == bool(prefetch)  # the kernel's TMA prefetches, only if asked
-    # an accumulator read inside the products' scope (one product still in flight), only if asked
-    assert ("wgmma_accumulator_deref" in text) == overlap_o
 
 
 def test_gdn_serial_launch_lowers_in_a_layer_scan_under_shard_map():
