@@ -28,7 +28,8 @@ chunk have ``g = beta = 0`` and zero q/k/v, so ``gam`` restarts at the chunk)::
    blocks (I, J), every ``exp`` argument <= 0:
 
    - diagonal blocks (I = J): one column ``j`` at a time, ``e^(gam_i - gam_j)`` for rows
-     ``i >= j`` as a ``[16, Dk]`` tile (elementwise f32);
+     ``i >= j`` as a ``[16, Dk]`` tile (elementwise f32; ``DIAG_FORM="levels"``: by four
+     dots through each pair's middle row, slower on an H200);
    - blocks below it (J < I): factored through ``gam_r``, the first row of block I:
      ``(q_i e^(gam_i - gam_r)) . (k_j e^(gam_r - gam_j))``, a ``[16, Dk] x [Dk, 16]`` dot.
      ``gam`` never increases (``g <= 0``) and J's rows precede ``r``, so both exponents are
