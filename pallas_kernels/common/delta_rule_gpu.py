@@ -254,6 +254,34 @@ def sub_rows(w0, b: int, sub: int, start, length):
     return pl.ds(w0 + b * sub, sub), (tok >= start) & (tok < start + length)
 
 
+def store_blocked_w_u(t, kb_dec, rows, valid, beta, h, v_ref, w_ref, u_ref, pmm, tma_layout):
+    """An intra launch's ``W = Tm (beta e^gam k)`` and ``U = Tm (beta v)`` by 16-row blocks
+    (GDN's blocked form, KDA's): ``t[i, j]`` the inverse's blocks (``j <= i``), ``kb_dec[j]``
+    W's operand, ``rows`` / ``valid`` / ``beta`` each block's; ``pmm`` the products. v's rows
+    are read for each product (from L2 after the first: no v tile kept live); ``U^T`` with
+    ``tma_layout``."""
+    nsub = len(rows)
+    for bi in range(nsub):
+        w = sum(pmm(t[bi, bj], kb_dec[bj]) for bj in range(bi + 1))
+        pltr.store(w_ref.at[h, rows[bi], :], w.astype(w_ref.dtype), mask=valid[bi][:, None])
+    dv = v_ref.shape[-1]
+    bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
+
+    def v_beta(bj, vs):
+        vt = pltr.load(v_ref.at[rows[bj], h, vs], mask=valid[bj][:, None], other=0.0)
+        return vt.astype(jnp.float32) * beta[bj][:, None]
+
+    for bi in range(nsub):
+        r, ok = rows[bi], valid[bi][:, None]
+        for vb in range(dv // bv):
+            vs = pl.ds(vb * bv, bv)
+            u = sum(pmm(t[bi, bj], v_beta(bj, vs)) for bj in range(bi + 1))  # [16, BV]
+            if tma_layout:
+                pltr.store(u_ref.at[h, vs, r], u.T.astype(u_ref.dtype), mask=ok.T)
+            else:
+                pltr.store(u_ref.at[h, r, vs], u.astype(u_ref.dtype), mask=ok)
+
+
 class RowPlan(NamedTuple):
     """A serial launch's plan refs (:func:`row_plan`)."""
 

@@ -101,6 +101,7 @@ from pallas_kernels.common.delta_rule_gpu import (
     pick_block_v,
     row_plan,
     serial_block_v,
+    store_blocked_w_u,
     sub_rows,
     window,
 )
@@ -465,26 +466,7 @@ def _intra_kernel_blocked(
                     pltr.store(tm_ref.at[h, rows[bi], pl.ds(bj * SUB, SUB)],
                                blk.astype(tm_ref.dtype), mask=valid[bi][:, None])  # fmt: skip
             return
-        for bi in range(NSUB):
-            w = sum(pmm(t[bi, bj], kb_dec[bj]) for bj in range(bi + 1))
-            pltr.store(w_ref.at[h, rows[bi], :], w.astype(w_ref.dtype), mask=valid[bi][:, None])
-        # U, v's rows read for each product (from L2 after the first: no v tile kept live)
-        dv = v_ref.shape[-1]
-        bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
-
-        def v_beta(bj, vs):
-            vt = pltr.load(v_ref.at[rows[bj], h, vs], mask=valid[bj][:, None], other=0.0)
-            return vt.astype(jnp.float32) * beta[bj][:, None]
-
-        for bi in range(NSUB):
-            r, ok = rows[bi], valid[bi][:, None]
-            for vb in range(dv // bv):
-                vs = pl.ds(vb * bv, bv)
-                u = sum(pmm(t[bi, bj], v_beta(bj, vs)) for bj in range(bi + 1))
-                if tma_layout:
-                    pltr.store(u_ref.at[h, vs, r], u.T.astype(u_ref.dtype), mask=ok.T)
-                else:
-                    pltr.store(u_ref.at[h, r, vs], u.astype(u_ref.dtype), mask=ok)
+        store_blocked_w_u(t, kb_dec, rows, valid, beta, h, v_ref, w_ref, u_ref, pmm, tma_layout)
 
     _chunk_program(c_start_ref, c_len_ref, k_ref.shape[0], tma_layout, body)
 

@@ -91,6 +91,7 @@ from pallas_kernels.common.delta_rule_gpu import (
     pick_block_v,
     row_plan,
     serial_block_v,
+    store_blocked_w_u,
     sub_rows,
     window,
 )
@@ -294,7 +295,7 @@ def _intra_kernel(
     ci, h = pl.program_id(0), pl.program_id(1)
     start, length = c_start_ref[ci], c_len_ref[ci]
     num_tokens = q_ref.shape[0]
-    dk, dv = q_ref.shape[-1], v_ref.shape[-1]
+    dk = q_ref.shape[-1]
     ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     jj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
     op = operand_dtype
@@ -374,26 +375,8 @@ def _intra_kernel(
             pltr.store(kd_ref.at[h, rows[b], :], k_dec.astype(kd_ref.dtype), mask=kd_ok)
             kb_dec.append(k[b] * (beta[b][:, None] * jnp.exp(gam[b])))
 
-        # 4. W, then U with v's rows read for each product (from L2 after the first: no v
-        # tile kept live)
-        for bi in range(NSUB):
-            w = sum(opmm(t[bi, bj], kb_dec[bj]) for bj in range(bi + 1))  # [16, Dk]
-            pltr.store(w_ref.at[h, rows[bi], :], w.astype(w_ref.dtype), mask=valid[bi][:, None])
-        bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
-
-        def v_beta(bj, vs):
-            vt = pltr.load(v_ref.at[rows[bj], h, vs], mask=valid[bj][:, None], other=0.0)
-            return vt.astype(jnp.float32) * beta[bj][:, None]
-
-        for bi in range(NSUB):
-            r, ok = rows[bi], valid[bi][:, None]
-            for vb in range(dv // bv):
-                vs = pl.ds(vb * bv, bv)
-                u = sum(opmm(t[bi, bj], v_beta(bj, vs)) for bj in range(bi + 1))  # [16, BV]
-                if tma_layout:
-                    pltr.store(u_ref.at[h, vs, r], u.T.astype(u_ref.dtype), mask=ok.T)
-                else:
-                    pltr.store(u_ref.at[h, r, vs], u.astype(u_ref.dtype), mask=ok)
+        # 4. W, then U (v's rows read for each product: no v tile kept live)
+        store_blocked_w_u(t, kb_dec, rows, valid, beta, h, v_ref, w_ref, u_ref, opmm, tma_layout)
 
 
 def intra_launch(
