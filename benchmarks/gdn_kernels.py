@@ -682,6 +682,9 @@ def main() -> None:
     guarded("check_prefill_bf16ops", lambda: check_prefill(None, operand_dtype=jnp.bfloat16))
     guarded("check_prefill_bf16state", lambda: check_prefill(None, pool_dtype=jnp.bfloat16))
     guarded("check_prefill_mgpu", lambda: check_prefill(None, serial="mgpu"))
+    # the whole chunk's intra launch (f32 products, the default until 2026-11-29) beside the
+    # default's bf16 products: their error ratios in one process
+    guarded("check_prefill_whole", lambda: check_prefill(None, intra_form="whole"))
     guarded("check_prefill_mgpu_aligned", lambda: check_prefill_aligned(serial="mgpu"))
     # the baseline first: a section cut by its time limit still has it
     fla_rows = [] if args.no_fla_decode else decode_rows

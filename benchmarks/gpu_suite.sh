@@ -40,7 +40,9 @@
 #             the whole chunk's intra launch, the default until 2026-11-29 (~70 s an entry:
 #             SUITE_LIMIT_S >= 450); gdnrealtr the default at 1x4096, 8x4096, 1x16384 traced
 #             (--trace: the kernels' device time); gdnckpt the default at 8x4096 with 0, 1, 4
-#             checkpoints a sequence; kdareal KDA's default prefill and FLA at three shapes;
+#             checkpoints a sequence; gdncheck the default prefill (a bf16 model's: the
+#             blocked intra launch's bf16 products) against the reference at f32, TF32
+#             products, a bf16 pool, beside the whole chunk's launch; kdareal KDA's default prefill and FLA at three shapes;
 #             kdaintra KDA's intra launch alone at 8x4096 at 2-8 warps
 #   gdnintra  benchmarks.gdn_kernels --intra-sweep: the intra launch alone at 8x4096, its five
 #             forms (gdn.gpu.INTRA_FORMS: whole chunk, 16-row blocks with f32 or bf16 products,
@@ -164,6 +166,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         mgpuscan) echo "python -m benchmarks.gdn_kernels --mgpu-scan --out $j" ;;
         gdnreal) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --only fla,prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default,prefill_B1_T32768_default,prefill_B8_T4096_whole --out $j" ;;
         gdnrealtr) echo "python -m benchmarks.gdn_kernels --trace --skip-floors --only prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default --out $j" ;;
+        gdncheck) echo "python -m benchmarks.gdn_kernels --skip-floors --only check_prefill_f32,check_prefill_tf32,check_prefill_bf16state,check_prefill_mgpu,check_prefill_whole --out $j" ;;
         gdnckpt) echo "python -m benchmarks.gdn_kernels --skip-floors --only prefill_B8_T4096_ckpt --out $j" ;;
         gdnintra) echo "python -m benchmarks.gdn_kernels --intra-sweep --out $j" ;;
         kdareal) echo "python -m benchmarks.kda_kernels --no-fla-decode --only check_prefill_default,fla,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default --out $j" ;;
