@@ -289,7 +289,10 @@ def intra_time(bsz, seq_len, nw, ns, diag_form) -> dict:
     launch's layout) at ``nw`` warps, ``ns`` stages, the diagonal blocks in ``diag_form``;
     each chained call on its own inputs."""
     qsl, slots, _ = prefill_batch(bsz, seq_len)
-    acts = _activations(jax.random.PRNGKey(4), bsz * seq_len)
+    # (the CPU smoke run on f32: XLA's CPU dot rejects the bf16 products' interpreted form in
+    # this chained program)
+    dtype = jnp.float32 if INTERPRET else jnp.bfloat16
+    acts = _activations(jax.random.PRNGKey(4), bsz * seq_len, dtype)
     step = _intra_step(bsz * seq_len, nw, ns, tma_layout=True, diag_form=diag_form)
     return {"ms": 1e3 * _time_stateful(step, jnp.zeros(()), (acts, qsl, slots), iters=10)}
 
