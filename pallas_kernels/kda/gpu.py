@@ -312,12 +312,15 @@ def _intra_kernel(
         # a thread at 4 warps; holding q, k, gam and beta v of all four blocks spilled).
         # 1. Per 16-row block I (rows outside the chunk load zeros, g = beta = 0): its gate,
         # gam from the window's first row, the normalised rows, then its scores against the
-        # blocks up to it, stored with q's rows (q dead after its block): Akk and Aqk by
-        # [16, 16] blocks (I, J), J <= I. Diagonal: _diag_block(_levels). Below it, factored
-        # through the first row of block I (gam_ref): rows of I decay from gam_ref
-        # (e^(gam_i - gam_ref)), rows of J up to it (e^(gam_ref - gam_j)); both exponents are
-        # <= 0 because gam never increases and J's rows precede gam_ref's.
-        rows, valid, k, beta, gam = [], [], [], [], []
+        # blocks up to it, stored with q's rows: Akk and Aqk by [16, 16] blocks (I, J),
+        # J <= I. Diagonal: _diag_block(_levels). Below it, factored through gam_ref, the
+        # first row of block I: rows of I decay from it (e^(gam_i - gam_ref)), rows of J up to
+        # it. Each block then keeps only two operand-dtype tiles, no gam: its rows decayed to
+        # its last row, k e^(gam_end - gam), and W's operand, beta k e^gam. J's decay up to
+        # gam_ref is then a vector, e^(gam_ref - gam_end_J) e^(gam_end_J - gam_j), as is k_dec's
+        # e^(gam_last - gam_end) e^(gam_end - gam). Every exponent is <= 0: gam never
+        # increases, and J's rows, then its last one, precede gam_ref's.
+        rows, valid, beta, k_end, kb_dec, gam_end = [], [], [], [], [], []
         a_kk = {}
         carry = jnp.zeros((dk,), jnp.float32)
         for bi in range(NSUB):
@@ -328,15 +331,13 @@ def _intra_kernel(
             bb = pltr.load(b_ref.at[r, h], mask=ok, other=0.0)
             gb = jnp.where(ok[:, None], neg_a * softplus(gb.astype(jnp.float32) + dt), 0.0)
             gam_i = carry[None, :] + jnp.cumsum(gb, axis=0)  # [16, Dk]
-            carry = carry + jnp.sum(gb, axis=0)
+            carry = carry + jnp.sum(gb, axis=0)  # gam of the block's last row
             q_i = l2norm(qb.astype(jnp.float32)) * scale
             k_i = l2norm(kb.astype(jnp.float32))
             beta_i = jnp.where(ok, jax.nn.sigmoid(bb.astype(jnp.float32)), 0.0)
             rows.append(r)
             valid.append(ok)
-            k.append(k_i)
             beta.append(beta_i)
-            gam.append(gam_i)
             if diag_form == "levels":
                 d_kk, d_qk = _diag_block_levels(q_i, k_i, gam_i, opmm)
             else:
@@ -348,7 +349,7 @@ def _intra_kernel(
                 to_ref = jnp.exp(gam_i - gam_ref[None, :])  # [16, Dk]
                 qr_i, kr_i = q_i * to_ref, k_i * to_ref * beta_i[:, None]
                 for bj in range(bi):
-                    k_j = k[bj] * jnp.exp(gam_ref[None, :] - gam[bj])  # [16, Dk]
+                    k_j = k_end[bj] * jnp.exp(gam_ref - gam_end[bj])[None, :]  # [16, Dk]
                     a_kk[bi, bj] = opmm(kr_i, k_j, NT)
                     a_qk[bj] = opmm(qr_i, k_j, NT)
             ok2 = ok[:, None]
@@ -357,6 +358,9 @@ def _intra_kernel(
                 cols = pl.ds(bj * SUB, SUB)
                 pltr.store(aqk_ref.at[h, r, cols], blk.astype(aqk_ref.dtype), mask=ok2)
             pltr.store(qd_ref.at[h, r, :], (q_i * jnp.exp(gam_i)).astype(qd_ref.dtype), mask=ok2)
+            k_end.append((k_i * jnp.exp(carry[None, :] - gam_i)).astype(op))
+            kb_dec.append((k_i * (beta_i[:, None] * jnp.exp(gam_i))).astype(op))
+            gam_end.append(carry)
         gam_last = carry  # [Dk]: the chunk's total log-decay (padding rows add 0)
         decay_ref[ci, h, :] = jnp.exp(gam_last)
 
@@ -364,16 +368,14 @@ def _intra_kernel(
         # T_IJ = -T_II sum_{J <= K < I} A_IK T_KJ (block forward substitution).
         t = block_unit_lower_inverse(a_kk, NSUB, precision)
 
-        # 3. k's rows stored, each block's k and gam turned into W's operand (both dead after)
-        kb_dec = []
+        # 3. k's rows stored (zero outside the chunk)
         for b in range(NSUB):
-            k_dec = k[b] * jnp.exp(gam_last[None, :] - gam[b])  # zero outside the chunk
+            k_dec = k_end[b] * jnp.exp(gam_last - gam_end[b])[None, :]
             kd_ok = valid[b][:, None]
             if tma_layout:  # k_dec zero on the block's rows after the batch's last token
                 tok = w0 + b * SUB + jnp.arange(SUB, dtype=jnp.int32)
                 kd_ok = kd_ok | (tok >= live_ref[0])[:, None]
             pltr.store(kd_ref.at[h, rows[b], :], k_dec.astype(kd_ref.dtype), mask=kd_ok)
-            kb_dec.append(k[b] * (beta[b][:, None] * jnp.exp(gam[b])))
 
         # 4. W, then U (v's rows read for each product: no v tile kept live)
         store_blocked_w_u(t, kb_dec, rows, valid, beta, h, v_ref, w_ref, u_ref, opmm, tma_layout)
