@@ -41,3 +41,15 @@ def test_distinct_copies_are_equal_and_their_own_buffers():
         assert (a == x).all() and (b["y"] == x + 1).all()
         assert a.unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
     assert sets[0][0].unsafe_buffer_pointer() != sets[1][0].unsafe_buffer_pointer()
+
+
+def test_register_counts_read_the_intra_launch(tmp_path):
+    # benchmarks.triton_registers compiles what it writes here with another Triton: it must be
+    # the intra launch's Triton IR, with no debug locations (that Triton cannot parse the ones
+    # jax prints; written with them, this fails)
+    from benchmarks.triton_registers import dump_intra_ttir
+
+    for kernel, name in [("gdn_blocked_bf16", "gdn_prefill_intra"), ("kda", "kda_prefill_intra")]:
+        text = open(dump_intra_ttir(kernel, str(tmp_path))).read()
+        assert text.startswith(f"module @{name}"), text[:80]
+        assert "tt.dot" in text and "loc(" not in text
