@@ -105,7 +105,10 @@ SUB = 16
 # elementwise f32 (_diag_block), or "levels" by dots through each pair's middle row
 # (_diag_block_levels: slower, 15.8 ms against 12.1 for the intra launch alone at 8x4096 on
 # an H200, 4 warps). HYJAX_KDA_DIAG=<form> for a process.
-DIAG_FORMS = ("columns", "levels")
+# "launch": the column loop in a launch of its own (_diag_kernel, DIAG_LAUNCH_WARPS warps),
+# its blocks read by the intra launch (not yet timed).
+DIAG_FORMS = ("columns", "levels", "launch")
+DIAG_LAUNCH_WARPS = 4
 DIAG_FORM = os.environ.get("HYJAX_KDA_DIAG") or "columns"
 # The intra launch's warps when not told (kda_prefill's intra_num_warps None;
 # HYJAX_KDA_INTRA_WARPS for a process): at 8x4096 on an H200 2 warps 10.4 ms, 4 12.1, 8 12.2
@@ -269,6 +272,41 @@ def _diag_block(q, k, gam):
     return jax.lax.fori_loop(0, SUB, column, (zero, zero))
 
 
+def _gate_rows(g_ref, r, ok, h, neg_a, dt):
+    """The gates ``-exp(A_log) softplus(g + dt_bias)`` of rows ``r`` (0 outside the chunk)."""
+    gb = pltr.load(g_ref.at[r, h, :], mask=ok[:, None], other=0.0)
+    return jnp.where(ok[:, None], neg_a * softplus(gb.astype(jnp.float32) + dt), 0.0)
+
+
+def _diag_kernel(
+    c_start_ref, c_len_ref,  # i32[NC]
+    neg_a_ref, dt_ref,  # f32[H], f32[H, Dk]
+    q_ref, k_ref, g_ref,  # [Tp, H, Dk]
+    dkk_ref, dqk_ref,  # f32[H, Tp, 16]  out: the diagonal blocks' rows (valid rows only)
+    *, scale: float, tma_layout: bool,
+):  # fmt: skip
+    """``diag_form="launch"``: the diagonal blocks of Akk (before beta; diagonal and above
+    unused) and Aqk (:func:`_diag_block`, a column at a time) in a launch of their own, one
+    program per (chunk, 16-row block, head): the column loop's few tiles in a small program,
+    many of them resident, out of the intra launch's register-capped one. The blocks' decays
+    are differences within a block, so ``gam`` restarts at each."""
+    ci, sb, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, length = c_start_ref[ci], c_len_ref[ci]
+    w0 = window(start, length, q_ref.shape[0], CHUNK, aligned=tma_layout).rows.start
+    lo = w0 + sb * SUB
+
+    @pl.when((length > 0) & (lo < start + length) & (lo + SUB > start))
+    def _():
+        r, ok = sub_rows(w0, sb, SUB, start, length)
+        q = pltr.load(q_ref.at[r, h, :], mask=ok[:, None], other=0.0)
+        k = pltr.load(k_ref.at[r, h, :], mask=ok[:, None], other=0.0)
+        gam = jnp.cumsum(_gate_rows(g_ref, r, ok, h, neg_a_ref[h], dt_ref[h, :]), axis=0)
+        q = l2norm(q.astype(jnp.float32)) * scale
+        d_kk, d_qk = _diag_block(q, l2norm(k.astype(jnp.float32)), gam)
+        pltr.store(dkk_ref.at[h, r, :], d_kk, mask=ok[:, None])
+        pltr.store(dqk_ref.at[h, r, :], d_qk, mask=ok[:, None])
+
+
 def _intra_kernel(
     c_start_ref, c_len_ref,  # i32[NC]
     live_ref,  # i32[1]  the batch's token count (tma_layout: k_dec's rows after it are zeroed)
@@ -277,13 +315,15 @@ def _intra_kernel(
     q_ref, k_ref, g_ref,  # [Tp, H, Dk]
     v_ref,  # [Tp, H, Dv]
     b_ref,  # [Tp, H]
-    w_ref,  # [H, Tp, Dk]   out: W = Tm (beta k e^gam)    head-major, valid rows only
-    u_ref,  # [H, Tp, Dv]   out: U = Tm (beta v)  (tma_layout: U^T, [H, Dv, Tp])
-    qd_ref,  # [H, Tp, Dk]  out: q e^gam  (scaled, l2-normed q)
-    kd_ref,  # [H, Tp, Dk]  out: k e^(gam_last - gam)
-    aqk_ref,  # [H, Tp, C]  out: Aqk's row of the token, columns = the chunk's window rows
-    decay_ref,  # f32[NC, H, Dk]  out: e^gam_last
-    *, scale: float, precision, operand_dtype, tma_layout: bool = False,
+    *refs,
+    # diag_form "launch": dkk_ref, dqk_ref (f32[H, Tp, 16], _diag_kernel's), then the outputs:
+    # w_ref      [H, Tp, Dk]  W = Tm (beta k e^gam)    head-major, valid rows only
+    # u_ref      [H, Tp, Dv]  U = Tm (beta v)  (tma_layout: U^T, [H, Dv, Tp])
+    # qd_ref     [H, Tp, Dk]  q e^gam  (scaled, l2-normed q)
+    # kd_ref     [H, Tp, Dk]  k e^(gam_last - gam)
+    # aqk_ref    [H, Tp, C]   Aqk's row of the token, columns = the chunk's window rows
+    # decay_ref  f32[NC, H, Dk]  e^gam_last
+    scale: float, precision, operand_dtype, tma_layout: bool = False,
     diag_form: str = "columns",
 ):  # fmt: skip
     """Launch 1, one program per (chunk, head), all in parallel: the chunk's UT form and the
@@ -291,7 +331,10 @@ def _intra_kernel(
     :class:`~pallas_kernels.common.chunk_scan_gpu.ChunkRefs`. ``tma_layout``: the scratch of
     the Mosaic GPU serial launch, as GDN's (``gdn.gpu._intra_kernel``): the chunk's window is
     its 64-token block, ``U`` is stored transposed, ``k_dec`` zero on the rows after the
-    batch's last token."""
+    batch's last token. With ``diag_form="launch"`` the diagonal blocks' scores are read
+    (:func:`_diag_kernel`'s), not made."""
+    diag_refs = refs[:2] if diag_form == "launch" else None
+    w_ref, u_ref, qd_ref, kd_ref, aqk_ref, decay_ref = refs[2:] if diag_refs else refs
     ci, h = pl.program_id(0), pl.program_id(1)
     start, length = c_start_ref[ci], c_len_ref[ci]
     num_tokens = q_ref.shape[0]
@@ -327,9 +370,8 @@ def _intra_kernel(
             r, ok = sub_rows(w0, bi, SUB, start, length)
             qb = pltr.load(q_ref.at[r, h, :], mask=ok[:, None], other=0.0)
             kb = pltr.load(k_ref.at[r, h, :], mask=ok[:, None], other=0.0)
-            gb = pltr.load(g_ref.at[r, h, :], mask=ok[:, None], other=0.0)
             bb = pltr.load(b_ref.at[r, h], mask=ok, other=0.0)
-            gb = jnp.where(ok[:, None], neg_a * softplus(gb.astype(jnp.float32) + dt), 0.0)
+            gb = _gate_rows(g_ref, r, ok, h, neg_a, dt)
             gam_i = carry[None, :] + jnp.cumsum(gb, axis=0)  # [16, Dk]
             carry = carry + jnp.sum(gb, axis=0)  # gam of the block's last row
             q_i = l2norm(qb.astype(jnp.float32)) * scale
@@ -338,7 +380,10 @@ def _intra_kernel(
             rows.append(r)
             valid.append(ok)
             beta.append(beta_i)
-            if diag_form == "levels":
+            if diag_refs is not None:  # made by _diag_kernel
+                d_kk, d_qk = (pltr.load(d.at[h, r, :], mask=ok[:, None], other=0.0)
+                              for d in diag_refs)  # fmt: skip
+            elif diag_form == "levels":
                 d_kk, d_qk = _diag_block_levels(q_i, k_i, gam_i, opmm)
             else:
                 d_kk, d_qk = _diag_block(q_i, k_i, gam_i)
@@ -403,6 +448,16 @@ def intra_launch(
     )  # fmt: skip
     shapes = chunk_refs_shapes(h, tp, dk, dv, CHUNK, num_chunks, op, True, tma_layout)
     live = live_end(plan) if tma_layout else jnp.zeros(1, jnp.int32)
+    diag = ()
+    if diag_form == "launch":
+        diag = pl.pallas_call(
+            functools.partial(_diag_kernel, scale=float(dk) ** -0.5, tma_layout=tma_layout),
+            grid=(num_chunks, NSUB, h),
+            out_shape=[jax.ShapeDtypeStruct((h, tp, SUB), jnp.float32)] * 2,
+            compiler_params=compiler_params(DIAG_LAUNCH_WARPS, 1),
+            interpret=interpret,
+            name="kda_prefill_diag_gpu",
+        )(plan.start, plan.length, neg_a, dt, q, k, g)
     return ChunkRefs(
         *pl.pallas_call(
             kernel,
@@ -411,7 +466,7 @@ def intra_launch(
             compiler_params=compiler_params(num_warps, num_stages),
             interpret=interpret,
             name="kda_prefill_intra_gpu",
-        )(plan.start, plan.length, live, neg_a, dt, q, k, g, v, b)
+        )(plan.start, plan.length, live, neg_a, dt, q, k, g, v, b, *diag)
     )
 
 
