@@ -383,6 +383,7 @@ INTRA_CONFIGS = [
     (8, 2, "blocked"), (4, 2, "blocked"), (2, 1, "blocked"),
     (8, 2, "blocked_bf16"), (4, 2, "blocked_bf16"), (4, 1, "blocked_bf16"), (2, 1, "blocked_bf16"),
     (8, 2, "split"), (4, 2, "split"), (8, 2, "split_blocked"), (4, 2, "split_blocked"),
+    (8, 2, "split_blocked_bf16"), (4, 2, "split_blocked_bf16"), (2, 1, "split_blocked_bf16"),
 ]  # fmt: skip
 
 

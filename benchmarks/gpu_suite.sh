@@ -43,11 +43,13 @@
 #             checkpoints a sequence; gdncheck the default prefill (a bf16 model's: the
 #             blocked intra launch's bf16 products) against the reference at f32, TF32
 #             products, a bf16 pool, beside the whole chunk's launch; kdareal KDA's default prefill and FLA at three shapes;
-#             kdaintra KDA's intra launch alone at 8x4096 at 2-8 warps
-#   gdnintra  benchmarks.gdn_kernels --intra-sweep: the intra launch alone at 8x4096, its five
+#             kdaintra KDA's intra launch alone at 8x4096 at 2-8 warps, its diagonal blocks
+#             a column at a time, in a launch of their own (DIAG_FORM launch), or by dots
+#   gdnintra  benchmarks.gdn_kernels --intra-sweep: the intra launch alone at 8x4096, its six
 #             forms (gdn.gpu.INTRA_FORMS: whole chunk, 16-row blocks with f32 or bf16 products,
-#             split in two launches, the first by blocks or not) at 2-16 warps, each an entry,
-#             beside its byte floor (~14 entries: SUITE_LIMIT_S >= 300)
+#             split in two launches, the first by blocks or not, with bf16 products or not) at
+#             2-16 warps, each an entry, beside its byte floor (~17 entries:
+#             SUITE_LIMIT_S >= 330)
 #   mgputrace mgpudiag's chain and copies alone, each timed program run once more under the
 #             profiler (--trace): the kernels' own times beside the timed figure, and the
 #             device's idle time between them; gdntrace the default prefill's the same at

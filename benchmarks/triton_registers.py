@@ -64,9 +64,10 @@ def _with_diag_form(fn, gpu, form, *args):
         gpu.DIAG_FORM = saved
 
 
-def dump_intra_ttir(kernel: str, out_dir: str) -> str:
+def dump_intra_ttir(kernel: str, out_dir: str) -> list[str]:
     """Lower the prefill whose intra launch is ``kernel`` for CUDA and write that launch's
-    Triton IR (no debug locations) to ``out_dir``; returns the file's path."""
+    Triton IR (no debug locations) to ``out_dir``, a file per launch (the split forms have
+    two); returns their paths."""
     from jax._src.pallas.triton import lowering
 
     from tests.pallas_kernels.ragged_cases import abstract_slots
@@ -110,13 +111,16 @@ def dump_intra_ttir(kernel: str, out_dir: str) -> str:
         lowered.lower(lowering_platforms=("cuda",))
     finally:
         lowering.lower_jaxpr_to_triton_module = original
-    intra = [t for t in texts if name in t.split("\n", 1)[0]]
-    if not intra:
+    paths = []
+    for text in texts:  # the split forms' two launches: each
+        module = text.split("\n", 1)[0].removeprefix("module @").split()[0]
+        if module.startswith(name):
+            paths.append(os.path.join(out_dir, f"{kernel}.{module}.ttir"))
+            with open(paths[-1], "w") as f:
+                f.write(text)
+    if not paths:
         raise RuntimeError(f"{kernel}: no Triton launch named {name}* (the serial launch only?)")
-    path = os.path.join(out_dir, f"{kernel}.ttir")
-    with open(path, "w") as f:
-        f.write(intra[0])
-    return path
+    return paths
 
 
 def main() -> None:
@@ -130,14 +134,15 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as out_dir:
         for kernel in args.kernels.split(","):
-            path = dump_intra_ttir(kernel, out_dir)
-            for nw in args.warps.split(","):
-                r = subprocess.run(
-                    [args.triton_python, "-c", _COMPILE, path, nw, str(args.stages)],
-                    capture_output=True, text=True,
-                )  # fmt: skip
-                line = r.stdout.strip() or r.stderr.strip().splitlines()[-1]
-                print(f"{kernel} w{nw}: {line}", flush=True)
+            for path in dump_intra_ttir(kernel, out_dir):
+                launch = path.split(".")[-2]
+                for nw in args.warps.split(","):
+                    r = subprocess.run(
+                        [args.triton_python, "-c", _COMPILE, path, nw, str(args.stages)],
+                        capture_output=True, text=True,
+                    )  # fmt: skip
+                    line = r.stdout.strip() or r.stderr.strip().splitlines()[-1]
+                    print(f"{kernel} ({launch}) w{nw}: {line}", flush=True)
     sys.exit(0)
 
 

@@ -49,7 +49,13 @@ def test_register_counts_read_the_intra_launch(tmp_path):
     # jax prints; written with them, this fails)
     from benchmarks.triton_registers import dump_intra_ttir
 
-    for kernel, name in [("gdn_blocked_bf16", "gdn_prefill_intra"), ("kda", "kda_prefill_intra")]:
-        text = open(dump_intra_ttir(kernel, str(tmp_path))).read()
-        assert text.startswith(f"module @{name}"), text[:80]
-        assert "tt.dot" in text and "loc(" not in text
+    for kernel, names in [("gdn_blocked_bf16", ["gdn_prefill_intra_gpu"]),
+                          ("gdn_split_blocked_bf16", ["gdn_prefill_intra_scores_gpu",
+                                                      "gdn_prefill_intra_wu_gpu"]),
+                          ("kda", ["kda_prefill_intra_gpu"])]:  # fmt: skip
+        paths = dump_intra_ttir(kernel, str(tmp_path))
+        assert len(paths) == len(names)
+        for path, name in zip(paths, names, strict=True):
+            text = open(path).read()
+            assert text.startswith(f"module @{name} "), text[:80]
+            assert "tt.dot" in text and "loc(" not in text

@@ -116,8 +116,9 @@ NSUB = CHUNK // SUB
 # or by 16-row blocks (_intra_kernel_blocked) with f32 operands at the prefill's precision or
 # bf16 ones (the products' operands rounded as FLA's chunk kernels do; the inverse f32), or
 # split in two launches, Tm stored between them (_intra_kernel_scores, _intra_kernel_wu), its
-# first by blocks in "split_blocked" (_intra_kernel_blocked_scores).
-INTRA_FORMS = ("whole", "blocked", "blocked_bf16", "split", "split_blocked")
+# first by blocks in "split_blocked" (_intra_kernel_blocked_scores), and with bf16 products in
+# both launches in "split_blocked_bf16" (as FLA's kernels split and round them).
+INTRA_FORMS = ("whole", "blocked", "blocked_bf16", "split", "split_blocked", "split_blocked_bf16")
 # The form a prefill runs when not told (``intra_form=None``; HYJAX_GDN_INTRA=<form> for a
 # process): :func:`default_intra_form`.
 INTRA_FORM = os.environ.get("HYJAX_GDN_INTRA") or None
@@ -126,7 +127,7 @@ INTRA_FORM = os.environ.get("HYJAX_GDN_INTRA") or None
 # at 8; the whole chunk's 3.81 at 8, 5.29 at 4).
 INTRA_TUNING = {
     "whole": (8, 2), "blocked": (2, 1), "blocked_bf16": (4, 2), "split": (4, 2),
-    "split_blocked": (4, 2),
+    "split_blocked": (4, 2), "split_blocked_bf16": (4, 2),  # (the last not yet timed)
 }  # fmt: skip
 
 
@@ -311,17 +312,25 @@ def _kk_scores(x: _ChunkRows, precision):
     return x.beta[:, None] * mm(x.k, x.k, NT, precision) * _decays(x, False)
 
 
-def _store_w_u(x: _ChunkRows, win, h, tm, precision, v_ref, w_ref, u_ref, tma_layout):
-    """``W = Tm (beta e^gam k)`` and ``U = Tm (beta v)`` (``U^T`` with ``tma_layout``)."""
+def _store_w_u(x: _ChunkRows, win, h, tm, precision, v_ref, w_ref, u_ref, tma_layout,
+               bf16_products: bool = False):  # fmt: skip
+    """``W = Tm (beta e^gam k)`` and ``U = Tm (beta v)`` (``U^T`` with ``tma_layout``), with
+    ``bf16_products`` as bf16 MMAs (f32 accumulation)."""
     op, rows = w_ref.dtype, win.valid[:, None]
-    w = mm(tm, x.k * (x.beta * jnp.exp(x.gam))[:, None], precision=precision)  # [C, Dk]
+
+    def prod(a, b):
+        if bf16_products:  # HIGHEST on bf16: a plain bf16 MMA
+            return mm(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), precision=HIGHEST)
+        return mm(a, b, precision=precision)
+
+    w = prod(tm, x.k * (x.beta * jnp.exp(x.gam))[:, None])  # [C, Dk]
     pltr.store(w_ref.at[h, win.rows, :], w.astype(op), mask=rows)
     dv = v_ref.shape[-1]
     bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
     for vb in range(dv // bv):
         vs = pl.ds(vb * bv, bv)
         v = pltr.load(v_ref.at[win.rows, h, vs], mask=rows, other=0.0)
-        u = mm(tm, v.astype(jnp.float32) * x.beta[:, None], precision=precision)  # [C, BV]
+        u = prod(tm, v.astype(jnp.float32) * x.beta[:, None])  # [C, BV]
         if tma_layout:
             pltr.store(u_ref.at[h, vs, win.rows], u.T.astype(op), mask=win.valid[None, :])
         else:
@@ -365,16 +374,17 @@ def _intra_kernel_scores(
 
 def _intra_kernel_wu(
     c_start_ref, c_len_ref, alog_ref, dtb_ref, k_ref, v_ref, a_ref, b_ref, tm_ref, w_ref, u_ref,
-    *, ratio: int, precision, tma_layout: bool = False,
+    *, ratio: int, precision, tma_layout: bool = False, bf16_products: bool = False,
 ):  # fmt: skip
-    """The split form's second launch: ``W`` and ``U`` from the stored ``Tm`` (its rows outside
-    the chunk read as zeros: those of W and U are not stored), k's rows and the gates read
-    again."""
+    """The split forms' second launch: ``W`` and ``U`` from the stored ``Tm`` (its rows
+    outside the chunk read as zeros: those of W and U are not stored), k's rows and the gates
+    read again; bf16 products with ``bf16_products``."""
 
     def body(ci, h, win):
         x = _chunk_rows(win, h, h // ratio, 1.0, alog_ref, dtb_ref, k_ref, a_ref, b_ref)
         tm = pltr.load(tm_ref.at[h, win.rows, :], mask=win.valid[:, None], other=0.0)
-        _store_w_u(x, win, h, tm.astype(jnp.float32), precision, v_ref, w_ref, u_ref, tma_layout)
+        _store_w_u(x, win, h, tm.astype(jnp.float32), precision, v_ref, w_ref, u_ref, tma_layout,
+                   bf16_products)  # fmt: skip
 
     _chunk_program(c_start_ref, c_len_ref, k_ref.shape[0], tma_layout, body)
 
@@ -502,10 +512,10 @@ def intra_launch(
                   tma_layout=tma_layout)  # fmt: skip
     if form not in INTRA_FORMS:
         raise ValueError(f"intra launch form {form!r}: one of {INTRA_FORMS}")
-    if form in ("split", "split_blocked"):
+    if form.startswith("split"):
         return _split_intra(
             q, k, v, a, b, A_log, dt_bias, plan, live, shapes, common, num_chunks, num_warps,
-            num_stages, interpret, blocked=form == "split_blocked",
+            num_stages, interpret, blocked=form != "split", bf16=form.endswith("bf16"),
         )  # fmt: skip
     if form == "whole":
         kernel = functools.partial(_intra_kernel, **common)
@@ -526,22 +536,24 @@ def intra_launch(
 
 
 def _split_intra(q, k, v, a, b, A_log, dt_bias, plan, live, shapes: ChunkRefs, common,
-                 num_chunks, num_warps, num_stages, interpret, blocked) -> ChunkRefs:  # fmt: skip
+                 num_chunks, num_warps, num_stages, interpret, blocked,
+                 bf16=False) -> ChunkRefs:  # fmt: skip
     """:func:`intra_launch`'s split forms: two launches over grid ``(NC, Hv)``, the first by
-    16-row blocks with ``blocked``."""
+    16-row blocks with ``blocked``, the products bf16 with ``bf16`` (blocked only)."""
     hv, tp, _ = shapes.q_dec.shape
     tm_type = jax.ShapeDtypeStruct((hv, tp, CHUNK), shapes.q_dec.dtype)
     params = dict(grid=(num_chunks, hv), compiler_params=compiler_params(num_warps, num_stages),
                   interpret=interpret)  # fmt: skip
     first = _intra_kernel_blocked_scores if blocked else _intra_kernel_scores
+    more = dict(bf16_products=True) if bf16 else {}
     q_dec, k_dec, a_qk, decay, tm = pl.pallas_call(
-        functools.partial(first, **common),
+        functools.partial(first, **common, **more),
         out_shape=[shapes.q_dec, shapes.k_dec, shapes.a_qk, shapes.decay, tm_type],
         name="gdn_prefill_intra_scores_gpu", **params,
     )(plan.start, plan.length, live, A_log, dt_bias, q, k, a, b)  # fmt: skip
     wu = {key: common[key] for key in ("ratio", "precision", "tma_layout")}
     w, u = pl.pallas_call(
-        functools.partial(_intra_kernel_wu, **wu),
+        functools.partial(_intra_kernel_wu, **wu, **more),
         out_shape=[shapes.w, shapes.u],
         name="gdn_prefill_intra_wu_gpu", **params,
     )(plan.start, plan.length, A_log, dt_bias, k, v, a, b, tm)  # fmt: skip

@@ -118,7 +118,7 @@ def test_kernels_lower_to_triton_at_80b_shapes():
     pool = sd((8, hv, d, d), f32)
     prefill = [sd((rows + 1,), i32)]
     blocked = functools.partial(gpu.gdn_prefill, intra_form="blocked_bf16")
-    split = functools.partial(gpu.gdn_prefill, intra_form="split_blocked")
+    split = functools.partial(gpu.gdn_prefill, intra_form="split_blocked_bf16")
     for t, f, extra in [(n, gpu.gdn_prefill, prefill), (n, blocked, prefill), (n, split, prefill),
                         (rows, gpu.gdn_decode, [])]:  # fmt: skip
         acts = [sd((t, hk, d), bf)] * 2 + [sd((t, hv, d), bf)] + [sd((t, hv), bf)] * 2
@@ -138,7 +138,7 @@ def test_serial_block_v_widens_when_the_launch_fills_the_sms(monkeypatch):
     assert delta_rule_gpu.serial_block_v(8, 32, 128, 16) == 16  # a requested block is kept
 
 
-@pytest.mark.parametrize("form", ["blocked", "blocked_bf16", "split", "split_blocked"])
+@pytest.mark.parametrize("form", [f for f in gpu.INTRA_FORMS if f != "whole"])
 @pytest.mark.parametrize("lens,hk,hv,dk,dv,dtype,bv", PREFILL_CASES[::2], ids=PREFILL_IDS[::2])
 def test_intra_launch_forms_match_reference(lens, hk, hv, dk, dv, dtype, bv, form):
     """The intra launch's other forms: by 16-row blocks (``intra_form="blocked"``: A and Aqk by
@@ -148,7 +148,7 @@ def test_intra_launch_forms_match_reference(lens, hk, hv, dk, dv, dtype, bv, for
     reference; the chunks span all four blocks and cross the diagonal ones, so a wrong block
     decay or a missing block shows). With bf16 products (``"blocked_bf16"``) to bf16's
     rounding (2e-2 relative), as the bf16 models."""
-    if form == "blocked_bf16" and dtype == jnp.float32:
+    if form.endswith("bf16") and dtype == jnp.float32:
         dtype = jnp.bfloat16  # bf16 operands: a bf16 model's path
     _check_prefill(lens, hk, hv, dk, dv, dtype, bv, seed=1, intra_form=form)
 
