@@ -379,7 +379,7 @@ INTRA_SWEEP = [(4, 2), (4, 1), (8, 2)]  # the intra launch's (warps, stages)
 # at the register cap (255 a thread, a 1 KB stack: ncu at 8x4096); 16 warps halve each
 # thread's share of a chunk's tiles. Forms: gpu.INTRA_FORMS
 INTRA_CONFIGS = [
-    (8, 2, "whole"), (4, 2, "whole"), (16, 2, "whole"),
+    (8, 2, "whole"), (4, 2, "whole"), (16, 2, "whole"), (8, 2, "whole_bf16"), (4, 2, "whole_bf16"),
     (8, 2, "blocked"), (4, 2, "blocked"), (2, 1, "blocked"),
     (8, 2, "blocked_bf16"), (4, 2, "blocked_bf16"), (4, 1, "blocked_bf16"), (2, 1, "blocked_bf16"),
     (8, 2, "split"), (4, 2, "split"), (8, 2, "split_blocked"), (4, 2, "split_blocked"),

@@ -112,13 +112,17 @@ from pallas_kernels.gdn.reference import check_gdn_args
 CHUNK = 64
 SUB = 16  # the blocked intra launch's sub-blocks (_intra_kernel_blocked)
 NSUB = CHUNK // SUB
-# The intra launch's forms (:func:`intra_launch`): the whole chunk's tiles (_intra_kernel),
-# or by 16-row blocks (_intra_kernel_blocked) with f32 operands at the prefill's precision or
-# bf16 ones (the products' operands rounded as FLA's chunk kernels do; the inverse f32), or
-# split in two launches, Tm stored between them (_intra_kernel_scores, _intra_kernel_wu), its
-# first by blocks in "split_blocked" (_intra_kernel_blocked_scores), and with bf16 products in
-# both launches in "split_blocked_bf16" (as FLA's kernels split and round them).
-INTRA_FORMS = ("whole", "blocked", "blocked_bf16", "split", "split_blocked", "split_blocked_bf16")
+# The intra launch's forms (:func:`intra_launch`): the whole chunk's tiles (_intra_kernel;
+# "whole_bf16": its scores, W and U bf16 products, 64-row dots), or by 16-row blocks
+# (_intra_kernel_blocked) with f32 operands at the prefill's precision or bf16 ones (the
+# products' operands rounded as FLA's chunk kernels do; the inverse f32), or split in two
+# launches, Tm stored between them (_intra_kernel_scores, _intra_kernel_wu), its first by
+# blocks in "split_blocked" (_intra_kernel_blocked_scores), and with bf16 products in both
+# launches in "split_blocked_bf16" (as FLA's kernels split and round them).
+INTRA_FORMS = (
+    "whole", "whole_bf16", "blocked", "blocked_bf16", "split", "split_blocked",
+    "split_blocked_bf16",
+)  # fmt: skip
 # The form a prefill runs when not told (``intra_form=None``; HYJAX_GDN_INTRA=<form> for a
 # process): :func:`default_intra_form`.
 INTRA_FORM = os.environ.get("HYJAX_GDN_INTRA") or None
@@ -127,7 +131,8 @@ INTRA_FORM = os.environ.get("HYJAX_GDN_INTRA") or None
 # at 8; the whole chunk's 3.81 at 8, 5.29 at 4).
 INTRA_TUNING = {
     "whole": (8, 2), "blocked": (2, 1), "blocked_bf16": (4, 2), "split": (4, 2),
-    "split_blocked": (4, 2), "split_blocked_bf16": (4, 2),  # (the last not yet timed)
+    "split_blocked": (4, 2),
+    "whole_bf16": (8, 2), "split_blocked_bf16": (4, 2),  # (these two not yet timed)
 }  # fmt: skip
 
 
@@ -242,7 +247,7 @@ def _intra_kernel(
     kd_ref,  # [Hv, Tp, Dk] out: k e^(gam_last - gam) (l2-normed)
     aqk_ref,  # [Hv, Tp, C] out: incl_lower(q k^T e^(gam_i - gam_j)), window columns
     dl_ref,  # f32[NC, Hv]  out: e^gam_last, the chunk's state decay
-    *, ratio: int, scale: float, precision, tma_layout: bool = False,
+    *, ratio: int, scale: float, precision, tma_layout: bool = False, bf16_products: bool = False,
 ):  # fmt: skip
     """Kernel 1, one program per (chunk, value head), all in parallel: everything of the chunk
     that does not depend on the state (the gates, the UT transform, the decayed q / k rows and
@@ -250,13 +255,15 @@ def _intra_kernel(
     ``tma_layout``: the scratch the Mosaic GPU serial launch reads
     (:mod:`pallas_kernels.common.chunk_scan_mgpu`): a token-aligned plan's chunks, each read in
     the 64-token block of the batch it lies in, ``U`` transposed, and ``k_dec`` zero on the
-    block's rows after the batch's last token, which no chunk writes."""
+    block's rows after the batch's last token, which no chunk writes. ``bf16_products``
+    (``"whole_bf16"``): the scores, W and U as bf16 MMAs, the inverse f32 at ``precision``."""
+    prod = _products(precision, bf16_products)
 
     def body(ci, h, win):
         x = _chunk_rows(win, h, h // ratio, scale, alog_ref, dtb_ref, k_ref, a_ref, b_ref, q_ref)
-        tm = unit_lower_inverse(_kk_scores(x, precision), precision)
-        _store_w_u(x, win, h, tm, precision, v_ref, w_ref, u_ref, tma_layout)
-        _store_q_k_rows(x, win, h, precision, live_ref, qd_ref, kd_ref, aqk_ref, tma_layout)
+        tm = unit_lower_inverse(_kk_scores(x, prod), precision)
+        _store_w_u(x, win, h, tm, prod, v_ref, w_ref, u_ref, tma_layout)
+        _store_q_k_rows(x, win, h, prod, live_ref, qd_ref, kd_ref, aqk_ref, tma_layout)
         dl_ref[ci, h] = jnp.exp(x.gam_last)
 
     _chunk_program(c_start_ref, c_len_ref, k_ref.shape[0], tma_layout, body)
@@ -307,22 +314,28 @@ def _decays(x: _ChunkRows, inclusive: bool):
     return jnp.exp(jnp.where(below, x.gam[:, None] - x.gam[None, :], -1e30))
 
 
-def _kk_scores(x: _ChunkRows, precision):
+def _products(precision, bf16: bool):
+    """An intra launch's score and W / U products: f32 operands at ``precision``, or with
+    ``bf16`` bf16 operands (HIGHEST on bf16: a plain bf16 MMA, f32 accumulation), as FLA's
+    chunk kernels round them."""
+
+    def prod(a, b, contract=((1,), (0,))):
+        if bf16:
+            return mm(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), contract, HIGHEST)
+        return mm(a, b, contract, precision)
+
+    return prod
+
+
+def _kk_scores(x: _ChunkRows, prod):
     """``A = strict_lower(beta_i k_i . k_j e^(gam_i - gam_j))``."""
-    return x.beta[:, None] * mm(x.k, x.k, NT, precision) * _decays(x, False)
+    return x.beta[:, None] * prod(x.k, x.k, NT) * _decays(x, False)
 
 
-def _store_w_u(x: _ChunkRows, win, h, tm, precision, v_ref, w_ref, u_ref, tma_layout,
-               bf16_products: bool = False):  # fmt: skip
-    """``W = Tm (beta e^gam k)`` and ``U = Tm (beta v)`` (``U^T`` with ``tma_layout``), with
-    ``bf16_products`` as bf16 MMAs (f32 accumulation)."""
+def _store_w_u(x: _ChunkRows, win, h, tm, prod, v_ref, w_ref, u_ref, tma_layout):
+    """``W = Tm (beta e^gam k)`` and ``U = Tm (beta v)`` (``U^T`` with ``tma_layout``), by
+    ``prod`` (:func:`_products`)."""
     op, rows = w_ref.dtype, win.valid[:, None]
-
-    def prod(a, b):
-        if bf16_products:  # HIGHEST on bf16: a plain bf16 MMA
-            return mm(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), precision=HIGHEST)
-        return mm(a, b, precision=precision)
-
     w = prod(tm, x.k * (x.beta * jnp.exp(x.gam))[:, None])  # [C, Dk]
     pltr.store(w_ref.at[h, win.rows, :], w.astype(op), mask=rows)
     dv = v_ref.shape[-1]
@@ -337,13 +350,13 @@ def _store_w_u(x: _ChunkRows, win, h, tm, precision, v_ref, w_ref, u_ref, tma_la
             pltr.store(u_ref.at[h, win.rows, vs], u.astype(op), mask=rows)
 
 
-def _store_q_k_rows(x: _ChunkRows, win, h, precision, live_ref, qd_ref, kd_ref, aqk_ref,
+def _store_q_k_rows(x: _ChunkRows, win, h, prod, live_ref, qd_ref, kd_ref, aqk_ref,
                     tma_layout):  # fmt: skip
     """``Aqk = incl_lower(q_i . k_j e^(gam_i - gam_j))``, ``q e^gam`` and
     ``k e^(gam_last - gam)`` (with ``tma_layout`` zero on the block's rows after the batch's
     last token, which no chunk writes)."""
     op, rows = qd_ref.dtype, win.valid[:, None]
-    a_qk = mm(x.q, x.k, NT, precision) * _decays(x, True)
+    a_qk = prod(x.q, x.k, NT) * _decays(x, True)
     pltr.store(aqk_ref.at[h, win.rows, :], a_qk.astype(op), mask=rows)
     q_dec = (x.q * jnp.exp(x.gam)[:, None]).astype(op)
     pltr.store(qd_ref.at[h, win.rows, :], q_dec, mask=rows)
@@ -361,11 +374,12 @@ def _intra_kernel_scores(
     scores, q's and k's rows, the decay, and ``Tm = (I + A)^-1`` stored (``[Hv, Tp, C]`` in
     the operand dtype, window columns) for :func:`_intra_kernel_wu`. No v, no W / U: fewer
     tiles live than in :func:`_intra_kernel`, which sits at the register cap."""
+    prod = _products(precision, False)
 
     def body(ci, h, win):
         x = _chunk_rows(win, h, h // ratio, scale, alog_ref, dtb_ref, k_ref, a_ref, b_ref, q_ref)
-        _store_q_k_rows(x, win, h, precision, live_ref, qd_ref, kd_ref, aqk_ref, tma_layout)
-        tm = unit_lower_inverse(_kk_scores(x, precision), precision)
+        _store_q_k_rows(x, win, h, prod, live_ref, qd_ref, kd_ref, aqk_ref, tma_layout)
+        tm = unit_lower_inverse(_kk_scores(x, prod), precision)
         pltr.store(tm_ref.at[h, win.rows, :], tm.astype(tm_ref.dtype), mask=win.valid[:, None])
         dl_ref[ci, h] = jnp.exp(x.gam_last)
 
@@ -379,12 +393,12 @@ def _intra_kernel_wu(
     """The split forms' second launch: ``W`` and ``U`` from the stored ``Tm`` (its rows
     outside the chunk read as zeros: those of W and U are not stored), k's rows and the gates
     read again; bf16 products with ``bf16_products``."""
+    prod = _products(precision, bf16_products)
 
     def body(ci, h, win):
         x = _chunk_rows(win, h, h // ratio, 1.0, alog_ref, dtb_ref, k_ref, a_ref, b_ref)
         tm = pltr.load(tm_ref.at[h, win.rows, :], mask=win.valid[:, None], other=0.0)
-        _store_w_u(x, win, h, tm.astype(jnp.float32), precision, v_ref, w_ref, u_ref, tma_layout,
-                   bf16_products)  # fmt: skip
+        _store_w_u(x, win, h, tm.astype(jnp.float32), prod, v_ref, w_ref, u_ref, tma_layout)
 
     _chunk_program(c_start_ref, c_len_ref, k_ref.shape[0], tma_layout, body)
 
@@ -409,10 +423,7 @@ def _intra_kernel_blocked(
     ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     jj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
 
-    def pmm(x, y, contract=((1,), (0,))):  # a score or W / U product
-        if bf16_products:  # HIGHEST on bf16: a plain bf16 MMA (kda.gpu._operand_precision)
-            return mm(x.astype(jnp.bfloat16), y.astype(jnp.bfloat16), contract, HIGHEST)
-        return mm(x, y, contract, precision)
+    pmm = _products(precision, bf16_products)  # a score or W / U product
 
     def body(ci, h, win):
         hk, w0 = h // ratio, win.rows.start
@@ -517,8 +528,8 @@ def intra_launch(
             q, k, v, a, b, A_log, dt_bias, plan, live, shapes, common, num_chunks, num_warps,
             num_stages, interpret, blocked=form != "split", bf16=form.endswith("bf16"),
         )  # fmt: skip
-    if form == "whole":
-        kernel = functools.partial(_intra_kernel, **common)
+    if form in ("whole", "whole_bf16"):
+        kernel = functools.partial(_intra_kernel, bf16_products=form == "whole_bf16", **common)
     else:
         kernel = functools.partial(
             _intra_kernel_blocked, bf16_products=form == "blocked_bf16", **common

@@ -174,3 +174,20 @@ def test_an_unknown_intra_form_is_named():
     kernel = functools.partial(gpu.gdn_prefill, intra_form="fast", interpret=True)
     with pytest.raises(ValueError, match="intra launch form 'fast'"):
         jax.eval_shape(kernel, *args)
+
+
+def test_the_bf16_forms_products_are_bf16_mmas(tmp_path):
+    """The ``*_bf16`` intra forms' scores, W and U are bf16 MMAs in the Triton IR the launch
+    compiles from (f32 accumulation), the inverse's f32; the f32 forms have none."""
+    import re
+
+    from benchmarks.triton_registers import dump_intra_ttir
+
+    def dots(form):
+        text = "".join(open(p).read() for p in dump_intra_ttir(f"gdn_{form}", str(tmp_path)))
+        found = re.findall(r"tt\.dot [^:]+: tensor<[0-9x]+x(\w+)> \* tensor<[0-9x]+x(\w+)>", text)
+        return {(a, b) for a, b in found}
+
+    assert ("bf16", "bf16") in dots("whole_bf16") and ("f32", "f32") in dots("whole_bf16")
+    assert ("bf16", "bf16") in dots("blocked_bf16")
+    assert ("bf16", "bf16") not in dots("whole")
