@@ -176,10 +176,11 @@ def _step_buffers(buf: jax.Array, blank: tuple[int, ...] = ()) -> tuple[jax.Arra
 # per layer call at 4k context on an H100).
 GPU_DECODE_ATTENTION = functools.partial(attention_gpu.ragged_paged_attention, decode_only=True)
 
-# The GDN prefill on NVIDIA follows ``Ops.matmul_precision`` (precision None): TF32 tensor
-# cores inside the chunk for bfloat16 models and with --allow-tf32 (output error ratio 1.4e-3
-# against the IEEE f32 reference on an H200; FLA's bar: 5e-3), IEEE f32 dots (~40x slower in
-# the chunk) for float32 models.
+# The GDN prefill on NVIDIA follows ``Ops.matmul_precision`` (precision None) where its
+# products are f32: for bfloat16 models the chunk's scores, W and U are bf16 MMAs and its
+# inverse TF32 (gdn.gpu.default_intra_form, as FLA rounds them; the TF32 path before it: output
+# error ratio 1.4e-3 against the IEEE f32 reference on an H200, FLA's bar 5e-3); float32 models
+# get IEEE f32 dots (~40x slower in the chunk), or TF32 with --allow-tf32.
 GPU_GDN_PREFILL = functools.partial(gdn_gpu.gdn_prefill, precision=None)
 
 # The KDA prefill on NVIDIA likewise (its dots: the off-diagonal blocks of Akk / Aqk, the UT
