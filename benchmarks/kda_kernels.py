@@ -260,9 +260,9 @@ INTRA_SWEEP = [(4, 2), (8, 1), (8, 2), (8, 3)]
 # The intra launch alone at 8x4096, (warps, stages), by --intra-sweep (GDN's blocked launch,
 # the same 16-row blocks, ran 1.7x faster at 4 warps than at 8 on an H200)
 # and the diagonal blocks' forms (gpu.DIAG_FORMS: in the intra launch a column at a time, or
-# by dots, or the column loop in a launch of its own)
+# the column loop in a launch of its own)
 INTRA_CONFIGS = [(2, 1, "columns"), (4, 2, "columns"), (2, 1, "launch"), (4, 2, "launch"),
-                 (8, 2, "launch"), (4, 2, "levels")]  # fmt: skip
+                 (8, 2, "launch")]  # fmt: skip
 
 
 def _intra_step(n, nw, ns, tma_layout=False, diag_form=None):

@@ -12,7 +12,7 @@ Prints one line per (kernel, warps): registers a thread, stack frame, spill byte
 shared memory. The device's compiler is the Triton in jax's CUDA plugin, another version;
 so the counts differ from the device's. Use them to compare kernel variants, not as the
 device's own figures (2026-11-29: every intra launch measured sits at the 255-register cap).
-Kernels: ``kda`` (diagonal form by ``kda.gpu.DIAG_FORM``), ``kda_levels``, ``kda_launch``
+Kernels: ``kda`` (diagonal form by ``kda.gpu.DIAG_FORM``), ``kda_launch``
 (the intra launch reading its diagonal blocks) and ``kda_diag`` (the launch making them), and
 ``gdn_<form>`` for each of ``gdn.gpu.INTRA_FORMS``. Each is taken at the 80B / 48B heads,
 on the Mosaic GPU serial launch's scratch layout (the default path).
@@ -81,7 +81,7 @@ def dump_intra_ttir(kernel: str, out_dir: str) -> list[str]:
         h, d = 32, 128
         acts = [sd((n, h, d), bf)] * 4 + [sd((n, h), bf)]
         gates = [sd((h,), f32), sd((h, d), f32)]
-        forms = {"kda_levels": "levels", "kda_launch": "launch", "kda_diag": "launch"}
+        forms = {"kda_launch": "launch", "kda_diag": "launch"}
         fn = functools.partial(gpu.kda_prefill, precision=None)
         fn = functools.partial(_with_diag_form, fn, gpu, forms.get(kernel, gpu.DIAG_FORM))
         name = "kda_prefill_diag" if kernel == "kda_diag" else "kda_prefill_intra"
@@ -126,9 +126,7 @@ def dump_intra_ttir(kernel: str, out_dir: str) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--triton-python", required=True, help="a Python with the triton package")
-    p.add_argument(
-        "--kernels", default="kda,kda_levels,kda_launch,kda_diag,gdn_blocked_bf16,gdn_whole"
-    )
+    p.add_argument("--kernels", default="kda,kda_launch,kda_diag,gdn_blocked_bf16,gdn_whole")
     p.add_argument("--warps", default="2,4,8")
     p.add_argument("--stages", type=int, default=2)
     args = p.parse_args()

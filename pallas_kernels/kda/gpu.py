@@ -28,8 +28,8 @@ chunk have ``g = beta = 0`` and zero q/k/v, so ``gam`` restarts at the chunk)::
    blocks (I, J), every ``exp`` argument <= 0:
 
    - diagonal blocks (I = J): one column ``j`` at a time, ``e^(gam_i - gam_j)`` for rows
-     ``i >= j`` as a ``[16, Dk]`` tile (elementwise f32; ``DIAG_FORM="levels"``: by four
-     dots through each pair's middle row, slower on an H200);
+     ``i >= j`` as a ``[16, Dk]`` tile (elementwise f32; ``DIAG_FORM="launch"``: the same in
+     a launch of its own, ``_diag_kernel``);
    - blocks below it (J < I): factored through ``gam_r``, the first row of block I:
      ``(q_i e^(gam_i - gam_r)) . (k_j e^(gam_r - gam_j))``, a ``[16, Dk] x [Dk, 16]`` dot.
      ``gam`` never increases (``g <= 0``) and J's rows precede ``r``, so both exponents are
@@ -102,12 +102,12 @@ from pallas_kernels.kda.reference import check_kda_args
 CHUNK = 64  # the prefill's chunks: four 16-row sub-blocks
 SUB = 16
 # The diagonal blocks' scores (intra_launch's diag_form): "columns" a column at a time,
-# elementwise f32 (_diag_block), or "levels" by dots through each pair's middle row
-# (_diag_block_levels: slower, 15.8 ms against 12.1 for the intra launch alone at 8x4096 on
-# an H200, 4 warps). HYJAX_KDA_DIAG=<form> for a process.
-# "launch": the column loop in a launch of its own (_diag_kernel, DIAG_LAUNCH_WARPS warps),
-# its blocks read by the intra launch (not yet timed).
-DIAG_FORMS = ("columns", "levels", "launch")
+# elementwise f32 (_diag_block), or "launch": the same loop in a launch of its own
+# (_diag_kernel, DIAG_LAUNCH_WARPS warps), its blocks read by the intra launch (not yet timed).
+# (By dots through each pair's middle row, every exponent <= 0, they were slower: 15.8 ms
+# against 12.1 for the intra launch alone at 8x4096, H200, 4 warps; removed.)
+# HYJAX_KDA_DIAG=<form> for a process.
+DIAG_FORMS = ("columns", "launch")
 DIAG_LAUNCH_WARPS = 4
 DIAG_FORM = os.environ.get("HYJAX_KDA_DIAG") or "columns"
 # The intra launch's warps when not told (kda_prefill's intra_num_warps None;
@@ -220,36 +220,6 @@ def _row(x, i: int):
     return jnp.sum(jnp.where(sel, x, 0.0), axis=0)
 
 
-def _diag_block_levels(q, k, gam, opmm):
-    """:func:`_diag_block`'s blocks by dots, every exponent <= 0: a pair ``i > j`` of the
-    block lies in exactly one group of ``2h`` rows (``h`` = 8, 4, 2, 1) with ``i`` in its upper
-    half and ``j`` in its lower one; through the group's middle row ``m`` (``j < m <= i``),
-    ``e^(gam_i - gam_j) = e^(gam_i - gam_m) e^(gam_m - gam_j)``, both factors <= 1. Each level
-    is one ``[16, Dk] x [Dk, 16]`` dot per score (``opmm``: the off-diagonal blocks'
-    operands), the rows' ``gam_m`` gathered by an exact 0/1 product (IEEE f32: each output is
-    one term), the diagonal ``i = j`` (no decay) a row sum. Four levels of dots where the
-    column loop does 16 steps of cross-row sums."""
-    ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-    jj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-    ri = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
-    a_kk = jnp.zeros((SUB, SUB), jnp.float32)
-    a_qk = jnp.where(ii == jj, jnp.sum(q * k, axis=1)[:, None], 0.0)
-    lg = SUB.bit_length() - 2  # log2(h) for h = SUB / 2 .. 1
-    while lg >= 0:
-        group = lg + 1  # rows i, j share a group of 2h when i >> group == j >> group
-        mid = jnp.left_shift(jnp.right_shift(ii, group), group) + (1 << lg)  # m of row i
-        gam_m = mm(jnp.where(jj == mid, 1.0, 0.0), gam, NN, jax.lax.Precision.HIGHEST)
-        upper = jnp.bitwise_and(jnp.right_shift(ri, lg), 1) == 1  # [16, 1]: i >= m
-        e_up = jnp.exp(jnp.where(upper, gam - gam_m, 0.0))  # rows i >= m: <= 1
-        e_low = jnp.exp(jnp.where(upper, 0.0, gam_m - gam))  # rows j < m: <= 1
-        k_low = jnp.where(upper, 0.0, k * e_low)
-        same = jnp.right_shift(ii, group) == jnp.right_shift(jj, group)
-        a_kk += jnp.where(same, opmm(jnp.where(upper, k * e_up, 0.0), k_low, NT), 0.0)
-        a_qk += jnp.where(same, opmm(jnp.where(upper, q * e_up, 0.0), k_low, NT), 0.0)
-        lg -= 1
-    return a_kk, a_qk
-
-
 def _diag_block(q, k, gam):
     """The diagonal ``[16, 16]`` blocks of ``sum_d k_id k_jd e_ij`` and ``sum_d q_id k_jd
     e_ij`` (``i >= j``, 0 above), one column ``j`` at a time so that every ``exp`` argument
@@ -356,7 +326,7 @@ def _intra_kernel(
         # 1. Per 16-row block I (rows outside the chunk load zeros, g = beta = 0): its gate,
         # gam from the window's first row, the normalised rows, then its scores against the
         # blocks up to it, stored with q's rows: Akk and Aqk by [16, 16] blocks (I, J),
-        # J <= I. Diagonal: _diag_block(_levels). Below it, factored through gam_ref, the
+        # J <= I. Diagonal: _diag_block. Below it, factored through gam_ref, the
         # first row of block I: rows of I decay from it (e^(gam_i - gam_ref)), rows of J up to
         # it. Each block then keeps only two operand-dtype tiles, no gam: its rows decayed to
         # its last row, k e^(gam_end - gam), and W's operand, beta k e^gam. J's decay up to
@@ -383,8 +353,6 @@ def _intra_kernel(
             if diag_refs is not None:  # made by _diag_kernel
                 d_kk, d_qk = (pltr.load(d.at[h, r, :], mask=ok[:, None], other=0.0)
                               for d in diag_refs)  # fmt: skip
-            elif diag_form == "levels":
-                d_kk, d_qk = _diag_block_levels(q_i, k_i, gam_i, opmm)
             else:
                 d_kk, d_qk = _diag_block(q_i, k_i, gam_i)
             a_kk[bi, bi] = jnp.where(ii > jj, beta_i[:, None] * d_kk, 0.0)

@@ -69,13 +69,12 @@ def test_prefill_matches_reference(lens, h, dk, dv, dtype, bv, path):
     _check_prefill(lens, h, dk, dv, dtype, bv, path)
 
 
-@pytest.mark.parametrize("diag_form", [f for f in gpu.DIAG_FORMS if f != "columns"])
-def test_prefill_diagonal_blocks_other_forms(diag_form, monkeypatch):
-    """The diagonal blocks' other forms (``DIAG_FORM="levels"``: by dots through each pair's
-    middle row; ``"launch"``: the column loop in a launch of its own, its blocks read by the
-    intra launch) on the ragged case whose chunks fill all four 16-row blocks, and one
-    shorter than a block (a block with no rows is skipped, its scratch never read)."""
-    monkeypatch.setattr(gpu, "DIAG_FORM", diag_form)
+def test_prefill_diagonal_blocks_in_their_own_launch(monkeypatch):
+    """The diagonal blocks' other form (``DIAG_FORM="launch"``: the column loop in a launch of
+    its own, its blocks read by the intra launch) on the ragged case whose chunks fill all
+    four 16-row blocks, and one shorter than a block (a block with no rows is skipped, its
+    scratch never read)."""
+    monkeypatch.setattr(gpu, "DIAG_FORM", "launch")
     lens, h, dk, dv, dtype, bv = PREFILL_CASES[3]
     _check_prefill(lens, h, dk, dv, dtype, bv, "two")
 
@@ -108,8 +107,8 @@ def _check_prefill(lens, h, dk, dv, dtype, bv, path):
 def test_prefill_strong_gates_stay_finite(diag_form, monkeypatch):
     """Decays of ~e^-100 per token: every exp argument in the chunk must stay <= 0 (a factored
     form e^gam_i e^-gam_j would overflow), and the tiny products underflow to exact zeros.
-    Every form of the diagonal blocks: a column at a time (the default), through each pair's
-    middle row, and the column loop in its own launch."""
+    Both forms of the diagonal blocks: a column at a time (the default), and the column loop
+    in its own launch."""
     monkeypatch.setattr(gpu, "DIAG_FORM", diag_form)
     rng = np.random.default_rng(7)
     case = ragged_case([150, 40])
