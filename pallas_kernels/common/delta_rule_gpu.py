@@ -56,7 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.common.chunking import ChunkPlan
-from pallas_kernels.common.delta_rule import group_refs
+from pallas_kernels.common.delta_rule import group_refs, mm
 from pallas_kernels.common.slots import ROUND_EVERY, StateSlots
 
 # The narrowest tile a kernel here takes on a head dim (the tiny test models' Dv = 8). Narrower
@@ -252,6 +252,25 @@ def sub_rows(w0, b: int, sub: int, start, length):
     valid mask (inside the chunk ``[start, start + length)``)."""
     tok = w0 + b * sub + jnp.arange(sub, dtype=jnp.int32)
     return pl.ds(w0 + b * sub, sub), (tok >= start) & (tok < start + length)
+
+
+def operand_precision(precision, operand_dtype):
+    """The precision of a dot on ``operand_dtype`` operands: ``precision`` for f32; HIGHEST
+    for bf16, which the Triton lowering turns into a plain bf16 MMA (DEFAULT would request
+    TF32 inputs) and the CPU interpreter into a bf16 product accumulated in f32."""
+    return precision if jnp.dtype(operand_dtype) == jnp.float32 else jax.lax.Precision.HIGHEST
+
+
+def operand_products(precision, operand_dtype) -> Callable:
+    """An intra launch's score and W / U products, ``prod(a, b, contract=NN)``: both operands
+    cast to ``operand_dtype``, f32 accumulation, at :func:`operand_precision` (bf16: as FLA's
+    chunk kernels round them)."""
+    prec = operand_precision(precision, operand_dtype)
+
+    def prod(a, b, contract=((1,), (0,))):
+        return mm(a.astype(operand_dtype), b.astype(operand_dtype), contract, prec)
+
+    return prod
 
 
 def store_blocked_w_u(t, kb_dec, rows, valid, beta, h, v_ref, w_ref, u_ref, pmm, tma_layout):

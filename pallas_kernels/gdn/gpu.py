@@ -79,11 +79,9 @@ from pallas_kernels.common import chunk_scan_mgpu, decode_mgpu
 from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, chunk_refs_shapes, scan_launches
 from pallas_kernels.common.chunking import live_end, max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
-    HIGHEST,
     NT,
     block_unit_lower_inverse,
     l2norm,
-    mm,
     softplus,
     unit_lower_inverse,
 )
@@ -97,6 +95,7 @@ from pallas_kernels.common.delta_rule_gpu import (
     decode_program,
     launch_decode,
     operand_dtype_for,
+    operand_products,
     pad_tokens,
     pick_block_v,
     row_plan,
@@ -315,16 +314,9 @@ def _decays(x: _ChunkRows, inclusive: bool):
 
 
 def _products(precision, bf16: bool):
-    """An intra launch's score and W / U products: f32 operands at ``precision``, or with
-    ``bf16`` bf16 operands (HIGHEST on bf16: a plain bf16 MMA, f32 accumulation), as FLA's
-    chunk kernels round them."""
-
-    def prod(a, b, contract=((1,), (0,))):
-        if bf16:
-            return mm(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), contract, HIGHEST)
-        return mm(a, b, contract, precision)
-
-    return prod
+    """The intra launches' score and W / U products: f32 operands at ``precision``, or bf16
+    MMAs with ``bf16`` (:func:`~pallas_kernels.common.delta_rule_gpu.operand_products`)."""
+    return operand_products(precision, jnp.bfloat16 if bf16 else jnp.float32)
 
 
 def _kk_scores(x: _ChunkRows, prod):

@@ -70,11 +70,9 @@ from pallas_kernels.common import chunk_scan_mgpu, decode_mgpu
 from pallas_kernels.common.chunk_scan_gpu import ChunkRefs, chunk_refs_shapes, scan_launches
 from pallas_kernels.common.chunking import live_end, max_chunks, plan_chunks
 from pallas_kernels.common.delta_rule import (
-    NN,
     NT,
     block_unit_lower_inverse,
     l2norm,
-    mm,
     softplus,
 )
 from pallas_kernels.common.delta_rule_gpu import (
@@ -87,6 +85,8 @@ from pallas_kernels.common.delta_rule_gpu import (
     decode_program,
     launch_decode,
     operand_dtype_for,
+    operand_precision,
+    operand_products,
     pad_tokens,
     pick_block_v,
     row_plan,
@@ -114,13 +114,6 @@ DIAG_FORM = os.environ.get("HYJAX_KDA_DIAG") or "columns"
 # HYJAX_KDA_INTRA_WARPS for a process): at 8x4096 on an H200 2 warps 10.4 ms, 4 12.1, 8 12.2
 INTRA_NUM_WARPS = int(os.environ.get("HYJAX_KDA_INTRA_WARPS") or 2)
 NSUB = CHUNK // SUB
-
-
-def _operand_precision(precision, operand_dtype):
-    """The precision of a dot on ``operand_dtype`` operands: ``precision`` for f32; HIGHEST
-    for bf16, which the Triton lowering turns into a plain bf16 MMA (DEFAULT would request
-    TF32 inputs) and the CPU interpreter into a bf16 product accumulated in f32."""
-    return precision if operand_dtype == jnp.float32 else jax.lax.Precision.HIGHEST
 
 
 def _check(q, k, v, g, b, A_log, dt_bias, state, slots, qsl=None):
@@ -312,10 +305,7 @@ def _intra_kernel(
     ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     jj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
     op = operand_dtype
-    op_prec = _operand_precision(precision, op)
-
-    def opmm(x, y, contract=NN):  # a dot on operand_dtype operands, f32 accumulation
-        return mm(x.astype(op), y.astype(op), contract, op_prec)
+    opmm = operand_products(precision, op)  # a dot on operand_dtype operands
 
     @pl.when(length > 0)
     def _():
@@ -396,14 +386,15 @@ def _intra_kernel(
 
 def intra_launch(
     q, k, v, g, b, neg_a, dt, plan, *, num_chunks: int, operand_dtype, precision,
-    num_warps: int = 8, num_stages: int = 2, tma_layout: bool = False,
+    num_warps: int | None = None, num_stages: int = 2, tma_layout: bool = False,
     diag_form: str | None = None, interpret: bool = False,
 ) -> ChunkRefs:  # fmt: skip
     """Launch 1 (:func:`_intra_kernel`) over grid ``(NC, H)`` on inputs padded to at least one
     chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`); ``tma_layout`` (the
     Mosaic GPU serial launch's scratch, on a token-aligned plan and tokens padded to a multiple
     of 64): ``U^T [H, Dv, Tp]``. ``diag_form``: how the diagonal blocks' scores are made, one
-    of :data:`DIAG_FORMS` (None: :data:`DIAG_FORM`)."""
+    of :data:`DIAG_FORMS` (None: :data:`DIAG_FORM`); ``num_warps`` None:
+    :data:`INTRA_NUM_WARPS`."""
     diag_form = DIAG_FORM if diag_form is None else diag_form
     if diag_form not in DIAG_FORMS:
         raise ValueError(f"diagonal block form {diag_form!r}: one of {DIAG_FORMS}")
@@ -431,7 +422,7 @@ def intra_launch(
             kernel,
             grid=(num_chunks, h),
             out_shape=list(shapes),
-            compiler_params=compiler_params(num_warps, num_stages),
+            compiler_params=compiler_params(num_warps or INTRA_NUM_WARPS, num_stages),
             interpret=interpret,
             name="kda_prefill_intra_gpu",
         )(plan.start, plan.length, live, neg_a, dt, q, k, g, v, b, *diag)
@@ -487,7 +478,7 @@ def kda_prefill(
     dv = v.shape[2]
     rows, max_ckpt = slots.ckpt_offsets.shape
     op = operand_dtype_for(v.dtype, operand_dtype)
-    prec = _operand_precision(precision, op)
+    prec = operand_precision(precision, op)
     bv = serial_block_v(rows, h, dv, block_v)
     neg_a, dt = -jnp.exp(A_log.astype(jnp.float32)), dt_bias.astype(jnp.float32)
     nc = max_chunks(n, rows, max_ckpt, CHUNK)
@@ -500,7 +491,7 @@ def kda_prefill(
     (q, k, g, v, b), _ = pad_tokens((q, k, g, v, b), CHUNK, CHUNK if mgpu else 1)
     x = intra_launch(
         q, k, v, g, b, neg_a, dt, plan, num_chunks=nc, operand_dtype=op, precision=precision,
-        num_warps=INTRA_NUM_WARPS if intra_num_warps is None else intra_num_warps,
+        num_warps=intra_num_warps,
         num_stages=intra_num_stages,
         tma_layout=mgpu, interpret=interpret,
     )  # fmt: skip
