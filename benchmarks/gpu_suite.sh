@@ -50,6 +50,8 @@
 #             split in two launches, the first by blocks or not, with bf16 products or not) at
 #             2-16 warps, each an entry, beside its byte floor (~17 entries:
 #             SUITE_LIMIT_S >= 330)
+#   gdnintra2 gdnintra's floor, the default (blocked_bf16 at 4 warps) and the two forms with
+#             bf16 products not yet timed (whole_bf16, split_blocked_bf16): 7 entries
 #   mgputrace mgpudiag's chain and copies alone, each timed program run once more under the
 #             profiler (--trace): the kernels' own times beside the timed figure, and the
 #             device's idle time between them; gdntrace the default prefill's the same at
@@ -171,6 +173,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdncheck) echo "python -m benchmarks.gdn_kernels --skip-floors --only check_prefill_f32,check_prefill_tf32,check_prefill_bf16state,check_prefill_mgpu,check_prefill_whole --out $j" ;;
         gdnckpt) echo "python -m benchmarks.gdn_kernels --skip-floors --only prefill_B8_T4096_ckpt --out $j" ;;
         gdnintra) echo "python -m benchmarks.gdn_kernels --intra-sweep --out $j" ;;
+        gdnintra2) echo "python -m benchmarks.gdn_kernels --intra-sweep --only intra_B8_T4096_floor,intra_B8_T4096_blocked_bf16_w4,intra_B8_T4096_whole_bf16,intra_B8_T4096_split_blocked_bf16 --out $j" ;;
         kdareal) echo "python -m benchmarks.kda_kernels --no-fla-decode --only check_prefill_default,fla,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default --out $j" ;;
         kdaintra) echo "python -m benchmarks.kda_kernels --intra-sweep --out $j" ;;
         mgputrace) echo "python -m benchmarks.gdn_kernels --mgpu-scan --trace --mgpu-variants chain_only,loads_only --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;
