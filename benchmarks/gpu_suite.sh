@@ -50,6 +50,11 @@
 #             split in two launches, the first by blocks or not, with bf16 products or not) at
 #             2-16 warps, each an entry, beside its byte floor (~17 entries:
 #             SUITE_LIMIT_S >= 330)
+#   kdaintra2 kdaintra's columns at 2 warps, launch at 8 and the scores in a launch of their own
+#             (DIAG_FORM scores, its intra launch at 4 and 8 warps); kdareal2 kdareal at
+#             1x4096, 8x4096, 1x16384 in that order (HYJAX_KDA_DIAG etc. pick the form)
+#   gdnintra3 the default intra launch alone at 8x4096 and its floor (gdnintra3@DIR: another
+#             tree's, for an A/B in one call)
 #   gdnintra2 gdnintra's floor, the default (blocked_bf16 at 4 warps) and the two forms with
 #             bf16 products not yet timed (whole_bf16, split_blocked_bf16): 7 entries
 #   mgputrace mgpudiag's chain and copies alone, each timed program run once more under the
@@ -176,6 +181,9 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdnintra2) echo "python -m benchmarks.gdn_kernels --intra-sweep --only intra_B8_T4096_floor,intra_B8_T4096_blocked_bf16_w4,intra_B8_T4096_whole_bf16,intra_B8_T4096_split_blocked_bf16 --out $j" ;;
         kdareal) echo "python -m benchmarks.kda_kernels --no-fla-decode --only check_prefill_default,fla,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default --out $j" ;;
         kdaintra) echo "python -m benchmarks.kda_kernels --intra-sweep --out $j" ;;
+        kdaintra2) echo "python -m benchmarks.kda_kernels --intra-sweep --only intra_B8_T4096_columns_w2,intra_B8_T4096_launch_w8,intra_B8_T4096_scores --out $j" ;;
+        kdareal2) echo "python -m benchmarks.kda_kernels --no-fla-decode --only check_prefill_default,fla,prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default --out $j" ;;
+        gdnintra3) echo "python -m benchmarks.gdn_kernels --intra-sweep --only intra_B8_T4096_floor,intra_B8_T4096_blocked_bf16_w4 --out $j" ;;
         mgputrace) echo "python -m benchmarks.gdn_kernels --mgpu-scan --trace --mgpu-variants chain_only,loads_only --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;
         gdntrace) echo "python -m benchmarks.gdn_kernels --trace --skip-floors --only prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default --out $j" ;;
         mgpudiag) echo "python -m benchmarks.gdn_kernels --mgpu-scan --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;

@@ -69,13 +69,16 @@ def test_prefill_matches_reference(lens, h, dk, dv, dtype, bv, path):
     _check_prefill(lens, h, dk, dv, dtype, bv, path)
 
 
-def test_prefill_diagonal_blocks_in_their_own_launch(monkeypatch):
-    """The diagonal blocks' other form (``DIAG_FORM="launch"``: the column loop in a launch of
-    its own, its blocks read by the intra launch) on the ragged case whose chunks fill all
-    four 16-row blocks, and one shorter than a block (a block with no rows is skipped, its
-    scratch never read)."""
-    monkeypatch.setattr(gpu, "DIAG_FORM", "launch")
-    lens, h, dk, dv, dtype, bv = PREFILL_CASES[3]
+@pytest.mark.parametrize("form,case", [("launch", 3), ("scores", 3), ("scores", 2)])
+def test_prefill_scores_in_their_own_launch(form, case, monkeypatch):
+    """The scores' other forms: ``"launch"`` (the diagonal blocks' column loop in a launch of
+    its own, its blocks read by the intra launch) and ``"scores"`` (every block of Akk and
+    Aqk and q's rows in a launch of their own, a program a 16-row block, Akk's blocks read by
+    the intra launch), on the ragged case whose chunks fill all four 16-row blocks, and one
+    shorter than a block (a block with no rows is skipped, its scratch never read); the
+    second also on bf16 inputs (bf16 products)."""
+    monkeypatch.setattr(gpu, "DIAG_FORM", form)
+    lens, h, dk, dv, dtype, bv = PREFILL_CASES[case]
     _check_prefill(lens, h, dk, dv, dtype, bv, "two")
 
 
@@ -107,8 +110,7 @@ def _check_prefill(lens, h, dk, dv, dtype, bv, path):
 def test_prefill_strong_gates_stay_finite(diag_form, monkeypatch):
     """Decays of ~e^-100 per token: every exp argument in the chunk must stay <= 0 (a factored
     form e^gam_i e^-gam_j would overflow), and the tiny products underflow to exact zeros.
-    Both forms of the diagonal blocks: a column at a time (the default), and the column loop
-    in its own launch."""
+    Every form of the scores (:data:`gpu.DIAG_FORMS`)."""
     monkeypatch.setattr(gpu, "DIAG_FORM", diag_form)
     rng = np.random.default_rng(7)
     case = ragged_case([150, 40])
