@@ -201,8 +201,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         mgpuprobe) echo "python -m benchmarks.mgpu_probe --timeout 60 --out $j" ;;
         mgpuserve) echo "env HYJAX_PREFILL_SERIAL=mgpu python -m benchmarks.serving_throughput --model bench --layers 4 --concurrency 8 --input-len 700 --output-len 32 --max-seconds $((budget - 20)) --out $j" ;;
         mgpu) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill_tf32,check_prefill_mgpu_aligned,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B1_T32768_default,prefill_B1_T32768_triton,prefill_B8_T4096_ckpt,fla --out $j" ;;
-        ncugdn | ncukda)  # ncu's counters of the default prefill's two launches, in the log
-            echo "$ncu --kernel-name regex:prefill_ --launch-skip 2 --launch-count 2 $sections python -m benchmarks.profile_delta_rule --family ${1#ncu} --op prefill --batch ${SUITE_NCU_BATCH:-8} --seq-len 4096" ;;
+        ncugdn | ncukda)  # ncu's counters of the default prefill's launches (SUITE_NCU_LAUNCHES: 2), in the log
+            echo "$ncu --kernel-name regex:prefill_ --launch-skip ${SUITE_NCU_LAUNCHES:-2} --launch-count ${SUITE_NCU_LAUNCHES:-2} $sections ${SUITE_NCU_SECTIONS:-} python -m benchmarks.profile_delta_rule --family ${1#ncu} --op prefill --batch ${SUITE_NCU_BATCH:-8} --seq-len 4096" ;;
         ncugdn1src)  # the serial launch at one row, 4096 tokens: where its chain stalls
             echo "$ncu --kernel-name regex:serial_mgpu --launch-skip 1 --launch-count 1 $sections --section SourceCounters --section InstructionStats python -m benchmarks.profile_delta_rule --family gdn --op prefill --batch 1 --seq-len 4096" ;;
         ncugdndec | ncukdadec)  # the same of the decode kernel (rows in place, f32 state)

@@ -416,20 +416,13 @@ def _intra_kernel_blocked(
     jj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
 
     pmm = _products(precision, bf16_products)  # a score or W / U product
-    pmm_dtype = jnp.bfloat16 if bf16_products else jnp.float32  # its operands' dtype
 
     def body(ci, h, win):
         hk, w0 = h // ratio, win.rows.start
-        rows, valid, k, beta, gam = [], [], [], [], []
-        a_kk = {}
+        rows, valid, q, k, beta, gam = [], [], [], [], [], []
         carry = jnp.zeros((), jnp.float32)
-        # One 16-row block at a time, in the order that ends each tile's life soonest (every
-        # form of this launch sits at the register cap, so the tiles live at once bound how
-        # many programs an SM holds): block I's rows read (rows outside the chunk load zeros
-        # and get g = beta = 0), its scores against blocks J <= I made, and Aqk's row block
-        # and q's rows stored, so q's tile dies with its block; only k's four tiles live on
-        for bi in range(NSUB):
-            r, ok = sub_rows(w0, bi, SUB, win.start, win.length)
+        for blk in range(NSUB):  # rows outside the chunk load zeros and get g = beta = 0
+            r, ok = sub_rows(w0, blk, SUB, win.start, win.length)
             kb = pltr.load(k_ref.at[r, hk, :], mask=ok[:, None], other=0.0)
             qb = pltr.load(q_ref.at[r, hk, :], mask=ok[:, None], other=0.0)
             ab = pltr.load(a_ref.at[r, h], mask=ok, other=0.0)
@@ -441,9 +434,14 @@ def _intra_kernel_blocked(
             rows.append(r)
             valid.append(ok)
             k.append(l2norm(kb.astype(jnp.float32)))
-            q_i = l2norm(qb.astype(jnp.float32)) * scale
+            q.append(l2norm(qb.astype(jnp.float32)) * scale)
             beta.append(jnp.where(ok, be, 0.0))
-            ok2 = ok[:, None]
+        gam_last = carry
+        # In the order that ends each tile's life soonest (registers: the whole chunk's launch
+        # sits at the cap): the scores, q's products and rows stored (q dead after them)
+        a_kk = {}
+        for bi in range(NSUB):
+            r, ok = rows[bi], valid[bi][:, None]
             for bj in range(NSUB):  # Aqk is inclusive lower: the blocks above it are zeros
                 a_qk = jnp.zeros((SUB, SUB), jnp.float32)
                 if bj <= bi:
@@ -454,12 +452,11 @@ def _intra_kernel_blocked(
                     else:
                         e_kk = e_qk = jnp.exp(diff)
                     a_kk[bi, bj] = beta[bi][:, None] * pmm(k[bi], k[bj], NT) * e_kk
-                    a_qk = pmm(q_i, k[bj], NT) * e_qk
+                    a_qk = pmm(q[bi], k[bj], NT) * e_qk
                 cols = pl.ds(bj * SUB, SUB)
-                pltr.store(aqk_ref.at[h, r, cols], a_qk.astype(aqk_ref.dtype), mask=ok2)
-            q_dec = q_i * jnp.exp(gam[bi])[:, None]
-            pltr.store(qd_ref.at[h, r, :], q_dec.astype(qd_ref.dtype), mask=ok2)
-        gam_last = carry
+                pltr.store(aqk_ref.at[h, r, cols], a_qk.astype(aqk_ref.dtype), mask=ok)
+            q_dec = q[bi] * jnp.exp(gam[bi])[:, None]
+            pltr.store(qd_ref.at[h, r, :], q_dec.astype(qd_ref.dtype), mask=ok)
         t = block_unit_lower_inverse(a_kk, NSUB, precision)
         # k's rows stored and turned into W's operand (k dead after them), then W (not in the
         # split form's first launch: Tm's blocks are stored instead)
@@ -472,8 +469,8 @@ def _intra_kernel_blocked(
                 tok = w0 + bi * SUB + jnp.arange(SUB, dtype=jnp.int32)
                 kd_ok = ok | (tok >= live_ref[0])[:, None]
             pltr.store(kd_ref.at[h, r, :], k_dec.astype(kd_ref.dtype), mask=kd_ok)
-            if tm_ref is None:  # W's operand, in the dtype its product rounds it to
-                kb_dec.append((k[bi] * (beta[bi] * jnp.exp(gam[bi]))[:, None]).astype(pmm_dtype))
+            if tm_ref is None:
+                kb_dec.append(k[bi] * (beta[bi] * jnp.exp(gam[bi]))[:, None])
         dl_ref[ci, h] = jnp.exp(gam_last)
         if tm_ref is not None:  # Tm by blocks, zeros above the diagonal ones; W, U elsewhere
             for bi in range(NSUB):
