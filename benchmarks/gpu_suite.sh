@@ -50,9 +50,8 @@
 #             split in two launches, the first by blocks or not, with bf16 products or not) at
 #             2-16 warps, each an entry, beside its byte floor (~17 entries:
 #             SUITE_LIMIT_S >= 330)
-#   kdaintra2 kdaintra's columns at 2 warps, launch at 8 and the scores in a launch of their own
-#             (DIAG_FORM scores, its intra launch at 4 and 8 warps); kdareal2 kdareal at
-#             1x4096, 8x4096, 1x16384 in that order (HYJAX_KDA_DIAG etc. pick the form)
+#   kdaintra2 kdaintra's columns at 2 warps and launch (the default) at 8; kdareal2 kdareal
+#             without its 8x1024 (HYJAX_KDA_DIAG / HYJAX_KDA_INTRA_WARPS pick the form)
 #   gdnintra3 the default intra launch alone at 8x4096 and its floor (gdnintra3@DIR: another
 #             tree's, for an A/B in one call)
 #   gdnintra2 gdnintra's floor, the default (blocked_bf16 at 4 warps) and the two forms with
@@ -181,7 +180,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdnintra2) echo "python -m benchmarks.gdn_kernels --intra-sweep --only intra_B8_T4096_floor,intra_B8_T4096_blocked_bf16_w4,intra_B8_T4096_whole_bf16,intra_B8_T4096_split_blocked_bf16 --out $j" ;;
         kdareal) echo "python -m benchmarks.kda_kernels --no-fla-decode --only check_prefill_default,fla,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default --out $j" ;;
         kdaintra) echo "python -m benchmarks.kda_kernels --intra-sweep --out $j" ;;
-        kdaintra2) echo "python -m benchmarks.kda_kernels --intra-sweep --only intra_B8_T4096_columns_w2,intra_B8_T4096_launch_w8,intra_B8_T4096_scores --out $j" ;;
+        kdaintra2) echo "python -m benchmarks.kda_kernels --intra-sweep --only intra_B8_T4096_columns_w2,intra_B8_T4096_launch_w8 --out $j" ;;
         kdareal2) echo "python -m benchmarks.kda_kernels --no-fla-decode --only check_prefill_default,fla,prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default --out $j" ;;
         gdnintra3) echo "python -m benchmarks.gdn_kernels --intra-sweep --only intra_B8_T4096_floor,intra_B8_T4096_blocked_bf16_w4 --out $j" ;;
         mgputrace) echo "python -m benchmarks.gdn_kernels --mgpu-scan --trace --mgpu-variants chain_only,loads_only --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;
@@ -201,8 +200,13 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         mgpuprobe) echo "python -m benchmarks.mgpu_probe --timeout 60 --out $j" ;;
         mgpuserve) echo "env HYJAX_PREFILL_SERIAL=mgpu python -m benchmarks.serving_throughput --model bench --layers 4 --concurrency 8 --input-len 700 --output-len 32 --max-seconds $((budget - 20)) --out $j" ;;
         mgpu) echo "python -m benchmarks.gdn_kernels --precisions tf32 --skip-floors --only check_prefill_tf32,check_prefill_mgpu_aligned,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B1_T32768_default,prefill_B1_T32768_triton,prefill_B8_T4096_ckpt,fla --out $j" ;;
-        ncugdn | ncukda)  # ncu's counters of the default prefill's launches (SUITE_NCU_LAUNCHES: 2), in the log
-            echo "$ncu --kernel-name regex:prefill_ --launch-skip ${SUITE_NCU_LAUNCHES:-2} --launch-count ${SUITE_NCU_LAUNCHES:-2} $sections ${SUITE_NCU_SECTIONS:-} python -m benchmarks.profile_delta_rule --family ${1#ncu} --op prefill --batch ${SUITE_NCU_BATCH:-8} --seq-len 4096" ;;
+        ncugdn | ncukda)  # ncu's counters of the default prefill's launches, in the log: the
+            # warm-up call's skipped (SUITE_NCU_LAUNCHES, GDN 2, KDA 3 with its diagonal
+            # launch), then SUITE_NCU_COUNT of the next (default all but the Mosaic GPU serial
+            # launch, whose replay under ncu ran past 150 s on 2026-11-29)
+            n=2; [ "$1" = ncukda ] && n=3
+            n=${SUITE_NCU_LAUNCHES:-$n}
+            echo "$ncu --kernel-name regex:prefill_ --launch-skip $n --launch-count ${SUITE_NCU_COUNT:-$((n - 1))} $sections ${SUITE_NCU_SECTIONS:-} python -m benchmarks.profile_delta_rule --family ${1#ncu} --op prefill --batch ${SUITE_NCU_BATCH:-8} --seq-len 4096" ;;
         ncugdn1src)  # the serial launch at one row, 4096 tokens: where its chain stalls
             echo "$ncu --kernel-name regex:serial_mgpu --launch-skip 1 --launch-count 1 $sections --section SourceCounters --section InstructionStats python -m benchmarks.profile_delta_rule --family gdn --op prefill --batch 1 --seq-len 4096" ;;
         ncugdndec | ncukdadec)  # the same of the decode kernel (rows in place, f32 state)

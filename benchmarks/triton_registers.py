@@ -13,9 +13,7 @@ shared memory. The device's compiler is the Triton in jax's CUDA plugin, another
 so the counts differ from the device's. Use them to compare kernel variants, not as the
 device's own figures (2026-11-29: every intra launch measured sits at the 255-register cap).
 Kernels: ``kda`` (diagonal form by ``kda.gpu.DIAG_FORM``), ``kda_launch``
-(the intra launch reading its diagonal blocks) and ``kda_diag`` (the launch making them),
-``kda_wu`` (the intra launch reading every score block) and ``kda_scores`` (the launch
-making them), and
+(the intra launch reading its diagonal blocks) and ``kda_diag`` (the launch making them), and
 ``gdn_<form>`` for each of ``gdn.gpu.INTRA_FORMS``. Each is taken at the 80B / 48B heads,
 on the Mosaic GPU serial launch's scratch layout (the default path).
 """
@@ -83,12 +81,10 @@ def dump_intra_ttir(kernel: str, out_dir: str) -> list[str]:
         h, d = 32, 128
         acts = [sd((n, h, d), bf)] * 4 + [sd((n, h), bf)]
         gates = [sd((h,), f32), sd((h, d), f32)]
-        forms = {"kda_launch": "launch", "kda_diag": "launch", "kda_scores": "scores",
-                 "kda_wu": "scores"}  # fmt: skip
+        forms = {"kda_launch": "launch", "kda_diag": "launch"}
         fn = functools.partial(gpu.kda_prefill, precision=None)
         fn = functools.partial(_with_diag_form, fn, gpu, forms.get(kernel, gpu.DIAG_FORM))
-        launches = {"kda_diag": "kda_prefill_diag", "kda_scores": "kda_prefill_scores"}
-        name = launches.get(kernel, "kda_prefill_intra")
+        name = "kda_prefill_diag" if kernel == "kda_diag" else "kda_prefill_intra"
     else:
         from pallas_kernels.gdn import gpu
 

@@ -28,8 +28,8 @@ chunk have ``g = beta = 0`` and zero q/k/v, so ``gam`` restarts at the chunk)::
    blocks (I, J), every ``exp`` argument <= 0:
 
    - diagonal blocks (I = J): one column ``j`` at a time, ``e^(gam_i - gam_j)`` for rows
-     ``i >= j`` as a ``[16, Dk]`` tile (elementwise f32; ``DIAG_FORM="launch"``: the same in
-     a launch of its own, ``_diag_kernel``);
+     ``i >= j`` as a ``[16, Dk]`` tile (elementwise f32), by default in a launch of its own
+     before this one (``_diag_kernel``, ``DIAG_FORM="launch"``; ``"columns"``: here);
    - blocks below it (J < I): factored through ``gam_r``, the first row of block I:
      ``(q_i e^(gam_i - gam_r)) . (k_j e^(gam_r - gam_j))``, a ``[16, Dk] x [Dk, 16]`` dot.
      ``gam`` never increases (``g <= 0``) and J's rows precede ``r``, so both exponents are
@@ -101,22 +101,23 @@ from pallas_kernels.kda.reference import check_kda_args
 
 CHUNK = 64  # the prefill's chunks: four 16-row sub-blocks
 SUB = 16
-# The diagonal blocks' scores (intra_launch's diag_form): "columns" a column at a time,
-# elementwise f32 (_diag_block), or "launch": the same loop in a launch of its own
-# (_diag_kernel, DIAG_LAUNCH_WARPS warps), its blocks read by the intra launch (not yet timed).
-# (By dots through each pair's middle row, every exponent <= 0, they were slower: 15.8 ms
-# against 12.1 for the intra launch alone at 8x4096, H200, 4 warps; removed.)
-# HYJAX_KDA_DIAG=<form> for a process.
-# "scores": every score block in a launch of its own (_scores_kernel, a program per chunk,
-# 16-row block and head, SCORES_LAUNCH_WARPS warps), the intra launch reading Akk's blocks
-# for the inverse, W and U.
-DIAG_FORMS = ("columns", "launch", "scores")
+# The diagonal blocks' scores (intra_launch's diag_form): "launch", the default, a column at
+# a time (elementwise f32, _diag_block) in a launch of their own (_diag_kernel,
+# DIAG_LAUNCH_WARPS warps, a program per chunk, 16-row block and head), their blocks read by
+# the intra launch; or "columns", the same loop in the intra launch. At 8x4096 on an H200
+# (BENCHMARKS.md, session 32) the intra launch alone took 7.52-7.68 ms in the first at 8
+# warps, 9.67-9.94 in the second at 2 (its fastest). HYJAX_KDA_DIAG=<form> for a process.
+# Measured slower and removed: the diagonal blocks by dots through the middle rows (15.8 ms
+# against 12.1, session 31), and every score block in a launch of its own, a program a
+# 16-row block (8.85 ms against 7.68, session 32).
+DIAG_FORMS = ("columns", "launch")
 DIAG_LAUNCH_WARPS = 4
-SCORES_LAUNCH_WARPS = int(os.environ.get("HYJAX_KDA_SCORES_WARPS") or 4)
-DIAG_FORM = os.environ.get("HYJAX_KDA_DIAG") or "columns"
+DIAG_FORM = os.environ.get("HYJAX_KDA_DIAG") or "launch"
 # The intra launch's warps when not told (kda_prefill's intra_num_warps None;
-# HYJAX_KDA_INTRA_WARPS for a process): at 8x4096 on an H200 2 warps 10.4 ms, 4 12.1, 8 12.2
-INTRA_NUM_WARPS = int(os.environ.get("HYJAX_KDA_INTRA_WARPS") or 2)
+# HYJAX_KDA_INTRA_WARPS for a process), by diagonal form: the fastest at 8x4096 on an H200
+# (columns: 2 warps 10.4 ms, 4 12.1, 8 12.2; launch: 2 8.69, 4 8.95, 8 7.52)
+INTRA_WARPS = {"columns": 2, "launch": 8}
+INTRA_NUM_WARPS = int(os.environ.get("HYJAX_KDA_INTRA_WARPS") or 0) or None
 NSUB = CHUNK // SUB
 
 
@@ -274,89 +275,6 @@ def _diag_kernel(
         pltr.store(dqk_ref.at[h, r, :], d_qk, mask=ok[:, None])
 
 
-def _scores_kernel(
-    c_start_ref, c_len_ref,  # i32[NC]
-    neg_a_ref, dt_ref,  # f32[H], f32[H, Dk]
-    q_ref, k_ref, g_ref,  # [Tp, H, Dk]
-    b_ref,  # [Tp, H]
-    akk_ref,  # f32[H, Tp, C]  out: Akk's row block I, blocks J <= I (beta in, strictly lower)
-    aqk_ref,  # [H, Tp, C]     out: Aqk's row block I (zeros above the diagonal block)
-    qd_ref,  # [H, Tp, Dk]     out: q e^gam
-    *, scale: float, precision, operand_dtype, tma_layout: bool,
-):  # fmt: skip
-    """``diag_form="scores"``: the chunk's scores in a launch of their own, one program per
-    (chunk, 16-row block I, head), as FLA's ``chunk_kda`` makes them: block I's rows, the
-    diagonal block (:func:`_diag_block`) and the blocks J < I factored through ``gam_ref``,
-    I's first row, as the intra launch does. ``gam`` is counted from the window's first row
-    (the rows before I's read twice: their gates' sums first, then each block J's own
-    ``gam``); only block I's tiles and one J's live at a time, so a program holds few
-    registers and an SM many programs, where the intra launch holding every block's tiles
-    sits at the register cap. The intra launch then reads Akk's blocks (``akk_ref``) for the
-    inverse, W and U; Aqk and q's rows are final here."""
-    ci, bi, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    start, length = c_start_ref[ci], c_len_ref[ci]
-    w0 = window(start, length, q_ref.shape[0], CHUNK, aligned=tma_layout).rows.start
-    lo = w0 + bi * SUB
-    dk = q_ref.shape[-1]
-    ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-    jj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-    opmm = operand_products(precision, operand_dtype)
-
-    @pl.when((length > 0) & (lo < start + length) & (lo + SUB > start))
-    def _():
-        neg_a, dt = neg_a_ref[h], dt_ref[h, :]
-
-        def rows_of(bj):
-            tok = w0 + bj * SUB + jnp.arange(SUB, dtype=jnp.int32)
-            return pl.ds(w0 + bj * SUB, SUB), (tok >= start) & (tok < start + length)
-
-        def gate_sum(bj, carry):  # the gates' sum over block bj's rows
-            r, ok = rows_of(bj)
-            return carry + jnp.sum(_gate_rows(g_ref, r, ok, h, neg_a, dt), axis=0)
-
-        before = jax.lax.fori_loop(0, bi, gate_sum, jnp.zeros((dk,), jnp.float32))
-        r, ok = rows_of(bi)
-        ok2 = ok[:, None]
-        qb = pltr.load(q_ref.at[r, h, :], mask=ok2, other=0.0)
-        kb = pltr.load(k_ref.at[r, h, :], mask=ok2, other=0.0)
-        bb = pltr.load(b_ref.at[r, h], mask=ok, other=0.0)
-        gam_i = before[None, :] + jnp.cumsum(_gate_rows(g_ref, r, ok, h, neg_a, dt), axis=0)
-        q_i = l2norm(qb.astype(jnp.float32)) * scale
-        k_i = l2norm(kb.astype(jnp.float32))
-        beta_i = jnp.where(ok, jax.nn.sigmoid(bb.astype(jnp.float32)), 0.0)
-        d_kk, d_qk = _diag_block(q_i, k_i, gam_i)
-        own = pl.ds(bi * SUB, SUB)
-        pltr.store(akk_ref.at[h, r, own], jnp.where(ii > jj, beta_i[:, None] * d_kk, 0.0),
-                   mask=ok2)  # fmt: skip
-        pltr.store(aqk_ref.at[h, r, own], d_qk.astype(aqk_ref.dtype), mask=ok2)
-        pltr.store(qd_ref.at[h, r, :], (q_i * jnp.exp(gam_i)).astype(qd_ref.dtype), mask=ok2)
-        gam_ref = _row(gam_i, 0)  # [Dk]
-        to_ref = jnp.exp(gam_i - gam_ref[None, :])  # [16, Dk], exponents <= 0
-        qr_i = (q_i * to_ref).astype(operand_dtype)
-        kr_i = (k_i * to_ref * beta_i[:, None]).astype(operand_dtype)
-
-        def below(bj, carry):  # block (I, J), J < I: J's rows decayed up to gam_ref
-            rj, okj = rows_of(bj)
-            g_j = _gate_rows(g_ref, rj, okj, h, neg_a, dt)
-            gam_j = carry[None, :] + jnp.cumsum(g_j, axis=0)
-            kj = pltr.load(k_ref.at[rj, h, :], mask=okj[:, None], other=0.0)
-            k_j = l2norm(kj.astype(jnp.float32)) * jnp.exp(gam_ref[None, :] - gam_j)
-            cols = pl.ds(bj * SUB, SUB)
-            pltr.store(akk_ref.at[h, r, cols], opmm(kr_i, k_j, NT), mask=ok2)
-            pltr.store(aqk_ref.at[h, r, cols], opmm(qr_i, k_j, NT).astype(aqk_ref.dtype),
-                       mask=ok2)  # fmt: skip
-            return carry + jnp.sum(g_j, axis=0)
-
-        jax.lax.fori_loop(0, bi, below, jnp.zeros((dk,), jnp.float32))
-
-        def above(bj, carry):  # Aqk is inclusive lower: the blocks above it are zeros
-            zero = jnp.zeros((SUB, SUB), aqk_ref.dtype)
-            pltr.store(aqk_ref.at[h, r, pl.ds(bj * SUB, SUB)], zero, mask=ok2)
-            return carry
-
-        jax.lax.fori_loop(bi + 1, NSUB, above, 0)
-
-
 def _intra_kernel(
     c_start_ref, c_len_ref,  # i32[NC]
     live_ref,  # i32[1]  the batch's token count (tma_layout: k_dec's rows after it are zeroed)
@@ -383,14 +301,8 @@ def _intra_kernel(
     its 64-token block, ``U`` is stored transposed, ``k_dec`` zero on the rows after the
     batch's last token. With ``diag_form="launch"`` the diagonal blocks' scores are read
     (:func:`_diag_kernel`'s), not made."""
-    diag_refs = akk_ref = qd_ref = aqk_ref = None
-    if diag_form == "scores":  # Akk's blocks read; q's rows and Aqk stored by that launch
-        akk_ref, w_ref, u_ref, kd_ref, decay_ref = refs
-    elif diag_form == "launch":
-        diag_refs = refs[:2]
-        w_ref, u_ref, qd_ref, kd_ref, aqk_ref, decay_ref = refs[2:]
-    else:
-        w_ref, u_ref, qd_ref, kd_ref, aqk_ref, decay_ref = refs
+    diag_refs = refs[:2] if diag_form == "launch" else None
+    w_ref, u_ref, qd_ref, kd_ref, aqk_ref, decay_ref = refs[2:] if diag_refs else refs
     ci, h = pl.program_id(0), pl.program_id(1)
     start, length = c_start_ref[ci], c_len_ref[ci]
     num_tokens = q_ref.shape[0]
@@ -419,12 +331,20 @@ def _intra_kernel(
         rows, valid, beta, k_end, kb_dec, gam_end = [], [], [], [], [], []
         a_kk = {}
         carry = jnp.zeros((dk,), jnp.float32)
-
-        def block_scores(bi, r, ok, k_i, gam_i, beta_i):
-            """Block I's scores against blocks J <= I, stored with q's rows (Aqk's row
-            block) and kept (Akk's)."""
+        for bi in range(NSUB):
+            r, ok = sub_rows(w0, bi, SUB, start, length)
             qb = pltr.load(q_ref.at[r, h, :], mask=ok[:, None], other=0.0)
+            kb = pltr.load(k_ref.at[r, h, :], mask=ok[:, None], other=0.0)
+            bb = pltr.load(b_ref.at[r, h], mask=ok, other=0.0)
+            gb = _gate_rows(g_ref, r, ok, h, neg_a, dt)
+            gam_i = carry[None, :] + jnp.cumsum(gb, axis=0)  # [16, Dk]
+            carry = carry + jnp.sum(gb, axis=0)  # gam of the block's last row
             q_i = l2norm(qb.astype(jnp.float32)) * scale
+            k_i = l2norm(kb.astype(jnp.float32))
+            beta_i = jnp.where(ok, jax.nn.sigmoid(bb.astype(jnp.float32)), 0.0)
+            rows.append(r)
+            valid.append(ok)
+            beta.append(beta_i)
             if diag_refs is not None:  # made by _diag_kernel
                 d_kk, d_qk = (pltr.load(d.at[h, r, :], mask=ok[:, None], other=0.0)
                               for d in diag_refs)  # fmt: skip
@@ -446,25 +366,6 @@ def _intra_kernel(
                 cols = pl.ds(bj * SUB, SUB)
                 pltr.store(aqk_ref.at[h, r, cols], blk.astype(aqk_ref.dtype), mask=ok2)
             pltr.store(qd_ref.at[h, r, :], (q_i * jnp.exp(gam_i)).astype(qd_ref.dtype), mask=ok2)
-
-        for bi in range(NSUB):
-            r, ok = sub_rows(w0, bi, SUB, start, length)
-            kb = pltr.load(k_ref.at[r, h, :], mask=ok[:, None], other=0.0)
-            bb = pltr.load(b_ref.at[r, h], mask=ok, other=0.0)
-            gb = _gate_rows(g_ref, r, ok, h, neg_a, dt)
-            gam_i = carry[None, :] + jnp.cumsum(gb, axis=0)  # [16, Dk]
-            carry = carry + jnp.sum(gb, axis=0)  # gam of the block's last row
-            k_i = l2norm(kb.astype(jnp.float32))
-            beta_i = jnp.where(ok, jax.nn.sigmoid(bb.astype(jnp.float32)), 0.0)
-            rows.append(r)
-            valid.append(ok)
-            beta.append(beta_i)
-            if akk_ref is not None:  # the scores launch's: Akk's row block, J <= I
-                for bj in range(bi + 1):
-                    cols = pl.ds(bj * SUB, SUB)
-                    a_kk[bi, bj] = pltr.load(akk_ref.at[h, r, cols], mask=ok[:, None], other=0.0)
-            else:
-                block_scores(bi, r, ok, k_i, gam_i, beta_i)
             k_end.append((k_i * jnp.exp(carry[None, :] - gam_i)).astype(op))
             kb_dec.append((k_i * (beta_i[:, None] * jnp.exp(gam_i))).astype(op))
             gam_end.append(carry)
@@ -498,10 +399,11 @@ def intra_launch(
     Mosaic GPU serial launch's scratch, on a token-aligned plan and tokens padded to a multiple
     of 64): ``U^T [H, Dv, Tp]``. ``diag_form``: how the diagonal blocks' scores are made, one
     of :data:`DIAG_FORMS` (None: :data:`DIAG_FORM`); ``num_warps`` None:
-    :data:`INTRA_NUM_WARPS`."""
+    :data:`INTRA_NUM_WARPS` if set, else the form's :data:`INTRA_WARPS`."""
     diag_form = DIAG_FORM if diag_form is None else diag_form
     if diag_form not in DIAG_FORMS:
         raise ValueError(f"diagonal block form {diag_form!r}: one of {DIAG_FORMS}")
+    nw = num_warps or INTRA_NUM_WARPS or INTRA_WARPS[diag_form]
     tp, h, dk = q.shape
     dv = v.shape[2]
     op = operand_dtype
@@ -512,29 +414,6 @@ def intra_launch(
     shapes = chunk_refs_shapes(h, tp, dk, dv, CHUNK, num_chunks, op, True, tma_layout)
     live = live_end(plan) if tma_layout else jnp.zeros(1, jnp.int32)
     diag = ()
-    if diag_form == "scores":
-        akk, aqk, qd = pl.pallas_call(
-            functools.partial(
-                _scores_kernel, scale=float(dk) ** -0.5, precision=precision,
-                operand_dtype=op, tma_layout=tma_layout,
-            ),  # fmt: skip
-            grid=(num_chunks, NSUB, h),
-            out_shape=[
-                jax.ShapeDtypeStruct((h, tp, CHUNK), jnp.float32), shapes.a_qk, shapes.q_dec
-            ],  # fmt: skip
-            compiler_params=compiler_params(SCORES_LAUNCH_WARPS, 1),
-            interpret=interpret,
-            name="kda_prefill_scores_gpu",
-        )(plan.start, plan.length, neg_a, dt, q, k, g, b)
-        w, u, kd, decay = pl.pallas_call(
-            kernel,
-            grid=(num_chunks, h),
-            out_shape=[shapes.w, shapes.u, shapes.k_dec, shapes.decay],
-            compiler_params=compiler_params(num_warps or INTRA_NUM_WARPS, num_stages),
-            interpret=interpret,
-            name="kda_prefill_intra_gpu",
-        )(plan.start, plan.length, live, neg_a, dt, q, k, g, v, b, akk)
-        return ChunkRefs(w, u, qd, kd, aqk, decay)
     if diag_form == "launch":
         diag = pl.pallas_call(
             functools.partial(_diag_kernel, scale=float(dk) ** -0.5, tma_layout=tma_layout),
@@ -549,7 +428,7 @@ def intra_launch(
             kernel,
             grid=(num_chunks, h),
             out_shape=list(shapes),
-            compiler_params=compiler_params(num_warps or INTRA_NUM_WARPS, num_stages),
+            compiler_params=compiler_params(nw, num_stages),
             interpret=interpret,
             name="kda_prefill_intra_gpu",
         )(plan.start, plan.length, live, neg_a, dt, q, k, g, v, b, *diag)
@@ -596,7 +475,7 @@ def kda_prefill(
     cost of a scratch of every chunk's starting state (``[NC, H, Dk, Dv]``). ``block_v``
     (default: :func:`~pallas_kernels.common.delta_rule_gpu.serial_block_v` by the launch's
     size), ``num_warps`` and ``num_stages`` tune the serial launch, ``intra_num_warps`` /
-    ``intra_num_stages`` the intra launch (None warps: :data:`INTRA_NUM_WARPS`), ``vb_first``
+    ``intra_num_stages`` the intra launch (None warps: :func:`intra_launch`'s), ``vb_first``
     the serial grid's order
     (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`).
     """

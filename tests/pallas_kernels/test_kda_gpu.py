@@ -69,16 +69,13 @@ def test_prefill_matches_reference(lens, h, dk, dv, dtype, bv, path):
     _check_prefill(lens, h, dk, dv, dtype, bv, path)
 
 
-@pytest.mark.parametrize("form,case", [("launch", 3), ("scores", 3), ("scores", 2)])
-def test_prefill_scores_in_their_own_launch(form, case, monkeypatch):
-    """The scores' other forms: ``"launch"`` (the diagonal blocks' column loop in a launch of
-    its own, its blocks read by the intra launch) and ``"scores"`` (every block of Akk and
-    Aqk and q's rows in a launch of their own, a program a 16-row block, Akk's blocks read by
-    the intra launch), on the ragged case whose chunks fill all four 16-row blocks, and one
-    shorter than a block (a block with no rows is skipped, its scratch never read); the
-    second also on bf16 inputs (bf16 products)."""
-    monkeypatch.setattr(gpu, "DIAG_FORM", form)
-    lens, h, dk, dv, dtype, bv = PREFILL_CASES[case]
+def test_prefill_diagonal_blocks_in_the_intra_launch(monkeypatch):
+    """The diagonal blocks' other form (``DIAG_FORM="columns"``: the column loop inside the
+    intra launch; the default makes them in a launch of their own, which the other prefill
+    tests run) on the ragged case whose chunks fill all four 16-row blocks, and one shorter
+    than a block."""
+    monkeypatch.setattr(gpu, "DIAG_FORM", "columns")
+    lens, h, dk, dv, dtype, bv = PREFILL_CASES[3]
     _check_prefill(lens, h, dk, dv, dtype, bv, "two")
 
 
