@@ -50,7 +50,7 @@
 #             split in two launches, the first by blocks or not, with bf16 products or not) at
 #             2-16 warps, each an entry, beside its byte floor (~17 entries:
 #             SUITE_LIMIT_S >= 330)
-#   kdaintra2 kdaintra's columns at 2 warps and launch (the default) at 8; kdareal2 kdareal
+#   kdaintra2 kdaintra's columns at 2 warps, launch (the default) and launch_rows at 8; kdareal2 kdareal
 #             without its 8x1024 (HYJAX_KDA_DIAG / HYJAX_KDA_INTRA_WARPS pick the form)
 #   gdnintra3 the default intra launch alone at 8x4096 and its floor (gdnintra3@DIR: another
 #             tree's, for an A/B in one call)
@@ -180,7 +180,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdnintra2) echo "python -m benchmarks.gdn_kernels --intra-sweep --only intra_B8_T4096_floor,intra_B8_T4096_blocked_bf16_w4,intra_B8_T4096_whole_bf16,intra_B8_T4096_split_blocked_bf16 --out $j" ;;
         kdareal) echo "python -m benchmarks.kda_kernels --no-fla-decode --only check_prefill_default,fla,prefill_B1_T4096_default,prefill_B1_T16384_default,prefill_B8_T4096_default --out $j" ;;
         kdaintra) echo "python -m benchmarks.kda_kernels --intra-sweep --out $j" ;;
-        kdaintra2) echo "python -m benchmarks.kda_kernels --intra-sweep --only intra_B8_T4096_columns_w2,intra_B8_T4096_launch_w8 --out $j" ;;
+        kdaintra2) echo "python -m benchmarks.kda_kernels --intra-sweep --only intra_B8_T4096_columns_w2,intra_B8_T4096_launch_w8,intra_B8_T4096_launch_rows_w8 --out $j" ;;
         kdareal2) echo "python -m benchmarks.kda_kernels --no-fla-decode --only check_prefill_default,fla,prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default --out $j" ;;
         gdnintra3) echo "python -m benchmarks.gdn_kernels --intra-sweep --only intra_B8_T4096_floor,intra_B8_T4096_blocked_bf16_w4 --out $j" ;;
         mgputrace) echo "python -m benchmarks.gdn_kernels --mgpu-scan --trace --mgpu-variants chain_only,loads_only --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;

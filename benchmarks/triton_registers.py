@@ -8,12 +8,14 @@ Triton's compiler for sm_90 and ``ptxas -v`` on the result::
     python -m benchmarks.triton_registers --triton-python /tmp/tv/bin/python \\
         --kernels kda,gdn_blocked_bf16 --warps 2,4,8
 
-Prints one line per (kernel, warps): registers a thread, stack frame, spill bytes, and
-shared memory. The device's compiler is the Triton in jax's CUDA plugin, another version;
-so the counts differ from the device's. Use them to compare kernel variants, not as the
+Prints one line per (kernel, warps): registers a thread, stack frame, spill bytes, shared
+memory, the kernel's SASS instructions (static: a loop's body counted once) and its longest
+loop's (a branch back). The device's compiler is the Triton in jax's CUDA plugin, another
+version; so the counts differ from the device's. Use them to compare kernel variants, not as the
 device's own figures (2026-11-29: every intra launch measured sits at the 255-register cap).
 Kernels: ``kda`` (diagonal form by ``kda.gpu.DIAG_FORM``), ``kda_launch``
-(the intra launch reading its diagonal blocks) and ``kda_diag`` (the launch making them), and
+(the intra launch reading its diagonal blocks) and ``kda_diag`` (the launch making them;
+``kda_diag_rows`` in the ``"launch_rows"`` form, its rows read from memory), and
 ``gdn_<form>`` for each of ``gdn.gpu.INTRA_FORMS``. Each is taken at the 80B / 48B heads,
 on the Mosaic GPU serial launch's scratch layout (the default path).
 """
@@ -42,16 +44,27 @@ ptx = path + f".w{nw}.ptx"
 with open(ptx, "w") as f:  # (its bundled ptxas may read an older PTX version only)
     f.write(re.sub(r"^\.version \d+\.\d+", ".version 8.8", k.asm["ptx"], flags=re.M))
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
-r = subprocess.run([ptxas, "-v", "-arch=sm_90a", ptx, "-o", os.devnull],
+cubin = ptx + ".cubin"
+r = subprocess.run([ptxas, "-v", "-arch=sm_90a", ptx, "-o", cubin],
                    capture_output=True, text=True)
 regs = re.search(r"Used (\d+) registers", r.stderr)
 stack = re.search(r"(\d+) bytes stack frame", r.stderr)
 spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
 if regs is None:
     sys.exit("ptxas: " + r.stderr.strip()[-300:])
+sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", cubin],
+                      capture_output=True, text=True).stdout
+addr = [int(a, 16) for a in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+\S", sass, flags=re.M)]
+insts = len(addr)
+# the longest loop: a branch back to an earlier address (16-byte instructions)
+bra = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:0x)?([0-9a-f]+)"
+loops = [(int(a, 16) - int(t, 16)) // 16 for a, t in re.findall(bra, sass)
+         if int(t, 16) < int(a, 16)]
+loop = max(loops, default=0)
 print(f"registers {regs[1]}, stack {stack[1] if stack else 0} B, spills "
       f"{spill[1] if spill else 0} / {spill[2] if spill else 0} B stored / loaded, "
-      f"shared {k.metadata.shared} B")
+      f"shared {k.metadata.shared} B, {insts} SASS instructions (static), the longest loop "
+      f"{loop}")
 """
 
 
@@ -81,10 +94,10 @@ def dump_intra_ttir(kernel: str, out_dir: str) -> list[str]:
         h, d = 32, 128
         acts = [sd((n, h, d), bf)] * 4 + [sd((n, h), bf)]
         gates = [sd((h,), f32), sd((h, d), f32)]
-        forms = {"kda_launch": "launch", "kda_diag": "launch"}
+        forms = {"kda_launch": "launch", "kda_diag": "launch", "kda_diag_rows": "launch_rows"}
         fn = functools.partial(gpu.kda_prefill, precision=None)
         fn = functools.partial(_with_diag_form, fn, gpu, forms.get(kernel, gpu.DIAG_FORM))
-        name = "kda_prefill_diag" if kernel == "kda_diag" else "kda_prefill_intra"
+        name = "kda_prefill_diag" if kernel.startswith("kda_diag") else "kda_prefill_intra"
     else:
         from pallas_kernels.gdn import gpu
 

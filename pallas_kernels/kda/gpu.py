@@ -101,6 +101,7 @@ from pallas_kernels.kda.reference import check_kda_args
 
 CHUNK = 64  # the prefill's chunks: four 16-row sub-blocks
 SUB = 16
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2(e))
 # The diagonal blocks' scores (intra_launch's diag_form): "launch", the default, a column at
 # a time (elementwise f32, _diag_block) in a launch of their own (_diag_kernel,
 # DIAG_LAUNCH_WARPS warps, a program per chunk, 16-row block and head), their blocks read by
@@ -110,13 +111,15 @@ SUB = 16
 # Measured slower and removed: the diagonal blocks by dots through the middle rows (15.8 ms
 # against 12.1, session 31), and every score block in a launch of its own, a program a
 # 16-row block (8.85 ms against 7.68, session 32).
-DIAG_FORMS = ("columns", "launch")
-DIAG_LAUNCH_WARPS = 4
+# "launch_rows" (not yet timed): "launch" with each column's row read from memory
+# (_diag_block), not taken out of the tiles.
+DIAG_FORMS = ("columns", "launch", "launch_rows")
+DIAG_LAUNCH_WARPS = int(os.environ.get("HYJAX_KDA_DIAG_WARPS") or 4)
 DIAG_FORM = os.environ.get("HYJAX_KDA_DIAG") or "launch"
 # The intra launch's warps when not told (kda_prefill's intra_num_warps None;
 # HYJAX_KDA_INTRA_WARPS for a process), by diagonal form: the fastest at 8x4096 on an H200
 # (columns: 2 warps 10.4 ms, 4 12.1, 8 12.2; launch: 2 8.69, 4 8.95, 8 7.52)
-INTRA_WARPS = {"columns": 2, "launch": 8}
+INTRA_WARPS = {"columns": 2, "launch": 8, "launch_rows": 8}
 INTRA_NUM_WARPS = int(os.environ.get("HYJAX_KDA_INTRA_WARPS") or 0) or None
 NSUB = CHUNK // SUB
 
@@ -218,26 +221,59 @@ def _row(x, i: int):
     return jnp.sum(jnp.where(sel, x, 0.0), axis=0)
 
 
-def _diag_block(q, k, gam):
+def _diag_block(q, k, gam, row=None):
     """The diagonal ``[16, 16]`` blocks of ``sum_d k_id k_jd e_ij`` and ``sum_d q_id k_jd
     e_ij`` (``i >= j``, 0 above), one column ``j`` at a time so that every ``exp`` argument
-    ``gam_i - gam_j`` is <= 0."""
+    ``gam_i - gam_j`` is <= 0. Column ``j``'s row of k and ``gam`` is taken out of the tiles
+    by a masked sum over them (``row`` None), which makes the loop bound by its instructions
+    (ncu, session 32: ~34 an element of the ``[16, Dk]`` tile, for ~8 of arithmetic); or, the
+    ``"launch_rows"`` form, read from memory: ``row(j)`` gives row ``j``'s l2-normed k and
+    its gate (zeros outside the chunk; ``gam_j`` a running sum from the block's first row, as
+    the tile's ``gam``), the exponent clamped at 0 on every element (the rows above ``j`` get
+    1) and those rows zeroed once after the loop, in base 2 with ``gam`` scaled once (offline
+    ``ptxas`` at 4 warps: 292 instructions a column against 490)."""
     ri = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
+    ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     cj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+    gam2 = gam * LOG2E
 
     def column(j, acc):
-        a_kk, a_qk = acc
-        sel = jax.lax.broadcasted_iota(jnp.int32, gam.shape, 0) == j
-        gam_j = jnp.sum(jnp.where(sel, gam, 0.0), axis=0)  # [Dk]
-        k_j = jnp.sum(jnp.where(sel, k, 0.0), axis=0)
-        e = jnp.exp(jnp.where(ri >= j, gam - gam_j[None, :], -1e30))  # [16, Dk], rows >= j
+        a_kk, a_qk, gam_j = acc
+        if row is None:
+            sel = jax.lax.broadcasted_iota(jnp.int32, gam.shape, 0) == j
+            gam_j = jnp.sum(jnp.where(sel, gam, 0.0), axis=0)  # [Dk]
+            k_j = jnp.sum(jnp.where(sel, k, 0.0), axis=0)
+            e = jnp.exp(jnp.where(ri >= j, gam - gam_j[None, :], -1e30))  # [16, Dk], rows >= j
+        else:
+            k_j, g_j = row(j)
+            gam_j = gam_j + g_j
+            e = jnp.exp2(jnp.minimum(gam2 - (gam_j * LOG2E)[None, :], 0.0))
         kj_e = e * k_j[None, :]
         a_kk = jnp.where(cj == j, jnp.sum(k * kj_e, axis=1)[:, None], a_kk)
         a_qk = jnp.where(cj == j, jnp.sum(q * kj_e, axis=1)[:, None], a_qk)
-        return a_kk, a_qk
+        return a_kk, a_qk, gam_j
 
     zero = jnp.zeros((SUB, SUB), jnp.float32)
-    return jax.lax.fori_loop(0, SUB, column, (zero, zero))
+    acc = (zero, zero, jnp.zeros(gam.shape[-1:], jnp.float32))
+    a_kk, a_qk, _ = jax.lax.fori_loop(0, SUB, column, acc)
+    if row is None:  # the rows above j: e = 0 already
+        return a_kk, a_qk
+    return jnp.where(ii > cj, a_kk, 0.0), jnp.where(ii >= cj, a_qk, 0.0)
+
+
+def _block_row(k_ref, g_ref, w0, b: int, start, length, h, neg_a, dt):
+    """``row`` of :func:`_diag_block` for 16-row block ``b`` of the window at ``w0``
+    (``"launch_rows"``): row ``j``'s l2-normed k and gate, read from memory, zeros outside the
+    chunk."""
+
+    def row(j):
+        tok = w0 + b * SUB + j
+        ok = (tok >= start) & (tok < start + length)
+        kj = pltr.load(k_ref.at[tok, h, :], mask=ok, other=0.0).astype(jnp.float32)
+        gj = pltr.load(g_ref.at[tok, h, :], mask=ok, other=0.0).astype(jnp.float32)
+        return l2norm(kj), jnp.where(ok, neg_a * softplus(gj + dt), 0.0)
+
+    return row
 
 
 def _gate_rows(g_ref, r, ok, h, neg_a, dt):
@@ -251,13 +287,14 @@ def _diag_kernel(
     neg_a_ref, dt_ref,  # f32[H], f32[H, Dk]
     q_ref, k_ref, g_ref,  # [Tp, H, Dk]
     dkk_ref, dqk_ref,  # f32[H, Tp, 16]  out: the diagonal blocks' rows (valid rows only)
-    *, scale: float, tma_layout: bool,
+    *, scale: float, tma_layout: bool, rows_from_memory: bool = False,
 ):  # fmt: skip
     """``diag_form="launch"``: the diagonal blocks of Akk (before beta; diagonal and above
     unused) and Aqk (:func:`_diag_block`, a column at a time) in a launch of their own, one
     program per (chunk, 16-row block, head): the column loop's few tiles in a small program,
     many of them resident, out of the intra launch's register-capped one. The blocks' decays
-    are differences within a block, so ``gam`` restarts at each."""
+    are differences within a block, so ``gam`` restarts at each. ``rows_from_memory``
+    (``"launch_rows"``): each column's row of k and of the gates read from memory."""
     ci, sb, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, length = c_start_ref[ci], c_len_ref[ci]
     w0 = window(start, length, q_ref.shape[0], CHUNK, aligned=tma_layout).rows.start
@@ -270,7 +307,10 @@ def _diag_kernel(
         k = pltr.load(k_ref.at[r, h, :], mask=ok[:, None], other=0.0)
         gam = jnp.cumsum(_gate_rows(g_ref, r, ok, h, neg_a_ref[h], dt_ref[h, :]), axis=0)
         q = l2norm(q.astype(jnp.float32)) * scale
-        d_kk, d_qk = _diag_block(q, l2norm(k.astype(jnp.float32)), gam)
+        row = None
+        if rows_from_memory:
+            row = _block_row(k_ref, g_ref, w0, sb, start, length, h, neg_a_ref[h], dt_ref[h, :])
+        d_kk, d_qk = _diag_block(q, l2norm(k.astype(jnp.float32)), gam, row)
         pltr.store(dkk_ref.at[h, r, :], d_kk, mask=ok[:, None])
         pltr.store(dqk_ref.at[h, r, :], d_qk, mask=ok[:, None])
 
@@ -284,7 +324,8 @@ def _intra_kernel(
     v_ref,  # [Tp, H, Dv]
     b_ref,  # [Tp, H]
     *refs,
-    # diag_form "launch": dkk_ref, dqk_ref (f32[H, Tp, 16], _diag_kernel's), then the outputs:
+    # diag_form "launch(_rows)": dkk_ref, dqk_ref (f32[H, Tp, 16], _diag_kernel's), then
+    # the outputs:
     # w_ref      [H, Tp, Dk]  W = Tm (beta k e^gam)    head-major, valid rows only
     # u_ref      [H, Tp, Dv]  U = Tm (beta v)  (tma_layout: U^T, [H, Dv, Tp])
     # qd_ref     [H, Tp, Dk]  q e^gam  (scaled, l2-normed q)
@@ -299,9 +340,9 @@ def _intra_kernel(
     :class:`~pallas_kernels.common.chunk_scan_gpu.ChunkRefs`. ``tma_layout``: the scratch of
     the Mosaic GPU serial launch, as GDN's (``gdn.gpu._intra_kernel``): the chunk's window is
     its 64-token block, ``U`` is stored transposed, ``k_dec`` zero on the rows after the
-    batch's last token. With ``diag_form="launch"`` the diagonal blocks' scores are read
+    batch's last token. With ``diag_form="launch(_rows)"`` the diagonal blocks' scores are read
     (:func:`_diag_kernel`'s), not made."""
-    diag_refs = refs[:2] if diag_form == "launch" else None
+    diag_refs = refs[:2] if diag_form != "columns" else None
     w_ref, u_ref, qd_ref, kd_ref, aqk_ref, decay_ref = refs[2:] if diag_refs else refs
     ci, h = pl.program_id(0), pl.program_id(1)
     start, length = c_start_ref[ci], c_len_ref[ci]
@@ -414,9 +455,15 @@ def intra_launch(
     shapes = chunk_refs_shapes(h, tp, dk, dv, CHUNK, num_chunks, op, True, tma_layout)
     live = live_end(plan) if tma_layout else jnp.zeros(1, jnp.int32)
     diag = ()
-    if diag_form == "launch":
+    if diag_form != "columns":
+        rows_from_memory = diag_form == "launch_rows"
         diag = pl.pallas_call(
-            functools.partial(_diag_kernel, scale=float(dk) ** -0.5, tma_layout=tma_layout),
+            functools.partial(
+                _diag_kernel,
+                scale=float(dk) ** -0.5,
+                tma_layout=tma_layout,
+                rows_from_memory=rows_from_memory,
+            ),  # fmt: skip
             grid=(num_chunks, NSUB, h),
             out_shape=[jax.ShapeDtypeStruct((h, tp, SUB), jnp.float32)] * 2,
             compiler_params=compiler_params(DIAG_LAUNCH_WARPS, 1),

@@ -69,13 +69,16 @@ def test_prefill_matches_reference(lens, h, dk, dv, dtype, bv, path):
     _check_prefill(lens, h, dk, dv, dtype, bv, path)
 
 
-def test_prefill_diagonal_blocks_in_the_intra_launch(monkeypatch):
-    """The diagonal blocks' other form (``DIAG_FORM="columns"``: the column loop inside the
-    intra launch; the default makes them in a launch of their own, which the other prefill
-    tests run) on the ragged case whose chunks fill all four 16-row blocks, and one shorter
-    than a block."""
-    monkeypatch.setattr(gpu, "DIAG_FORM", "columns")
-    lens, h, dk, dv, dtype, bv = PREFILL_CASES[3]
+@pytest.mark.parametrize("form,case", [("columns", 3), ("launch_rows", 3), ("launch_rows", 2)])
+def test_prefill_diagonal_blocks_other_forms(form, case, monkeypatch):
+    """The diagonal blocks' other forms (the default makes them in a launch of their own,
+    each column's row taken out of the tiles, which the other prefill tests run):
+    ``"columns"``, the column loop inside the intra launch, and ``"launch_rows"``, each
+    column's row of k and of the gates read from memory, on the ragged case whose chunks
+    fill all four 16-row blocks, and one shorter than a block; the second also on bf16
+    inputs."""
+    monkeypatch.setattr(gpu, "DIAG_FORM", form)
+    lens, h, dk, dv, dtype, bv = PREFILL_CASES[case]
     _check_prefill(lens, h, dk, dv, dtype, bv, "two")
 
 
