@@ -122,14 +122,15 @@ def test_kimi_gpu_kernels_match_reference_in_the_model():
         "causal_conv1d_update_gpu",
         "kda_decode_gpu",
     ]
-    # The prefill is the two-launch one: the intra launch, then the serial launch shared with
-    # GDN (no per-chunk state scratch, nothing long enough to need another path).
+    # The prefill: the diagonal blocks' launch and the intra launch, then the serial launch
+    # shared with GDN (no per-chunk state scratch, nothing long enough to need another path).
     t, h, d = 100, 2, 16
     sd = jax.ShapeDtypeStruct
     acts = [sd((t, h, d), jnp.float32)] * 4 + [sd((t, h), jnp.float32)]
     gates = [sd((h,), jnp.float32), sd((h, d), jnp.float32)]
     prefill_args = (*acts, *gates, sd((4, h, d, d), jnp.float32), sd((3,), jnp.int32))
     assert _gpu_kernels(ops.kda_prefill, *prefill_args, abstract_slots(2, 2)) == [
+        "kda_prefill_diag_gpu",
         "kda_prefill_intra_gpu",
         "kda_prefill_serial_gpu",
     ]
