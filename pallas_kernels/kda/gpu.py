@@ -235,29 +235,33 @@ def _diag_block(q, k, gam, row=None):
     ri = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
     ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     cj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-    gam2 = gam * LOG2E
 
-    def column(j, acc):
+    def column(j, acc):  # row j taken out of the tiles (the measured default)
+        a_kk, a_qk = acc
+        sel = jax.lax.broadcasted_iota(jnp.int32, gam.shape, 0) == j
+        gam_j = jnp.sum(jnp.where(sel, gam, 0.0), axis=0)  # [Dk]
+        k_j = jnp.sum(jnp.where(sel, k, 0.0), axis=0)
+        e = jnp.exp(jnp.where(ri >= j, gam - gam_j[None, :], -1e30))  # [16, Dk], rows >= j
+        return scores(j, e * k_j[None, :], a_kk, a_qk)
+
+    def column_read(j, acc):  # row j read from memory
         a_kk, a_qk, gam_j = acc
-        if row is None:
-            sel = jax.lax.broadcasted_iota(jnp.int32, gam.shape, 0) == j
-            gam_j = jnp.sum(jnp.where(sel, gam, 0.0), axis=0)  # [Dk]
-            k_j = jnp.sum(jnp.where(sel, k, 0.0), axis=0)
-            e = jnp.exp(jnp.where(ri >= j, gam - gam_j[None, :], -1e30))  # [16, Dk], rows >= j
-        else:
-            k_j, g_j = row(j)
-            gam_j = gam_j + g_j
-            e = jnp.exp2(jnp.minimum(gam2 - (gam_j * LOG2E)[None, :], 0.0))
-        kj_e = e * k_j[None, :]
+        k_j, g_j = row(j)
+        gam_j = gam_j + g_j
+        e = jnp.exp2(jnp.minimum(gam2 - (gam_j * LOG2E)[None, :], 0.0))
+        return (*scores(j, e * k_j[None, :], a_kk, a_qk), gam_j)
+
+    def scores(j, kj_e, a_kk, a_qk):  # column j of both blocks
         a_kk = jnp.where(cj == j, jnp.sum(k * kj_e, axis=1)[:, None], a_kk)
         a_qk = jnp.where(cj == j, jnp.sum(q * kj_e, axis=1)[:, None], a_qk)
-        return a_kk, a_qk, gam_j
+        return a_kk, a_qk
 
     zero = jnp.zeros((SUB, SUB), jnp.float32)
-    acc = (zero, zero, jnp.zeros(gam.shape[-1:], jnp.float32))
-    a_kk, a_qk, _ = jax.lax.fori_loop(0, SUB, column, acc)
     if row is None:  # the rows above j: e = 0 already
-        return a_kk, a_qk
+        return jax.lax.fori_loop(0, SUB, column, (zero, zero))
+    gam2 = gam * LOG2E  # column_read's exponents in base 2
+    acc = (zero, zero, jnp.zeros(gam.shape[-1:], jnp.float32))
+    a_kk, a_qk, _ = jax.lax.fori_loop(0, SUB, column_read, acc)
     return jnp.where(ii > cj, a_kk, 0.0), jnp.where(ii >= cj, a_qk, 0.0)
 
 
@@ -463,7 +467,7 @@ def intra_launch(
                 scale=float(dk) ** -0.5,
                 tma_layout=tma_layout,
                 rows_from_memory=rows_from_memory,
-            ),  # fmt: skip
+            ),
             grid=(num_chunks, NSUB, h),
             out_shape=[jax.ShapeDtypeStruct((h, tp, SUB), jnp.float32)] * 2,
             compiler_params=compiler_params(DIAG_LAUNCH_WARPS, 1),
