@@ -10,9 +10,10 @@ Triton's compiler for sm_90 and ``ptxas -v`` on the result::
 
 Prints one line per (kernel, warps): registers a thread, stack frame, spill bytes, shared
 memory, the kernel's SASS instructions (static: a loop's body counted once) and its longest
-loop's (a branch back). The device's compiler is the Triton in jax's CUDA plugin, another
-version; so the counts differ from the device's. Use them to compare kernel variants, not as the
-device's own figures (2026-11-29: every intra launch measured sits at the 255-register cap).
+loop's (a branch back); ``--mix`` adds the instruction mix by group. The device's compiler
+is the Triton in jax's CUDA plugin, another version; so the counts differ from the device's.
+Use them to compare kernel variants, not as the device's own figures (2026-11-29: every
+intra launch measured sits at the 255-register cap).
 Kernels: ``kda`` (diagonal form by ``kda.gpu.DIAG_FORM``), ``kda_launch``
 (the intra launch reading its diagonal blocks) and ``kda_diag`` (the launch making them;
 ``kda_diag_rows`` in the ``"launch_rows"`` form, its rows read from memory), and
@@ -61,10 +62,19 @@ bra = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:0x)?([0-9a-f]+)"
 loops = [(int(a, 16) - int(t, 16)) // 16 for a, t in re.findall(bra, sass)
          if int(t, 16) < int(a, 16)]
 loop = max(loops, default=0)
+# the instruction mix: each opcode (its modifiers dropped) counted into a group
+ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, flags=re.M)
+groups = {"mma": ("HMMA", "HGMMA"), "shared": ("LDS", "STS", "LDSM"), "barrier": ("BAR",),
+          "shuffle": ("SHFL",), "global": ("LDG", "STG"), "spill": ("LDL", "STL"),
+          "fp32": ("FFMA", "FADD", "FMUL", "FMNMX", "FSEL", "FSETP"), "mufu": ("MUFU",),
+          "convert": ("F2FP", "PRMT", "F2F", "I2F", "F2I")}
+mix = {g: sum(o in names for o in ops) for g, names in groups.items()}
+mix["other"] = len(ops) - sum(mix.values())
+mix = ", ".join(f"{g} {100 * n / max(len(ops), 1):.0f}%" for g, n in mix.items())
 print(f"registers {regs[1]}, stack {stack[1] if stack else 0} B, spills "
       f"{spill[1] if spill else 0} / {spill[2] if spill else 0} B stored / loaded, "
       f"shared {k.metadata.shared} B, {insts} SASS instructions (static), the longest loop "
-      f"{loop}")
+      f"{loop}" + (f"; mix: {mix}" if os.environ.get("MIX") else ""))
 """
 
 
@@ -142,6 +152,11 @@ def main() -> None:
     p.add_argument("--kernels", default="kda,kda_launch,kda_diag,gdn_blocked_bf16,gdn_whole")
     p.add_argument("--warps", default="2,4,8")
     p.add_argument("--stages", type=int, default=2)
+    p.add_argument(
+        "--mix",
+        action="store_true",
+        help="also the SASS instruction mix, by group (MMA, shared memory, FP32, ...)",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as out_dir:
         for kernel in args.kernels.split(","):
@@ -151,6 +166,7 @@ def main() -> None:
                     r = subprocess.run(
                         [args.triton_python, "-c", _COMPILE, path, nw, str(args.stages)],
                         capture_output=True, text=True,
+                        env={**os.environ, "MIX": "1" if args.mix else ""},
                     )  # fmt: skip
                     line = r.stdout.strip() or r.stderr.strip().splitlines()[-1]
                     print(f"{kernel} ({launch}) w{nw}: {line}", flush=True)
