@@ -55,7 +55,7 @@
 #   gdnintra3 the default intra launch alone at 8x4096 and its floor (gdnintra3@DIR: another
 #             tree's, for an A/B in one call)
 #   gdnintra2 gdnintra's floor, the default (blocked_bf16 at 4 warps) and the two forms with
-#             bf16 products not yet timed (whole_bf16, split_blocked_bf16): 7 entries
+#             bf16 products first timed in session 32 (whole_bf16, split_blocked_bf16): 7 entries
 #   mgputrace mgpudiag's chain and copies alone, each timed program run once more under the
 #             profiler (--trace): the kernels' own times beside the timed figure, and the
 #             device's idle time between them; gdntrace the default prefill's the same at

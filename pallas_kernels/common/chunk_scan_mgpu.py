@@ -275,14 +275,7 @@ DIAGNOSTICS = (None, "chain", "loads")
 
 
 def _body(
-    refs,
-    scratch,
-    *,
-    ops,
-    num_ckpt: int,
-    per_channel: bool,
-    diagnostic=None,
-    prefetch: int = 0,
+    refs, scratch, *, ops, num_ckpt: int, per_channel: bool, diagnostic=None, prefetch: int = 0
 ):
     """One program (module docstring). ``prefetch``: at chunk ``i``, chunk ``i + 1 +
     prefetch``'s tiles are prefetched into L2 (0: none). ``diagnostic`` (benchmarks only,
@@ -357,24 +350,20 @@ def _body(
         sb = s.astype(op)
         if diagnostic is None:
             st_t[...] = sb
+        (sw,) = ops.mma((ops.zeros((BV, CHUNK)), [(sb, w_s.at[slot], True)]))
+        ut = ops.load(ut_s.at[slot]).astype(f32)
+        col = ops.iota((BV, CHUNK), 1)
+        in_chunk = (col >= lead) & (col < lead + length)
+        vt = jnp.where(in_chunk, ut - sw, 0.0).astype(op)  # V'^T, zero outside the chunk
+        if diagnostic is None:
+            vt_t[...] = vt
+            plgpu.commit_smem()
         if per_channel:  # e^gam_last per key channel: S^T's columns
             vec = ops.load_row_vector(dec_s.at[slot])
             decay = jax.lax.broadcast_in_dim(vec, s.shape, (1,))
         else:
             decay = dec_s[ci // META_COLS, ci % META_COLS]
-
-        def make_vt(sw):  # V'^T, zero outside the chunk (and o's copy of it)
-            ut = ops.load(ut_s.at[slot]).astype(f32)
-            col = ops.iota((BV, CHUNK), 1)
-            in_chunk = (col >= lead) & (col < lead + length)
-            vt = jnp.where(in_chunk, ut - sw, 0.0).astype(op)
-            if diagnostic is None:
-                vt_t[...] = vt
-                plgpu.commit_smem()
-            return vt
-
-        (sw,) = ops.mma((ops.zeros((BV, CHUNK)), [(sb, w_s.at[slot], True)]))
-        update = (s * decay, [(make_vt(sw), kd_s.at[slot], False)])  # the serial chain
+        update = (s * decay, [(vt, kd_s.at[slot], False)])  # the state's (the serial chain)
         if diagnostic == "chain":
             (s,) = ops.mma(update)
         else:  # and the chunk's output

@@ -127,11 +127,11 @@ INTRA_FORMS = (
 INTRA_FORM = os.environ.get("HYJAX_GDN_INTRA") or None
 # Each form's (warps, stages) when not told: the fastest of the intra launch alone at 8x4096
 # on an H200 (gdn_kernels --intra-sweep, BENCHMARKS.md: blocked_bf16 1.79 ms at 4 warps, 3.03
-# at 8; the whole chunk's 3.81 at 8, 5.29 at 4).
+# at 8; the whole chunk's 3.81 at 8, 5.29 at 4; whole_bf16 2.04 at 4, 2.93 at 8;
+# split_blocked_bf16 2.22 at 4, 3.25 at 8, 3.48 at 2).
 INTRA_TUNING = {
     "whole": (8, 2), "blocked": (2, 1), "blocked_bf16": (4, 2), "split": (4, 2),
-    "split_blocked": (4, 2),
-    "whole_bf16": (8, 2), "split_blocked_bf16": (4, 2),  # (these two not yet timed)
+    "split_blocked": (4, 2), "whole_bf16": (4, 2), "split_blocked_bf16": (4, 2),
 }  # fmt: skip
 
 
