@@ -29,7 +29,7 @@ chunk have ``g = beta = 0`` and zero q/k/v, so ``gam`` restarts at the chunk)::
 
    - diagonal blocks (I = J): one column ``j`` at a time, ``e^(gam_i - gam_j)`` for rows
      ``i >= j`` as a ``[16, Dk]`` tile (elementwise f32), by default in a launch of its own
-     before this one (``_diag_kernel``, ``DIAG_FORM="launch"``; ``"columns"``: here);
+     before this one (``_diag_kernel``, ``DIAG_FORM="launch_rows"``; ``"columns"``: here);
    - blocks below it (J < I): factored through ``gam_r``, the first row of block I:
      ``(q_i e^(gam_i - gam_r)) . (k_j e^(gam_r - gam_j))``, a ``[16, Dk] x [Dk, 16]`` dot.
      ``gam`` never increases (``g <= 0``) and J's rows precede ``r``, so both exponents are
@@ -102,23 +102,25 @@ from pallas_kernels.kda.reference import check_kda_args
 CHUNK = 64  # the prefill's chunks: four 16-row sub-blocks
 SUB = 16
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2(e))
-# The diagonal blocks' scores (intra_launch's diag_form): "launch", the default, a column at
-# a time (elementwise f32, _diag_block) in a launch of their own (_diag_kernel,
-# DIAG_LAUNCH_WARPS warps, a program per chunk, 16-row block and head), their blocks read by
-# the intra launch; or "columns", the same loop in the intra launch. At 8x4096 on an H200
-# (BENCHMARKS.md, session 32) the intra launch alone took 7.52-7.68 ms in the first at 8
-# warps, 9.67-9.94 in the second at 2 (its fastest). HYJAX_KDA_DIAG=<form> for a process.
+# The diagonal blocks' scores (intra_launch's diag_form): "launch_rows", the default, a column
+# at a time (elementwise f32, _diag_block) in a launch of their own (_diag_kernel, a program
+# per chunk, 16-row block and head), each column's row read from memory, their blocks read by
+# the intra launch; "launch", the same with each column's row taken out of the tiles; or
+# "columns", the loop in the intra launch. The intra launch alone at 8x4096 on an H200
+# (BENCHMARKS.md, session 33, one process): launch_rows 6.65 ms (diagonal launch at 4 warps;
+# 6.80 at 2, 10.27 at 8), launch 6.79 (2 warps; 7.53 at 4, 9.84 at 8), columns 9.66 (intra
+# launch at 2 warps, its fastest). HYJAX_KDA_DIAG=<form> for a process.
 # Measured slower and removed: the diagonal blocks by dots through the middle rows (15.8 ms
 # against 12.1, session 31), and every score block in a launch of its own, a program a
 # 16-row block (8.85 ms against 7.68, session 32).
-# "launch_rows" (not yet timed): "launch" with each column's row read from memory
-# (_diag_block), not taken out of the tiles.
 DIAG_FORMS = ("columns", "launch", "launch_rows")
-DIAG_LAUNCH_WARPS = int(os.environ.get("HYJAX_KDA_DIAG_WARPS") or 4)
-DIAG_FORM = os.environ.get("HYJAX_KDA_DIAG") or "launch"
+DIAG_FORM = os.environ.get("HYJAX_KDA_DIAG") or "launch_rows"
+# The diagonal launch's warps by form (HYJAX_KDA_DIAG_WARPS for a process), the fastest above.
+DIAG_WARPS = {"launch": 2, "launch_rows": 4}
+DIAG_NUM_WARPS = int(os.environ.get("HYJAX_KDA_DIAG_WARPS") or 0) or None
 # The intra launch's warps when not told (kda_prefill's intra_num_warps None;
 # HYJAX_KDA_INTRA_WARPS for a process), by diagonal form: the fastest at 8x4096 on an H200
-# (columns: 2 warps 10.4 ms, 4 12.1, 8 12.2; launch: 2 8.69, 4 8.95, 8 7.52)
+# (columns: 2 warps 10.4 ms, 4 12.1, 8 12.2; launch: 2 8.69, 4 8.95, 8 7.52, session 32)
 INTRA_WARPS = {"columns": 2, "launch": 8, "launch_rows": 8}
 INTRA_NUM_WARPS = int(os.environ.get("HYJAX_KDA_INTRA_WARPS") or 0) or None
 NSUB = CHUNK // SUB
@@ -293,12 +295,13 @@ def _diag_kernel(
     dkk_ref, dqk_ref,  # f32[H, Tp, 16]  out: the diagonal blocks' rows (valid rows only)
     *, scale: float, tma_layout: bool, rows_from_memory: bool = False,
 ):  # fmt: skip
-    """``diag_form="launch"``: the diagonal blocks of Akk (before beta; diagonal and above
-    unused) and Aqk (:func:`_diag_block`, a column at a time) in a launch of their own, one
-    program per (chunk, 16-row block, head): the column loop's few tiles in a small program,
-    many of them resident, out of the intra launch's register-capped one. The blocks' decays
-    are differences within a block, so ``gam`` restarts at each. ``rows_from_memory``
-    (``"launch_rows"``): each column's row of k and of the gates read from memory."""
+    """``diag_form="launch"`` or ``"launch_rows"``: the diagonal blocks of Akk (before beta;
+    diagonal and above unused) and Aqk (:func:`_diag_block`, a column at a time) in a launch of
+    their own, one program per (chunk, 16-row block, head): the column loop's few tiles in a
+    small program, many of them resident, out of the intra launch's register-capped one. The
+    blocks' decays are differences within a block, so ``gam`` restarts at each.
+    ``rows_from_memory`` (``"launch_rows"``): each column's row of k and of the gates read from
+    memory."""
     ci, sb, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, length = c_start_ref[ci], c_len_ref[ci]
     w0 = window(start, length, q_ref.shape[0], CHUNK, aligned=tma_layout).rows.start
@@ -470,7 +473,7 @@ def intra_launch(
             ),
             grid=(num_chunks, NSUB, h),
             out_shape=[jax.ShapeDtypeStruct((h, tp, SUB), jnp.float32)] * 2,
-            compiler_params=compiler_params(DIAG_LAUNCH_WARPS, 1),
+            compiler_params=compiler_params(DIAG_NUM_WARPS or DIAG_WARPS[diag_form], 1),
             interpret=interpret,
             name="kda_prefill_diag_gpu",
         )(plan.start, plan.length, neg_a, dt, q, k, g)
