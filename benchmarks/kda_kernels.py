@@ -262,7 +262,8 @@ INTRA_SWEEP = [(4, 2), (8, 1), (8, 2), (8, 3)]
 # and the diagonal blocks' forms (gpu.DIAG_FORMS: in the intra launch a column at a time, or
 # the column loop in a launch of its own)
 INTRA_CONFIGS = [(2, 1, "columns"), (4, 2, "columns"), (2, 1, "launch"), (4, 2, "launch"),
-                 (8, 2, "launch"), (8, 1, "launch"), (8, 2, "launch_rows")]  # fmt: skip
+                 (8, 2, "launch"), (8, 1, "launch"), (8, 2, "launch_rows"),
+                 (4, 2, "launch_rows")]  # fmt: skip
 
 
 def _intra_step(n, nw, ns, tma_layout=False, diag_form=None):

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from pallas_kernels.common import register_cap  # noqa: F401  (HYJAX_TRITON_MAXNREG's caps)
 from pallas_kernels.common.chunking import ChunkPlan
 from pallas_kernels.common.delta_rule import group_refs, mm
 from pallas_kernels.common.slots import ROUND_EVERY, StateSlots
@@ -273,12 +274,15 @@ def operand_products(precision, operand_dtype) -> Callable:
     return prod
 
 
-def store_blocked_w_u(t, kb_dec, rows, valid, beta, h, v_ref, w_ref, u_ref, pmm, tma_layout):
+def store_blocked_w_u(
+    t, kb_dec, rows, valid, beta, h, v_ref, w_ref, u_ref, pmm, tma_layout, v_blocks=None
+):  # fmt: skip
     """An intra launch's ``W = Tm (beta e^gam k)`` and ``U = Tm (beta v)`` by 16-row blocks
     (GDN's blocked form, KDA's): ``t[i, j]`` the inverse's blocks (``j <= i``), ``kb_dec[j]``
     W's operand, ``rows`` / ``valid`` / ``beta`` each block's; ``pmm`` the products. v's rows
-    are read for each product (from L2 after the first: no v tile kept live); ``U^T`` with
-    ``tma_layout``."""
+    are read for each product (from L2 after the first: no v tile kept live), or taken from
+    ``v_blocks`` (each block's ``[16, Dv]`` rows, read by the caller: :func:`load_v_blocks`);
+    ``U^T`` with ``tma_layout``."""
     nsub = len(rows)
     for bi in range(nsub):
         w = sum(pmm(t[bi, bj], kb_dec[bj]) for bj in range(bi + 1))
@@ -287,7 +291,10 @@ def store_blocked_w_u(t, kb_dec, rows, valid, beta, h, v_ref, w_ref, u_ref, pmm,
     bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
 
     def v_beta(bj, vs):
-        vt = pltr.load(v_ref.at[rows[bj], h, vs], mask=valid[bj][:, None], other=0.0)
+        if v_blocks is not None and bv == dv:
+            vt = v_blocks[bj]
+        else:
+            vt = pltr.load(v_ref.at[rows[bj], h, vs], mask=valid[bj][:, None], other=0.0)
         return vt.astype(jnp.float32) * beta[bj][:, None]
 
     for bi in range(nsub):
@@ -299,6 +306,16 @@ def store_blocked_w_u(t, kb_dec, rows, valid, beta, h, v_ref, w_ref, u_ref, pmm,
                 pltr.store(u_ref.at[h, vs, r], u.T.astype(u_ref.dtype), mask=ok.T)
             else:
                 pltr.store(u_ref.at[h, r, vs], u.astype(u_ref.dtype), mask=ok)
+
+
+def load_v_blocks(v_ref, rows, valid, h):
+    """Each 16-row block's ``v [16, Dv]`` (zeros outside the chunk) in its own dtype, for
+    :func:`store_blocked_w_u`'s ``v_blocks``; None where ``Dv`` is not a power of two (that
+    function then reads v by column tiles)."""
+    dv = v_ref.shape[-1]
+    if dv & (dv - 1):
+        return None
+    return [pltr.load(v_ref.at[r, h, :], mask=ok[:, None], other=0.0) for r, ok in zip(rows, valid)]
 
 
 class RowPlan(NamedTuple):

@@ -94,6 +94,7 @@ from pallas_kernels.common.delta_rule_gpu import (
     compiler_params,
     decode_program,
     launch_decode,
+    load_v_blocks,
     operand_dtype_for,
     operand_products,
     pad_tokens,
@@ -437,6 +438,9 @@ def _intra_kernel_blocked(
             q.append(l2norm(qb.astype(jnp.float32)) * scale)
             beta.append(jnp.where(ok, be, 0.0))
         gam_last = carry
+        # v read before any store: a load after a store waits for it (the compiler cannot
+        # tell that they do not alias)
+        v_blocks = None if v_ref is None else load_v_blocks(v_ref, rows, valid, h)
         # In the order that ends each tile's life soonest (registers: the whole chunk's launch
         # sits at the cap): the scores, q's products and rows stored (q dead after them)
         a_kk = {}
@@ -479,7 +483,9 @@ def _intra_kernel_blocked(
                     pltr.store(tm_ref.at[h, rows[bi], pl.ds(bj * SUB, SUB)],
                                blk.astype(tm_ref.dtype), mask=valid[bi][:, None])  # fmt: skip
             return
-        store_blocked_w_u(t, kb_dec, rows, valid, beta, h, v_ref, w_ref, u_ref, pmm, tma_layout)
+        store_blocked_w_u(
+            t, kb_dec, rows, valid, beta, h, v_ref, w_ref, u_ref, pmm, tma_layout, v_blocks
+        )  # fmt: skip
 
     _chunk_program(c_start_ref, c_len_ref, k_ref.shape[0], tma_layout, body)
 

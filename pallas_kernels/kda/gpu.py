@@ -84,6 +84,7 @@ from pallas_kernels.common.delta_rule_gpu import (
     compiler_params,
     decode_program,
     launch_decode,
+    load_v_blocks,
     operand_dtype_for,
     operand_precision,
     operand_products,
@@ -379,8 +380,12 @@ def _intra_kernel(
         rows, valid, beta, k_end, kb_dec, gam_end = [], [], [], [], [], []
         a_kk = {}
         carry = jnp.zeros((dk,), jnp.float32)
+        # v read before any store: a load after a store waits for it (the compiler cannot
+        # tell that they do not alias)
+        blocks = [sub_rows(w0, bi, SUB, start, length) for bi in range(NSUB)]
+        v_blocks = load_v_blocks(v_ref, *zip(*blocks), h)
         for bi in range(NSUB):
-            r, ok = sub_rows(w0, bi, SUB, start, length)
+            r, ok = blocks[bi]
             qb = pltr.load(q_ref.at[r, h, :], mask=ok[:, None], other=0.0)
             kb = pltr.load(k_ref.at[r, h, :], mask=ok[:, None], other=0.0)
             bb = pltr.load(b_ref.at[r, h], mask=ok, other=0.0)
@@ -434,7 +439,9 @@ def _intra_kernel(
             pltr.store(kd_ref.at[h, rows[b], :], k_dec.astype(kd_ref.dtype), mask=kd_ok)
 
         # 4. W, then U (v's rows read for each product: no v tile kept live)
-        store_blocked_w_u(t, kb_dec, rows, valid, beta, h, v_ref, w_ref, u_ref, opmm, tma_layout)
+        store_blocked_w_u(
+            t, kb_dec, rows, valid, beta, h, v_ref, w_ref, u_ref, opmm, tma_layout, v_blocks
+        )  # fmt: skip
 
 
 def intra_launch(
