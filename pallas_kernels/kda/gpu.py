@@ -384,12 +384,18 @@ def _intra_kernel(
         # tell that they do not alias)
         blocks = [sub_rows(w0, bi, SUB, start, length) for bi in range(NSUB)]
         v_blocks = load_v_blocks(v_ref, *zip(*blocks), h)
+        raw = []
+        for r, ok in blocks:  # every block's inputs, in their own dtypes, before any store
+            raw.append([pltr.load(x.at[r, h, :], mask=ok[:, None], other=0.0)
+                        for x in (q_ref, k_ref, g_ref)] + [
+                        pltr.load(b_ref.at[r, h], mask=ok, other=0.0)])  # fmt: skip
+            if diag_refs is not None:  # made by _diag_kernel
+                raw[-1] += [pltr.load(d.at[h, r, :], mask=ok[:, None], other=0.0)
+                            for d in diag_refs]  # fmt: skip
         for bi in range(NSUB):
             r, ok = blocks[bi]
-            qb = pltr.load(q_ref.at[r, h, :], mask=ok[:, None], other=0.0)
-            kb = pltr.load(k_ref.at[r, h, :], mask=ok[:, None], other=0.0)
-            bb = pltr.load(b_ref.at[r, h], mask=ok, other=0.0)
-            gb = _gate_rows(g_ref, r, ok, h, neg_a, dt)
+            qb, kb, graw, bb = raw[bi][:4]
+            gb = jnp.where(ok[:, None], neg_a * softplus(graw.astype(jnp.float32) + dt), 0.0)
             gam_i = carry[None, :] + jnp.cumsum(gb, axis=0)  # [16, Dk]
             carry = carry + jnp.sum(gb, axis=0)  # gam of the block's last row
             q_i = l2norm(qb.astype(jnp.float32)) * scale
@@ -398,9 +404,8 @@ def _intra_kernel(
             rows.append(r)
             valid.append(ok)
             beta.append(beta_i)
-            if diag_refs is not None:  # made by _diag_kernel
-                d_kk, d_qk = (pltr.load(d.at[h, r, :], mask=ok[:, None], other=0.0)
-                              for d in diag_refs)  # fmt: skip
+            if diag_refs is not None:
+                d_kk, d_qk = raw[bi][4:]
             else:
                 d_kk, d_qk = _diag_block(q_i, k_i, gam_i)
             a_kk[bi, bi] = jnp.where(ii > jj, beta_i[:, None] * d_kk, 0.0)
