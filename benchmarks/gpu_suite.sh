@@ -70,6 +70,8 @@
 #             triton, with 0, 1, 4 checkpoints, and FLA
 #   multidec  benchmarks.multi_decode: the k-token (verify) decode, Triton's and Mosaic GPU's
 #             (common/multi_decode_mgpu.py) checked, then timed at 64 / 256 rows, k = 1, 2, 4
+#   multidecfirst  Triton's k-token decode as it is and with every input read before its
+#             first store (multi_decode_gpu.INPUTS_FIRST), both families, k = 1, 2, 3
 #             (in chains of 50 a Mosaic GPU entry takes ~30 s: the whole section runs past one
 #             call, the smaller ones below do not);
 #             multidec4 at k = 4 alone in chains of 50; multidec3 GDN at k = 3 (where the two
@@ -188,6 +190,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         mgpudiag) echo "python -m benchmarks.gdn_kernels --mgpu-scan --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;
         mgpukda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_triton,fla,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B8_T4096_ckpt --out $j" ;;
         multidec) echo "python -m benchmarks.multi_decode --no-baselines --out $j" ;;
+        multidecfirst) echo "python -m benchmarks.multi_decode --no-baselines --kernels triton,triton_first --ks 1,2,3 --chain 50 --out $j" ;;
         multidec4) echo "python -m benchmarks.multi_decode --no-baselines --ks 4 --chain 50 --out $j" ;;
         multidec3) echo "python -m benchmarks.multi_decode --no-baselines --families gdn --ks 3 --chain 50 --out $j" ;;
         multideck) echo "python -m benchmarks.multi_decode --no-baselines --families kda --ks 4 --chain 50 --out $j" ;;

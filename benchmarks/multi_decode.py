@@ -146,8 +146,9 @@ def floors(ks=()) -> dict:
 # ----------------------------------------------------------------------------- checks
 
 
-def check(family: str, kernel_name: str = "triton") -> dict:
-    """Compiled kernel vs the prefill reference on a ragged verify batch."""
+def check(family: str, **pick) -> dict:
+    """Compiled kernel vs the prefill reference on a ragged verify batch; ``pick``: the
+    kernel's choice (``kernel=``, ``inputs_first=``)."""
     heads, acts_fn, kernel, *_, reference = FAMILIES[family]
     heads = heads()
     lens = [4, 1, 3, 2, 4, 4, 1, 2]
@@ -168,7 +169,7 @@ def check(family: str, kernel_name: str = "triton") -> dict:
     slots = StateSlots(*(jnp.asarray(x) for x in (src, dst, ck_off, ck_slot)), jnp.int32(len(lens)))
     args = (*acts, jnp.asarray(pool), qsl, slots)
     want_o, want_s = jax.jit(reference)(*args)
-    run = functools.partial(kernel, max_tokens=4, kernel=kernel_name, interpret=INTERPRET)
+    run = functools.partial(kernel, max_tokens=4, interpret=INTERPRET, **pick)
     got_o, got_s = jax.jit(run)(*args)
     got_s, want_s = np.asarray(got_s), np.asarray(want_s)
     nan = np.isnan(want_s).reshape(len(want_s), -1).all(1)  # slots the reference left alone
@@ -243,7 +244,11 @@ def main() -> None:
     p.add_argument("--no-baselines", action="store_true", help="skip the prefill/decode routes")
     p.add_argument("--batches", default="64,256")
     p.add_argument("--ks", default="1,2,4")
-    p.add_argument("--kernels", default="triton,mgpu", help="triton and / or mgpu")
+    p.add_argument(
+        "--kernels", default="triton,mgpu",
+        help="triton, triton_first (every input read before the first store:"
+        " multi_decode_gpu.INPUTS_FIRST) and / or mgpu",
+    )  # fmt: skip
     p.add_argument("--chain", type=int, default=50, help="calls in one timed program")
     p.add_argument("--families", default="gdn,kda")
     p.add_argument(
@@ -272,7 +277,10 @@ def main() -> None:
     bw = summary["floors"].get("copy_bandwidth_GBps")
     kernels = args.kernels.split(",")
     families = args.families.split(",")
-    tag = {"triton": "", "mgpu": "_mgpu"}
+    tag = {"triton": "", "triton_first": "_first", "mgpu": "_mgpu"}
+    # each kernel name's arguments (kernel=..., inputs_first=...)
+    picks = {"triton": dict(kernel="triton", inputs_first=False), "mgpu": dict(kernel="mgpu"),
+             "triton_first": dict(kernel="triton", inputs_first=True)}  # fmt: skip
     # (kernel, its name's suffix, Mosaic GPU's buffers or None)
     runs = [(kern, tag[kern], None) for kern in kernels if kern != "mgpu"]
     if "mgpu" in kernels:
@@ -280,7 +288,7 @@ def main() -> None:
         runs += [("mgpu", "_mgpu" + (f"_buf{n}" if n else ""), n) for n in sweep]
     for family in families:
         for kern in kernels:
-            guarded(f"check_{family}{tag[kern]}", lambda f=family, kn=kern: check(f, kn))
+            guarded(f"check_{family}{tag[kern]}", lambda f=family, kn=kern: check(f, **picks[kn]))
     default_buffers = md_mgpu.BUFFERS
     for family in families:
         for rows in batches:
@@ -291,7 +299,8 @@ def main() -> None:
                     md_mgpu.BUFFERS = buffers or default_buffers
                     name = f"{family}{suffix}_B{rows}_k{k}"
                     guarded(
-                        name, lambda f=family, r=rows, k=k, kn=kern: time_verify(f, r, k, kernel=kn)
+                        name,
+                        lambda f=family, r=rows, k=k, kn=kern: time_verify(f, r, k, **picks[kn]),
                     )
                     md_mgpu.BUFFERS = default_buffers
                     fan = summary["floors"].get(f"fanout_{k + 1}_GBps")

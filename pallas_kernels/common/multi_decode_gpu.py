@@ -42,6 +42,7 @@ default 64 at B=64 k=4 (both families; 8 warps slower); not measured at other k 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -70,6 +71,11 @@ from pallas_kernels.kda.reference import check_kda_args
 # The unrolled token loop grows the kernel with max_tokens (a masked store per checkpoint pair
 # per token); a verify step has a handful of draft tokens. Longer rows belong to the prefill.
 MAX_TOKENS_LIMIT = 16
+# Every token's inputs and the row's checkpoint slots read before the first store (Triton
+# issues a load written after a store after it: the intra launches gained 7-12 % from this,
+# session 33), instead of each token's after the previous token's stores. Not yet timed here:
+# HYJAX_MULTI_DECODE_INPUTS_FIRST=1 for a process, the default off until it is.
+INPUTS_FIRST = os.environ.get("HYJAX_MULTI_DECODE_INPUTS_FIRST", "0") == "1"
 
 
 class MultiSlots(NamedTuple):
@@ -92,6 +98,7 @@ def multi_decode_program(
     bv: int,
     max_tokens: int,
     inputs: Callable,  # inputs(tok, h, vs) -> (q, k [Dk], v [BV], beta, decay: exp(g))
+    inputs_first: bool = False,  # INPUTS_FIRST's order
 ):
     """Program ``(r, h, vb)``: row ``r``'s state block of head ``h`` through its (at most
     ``max_tokens``) tokens; see the module docstring."""
@@ -104,20 +111,25 @@ def multi_decode_program(
     too_long = length > max_tokens  # the caller's guarantee broken: poison, don't truncate
     src, dst = p.src[r], p.dst[r]
     s = load_state(pool_in, src, h, vs, (length > 0) & (src > 0))  # [BV, Dk]
+    # A token past the row reads a clamped (in-bounds, finite) row and changes nothing:
+    # decay 1, beta 0 leave S exactly as it was; its output and stores are masked off.
+    toks = [jnp.minimum(start + t, num_tokens - 1) for t in range(max_tokens)]
+    first = [inputs(tok, h, vs) for tok in toks] if inputs_first else None
+    ckpts = [(p.ck_slot[r, m], p.ck_off[r, m]) if inputs_first else (None, None)
+             for m in range(p.ck_off.shape[1])]  # fmt: skip
     for t in range(max_tokens):
         valid = t < length
-        # A token past the row reads a clamped (in-bounds, finite) row and changes nothing:
-        # decay 1, beta 0 leave S exactly as it was; its output and stores are masked off.
-        tok = jnp.minimum(start + t, num_tokens - 1)
-        q, k, v, beta, decay = inputs(tok, h, vs)
+        tok = toks[t]
+        q, k, v, beta, decay = first[t] if inputs_first else inputs(tok, h, vs)
         decay = jnp.where(valid, decay, 1.0)
         o, s = decode_update(s * decay, q, k, v, jnp.where(valid, beta, 0.0))
         o = jnp.where(too_long, jnp.nan, o)
         # Masked: a clamped token past the row is another row's (or the last) token.
         pltr.store(o_ref.at[tok, h, vs], o.astype(o_ref.dtype), mask=jnp.full((bv,), valid))
-        for m in range(p.ck_off.shape[1]):
-            slot = p.ck_slot[r, m]
-            hit = valid & (slot > 0) & (p.ck_off[r, m] == t + 1)
+        for m, (slot, off) in enumerate(ckpts):
+            if not inputs_first:  # read here, after this token's output store
+                slot, off = p.ck_slot[r, m], p.ck_off[r, m]
+            hit = valid & (slot > 0) & (off == t + 1)
             store_state(pool_out, slot, h, vs, s, hit)
         last = jnp.where(too_long, jnp.nan, s)
         store_state(pool_out, dst, h, vs, last, valid & (dst > 0) & ((t + 1 == length) | too_long))
@@ -206,11 +218,14 @@ def _gdn_kernel(
     pool_in,  # f32 | bf16[num_slots, Hv, Dv, Dk]
     o_ref,  # [T, Hv, Dv]
     pool_out,  # aliased to pool_in
-    *, bv: int, max_tokens: int, ratio: int, scale: float,
+    *, bv: int, max_tokens: int, ratio: int, scale: float, inputs_first: bool,
 ):  # fmt: skip
     refs = (alog_ref, dtb_ref, q_ref, k_ref, v_ref, a_ref, b_ref)
     inputs = functools.partial(gdn_gpu.token_inputs, *refs, ratio=ratio, scale=scale)
-    multi_decode_program(p, pool_in, o_ref, pool_out, bv=bv, max_tokens=max_tokens, inputs=inputs)
+    multi_decode_program(
+        p, pool_in, o_ref, pool_out, bv=bv, max_tokens=max_tokens, inputs=inputs,
+        inputs_first=inputs_first,
+    )  # fmt: skip
 
 
 def gdn_multi_decode(
@@ -230,11 +245,13 @@ def gdn_multi_decode(
     num_warps: int = 4,
     num_stages: int = 1,
     kernel: str | None = None,
+    inputs_first: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``gdn_prefill`` for rows of at most ``max_tokens`` tokens (the caller guarantees it);
     see the module docstring. Returns ``(o [T, Hv, Dv], state)``. ``kernel``:
-    ``"mgpu"`` runs the Mosaic GPU kernel (``multi_decode_mgpu``), None its default."""
+    ``"mgpu"`` runs the Mosaic GPU kernel (``multi_decode_mgpu``), None its default;
+    ``inputs_first`` (None: :data:`INPUTS_FIRST`) the Triton kernel's order of loads."""
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     _, hk, dk = q.shape
     _, hv, dv = v.shape
@@ -258,6 +275,7 @@ def gdn_multi_decode(
         interpret=interpret,
         ratio=hv // hk,
         scale=float(dk) ** -0.5,
+        inputs_first=INPUTS_FIRST if inputs_first is None else inputs_first,
     )
 
 
@@ -274,11 +292,14 @@ def _kda_kernel(
     pool_in,  # f32 | bf16[num_slots, H, Dv, Dk]
     o_ref,  # [T, H, Dv]
     pool_out,  # aliased to pool_in
-    *, bv: int, max_tokens: int, scale: float,
+    *, bv: int, max_tokens: int, scale: float, inputs_first: bool,
 ):  # fmt: skip
     refs = (alog_ref, dt_ref, q_ref, k_ref, g_ref, v_ref, b_ref)
     inputs = functools.partial(kda_gpu.token_inputs, *refs, scale=scale)
-    multi_decode_program(p, pool_in, o_ref, pool_out, bv=bv, max_tokens=max_tokens, inputs=inputs)
+    multi_decode_program(
+        p, pool_in, o_ref, pool_out, bv=bv, max_tokens=max_tokens, inputs=inputs,
+        inputs_first=inputs_first,
+    )  # fmt: skip
 
 
 def kda_multi_decode(
@@ -298,11 +319,13 @@ def kda_multi_decode(
     num_warps: int = 4,
     num_stages: int = 1,
     kernel: str | None = None,
+    inputs_first: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``kda_prefill`` for rows of at most ``max_tokens`` tokens (the caller guarantees it);
     see the module docstring. Returns ``(o [T, H, Dv], state)``. ``kernel``:
-    ``"mgpu"`` runs the Mosaic GPU kernel (``multi_decode_mgpu``), None its default."""
+    ``"mgpu"`` runs the Mosaic GPU kernel (``multi_decode_mgpu``), None its default;
+    ``inputs_first`` (None: :data:`INPUTS_FIRST`) the Triton kernel's order of loads."""
     check_kda_args(q, k, v, g, b, A_log, dt_bias, state, slots, query_start_loc)
     dk = q.shape[2]
     dv = v.shape[2]
@@ -325,4 +348,5 @@ def kda_multi_decode(
         num_stages=num_stages,
         interpret=interpret,
         scale=float(dk) ** -0.5,
+        inputs_first=INPUTS_FIRST if inputs_first is None else inputs_first,
     )

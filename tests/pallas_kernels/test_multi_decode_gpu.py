@@ -118,24 +118,28 @@ FAMILIES = {
 LENS = {1: [1, 1, 1, 1, 1], 2: [2, 1, 2, 0, 1], 4: [4, 1, 3, 2, 4, 1]}
 
 
-def run_both(family, case, *, max_tokens, seed=0):
+def run_both(family, case, *, max_tokens, seed=0, **kwargs):
     make, reference, kernel, bv = FAMILIES[family]
     rng = np.random.default_rng(seed)
     inputs, slot_shape = make(rng, case.num_tokens)
     pool = case.pool(rng, slot_shape)
     args = (*inputs, jnp.asarray(pool), jnp.asarray(case.qsl), case.slots())
     want = jax.jit(reference)(*args)
-    fn = functools.partial(kernel, max_tokens=max_tokens, block_v=bv, interpret=True)
+    fn = functools.partial(kernel, max_tokens=max_tokens, block_v=bv, interpret=True, **kwargs)
     got = jax.jit(fn)(*args)
     return got, want, pool
 
 
-@pytest.mark.parametrize("ckpts", ["every", "some"])
-@pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("family", ["gdn", "kda"])
-def test_matches_prefill_reference(family, k, ckpts):
+@pytest.mark.parametrize(
+    "family, k, ckpts, inputs_first",
+    [(f, k, c, False) for f in ("gdn", "kda") for k in (1, 2, 4) for c in ("every", "some")]
+    + [(f, 4, "some", True) for f in ("gdn", "kda")],  # every load before the first store
+)
+def test_matches_prefill_reference(family, k, ckpts, inputs_first):
     case = verify_case(LENS[k], k, ckpts)
-    (got_o, got_s), (want_o, want_s), pool = run_both(family, case, max_tokens=k, seed=k)
+    (got_o, got_s), (want_o, want_s), pool = run_both(
+        family, case, max_tokens=k, seed=k, inputs_first=inputs_first
+    )
     assert not np.isnan(np.asarray(got_o)).any(), "a NaN slot was read"
     assert_close(got_o, want_o, rtol=1e-5, atol=1e-5, what="outputs")
     assert_close(got_s, want_s, rtol=1e-5, atol=1e-5, what="state pool")
