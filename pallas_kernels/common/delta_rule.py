@@ -57,6 +57,28 @@ def softplus(x):
     return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
 
 
+# log1p(t) / t on [0, 1] as a degree-8 polynomial in t (a Chebyshev fit, highest power first):
+# f32 Horner on it is within 2e-7 of log1p(t) / t (softplus_poly's docstring)
+_LOG1P_POLY = (
+    0.005253457929939032, -0.02958850748836994, 0.07836166769266129, -0.13674770295619965,
+    0.19111430644989014, -0.24844369292259216, 0.33319270610809326, -0.49999502301216125, 1.0,
+)  # fmt: skip
+
+
+def softplus_poly(x):
+    """:func:`softplus` as ``max(x, 0) + log1p(e^-|x|)``, ``log1p(t) = t p(t)`` with ``p`` a
+    degree-8 polynomial on ``t`` in ``(0, 1]``: one ``exp`` and nine multiply-adds where the
+    GPU's ``log1p`` runs a ~40-instruction routine (the per-channel gates of KDA's prefill
+    launches, a ``[16, Dk]`` tile of them a block). Within 2.6e-7 of the exact value, relative,
+    at every ``x`` (checked against float64 in the tests); equal to ``x`` above 20 as PyTorch's
+    threshold makes it (``log1p(e^-20)`` is below half an ulp of 20)."""
+    t = jnp.exp(-jnp.abs(x))
+    p = jnp.full_like(t, _LOG1P_POLY[0])
+    for c in _LOG1P_POLY[1:]:
+        p = p * t + c
+    return jnp.maximum(x, 0.0) + p * t
+
+
 def l2norm(x, axis=-1):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + 1e-6)
 

@@ -74,6 +74,7 @@ from pallas_kernels.common.delta_rule import (
     block_unit_lower_inverse,
     l2norm,
     softplus,
+    softplus_poly,
 )
 from pallas_kernels.common.delta_rule_gpu import (
     DECODE_BLOCK_V,
@@ -224,7 +225,7 @@ def _row(x, i: int):
     return jnp.sum(jnp.where(sel, x, 0.0), axis=0)
 
 
-def _diag_block(q, k, gam, row=None):
+def _diag_block(q, k, gam, row=None, col_scale=None):
     """The diagonal ``[16, 16]`` blocks of ``sum_d k_id k_jd e_ij`` and ``sum_d q_id k_jd
     e_ij`` (``i >= j``, 0 above), one column ``j`` at a time so that every ``exp`` argument
     ``gam_i - gam_j`` is <= 0. Column ``j``'s row of k and ``gam`` is taken out of the tiles
@@ -234,7 +235,9 @@ def _diag_block(q, k, gam, row=None):
     its gate (zeros outside the chunk; ``gam_j`` a running sum from the block's first row, as
     the tile's ``gam``), the exponent clamped at 0 on every element (the rows above ``j`` get
     1) and those rows zeroed once after the loop, in base 2 with ``gam`` scaled once (offline
-    ``ptxas`` at 4 warps: 292 instructions a column against 490)."""
+    ``ptxas`` at 4 warps: 292 instructions a column against 490). ``col_scale [16]``: column
+    ``j`` of both blocks multiplied by ``col_scale[j]`` after the loop (``row`` giving k's rows
+    unnormalised, their inverse norms: no reduction over a row in the loop)."""
     ri = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
     ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     cj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
@@ -265,20 +268,22 @@ def _diag_block(q, k, gam, row=None):
     gam2 = gam * LOG2E  # column_read's exponents in base 2
     acc = (zero, zero, jnp.zeros(gam.shape[-1:], jnp.float32))
     a_kk, a_qk, _ = jax.lax.fori_loop(0, SUB, column_read, acc)
+    if col_scale is not None:
+        a_kk, a_qk = a_kk * col_scale[None, :], a_qk * col_scale[None, :]
     return jnp.where(ii > cj, a_kk, 0.0), jnp.where(ii >= cj, a_qk, 0.0)
 
 
 def _block_row(k_ref, g_ref, w0, b: int, start, length, h, neg_a, dt):
     """``row`` of :func:`_diag_block` for 16-row block ``b`` of the window at ``w0``
-    (``"launch_rows"``): row ``j``'s l2-normed k and gate, read from memory, zeros outside the
-    chunk."""
+    (``"launch_rows"``): row ``j``'s k (not normalised: :func:`_diag_block` scales its
+    columns) and gate, read from memory, zeros outside the chunk."""
 
     def row(j):
         tok = w0 + b * SUB + j
         ok = (tok >= start) & (tok < start + length)
         kj = pltr.load(k_ref.at[tok, h, :], mask=ok, other=0.0).astype(jnp.float32)
         gj = pltr.load(g_ref.at[tok, h, :], mask=ok, other=0.0).astype(jnp.float32)
-        return l2norm(kj), jnp.where(ok, neg_a * softplus(gj + dt), 0.0)
+        return kj, jnp.where(ok, neg_a * softplus_poly(gj + dt), 0.0)
 
     return row
 
@@ -286,7 +291,7 @@ def _block_row(k_ref, g_ref, w0, b: int, start, length, h, neg_a, dt):
 def _gate_rows(g_ref, r, ok, h, neg_a, dt):
     """The gates ``-exp(A_log) softplus(g + dt_bias)`` of rows ``r`` (0 outside the chunk)."""
     gb = pltr.load(g_ref.at[r, h, :], mask=ok[:, None], other=0.0)
-    return jnp.where(ok[:, None], neg_a * softplus(gb.astype(jnp.float32) + dt), 0.0)
+    return jnp.where(ok[:, None], neg_a * softplus_poly(gb.astype(jnp.float32) + dt), 0.0)
 
 
 def _diag_kernel(
@@ -315,10 +320,15 @@ def _diag_kernel(
         k = pltr.load(k_ref.at[r, h, :], mask=ok[:, None], other=0.0)
         gam = jnp.cumsum(_gate_rows(g_ref, r, ok, h, neg_a_ref[h], dt_ref[h, :]), axis=0)
         q = l2norm(q.astype(jnp.float32)) * scale
-        row = None
-        if rows_from_memory:
+        k = k.astype(jnp.float32)
+        inv_norm = jax.lax.rsqrt(jnp.sum(k * k, axis=1) + 1e-6)  # [16]: l2norm's
+        row = col_scale = None
+        if rows_from_memory:  # k's rows unnormalised in the loop, columns scaled after it
             row = _block_row(k_ref, g_ref, w0, sb, start, length, h, neg_a_ref[h], dt_ref[h, :])
-        d_kk, d_qk = _diag_block(q, l2norm(k.astype(jnp.float32)), gam, row)
+            col_scale = inv_norm
+        else:
+            row = None
+        d_kk, d_qk = _diag_block(q, k * inv_norm[:, None], gam, row, col_scale)
         pltr.store(dkk_ref.at[h, r, :], d_kk, mask=ok[:, None])
         pltr.store(dqk_ref.at[h, r, :], d_qk, mask=ok[:, None])
 
@@ -395,7 +405,7 @@ def _intra_kernel(
         for bi in range(NSUB):
             r, ok = blocks[bi]
             qb, kb, graw, bb = raw[bi][:4]
-            gb = jnp.where(ok[:, None], neg_a * softplus(graw.astype(jnp.float32) + dt), 0.0)
+            gb = jnp.where(ok[:, None], neg_a * softplus_poly(graw.astype(jnp.float32) + dt), 0.0)
             gam_i = carry[None, :] + jnp.cumsum(gb, axis=0)  # [16, Dk]
             carry = carry + jnp.sum(gb, axis=0)  # gam of the block's last row
             q_i = l2norm(qb.astype(jnp.float32)) * scale

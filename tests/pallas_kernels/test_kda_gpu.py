@@ -168,3 +168,21 @@ def test_kernels_lower_to_triton_at_48b_shapes():
         acts = [sd((t, h, d), bf)] * 4 + [sd((t, h), bf)]
         lowered = jax.jit(f).trace(*acts, *gates, pool, *extra, slots)
         assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_softplus_poly_matches_float64():
+    """The prefill launches' softplus (a polynomial for log1p) within a few f32 ulps of the
+    exact value at every x whose value is a normal f32 (below -87 both flush to 0), and x
+    itself above PyTorch's threshold of 20."""
+    from pallas_kernels.common.delta_rule import softplus, softplus_poly
+
+    x = np.concatenate([np.linspace(-80.0, 90.0, 400_001), [-20.0, -1e-7, 0.0, 1e-7, 20.0]])
+    x = x.astype(np.float32)
+    got = np.asarray(jax.jit(softplus_poly)(jnp.asarray(x)), np.float64)
+    exact = np.logaddexp(0.0, x.astype(np.float64))
+    assert np.max(np.abs(got - exact) / exact) < 6e-7
+    big = x > 20.0
+    np.testing.assert_array_equal(got[big], x[big])
+    # the same function as the references' softplus, to their own rounding
+    ref = np.asarray(jax.jit(softplus)(jnp.asarray(x)), np.float64)
+    assert np.max(np.abs(got - ref) / exact) < 1e-6
