@@ -68,6 +68,8 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     "blocked_bf16": (None, None, None, dict(intra_form="blocked_bf16")),
     "split": (None, None, None, dict(intra_form="split")),  # two intra launches, Tm between
     "split_blocked": (None, None, None, dict(intra_form="split_blocked")),
+    # Aqk and the rows' scalings made in the Mosaic GPU serial launch (gdn_prefill(fold=True))
+    "fold": (None, None, None, dict(serial="mgpu", fold=True)),
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
     "bf16ops_three": (None, jnp.bfloat16, True, {}),
     "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True, {}),
@@ -687,6 +689,8 @@ def main() -> None:
     # default's bf16 products: their error ratios in one process
     guarded("check_prefill_whole", lambda: check_prefill(None, intra_form="whole"))
     guarded("check_prefill_mgpu_aligned", lambda: check_prefill_aligned(serial="mgpu"))
+    guarded("check_prefill_fold", lambda: check_prefill(None, serial="mgpu", fold=True))
+    guarded("check_prefill_fold_aligned", lambda: check_prefill_aligned(serial="mgpu", fold=True))
     # the baseline first: a section cut by its time limit still has it
     fla_rows = [] if args.no_fla_decode else decode_rows
     guarded("fla", lambda: time_fla(prefill_shapes, fla_rows))

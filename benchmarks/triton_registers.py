@@ -17,7 +17,8 @@ intra launch measured sits at the 255-register cap).
 Kernels: ``kda`` (diagonal form by ``kda.gpu.DIAG_FORM``), ``kda_launch``
 (the intra launch reading its diagonal blocks) and ``kda_diag`` (the launch making them;
 ``kda_diag_rows`` in the ``"launch_rows"`` form, its rows read from memory), and
-``gdn_<form>`` for each of ``gdn.gpu.INTRA_FORMS``. Each is taken at the 80B / 48B heads,
+``gdn_<form>`` for each of ``gdn.gpu.INTRA_FORMS`` (``gdn_fold``: ``blocked_bf16`` as
+``gdn_prefill(fold=True)`` runs it). Each is taken at the 80B / 48B heads,
 on the Mosaic GPU serial launch's scratch layout (the default path).
 """
 
@@ -115,7 +116,9 @@ def dump_intra_ttir(kernel: str, out_dir: str) -> list[str]:
         acts = [sd((n, hk, d), bf)] * 2 + [sd((n, h, d), bf)] + [sd((n, h), bf)] * 2
         gates = [sd((h,), f32)] * 2
         form = kernel.removeprefix("gdn_")
-        fn = functools.partial(gpu.gdn_prefill, precision=None, intra_form=form)
+        fold = form == "fold"  # the blocked bf16 launch of gdn_prefill(fold=True)
+        form = "blocked_bf16" if fold else form
+        fn = functools.partial(gpu.gdn_prefill, precision=None, intra_form=form, fold=fold)
         name = "gdn_prefill_intra"
     texts = []
     original = lowering.lower_jaxpr_to_triton_module

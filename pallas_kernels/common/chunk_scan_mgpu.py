@@ -59,6 +59,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -118,6 +119,19 @@ SERIAL_DEFAULT = os.environ.get("HYJAX_PREFILL_SERIAL", "mgpu")
 # ``prefetch``) when not told: 0 (none; 1 and 2 measured no gain on an H200, session 30, 168
 # against 173 / 182 us at 1x4096); HYJAX_PREFILL_PREFETCH=N for a process.
 PREFETCH = int(os.environ.get("HYJAX_PREFILL_PREFETCH", "0"))
+
+
+class FoldRefs(NamedTuple):
+    """GDN's ``fold`` scratch (``gdn.gpu.intra_launch(fold=True)``): W and U as
+    :class:`ChunkRefs`', q's and k's own rows, and per token the vectors that scale them
+    (``gdn.gpu.FOLD_VECTORS``) in place of ``q_dec``, ``k_dec`` and ``Aqk``."""
+
+    w: jax.Array  # [H, Tp, Dk]  W = Tm (beta k e^gam)
+    u: jax.Array  # [H, Dv, Tp]  U^T
+    q: jax.Array  # [Tp, Hk, Dk]  the prefill's q (padded), not normalised
+    k: jax.Array  # [Tp, Hk, Dk]
+    vec: jax.Array  # f32[H, 8, Tp]  gdn.gpu.FOLD_VECTORS, then padding rows
+    decay: jax.Array  # f32[NC, H]  e^gam_last
 
 
 @functools.cache
@@ -220,14 +234,15 @@ class GpuOps:
     def mma(*groups):
         """``acc + sum(a @ b)`` for each group ``(acc, terms)`` of ``(a, b_ref, transpose_b)``
         terms (``a`` in registers or shared memory, ``b`` in shared memory), every product
-        issued before one wait; the accumulators in order."""
+        issued before one wait; the accumulators in order. An ``a`` that is a function is
+        called when its product is issued: its work runs while the products before it do."""
         plgpu = _plgpu()
 
         def run(acc_refs):
             for acc_ref, (_, terms) in zip(acc_refs, groups, strict=True):
                 for a, b, transpose_b in terms:
                     b = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
-                    plgpu.wgmma(acc_ref, a, b)
+                    plgpu.wgmma(acc_ref, a() if callable(a) else a, b)
 
         return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _ in groups))
 
@@ -264,6 +279,7 @@ class InterpretOps:
         out = []
         for acc, terms in groups:
             for a, b, transpose_b in terms:
+                a = a() if callable(a) else a
                 a = a if isinstance(a, jax.Array) else a[...]
                 b = b[...].T if transpose_b else b[...]
                 acc = acc + jnp.dot(a, b, preferred_element_type=f32)
@@ -275,14 +291,25 @@ DIAGNOSTICS = (None, "chain", "loads")
 
 
 def _body(
-    refs, scratch, *, ops, num_ckpt: int, per_channel: bool, diagnostic=None, prefetch: int = 0
+    refs,
+    scratch,
+    *,
+    ops,
+    num_ckpt: int,
+    per_channel: bool,
+    diagnostic=None,
+    prefetch: int = 0,
+    fold_heads: int = 0,
 ):
     """One program (module docstring). ``prefetch``: at chunk ``i``, chunk ``i + 1 +
     prefetch``'s tiles are prefetched into L2 (0: none). ``diagnostic`` (benchmarks only,
     :func:`scan_mgpu`):
     ``"chain"`` copies a chunk's W, U^T, k_dec (and decays) only and runs the state's chain
     without ``o`` (nothing written to it); ``"loads"`` copies all five tiles and waits for
-    them, with no products (the state passes through unchanged)."""
+    them, with no products (the state passes through unchanged). ``fold_heads`` (GDN's
+    :class:`FoldRefs`, the key heads' count; 0: :class:`ChunkRefs`): the three refs after
+    ``U^T`` are q's rows, k's rows (``[Tp, Hk * Dk]``) and the scaling vectors, and ``Aqk``
+    and the rows' scalings are made here (:func:`_fold_step`)."""
     plgpu = _plgpu()
     ri_ref, meta_ref, dec_ref, w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, pool_in, pool_out, o_ref = (
         refs
@@ -314,6 +341,11 @@ def _body(
         tok = pl.ds(window(start), CHUNK)
         pairs = [(dec_ref.at[head, ci], dec_s)] if per_channel else []
         pairs += [(w_ref.at[head, tok], w_s), (ut_ref.at[head, vs, tok], ut_s)]
+        if fold_heads:  # (q_ref, k_ref, aqk_ref: q's rows, k's rows, the vectors)
+            dk = w_ref.shape[-1]
+            keys = pl.ds(head // (pool_in.shape[1] // fold_heads) * dk, dk)
+            return [*pairs, (qd_ref.at[tok, keys], qd_s), (aqk_ref.at[head, :, tok], aqk_s),
+                    (kd_ref.at[tok, keys], kd_s)]  # fmt: skip
         if diagnostic != "chain":  # (o's operands)
             pairs += [(qd_ref.at[head, tok], qd_s), (aqk_ref.at[head, tok], aqk_s)]
         return [*pairs, (kd_ref.at[head, tok], kd_s)]
@@ -347,6 +379,17 @@ def _body(
         plgpu.barrier_wait(bars.at[slot])
         if diagnostic == "loads":
             return s
+        if fold_heads:
+            s, o = _fold_step(
+                ops, s, slot, lead, length, dec_s[ci // META_COLS, ci % META_COLS],
+                w_s, ut_s, qd_s, kd_s, aqk_s, st_t, vt_t,
+            )  # fmt: skip
+        else:
+            s, o = chain_and_output(slot, ci, lead, length, s)
+        finish(s, o, start, length, lead, end)
+        return s
+
+    def chain_and_output(slot, ci, lead, length, s):
         sb = s.astype(op)
         if diagnostic is None:
             st_t[...] = sb
@@ -366,12 +409,14 @@ def _body(
         update = (s * decay, [(vt, kd_s.at[slot], False)])  # the state's (the serial chain)
         if diagnostic == "chain":
             (s,) = ops.mma(update)
-        else:  # and the chunk's output
-            s, o = ops.mma(
-                update,
-                (ops.zeros((CHUNK, BV)),
-                 [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)]),
-            )  # fmt: skip
+            return s, None
+        return ops.mma(  # and the chunk's output
+            update,
+            (ops.zeros((CHUNK, BV)),
+             [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)]),
+        )  # fmt: skip
+
+    def finish(s, o, start, length, lead, end):  # checkpoints, then the chunk's output rows
         for m in range(num_ckpt):
             ck_off, ck_slot = ri_s[4 + m], ri_s[4 + num_ckpt + m]
 
@@ -379,8 +424,8 @@ def _body(
             def _(ck_slot=ck_slot):
                 store_state(s, ck_slot)
 
-        if diagnostic == "chain":
-            return s
+        if o is None:
+            return
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's o has left
         o = o.astype(o_ref.dtype)
 
@@ -404,8 +449,6 @@ def _body(
                         o_ref.at[pl.ds(start + off, bit), head, vs],
                     )
 
-        return s
-
     @pl.when(n > 0)
     def _():
         @pl.when(src > 0)
@@ -423,6 +466,53 @@ def _body(
             store_state(s, dst)
 
         plgpu.wait_smem_to_gmem(0)
+
+
+def _fold_step(ops, s, slot, lead, length, decay, w_s, ut_s, q_s, k_s, vec_s, st_t, vt_t):
+    """A chunk of GDN's ``fold`` (:class:`FoldRefs`): ``(S^T, o)`` after it. The state's chain
+    as :func:`_body`'s, its update's operand ``k_dec`` as ``k``'s rows with ``V'^T``'s columns
+    scaled (``k_dec^T V' = k^T (c V')``, ``c`` the ``k_state`` vector), and ``o`` from q's rows::
+
+        QK  = q k^T                                  (issued with S^T W^T)
+        Aqk = QK * q_norm_i * k_norm_j * e^min(gam_i - gam_j, 0),  j <= i in the chunk, else 0
+        o   = q_out * (q S) + Aqk V'                 (Aqk made while the update runs)
+
+    Every exponent kept is <= 0 (``gam`` never increases inside a chunk); columns outside the
+    chunk are selected away, never multiplied (the block's other tokens' vectors are another
+    chunk's, or unwritten)."""
+    op = q_s.dtype
+    sb = s.astype(op)
+    st_t[...] = sb
+    sw, qk = ops.mma(
+        (ops.zeros((BV, CHUNK)), [(sb, w_s.at[slot], True)]),
+        (ops.zeros((CHUNK, CHUNK)), [(q_s.at[slot], k_s.at[slot], True)]),
+    )
+    col = ops.iota((BV, CHUNK), 1)
+    in_chunk = (col >= lead) & (col < lead + length)
+    vt_f = ops.load(ut_s.at[slot]).astype(f32) - sw
+    vt_t[...] = jnp.where(in_chunk, vt_f, 0.0).astype(op)  # V'^T, zero outside the chunk
+    _plgpu().commit_smem()
+
+    def over_tokens(i, shape, dim):  # vector i (FOLD_VECTORS) along dim ``dim`` of ``shape``
+        load = ops.load_row_vector if dim == 1 else ops.load_col_vector
+        return jax.lax.broadcast_in_dim(load(vec_s.at[slot, i]), shape, (dim,))
+
+    vt_c = jnp.where(in_chunk, vt_f * over_tokens(1, (BV, CHUNK), 1), 0.0).astype(op)
+
+    def a_qk():
+        sq = (CHUNK, CHUNK)
+        ri, cj = ops.iota(sq, 0), ops.iota(sq, 1)
+        keep = (ri >= cj) & (cj >= lead) & (cj < lead + length)
+        e = jnp.exp(jnp.minimum(over_tokens(4, sq, 0) - over_tokens(4, sq, 1), 0.0))
+        scores = qk * over_tokens(2, sq, 0) * over_tokens(3, sq, 1) * e
+        return jnp.where(keep, scores, 0.0).astype(op)
+
+    s, o_v, o_s = ops.mma(
+        (s * decay, [(vt_c, k_s.at[slot], False)]),  # the state's (the serial chain)
+        (ops.zeros((CHUNK, BV)), [(a_qk, vt_t, True)]),
+        (ops.zeros((CHUNK, BV)), [(q_s.at[slot], st_t, True)]),
+    )
+    return s, o_v + o_s * over_tokens(0, (CHUNK, BV), 0)
 
 
 def _plan_arrays(rp: RowPlan, decay: jax.Array):
@@ -460,7 +550,7 @@ def _written_slots(rp: RowPlan) -> tuple[jax.Array, jax.Array]:
 
 def scan_mgpu(
     rp: RowPlan,
-    x: ChunkRefs,  # the intra launch's scratch with ``u`` = U^T [H, Dv, Tp]
+    x: ChunkRefs | FoldRefs,  # the intra launch's scratch with ``u`` = U^T [H, Dv, Tp]
     state: jax.Array,  # f32[num_slots, H, Dv, Dk]  donated: updated in place
     *,
     out_dtype,
@@ -484,9 +574,15 @@ def scan_mgpu(
     ``prefetch`` (None: :data:`PREFETCH`): while chunk ``i + 1``'s tiles are copied into
     their stage, chunk ``i + 1 + prefetch``'s are prefetched into L2 (TMA prefetches; 0:
     none). Two stages put one chunk's copies in flight; a prefetch gives later ones a head
-    start without shared memory. No effect on the results (the interpreter skips it)."""
+    start without shared memory. No effect on the results (the interpreter skips it).
+
+    With GDN's :class:`FoldRefs` (``gdn.gpu.intra_launch(fold=True)``) ``Aqk`` and the rows'
+    scalings are made here from q's and k's rows (:func:`_fold_step`)."""
     if diagnostic not in DIAGNOSTICS:
         raise ValueError(f"diagnostic={diagnostic!r}: one of {DIAGNOSTICS}")
+    fold = isinstance(x, FoldRefs)
+    if fold and diagnostic is not None:
+        raise ValueError(f"diagnostic={diagnostic!r}: not with FoldRefs")
     prefetch = PREFETCH if prefetch is None else prefetch
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}: a chunk count >= 0")
@@ -500,7 +596,11 @@ def scan_mgpu(
         raise ValueError(f"the Mosaic GPU serial launch cannot take this prefill: {why}")
     op = x.w.dtype
     ri, meta, dec = _plan_arrays(rp, x.decay)
-    tiles = (x.w, x.u, x.q_dec, x.k_dec, x.a_qk)
+    if fold:
+        tp, hk, _ = x.q.shape
+        tiles = (x.w, x.u, x.q.reshape(tp, hk * dk), x.k.reshape(tp, hk * dk), x.vec)
+    else:
+        tiles = (x.w, x.u, x.q_dec, x.k_dec, x.a_qk)
     swizzle = 128  # bytes: 64 16-bit values a row of a tile
     transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
@@ -510,9 +610,10 @@ def scan_mgpu(
     scratch = (
         tile((CHUNK, dk)),  # w
         tile((BV, CHUNK)),  # U^T
-        tile((CHUNK, dk)),  # q_dec
-        tile((CHUNK, dk)),  # k_dec
-        tile((CHUNK, CHUNK)),  # Aqk
+        tile((CHUNK, dk)),  # q_dec (fold: q's rows)
+        tile((CHUNK, dk)),  # k_dec (fold: k's rows)
+        # Aqk (fold: the vectors, f32 rows)
+        plgpu.SMEM((STAGES, *x.vec.shape[1:2], CHUNK), f32) if fold else tile((CHUNK, CHUNK)),
         tile((BV, dk), 0),  # the chunk's bf16 S^T (o's B)
         tile((BV, CHUNK), 0),  # the chunk's bf16 V'^T (o's B)
         plgpu.SMEM((CHUNK, BV), out_dtype, transforms=transforms),  # o of a 64-token chunk
@@ -532,6 +633,7 @@ def scan_mgpu(
     body = functools.partial(
         _body, ops=InterpretOps if interpret else GpuOps, num_ckpt=num_ckpt,
         per_channel=per_channel, diagnostic=diagnostic, prefetch=prefetch,
+        fold_heads=x.q.shape[1] if fold else 0,
     )  # fmt: skip
     mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)

@@ -126,6 +126,9 @@ INTRA_FORMS = (
 # The form a prefill runs when not told (``intra_form=None``; HYJAX_GDN_INTRA=<form> for a
 # process): :func:`default_intra_form`.
 INTRA_FORM = os.environ.get("HYJAX_GDN_INTRA") or None
+# gdn_prefill's fold when not told (fold=None; HYJAX_GDN_FOLD=1 for a process): off until it is
+# timed on a GPU (built in session 33: the serial launch makes Aqk and the rows' scalings).
+FOLD = os.environ.get("HYJAX_GDN_FOLD", "0") == "1"
 # Each form's (warps, stages) when not told: the fastest of the intra launch alone at 8x4096
 # on an H200 (gdn_kernels --intra-sweep, BENCHMARKS.md: blocked_bf16 1.79 ms at 4 warps, 3.03
 # at 8; the whole chunk's 3.81 at 8, 5.29 at 4; whole_bf16 2.04 at 4, 2.93 at 8;
@@ -398,7 +401,7 @@ def _intra_kernel_wu(
 
 def _intra_kernel_blocked(
     c_start_ref, c_len_ref, live_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
-    w_ref, u_ref, qd_ref, kd_ref, aqk_ref, dl_ref, tm_ref=None,
+    w_ref, u_ref, qd_ref, kd_ref, aqk_ref, dl_ref, tm_ref=None, vec_ref=None,
     *, ratio: int, scale: float, precision, tma_layout: bool = False, bf16_products: bool = False,
 ):  # fmt: skip
     """:func:`_intra_kernel`'s outputs by ``[16, 16]`` blocks of the chunk (``blocked=True``),
@@ -412,7 +415,10 @@ def _intra_kernel_blocked(
     score and W / U products rounded to bf16 (f32 accumulation; the inverse stays f32), as
     FLA's chunk kernels: bf16 MMAs run at twice TF32's rate on Hopper. With ``tm_ref`` (the
     ``"split_blocked"`` form's first launch: no ``v``, ``W``, ``U``) ``Tm``'s blocks are stored
-    there instead of W and U (:func:`_intra_kernel_wu` makes them)."""
+    there instead of W and U (:func:`_intra_kernel_wu` makes them). With ``vec_ref`` (the
+    ``fold`` scratch, :func:`_intra_kernel_fold`) no ``q_dec``, ``k_dec`` or ``Aqk``: the
+    rows' scalings are stored as vectors instead (:data:`FOLD_VECTORS`)."""
+    fold = vec_ref is not None
     ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     jj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
 
@@ -420,7 +426,7 @@ def _intra_kernel_blocked(
 
     def body(ci, h, win):
         hk, w0 = h // ratio, win.rows.start
-        rows, valid, q, k, beta, gam = [], [], [], [], [], []
+        rows, valid, q, k, beta, gam, inv_q, inv_k = [], [], [], [], [], [], [], []
         carry = jnp.zeros((), jnp.float32)
         for blk in range(NSUB):  # rows outside the chunk load zeros and get g = beta = 0
             r, ok = sub_rows(w0, blk, SUB, win.start, win.length)
@@ -434,8 +440,14 @@ def _intra_kernel_blocked(
             carry = carry + jnp.sum(g)
             rows.append(r)
             valid.append(ok)
-            k.append(l2norm(kb.astype(jnp.float32)))
-            q.append(l2norm(qb.astype(jnp.float32)) * scale)
+            if fold:  # l2norm's factors, kept for the serial launch's row scalings
+                kf, qf = kb.astype(jnp.float32), qb.astype(jnp.float32)
+                inv_k.append(jax.lax.rsqrt(jnp.sum(kf * kf, axis=1) + 1e-6))
+                inv_q.append(jax.lax.rsqrt(jnp.sum(qf * qf, axis=1) + 1e-6))
+                k.append(kf * inv_k[-1][:, None])
+            else:
+                k.append(l2norm(kb.astype(jnp.float32)))
+                q.append(l2norm(qb.astype(jnp.float32)) * scale)
             beta.append(jnp.where(ok, be, 0.0))
         gam_last = carry
         # v read before any store: a load after a store waits for it (the compiler cannot
@@ -444,7 +456,12 @@ def _intra_kernel_blocked(
         # In the order that ends each tile's life soonest (registers: the whole chunk's launch
         # sits at the cap): the scores, q's products and rows stored (q dead after them)
         a_kk = {}
-        for bi in range(NSUB):
+        for bi in range(NSUB if fold else 0):  # the fold: k's scores only
+            for bj in range(bi + 1):
+                diff = gam[bi][:, None] - gam[bj][None, :]  # <= 0 where i >= j
+                e_kk = jnp.exp(jnp.where(ii > jj, diff, -1e30) if bi == bj else diff)
+                a_kk[bi, bj] = beta[bi][:, None] * pmm(k[bi], k[bj], NT) * e_kk
+        for bi in range(0 if fold else NSUB):
             r, ok = rows[bi], valid[bi][:, None]
             for bj in range(NSUB):  # Aqk is inclusive lower: the blocks above it are zeros
                 a_qk = jnp.zeros((SUB, SUB), jnp.float32)
@@ -467,12 +484,20 @@ def _intra_kernel_blocked(
         kb_dec = []
         for bi in range(NSUB):
             r, ok = rows[bi], valid[bi][:, None]
-            k_dec = k[bi] * jnp.exp(gam_last - gam[bi])[:, None]  # zero outside the chunk
             kd_ok = ok
             if tma_layout:  # k_dec zero on the block's rows after the batch's last token
                 tok = w0 + bi * SUB + jnp.arange(SUB, dtype=jnp.int32)
                 kd_ok = ok | (tok >= live_ref[0])[:, None]
-            pltr.store(kd_ref.at[h, r, :], k_dec.astype(kd_ref.dtype), mask=kd_ok)
+            if fold:  # the rows' scalings (FOLD_VECTORS), zeros after the batch's last token
+                a_q = inv_q[bi] * scale
+                vecs = (a_q * jnp.exp(gam[bi]), inv_k[bi] * jnp.exp(gam_last - gam[bi]), a_q,
+                        inv_k[bi], gam[bi])  # fmt: skip
+                for i, x in enumerate(vecs):
+                    row = vec_ref.at[h, jnp.int32(i), r]
+                    pltr.store(row, jnp.where(ok[:, 0], x, 0.0), mask=kd_ok[:, 0])
+            else:
+                k_dec = k[bi] * jnp.exp(gam_last - gam[bi])[:, None]  # zero outside the chunk
+                pltr.store(kd_ref.at[h, r, :], k_dec.astype(kd_ref.dtype), mask=kd_ok)
             if tm_ref is None:
                 kb_dec.append(k[bi] * (beta[bi] * jnp.exp(gam[bi]))[:, None])
         dl_ref[ci, h] = jnp.exp(gam_last)
@@ -490,6 +515,28 @@ def _intra_kernel_blocked(
     _chunk_program(c_start_ref, c_len_ref, k_ref.shape[0], tma_layout, body)
 
 
+# The fold scratch's per-token vectors (``[Hv, 8, Tp]`` f32, rows in this order; the serial
+# launch's row scalings, chunk_scan_mgpu): q's output scale (l2norm's factor times
+# ``Dk^-1/2 e^gam``), k_dec's (l2norm's factor times ``e^(gam_last - gam)``), q's and k's
+# l2norm factors (q's times ``Dk^-1/2``) and ``gam``, from the chunk's window start.
+FOLD_VECTORS = ("q_out", "k_state", "q_norm", "k_norm", "gam")
+FOLD_ROWS = 8  # FOLD_VECTORS padded (a TMA box's rows)
+
+
+def _intra_kernel_fold(
+    c_start_ref, c_len_ref, live_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
+    w_ref, u_ref, vec_ref, dl_ref, **params,
+):  # fmt: skip
+    """The ``fold`` scratch (:class:`~pallas_kernels.common.chunk_scan_mgpu.FoldRefs`): W, U
+    and the decay as :func:`_intra_kernel_blocked` makes them, and instead of ``q_dec``,
+    ``k_dec`` and ``Aqk`` the vectors of :data:`FOLD_VECTORS`: the Mosaic GPU serial launch
+    makes ``Aqk`` and the rows' scalings from q's and k's own rows."""
+    _intra_kernel_blocked(
+        c_start_ref, c_len_ref, live_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
+        w_ref, u_ref, None, None, None, dl_ref, vec_ref=vec_ref, **params,
+    )  # fmt: skip
+
+
 def _intra_kernel_blocked_scores(
     c_start_ref, c_len_ref, live_ref, alog_ref, dtb_ref, q_ref, k_ref, a_ref, b_ref,
     qd_ref, kd_ref, aqk_ref, dl_ref, tm_ref, **params,
@@ -505,13 +552,17 @@ def _intra_kernel_blocked_scores(
 def intra_launch(
     q, k, v, a, b, A_log, dt_bias, plan, *, num_chunks: int, operand_dtype, precision,
     num_warps: int = 8, num_stages: int = 2, tma_layout: bool = False, form: str = "whole",
-    interpret: bool = False,
-) -> ChunkRefs:  # fmt: skip
+    fold: bool = False, interpret: bool = False,
+) -> ChunkRefs | chunk_scan_mgpu.FoldRefs:  # fmt: skip
     """Launch 1 (:func:`_intra_kernel`, or by 16-row blocks :func:`_intra_kernel_blocked`:
     ``form``, one of :data:`INTRA_FORMS`) over grid ``(NC, Hv)`` on inputs padded to at least
     one chunk (:func:`~pallas_kernels.common.delta_rule_gpu.pad_tokens`). ``tma_layout``: the
     Mosaic GPU serial launch's scratch, on a token-aligned plan; ``u`` is then
-    ``U^T [Hv, Dv, Tp]`` (``Tp`` a multiple of 64: TMA's tiles)."""
+    ``U^T [Hv, Dv, Tp]`` (``Tp`` a multiple of 64: TMA's tiles). ``fold`` (with
+    ``tma_layout``, a ``"blocked"`` form): :func:`_intra_kernel_fold`'s scratch,
+    :class:`~pallas_kernels.common.chunk_scan_mgpu.FoldRefs`."""
+    if fold and not (tma_layout and form.startswith("blocked")):
+        raise ValueError(f"fold: the Mosaic GPU launch's scratch, a blocked form; not {form!r}")
     tp, hk, dk = q.shape
     _, hv, dv = v.shape
     op = operand_dtype
@@ -526,6 +577,20 @@ def intra_launch(
             q, k, v, a, b, A_log, dt_bias, plan, live, shapes, common, num_chunks, num_warps,
             num_stages, interpret, blocked=form != "split", bf16=form.endswith("bf16"),
         )  # fmt: skip
+    if fold:
+        vec = jax.ShapeDtypeStruct((hv, FOLD_ROWS, tp), jnp.float32)
+        kernel = functools.partial(
+            _intra_kernel_fold, bf16_products=form == "blocked_bf16", **common
+        )
+        w, u, vec, decay = pl.pallas_call(
+            kernel,
+            grid=(num_chunks, hv),
+            out_shape=[shapes.w, shapes.u, vec, shapes.decay],
+            compiler_params=compiler_params(num_warps, num_stages),
+            interpret=interpret,
+            name="gdn_prefill_intra_gpu",
+        )(plan.start, plan.length, live, A_log, dt_bias, q, k, v, a, b)
+        return chunk_scan_mgpu.FoldRefs(w, u, q, k, vec, decay)
     if form in ("whole", "whole_bf16"):
         kernel = functools.partial(_intra_kernel, bf16_products=form == "whole_bf16", **common)
     else:
@@ -572,7 +637,8 @@ def _split_intra(q, k, v, a, b, A_log, dt_bias, plan, live, shapes: ChunkRefs, c
 def prefill_scratch(
     q, k, v, a, b, A_log, dt_bias, query_start_loc, slots: StateSlots, *, operand_dtype,
     precision, num_warps: int | None = None, num_stages: int | None = None,
-    tma_layout: bool = False, form: str | None = None, interpret: bool = False,
+    tma_layout: bool = False, form: str | None = None, fold: bool = False,
+    interpret: bool = False,
 ):  # fmt: skip
     """The prefill up to its serial launch: the chunk plan, the plan by row and the intra
     launch's scratch (:func:`intra_launch`, on inputs padded to a 64-row window; in the Mosaic
@@ -593,7 +659,7 @@ def prefill_scratch(
     x = intra_launch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=operand_dtype,
         precision=precision, num_warps=num_warps, num_stages=num_stages,
-        tma_layout=tma_layout, form=form, interpret=interpret,
+        tma_layout=tma_layout, form=form, fold=fold, interpret=interpret,
     )  # fmt: skip
     return plan, row_plan(plan, slots, nc), x
 
@@ -622,6 +688,7 @@ def gdn_prefill(
     intra_form: str | None = None,
     block_v_out: int | None = None,
     serial: str | None = None,
+    fold: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, Hv, Dv], state)``.
@@ -645,7 +712,10 @@ def gdn_prefill(
     ``intra_num_warps`` / ``intra_num_stages`` the intra launch (None: its form's
     :data:`INTRA_TUNING`), ``vb_first`` the serial grid's order
     (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`), ``intra_form`` the intra
-    launch's form (:data:`INTRA_FORMS`; None: :func:`default_intra_form`).
+    launch's form (:data:`INTRA_FORMS`; None: :func:`default_intra_form`). ``fold`` (None:
+    :data:`FOLD`; only where the serial launch is Mosaic GPU's and the intra form a blocked
+    one): the rows' scalings and ``Aqk`` made in the serial launch from q's and k's rows
+    (:func:`_intra_kernel_fold`, ``chunk_scan_mgpu.FoldRefs``).
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, _, dk = q.shape
@@ -657,10 +727,12 @@ def gdn_prefill(
     mgpu = chunk_scan_mgpu.serial_is_mgpu(
         serial, dk, dv, nc, op, state.dtype, three_launches, interpret, False
     )
+    form = default_intra_form(op) if intra_form is None else intra_form
+    fold = mgpu and form.startswith("blocked") and (FOLD if fold is None else fold)
     plan, rp, x = prefill_scratch(
         q, k, v, a, b, A_log, dt_bias, query_start_loc, slots, operand_dtype=op,
         precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
-        tma_layout=mgpu, form=intra_form, interpret=interpret,
+        tma_layout=mgpu, form=form, fold=fold, interpret=interpret,
     )  # fmt: skip
     if mgpu:
         return chunk_scan_mgpu.scan_mgpu(

@@ -117,13 +117,17 @@ def test_diagnostic_modes_keep_the_chain_and_the_loads():
         run(None, pool, prefetch=-1)
 
 
-def _check_against_reference(args, pool, qsl, slots):
-    """``gdn_prefill(serial="mgpu")`` against the reference (bf16 operands: 2e-2)."""
+def _check_against_reference(args, pool, qsl, slots, **kwargs):
+    """``gdn_prefill(serial="mgpu")`` against the reference (bf16 operands: 2e-2); returns the
+    kernel's ``(o, state)``."""
     want_o, want_s = jax.jit(gdn_prefill_reference)(*args, pool, qsl, slots)
-    kernel = functools.partial(gpu.gdn_prefill, precision=None, serial="mgpu", interpret=True)
+    kernel = functools.partial(
+        gpu.gdn_prefill, precision=None, serial="mgpu", interpret=True, **kwargs
+    )
     got_o, got_s = jax.jit(kernel)(*args, jnp.copy(pool), qsl, slots)
     assert_rel_close(got_o, want_o, tol=2e-2, what="outputs")
     assert_rel_close(got_s, want_s, tol=2e-2, what="state pool")
+    return got_o, got_s
 
 
 def _aligned_case():
@@ -154,6 +158,36 @@ def test_ragged_rows_through_gdn_prefill_match_the_reference():
     pool = jnp.asarray(case.pool(rng, (HV, D, D), np.float32))
     qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
     _check_against_reference(args, pool, qsl, slots)
+
+
+@pytest.mark.parametrize("gates", ["slow", "strong"])
+def test_fold_matches_the_reference_and_the_launch_it_replaces(gates):
+    """``gdn_prefill(fold=True)``: the serial launch makes ``Aqk`` and the rows' scalings from
+    q's and k's own rows (``chunk_scan_mgpu._fold_step``, the intra launch's vectors) on the
+    ragged rows above (chunks inside blocks, checkpoints, a padding row, poisoned slots): the
+    reference's outputs and slots, the unfolded launch's to bf16 roundings, untouched slots
+    bit for bit. ``strong`` gates (decays ~e^-5 a token): every exponent kept finite."""
+    rng = np.random.default_rng(4)
+    case = ragged_case([70, 3, 130])
+    args = _inputs(rng, case.num_tokens)
+    if gates == "strong":
+        args = (*args[:5], jnp.full(HV, np.log(4.0)), jnp.full(HV, 1.0))
+    pool = jnp.asarray(case.pool(rng, (HV, D, D), np.float32))
+    qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
+    n = int(case.query_start_loc[-1])
+    fold_o, fold_s = _check_against_reference(args, pool, qsl, slots, fold=True)
+    kernel = functools.partial(gpu.gdn_prefill, precision=None, serial="mgpu", interpret=True)
+    plain_o, plain_s = jax.jit(kernel)(*args, jnp.copy(pool), qsl, slots)
+    assert_rel_close(fold_o[:n], plain_o[:n], tol=1e-2, what="outputs (the unfolded launch's)")
+    assert_rel_close(fold_s, plain_s, tol=1e-2, what="state pool (the unfolded launch's)")
+    np.testing.assert_array_equal(np.asarray(fold_s)[0], np.asarray(pool)[0])  # NaN, unread
+    assert np.isfinite(np.asarray(fold_o[:n], np.float32)).all()
+
+
+def test_fold_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="fold: the Mosaic GPU launch's scratch"):
+        gpu.intra_launch(*([None] * 8), num_chunks=1, operand_dtype=jnp.bfloat16,
+                         precision=None, form="whole", tma_layout=True, fold=True)  # fmt: skip
 
 
 def test_token_aligned_plan_keeps_each_chunk_inside_a_block():
