@@ -48,6 +48,13 @@ shorter batches).
    the four products (``W S``, then the state update) are the serial chain; the other two hang
    off it.
 
+``fold`` (opt-in until timed on a GPU: ``gdn_prefill(fold=True)``, ``HYJAX_GDN_FOLD=1``; the
+Mosaic GPU serial launch and a blocked intra form only): the intra launch stores neither
+``q_dec``, ``k_dec`` nor ``Aqk`` (0.67 GB of its 1.2 GB of writes at 8x4096, and its q.k
+products) but five per-token vectors (:data:`FOLD_VECTORS`); the serial launch reads q's and k's
+own rows and makes ``Aqk`` (one more ``wgmma`` a chunk) and the rows' scalings itself
+(``chunk_scan_mgpu._fold_step``).
+
 ``three_launches`` moves the output out of the serial launch into a parallel one (each chunk's
 starting state stored, ``[NC, Hv, Dk, Dv]`` in the operand dtype): a shorter serial chain, for
 a scratch that grows with the chunks; not the default (slower at every measured shape).
@@ -705,7 +712,14 @@ def gdn_prefill(
     for tensor-core speed). ``operand_dtype`` is the dtype of the products' operands after the
     UT transform and of the scratch between launches (:func:`operand_dtype_for`: bf16 for bf16
     activations, float32 for float32 ones); accumulation and the running state stay float32.
-    ``three_launches`` moves the output out of the serial launch into a parallel one, at the
+    ``fold`` (opt-in until timed on a GPU: ``gdn_prefill(fold=True)``, ``HYJAX_GDN_FOLD=1``; the
+Mosaic GPU serial launch and a blocked intra form only): the intra launch stores neither
+``q_dec``, ``k_dec`` nor ``Aqk`` (0.67 GB of its 1.2 GB of writes at 8x4096, and its q.k
+products) but five per-token vectors (:data:`FOLD_VECTORS`); the serial launch reads q's and k's
+own rows and makes ``Aqk`` (one more ``wgmma`` a chunk) and the rows' scalings itself
+(``chunk_scan_mgpu._fold_step``).
+
+``three_launches`` moves the output out of the serial launch into a parallel one, at the
     cost of a scratch of every chunk's starting state (``[NC, Hv, Dk, Dv]`` in the operand
     dtype). ``block_v`` (default: :func:`~pallas_kernels.common.delta_rule_gpu.serial_block_v`
     by the launch's size), ``num_warps`` and ``num_stages`` tune the serial launch,
