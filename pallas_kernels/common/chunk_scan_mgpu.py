@@ -91,15 +91,23 @@ def _round_up(n: int, m: int) -> int:
 
 
 def smem_bytes(
-    dk: int, num_chunks: int, pool_dtype, op_dtype=jnp.bfloat16, per_channel_decay=False
+    dk: int,
+    num_chunks: int,
+    pool_dtype,
+    op_dtype=jnp.bfloat16,
+    per_channel_decay=False,
+    fold=False,
 ) -> int:
     """The launch's shared memory: two stages of a chunk's five tiles (and its ``[Dk]`` decay,
-    per channel), the chunk's S^T and V'^T, two output tiles, the state in and out, the chunk
-    plan and (one per head) the decays."""
+    per channel; :class:`FoldRefs`' six, one of them the f32 vectors), the chunk's S^T and
+    V'^T, two output tiles, the state in and out, the chunk plan and (one per head) the
+    decays."""
     op = jnp.dtype(op_dtype).itemsize
     stage = (3 * CHUNK * dk + BV * CHUNK + CHUNK * CHUNK) * op + (
         4 * dk if per_channel_decay else 0
     )
+    if fold:  # Tm diag(beta) and v's rows for U^T; the vectors for Aqk
+        stage += CHUNK * BV * op + 8 * CHUNK * 4 - CHUNK * CHUNK * op
     ncp = _round_up(max(num_chunks, 1), META_COLS)
     return (
         STAGES * stage
@@ -122,12 +130,14 @@ PREFETCH = int(os.environ.get("HYJAX_PREFILL_PREFETCH", "0"))
 
 
 class FoldRefs(NamedTuple):
-    """GDN's ``fold`` scratch (``gdn.gpu.intra_launch(fold=True)``): W and U as
-    :class:`ChunkRefs`', q's and k's own rows, and per token the vectors that scale them
-    (``gdn.gpu.FOLD_VECTORS``) in place of ``q_dec``, ``k_dec`` and ``Aqk``."""
+    """GDN's ``fold`` scratch (``gdn.gpu.intra_launch(fold=True)``): W as :class:`ChunkRefs`',
+    U's factor ``Tm diag(beta)`` with v's own rows (``U = Tm diag(beta) v``, made here), q's
+    and k's own rows, and per token the vectors that scale them (``gdn.gpu.FOLD_VECTORS``) in
+    place of ``q_dec``, ``k_dec`` and ``Aqk``."""
 
     w: jax.Array  # [H, Tp, Dk]  W = Tm (beta k e^gam)
-    u: jax.Array  # [H, Dv, Tp]  U^T
+    tm: jax.Array  # [H, Tp, C]  Tm diag(beta): a token's row, its 64-token block's columns
+    v: jax.Array  # [Tp, H, Dv]  the prefill's v (padded)
     q: jax.Array  # [Tp, Hk, Dk]  the prefill's q (padded), not normalised
     k: jax.Array  # [Tp, Hk, Dk]
     vec: jax.Array  # f32[H, 8, Tp]  gdn.gpu.FOLD_VECTORS, then padding rows
@@ -198,6 +208,12 @@ def unsupported_reason(
     return None
 
 
+class Transposed(NamedTuple):
+    """A product's ``a`` operand: the transpose of a 16-bit shared-memory tile."""
+
+    ref: object
+
+
 class GpuOps:
     """The products, loads and index arrays of the kernel on a GPU (WGMMA layouts)."""
 
@@ -242,6 +258,8 @@ class GpuOps:
             for acc_ref, (_, terms) in zip(acc_refs, groups, strict=True):
                 for a, b, transpose_b in terms:
                     b = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+                    if isinstance(a, Transposed):
+                        a = plgpu.transpose_ref(a.ref, (1, 0))
                     plgpu.wgmma(acc_ref, a() if callable(a) else a, b)
 
         return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _ in groups))
@@ -279,7 +297,7 @@ class InterpretOps:
         out = []
         for acc, terms in groups:
             for a, b, transpose_b in terms:
-                a = a() if callable(a) else a
+                a = a.ref[...].T if isinstance(a, Transposed) else a() if callable(a) else a
                 a = a if isinstance(a, jax.Array) else a[...]
                 b = b[...].T if transpose_b else b[...]
                 acc = acc + jnp.dot(a, b, preferred_element_type=f32)
@@ -311,11 +329,15 @@ def _body(
     ``U^T`` are q's rows, k's rows (``[Tp, Hk * Dk]``) and the scaling vectors, and ``Aqk``
     and the rows' scalings are made here (:func:`_fold_step`)."""
     plgpu = _plgpu()
-    ri_ref, meta_ref, dec_ref, w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, pool_in, pool_out, o_ref = (
-        refs
-    )
-    (w_s, ut_s, qd_s, kd_s, aqk_s, st_t, vt_t, o_t, o_s, st_s, ri_s, meta_s, dec_s,
-     bars, plan_bar, state_bar) = scratch  # fmt: skip
+    if fold_heads:  # (the tiles FoldRefs' order, then the same refs)
+        ri_ref, meta_ref, dec_ref, w_ref, tm_ref, v_ref, qd_ref, kd_ref, aqk_ref, *rest = refs
+        w_s, tm_s, v_s, qd_s, kd_s, aqk_s, *more = scratch
+        ut_ref = ut_s = None
+    else:
+        ri_ref, meta_ref, dec_ref, w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, *rest = refs
+        w_s, ut_s, qd_s, kd_s, aqk_s, *more = scratch
+    pool_in, pool_out, o_ref = rest
+    st_t, vt_t, o_t, o_s, st_s, ri_s, meta_s, dec_s, bars, plan_bar, state_bar = more
     vb, head, r = jax.lax.axis_index("v"), jax.lax.axis_index("h"), jax.lax.axis_index("r")
     vs = pl.ds(vb * BV, BV)
     op = w_ref.dtype
@@ -340,12 +362,14 @@ def _body(
         ci, start, _, _ = chunk(i)
         tok = pl.ds(window(start), CHUNK)
         pairs = [(dec_ref.at[head, ci], dec_s)] if per_channel else []
-        pairs += [(w_ref.at[head, tok], w_s), (ut_ref.at[head, vs, tok], ut_s)]
-        if fold_heads:  # (q_ref, k_ref, aqk_ref: q's rows, k's rows, the vectors)
-            dk = w_ref.shape[-1]
+        if fold_heads:  # (qd_ref, kd_ref, aqk_ref: q's rows, k's rows, the vectors)
+            dk, dv = w_ref.shape[-1], pool_in.shape[2]
             keys = pl.ds(head // (pool_in.shape[1] // fold_heads) * dk, dk)
-            return [*pairs, (qd_ref.at[tok, keys], qd_s), (aqk_ref.at[head, :, tok], aqk_s),
+            return [*pairs, (w_ref.at[head, tok], w_s), (tm_ref.at[head, tok], tm_s),
+                    (v_ref.at[tok, pl.ds(head * dv + vb * BV, BV)], v_s),
+                    (qd_ref.at[tok, keys], qd_s), (aqk_ref.at[head, :, tok], aqk_s),
                     (kd_ref.at[tok, keys], kd_s)]  # fmt: skip
+        pairs += [(w_ref.at[head, tok], w_s), (ut_ref.at[head, vs, tok], ut_s)]
         if diagnostic != "chain":  # (o's operands)
             pairs += [(qd_ref.at[head, tok], qd_s), (aqk_ref.at[head, tok], aqk_s)]
         return [*pairs, (kd_ref.at[head, tok], kd_s)]
@@ -382,7 +406,7 @@ def _body(
         if fold_heads:
             s, o = _fold_step(
                 ops, s, slot, lead, length, dec_s[ci // META_COLS, ci % META_COLS],
-                w_s, ut_s, qd_s, kd_s, aqk_s, st_t, vt_t,
+                w_s, tm_s, v_s, qd_s, kd_s, aqk_s, st_t, vt_t,
             )  # fmt: skip
         else:
             s, o = chain_and_output(slot, ci, lead, length, s)
@@ -468,12 +492,16 @@ def _body(
         plgpu.wait_smem_to_gmem(0)
 
 
-def _fold_step(ops, s, slot, lead, length, decay, w_s, ut_s, q_s, k_s, vec_s, st_t, vt_t):
+def _fold_step(
+    ops, s, slot, lead, length, decay, w_s, tm_s, v_s, q_s, k_s, vec_s, st_t, vt_t
+):  # fmt: skip
     """A chunk of GDN's ``fold`` (:class:`FoldRefs`): ``(S^T, o)`` after it. The state's chain
-    as :func:`_body`'s, its update's operand ``k_dec`` as ``k``'s rows with ``V'^T``'s columns
+    as :func:`_body`'s with ``U^T = v^T (Tm diag(beta))^T`` issued in the same accumulator as
+    ``-S^T W^T``, its update's operand ``k_dec`` as ``k``'s rows with ``V'^T``'s columns
     scaled (``k_dec^T V' = k^T (c V')``, ``c`` the ``k_state`` vector), and ``o`` from q's rows::
 
-        QK  = q k^T                                  (issued with S^T W^T)
+        V'^T = v^T Tm_b^T - S^T W^T                  (one accumulator)
+        QK   = q k^T                                 (issued with them)
         Aqk = QK * q_norm_i * k_norm_j * e^min(gam_i - gam_j, 0),  j <= i in the chunk, else 0
         o   = q_out * (q S) + Aqk V'                 (Aqk made while the update runs)
 
@@ -481,15 +509,14 @@ def _fold_step(ops, s, slot, lead, length, decay, w_s, ut_s, q_s, k_s, vec_s, st
     chunk are selected away, never multiplied (the block's other tokens' vectors are another
     chunk's, or unwritten)."""
     op = q_s.dtype
-    sb = s.astype(op)
-    st_t[...] = sb
-    sw, qk = ops.mma(
-        (ops.zeros((BV, CHUNK)), [(sb, w_s.at[slot], True)]),
+    st_t[...] = s.astype(op)
+    vt_f, qk = ops.mma(
+        (ops.zeros((BV, CHUNK)),
+         [(Transposed(v_s.at[slot]), tm_s.at[slot], True), ((-s).astype(op), w_s.at[slot], True)]),
         (ops.zeros((CHUNK, CHUNK)), [(q_s.at[slot], k_s.at[slot], True)]),
-    )
+    )  # fmt: skip
     col = ops.iota((BV, CHUNK), 1)
     in_chunk = (col >= lead) & (col < lead + length)
-    vt_f = ops.load(ut_s.at[slot]).astype(f32) - sw
     vt_t[...] = jnp.where(in_chunk, vt_f, 0.0).astype(op)  # V'^T, zero outside the chunk
     _plgpu().commit_smem()
 
@@ -588,7 +615,7 @@ def scan_mgpu(
         raise ValueError(f"prefetch={prefetch!r}: a chunk count >= 0")
     plgpu = _plgpu()
     h, num_tokens, dk = x.w.shape
-    dv = x.u.shape[1]
+    dv = x.v.shape[2] if fold else x.u.shape[1]
     nc = x.decay.shape[0]
     rows, num_ckpt = rp.ck_off.shape
     per_channel = x.decay.ndim == 3
@@ -598,7 +625,8 @@ def scan_mgpu(
     ri, meta, dec = _plan_arrays(rp, x.decay)
     if fold:
         tp, hk, _ = x.q.shape
-        tiles = (x.w, x.u, x.q.reshape(tp, hk * dk), x.k.reshape(tp, hk * dk), x.vec)
+        flat = [a.reshape(tp, -1) for a in (x.v, x.q, x.k)]  # a token's heads in one row
+        tiles = (x.w, x.tm, *flat, x.vec)
     else:
         tiles = (x.w, x.u, x.q_dec, x.k_dec, x.a_qk)
     swizzle = 128  # bytes: 64 16-bit values a row of a tile
@@ -609,7 +637,8 @@ def scan_mgpu(
 
     scratch = (
         tile((CHUNK, dk)),  # w
-        tile((BV, CHUNK)),  # U^T
+        *((tile((CHUNK, CHUNK)), tile((CHUNK, BV))) if fold else (tile((BV, CHUNK)),)),  # (fold:
+        # Tm diag(beta) and v's rows) U^T
         tile((CHUNK, dk)),  # q_dec (fold: q's rows)
         tile((CHUNK, dk)),  # k_dec (fold: k's rows)
         # Aqk (fold: the vectors, f32 rows)
@@ -625,7 +654,8 @@ def scan_mgpu(
         plgpu.SMEM((STAGES, dk) if per_channel else dec.shape[1:], f32),
         # a stage's copies: five tiles (three without o's), and per channel its decays
         plgpu.Barrier(
-            num_arrivals=(3 if diagnostic == "chain" else 5) + per_channel, num_barriers=STAGES
+            num_arrivals=(3 if diagnostic == "chain" else 5) + per_channel + fold,
+            num_barriers=STAGES,
         ),
         plgpu.Barrier(num_arrivals=2 if per_channel else 3, num_barriers=1),
         plgpu.Barrier(num_arrivals=1, num_barriers=1),

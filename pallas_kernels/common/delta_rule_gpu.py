@@ -282,11 +282,13 @@ def store_blocked_w_u(
     W's operand, ``rows`` / ``valid`` / ``beta`` each block's; ``pmm`` the products. v's rows
     are read for each product (from L2 after the first: no v tile kept live), or taken from
     ``v_blocks`` (each block's ``[16, Dv]`` rows, read by the caller: :func:`load_v_blocks`);
-    ``U^T`` with ``tma_layout``."""
+    ``U^T`` with ``tma_layout``; ``u_ref`` None: W only."""
     nsub = len(rows)
     for bi in range(nsub):
         w = sum(pmm(t[bi, bj], kb_dec[bj]) for bj in range(bi + 1))
         pltr.store(w_ref.at[h, rows[bi], :], w.astype(w_ref.dtype), mask=valid[bi][:, None])
+    if u_ref is None:
+        return
     dv = v_ref.shape[-1]
     bv = dv & -dv  # Dv itself when a power of two (one tile), else its largest such divisor
 

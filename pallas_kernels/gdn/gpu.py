@@ -49,11 +49,12 @@ shorter batches).
    off it.
 
 ``fold`` (opt-in until timed on a GPU: ``gdn_prefill(fold=True)``, ``HYJAX_GDN_FOLD=1``; the
-Mosaic GPU serial launch and a blocked intra form only): the intra launch stores neither
-``q_dec``, ``k_dec`` nor ``Aqk`` (0.67 GB of its 1.2 GB of writes at 8x4096, and its q.k
-products) but five per-token vectors (:data:`FOLD_VECTORS`); the serial launch reads q's and k's
-own rows and makes ``Aqk`` (one more ``wgmma`` a chunk) and the rows' scalings itself
-(``chunk_scan_mgpu._fold_step``).
+Mosaic GPU serial launch and a blocked intra form only): the intra launch reads no v and stores
+neither ``U``, ``q_dec``, ``k_dec`` nor ``Aqk`` (its q.k and U products gone) but W, U's factor
+``Tm diag(beta)`` (``[64, 64]`` a chunk) and five per-token vectors (:data:`FOLD_VECTORS`): at
+8x4096 ~0.55 GB written instead of ~1.2. The serial launch reads v's, q's and k's own rows and
+makes U (in the accumulator of ``S^T W^T``), ``Aqk`` (one more ``wgmma`` a chunk) and the rows'
+scalings itself (``chunk_scan_mgpu._fold_step``).
 
 ``three_launches`` moves the output out of the serial launch into a parallel one (each chunk's
 starting state stored, ``[NC, Hv, Dk, Dv]`` in the operand dtype): a shorter serial chain, for
@@ -459,7 +460,7 @@ def _intra_kernel_blocked(
         gam_last = carry
         # v read before any store: a load after a store waits for it (the compiler cannot
         # tell that they do not alias)
-        v_blocks = None if v_ref is None else load_v_blocks(v_ref, rows, valid, h)
+        v_blocks = None if v_ref is None or fold else load_v_blocks(v_ref, rows, valid, h)
         # In the order that ends each tile's life soonest (registers: the whole chunk's launch
         # sits at the cap): the scores, q's products and rows stored (q dead after them)
         a_kk = {}
@@ -505,18 +506,22 @@ def _intra_kernel_blocked(
             else:
                 k_dec = k[bi] * jnp.exp(gam_last - gam[bi])[:, None]  # zero outside the chunk
                 pltr.store(kd_ref.at[h, r, :], k_dec.astype(kd_ref.dtype), mask=kd_ok)
-            if tm_ref is None:
+            if tm_ref is None or fold:
                 kb_dec.append(k[bi] * (beta[bi] * jnp.exp(gam[bi]))[:, None])
         dl_ref[ci, h] = jnp.exp(gam_last)
-        if tm_ref is not None:  # Tm by blocks, zeros above the diagonal ones; W, U elsewhere
-            for bi in range(NSUB):
+        if tm_ref is not None:  # Tm by blocks, zeros above the diagonal ones (the fold: U's
+            for bi in range(NSUB):  # factor Tm diag(beta), then W here and U in the serial launch)
                 for bj in range(NSUB):
                     blk = t[bi, bj] if bj <= bi else jnp.zeros((SUB, SUB), jnp.float32)
+                    if fold and bj <= bi:
+                        blk = blk * beta[bj][None, :]
                     pltr.store(tm_ref.at[h, rows[bi], pl.ds(bj * SUB, SUB)],
                                blk.astype(tm_ref.dtype), mask=valid[bi][:, None])  # fmt: skip
-            return
+            if not fold:
+                return
         store_blocked_w_u(
-            t, kb_dec, rows, valid, beta, h, v_ref, w_ref, u_ref, pmm, tma_layout, v_blocks
+            t, kb_dec, rows, valid, beta, h, v_ref, w_ref, None if fold else u_ref, pmm,
+            tma_layout, v_blocks,
         )  # fmt: skip
 
     _chunk_program(c_start_ref, c_len_ref, k_ref.shape[0], tma_layout, body)
@@ -531,16 +536,17 @@ FOLD_ROWS = 8  # FOLD_VECTORS padded (a TMA box's rows)
 
 
 def _intra_kernel_fold(
-    c_start_ref, c_len_ref, live_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
-    w_ref, u_ref, vec_ref, dl_ref, **params,
+    c_start_ref, c_len_ref, live_ref, alog_ref, dtb_ref, q_ref, k_ref, a_ref, b_ref,
+    w_ref, tm_ref, vec_ref, dl_ref, **params,
 ):  # fmt: skip
-    """The ``fold`` scratch (:class:`~pallas_kernels.common.chunk_scan_mgpu.FoldRefs`): W, U
-    and the decay as :func:`_intra_kernel_blocked` makes them, and instead of ``q_dec``,
+    """The ``fold`` scratch (:class:`~pallas_kernels.common.chunk_scan_mgpu.FoldRefs`): W and
+    the decay as :func:`_intra_kernel_blocked` makes them, U's factor ``Tm diag(beta)`` by
+    blocks (``[Hv, Tp, 64]``: a token's row, the window's columns), and instead of ``q_dec``,
     ``k_dec`` and ``Aqk`` the vectors of :data:`FOLD_VECTORS`: the Mosaic GPU serial launch
-    makes ``Aqk`` and the rows' scalings from q's and k's own rows."""
+    makes U from v's rows, ``Aqk`` and the rows' scalings from q's and k's. No v read here."""
     _intra_kernel_blocked(
-        c_start_ref, c_len_ref, live_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
-        w_ref, u_ref, None, None, None, dl_ref, vec_ref=vec_ref, **params,
+        c_start_ref, c_len_ref, live_ref, alog_ref, dtb_ref, q_ref, k_ref, None, a_ref, b_ref,
+        w_ref, None, None, None, None, dl_ref, tm_ref=tm_ref, vec_ref=vec_ref, **params,
     )  # fmt: skip
 
 
@@ -589,15 +595,15 @@ def intra_launch(
         kernel = functools.partial(
             _intra_kernel_fold, bf16_products=form == "blocked_bf16", **common
         )
-        w, u, vec, decay = pl.pallas_call(
+        w, tm, vec, decay = pl.pallas_call(
             kernel,
             grid=(num_chunks, hv),
-            out_shape=[shapes.w, shapes.u, vec, shapes.decay],
+            out_shape=[shapes.w, shapes.a_qk, vec, shapes.decay],
             compiler_params=compiler_params(num_warps, num_stages),
             interpret=interpret,
             name="gdn_prefill_intra_gpu",
-        )(plan.start, plan.length, live, A_log, dt_bias, q, k, v, a, b)
-        return chunk_scan_mgpu.FoldRefs(w, u, q, k, vec, decay)
+        )(plan.start, plan.length, live, A_log, dt_bias, q, k, a, b)
+        return chunk_scan_mgpu.FoldRefs(w, tm, v, q, k, vec, decay)
     if form in ("whole", "whole_bf16"):
         kernel = functools.partial(_intra_kernel, bf16_products=form == "whole_bf16", **common)
     else:
@@ -700,36 +706,36 @@ def gdn_prefill(
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, Hv, Dv], state)``.
 
-    ``serial`` picks the serial launch: ``"triton"``, ``"mgpu"`` (Mosaic GPU:
-    :mod:`pallas_kernels.common.chunk_scan_mgpu`, on a token-aligned chunk plan; 16-bit
-    operands, an f32 pool, ``Dk`` 64 or 128, ``Dv`` a multiple of 64, two launches), or None:
-    ``chunk_scan_mgpu.SERIAL_DEFAULT`` (Mosaic GPU where it can take the shapes, else Triton
-    with one log line; in interpret mode Triton always).
-    ``interpret`` runs either in its interpreter.
+        ``serial`` picks the serial launch: ``"triton"``, ``"mgpu"`` (Mosaic GPU:
+        :mod:`pallas_kernels.common.chunk_scan_mgpu`, on a token-aligned chunk plan; 16-bit
+        operands, an f32 pool, ``Dk`` 64 or 128, ``Dv`` a multiple of 64, two launches), or None:
+        ``chunk_scan_mgpu.SERIAL_DEFAULT`` (Mosaic GPU where it can take the shapes, else Triton
+        with one log line; in interpret mode Triton always).
+        ``interpret`` runs either in its interpreter.
 
-    ``precision`` is the matmul precision inside the chunk (``HIGHEST``: IEEE f32; a
-    ``DotAlgorithmPreset`` such as ``BF16_BF16_F32_X3`` or ``DEFAULT`` (TF32) trade accuracy
-    for tensor-core speed). ``operand_dtype`` is the dtype of the products' operands after the
-    UT transform and of the scratch between launches (:func:`operand_dtype_for`: bf16 for bf16
-    activations, float32 for float32 ones); accumulation and the running state stay float32.
-    ``fold`` (opt-in until timed on a GPU: ``gdn_prefill(fold=True)``, ``HYJAX_GDN_FOLD=1``; the
-Mosaic GPU serial launch and a blocked intra form only): the intra launch stores neither
-``q_dec``, ``k_dec`` nor ``Aqk`` (0.67 GB of its 1.2 GB of writes at 8x4096, and its q.k
-products) but five per-token vectors (:data:`FOLD_VECTORS`); the serial launch reads q's and k's
-own rows and makes ``Aqk`` (one more ``wgmma`` a chunk) and the rows' scalings itself
-(``chunk_scan_mgpu._fold_step``).
+        ``precision`` is the matmul precision inside the chunk (``HIGHEST``: IEEE f32; a
+        ``DotAlgorithmPreset`` such as ``BF16_BF16_F32_X3`` or ``DEFAULT`` (TF32) trade accuracy
+        for tensor-core speed). ``operand_dtype`` is the dtype of the products' operands after the
+        UT transform and of the scratch between launches (:func:`operand_dtype_for`: bf16 for bf16
+        activations, float32 for float32 ones); accumulation and the running state stay float32.
+        ``fold`` (opt-in until timed on a GPU: ``gdn_prefill(fold=True)``, ``HYJAX_GDN_FOLD=1``; the
+    Mosaic GPU serial launch and a blocked intra form only): the intra launch stores neither
+    ``q_dec``, ``k_dec`` nor ``Aqk`` (0.67 GB of its 1.2 GB of writes at 8x4096, and its q.k
+    products) but five per-token vectors (:data:`FOLD_VECTORS`); the serial launch reads q's and k's
+    own rows and makes ``Aqk`` (one more ``wgmma`` a chunk) and the rows' scalings itself
+    (``chunk_scan_mgpu._fold_step``).
 
-``three_launches`` moves the output out of the serial launch into a parallel one, at the
-    cost of a scratch of every chunk's starting state (``[NC, Hv, Dk, Dv]`` in the operand
-    dtype). ``block_v`` (default: :func:`~pallas_kernels.common.delta_rule_gpu.serial_block_v`
-    by the launch's size), ``num_warps`` and ``num_stages`` tune the serial launch,
-    ``intra_num_warps`` / ``intra_num_stages`` the intra launch (None: its form's
-    :data:`INTRA_TUNING`), ``vb_first`` the serial grid's order
-    (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`), ``intra_form`` the intra
-    launch's form (:data:`INTRA_FORMS`; None: :func:`default_intra_form`). ``fold`` (None:
-    :data:`FOLD`; only where the serial launch is Mosaic GPU's and the intra form a blocked
-    one): the rows' scalings and ``Aqk`` made in the serial launch from q's and k's rows
-    (:func:`_intra_kernel_fold`, ``chunk_scan_mgpu.FoldRefs``).
+    ``three_launches`` moves the output out of the serial launch into a parallel one, at the
+        cost of a scratch of every chunk's starting state (``[NC, Hv, Dk, Dv]`` in the operand
+        dtype). ``block_v`` (default: :func:`~pallas_kernels.common.delta_rule_gpu.serial_block_v`
+        by the launch's size), ``num_warps`` and ``num_stages`` tune the serial launch,
+        ``intra_num_warps`` / ``intra_num_stages`` the intra launch (None: its form's
+        :data:`INTRA_TUNING`), ``vb_first`` the serial grid's order
+        (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`), ``intra_form`` the intra
+        launch's form (:data:`INTRA_FORMS`; None: :func:`default_intra_form`). ``fold`` (None:
+        :data:`FOLD`; only where the serial launch is Mosaic GPU's and the intra form a blocked
+        one): the rows' scalings and ``Aqk`` made in the serial launch from q's and k's rows
+        (:func:`_intra_kernel_fold`, ``chunk_scan_mgpu.FoldRefs``).
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, _, dk = q.shape
@@ -743,6 +749,9 @@ own rows and makes ``Aqk`` (one more ``wgmma`` a chunk) and the rows' scalings i
     )
     form = default_intra_form(op) if intra_form is None else intra_form
     fold = mgpu and form.startswith("blocked") and (FOLD if fold is None else fold)
+    fold = fold and chunk_scan_mgpu.smem_bytes(dk, nc, state.dtype, op, fold=True) <= (
+        chunk_scan_mgpu.SMEM_BYTES
+    )  # (its stage is 2 KB larger: past it, the unfolded launch)
     plan, rp, x = prefill_scratch(
         q, k, v, a, b, A_log, dt_bias, query_start_loc, slots, operand_dtype=op,
         precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
