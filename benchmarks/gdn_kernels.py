@@ -386,22 +386,27 @@ INTRA_CONFIGS = [
     (8, 2, "blocked_bf16"), (4, 2, "blocked_bf16"), (4, 1, "blocked_bf16"), (2, 1, "blocked_bf16"),
     (8, 2, "split"), (4, 2, "split"), (8, 2, "split_blocked"), (4, 2, "split_blocked"),
     (8, 2, "split_blocked_bf16"), (4, 2, "split_blocked_bf16"), (2, 1, "split_blocked_bf16"),
+    (4, 2, "fold"), (8, 2, "fold"),  # blocked_bf16 as gdn_prefill(fold=True) runs it
 ]  # fmt: skip
 
 
 def _intra_step(batch, seq_len, nw, ns, form):
     """The default prefill's intra launch alone (``gpu.prefill_scratch`` with the Mosaic GPU
-    serial launch's layout, bf16 operands) as a :func:`time_stateful` step, and its operands."""
+    serial launch's layout, bf16 operands) as a :func:`time_stateful` step, and its operands.
+    ``form`` ``"fold"``: ``blocked_bf16`` as ``gdn_prefill(fold=True)`` runs it (its scratch
+    without the inputs it passes through)."""
     qsl, slots, _ = prefill_batch(batch, seq_len)
     acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
+    fold = form == "fold"
 
     @jax.jit  # the chain's calls share one lowering
     def scratch(acts, qsl, slots):
         _, _, x = gpu.prefill_scratch(
             *acts, qsl, slots, operand_dtype=jnp.bfloat16, precision=None, num_warps=nw,
-            num_stages=ns, tma_layout=True, form=form, interpret=INTERPRET,
+            num_stages=ns, tma_layout=True, form="blocked_bf16" if fold else form, fold=fold,
+            interpret=INTERPRET,
         )  # fmt: skip
-        return tuple(x)
+        return (x.w, x.tm, x.vec, x.decay) if fold else tuple(x)
 
     def one(st, acts, qsl, slots):
         return st, scratch(acts, qsl, slots)
@@ -409,13 +414,14 @@ def _intra_step(batch, seq_len, nw, ns, form):
     return one, (acts, qsl, slots)
 
 
-def intra_floor(batch, seq_len) -> dict:
+def intra_floor(batch, seq_len, form="whole") -> dict:
     """The intra launch's bytes (its inputs read, its scratch written) at the copy rate
-    measured here: the floor of :func:`intra_time`'s figures."""
-    step, operands = _intra_step(batch, seq_len, 8, 2, "whole")
+    measured here: the floor of :func:`intra_time`'s figures (``"fold"``: v not read)."""
+    step, operands = _intra_step(batch, seq_len, 8, 2, form)
     x = jax.eval_shape(step, jnp.zeros(()), *operands)[1]
     bytes_out = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(x))
-    bytes_in = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(operands[0]))
+    acts = [a for i, a in enumerate(operands[0]) if not (form == "fold" and i == 2)]  # (v)
+    bytes_in = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(acts))
     bw = copy_bandwidth(2**30, **(dict(iters=1, repeats=1) if INTERPRET else {}))
     return {"bytes_MB": (bytes_in + bytes_out) / 1e6, "copy_GBps": bw / 1e9,
             "byte_floor_ms": 1e3 * (bytes_in + bytes_out) / bw}  # fmt: skip
@@ -668,6 +674,7 @@ def main() -> None:
     if args.intra_sweep:  # the intra launch alone, at each of INTRA_CONFIGS
         for b, t in [(1, 256)] if args.quick else [(8, 4096)]:  # 17k programs: 130 waves
             guarded(f"intra_B{b}_T{t}_floor", lambda b=b, t=t: intra_floor(b, t))
+            guarded(f"intra_B{b}_T{t}_fold_floor", lambda b=b, t=t: intra_floor(b, t, "fold"))
             for nw, ns, form in INTRA_CONFIGS:  # an entry each: saved as it ends
                 guarded(
                     f"intra_B{b}_T{t}_{form}_w{nw}_s{ns}",
