@@ -38,6 +38,7 @@ from benchmarks.common import (
     torch_graph_ms,
     write_summary,
 )
+from pallas_kernels.common import register_cap
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import (
     causal_conv1d_prefill_reference,
@@ -646,6 +647,9 @@ def main() -> None:
         action="store_true",
         help="record the device's kernels and idle time in each timed prefill",
     )
+    p.add_argument("--maxnreg", type=int, default=0,
+                   help="a register cap for the intra launch (pallas_kernels.common.register_cap;"
+                   " recorded in the summary)")  # fmt: skip
     p.add_argument("--mgpu-variants", default=None,
                    help=f"--mgpu-scan: comma-separated of {','.join(MGPU_SCAN_VARIANTS)} "
                    "(default all; 'none': the two launches only)")  # fmt: skip
@@ -663,6 +667,9 @@ def main() -> None:
     if args.quick:
         prefill_shapes, decode_rows = [(1, 256)], [1, 4]
     summary = {"device": device_name(), "jax": jax.__version__, "shapes": f"Hk={HK} Hv={HV} D={D}"}
+    if args.maxnreg:  # before any lowering: every intra launch of this process is capped
+        register_cap.set_cap("gdn_prefill_intra", args.maxnreg)
+        summary["intra_maxnreg"] = args.maxnreg
 
     guarded = guarded_entries(summary, args.out, only)
 
