@@ -25,13 +25,13 @@ from tests.pallas_kernels.ragged_cases import assert_rel_close, ragged_case, sta
 HK, HV, D = 1, 2, 64  # the launch's smallest tiles: Dk 64, one Dv block of 64
 
 
-def _inputs(rng, n):
+def _inputs(rng, n, hk=HK, hv=HV):
     bf = jnp.bfloat16
-    q, k = (jnp.asarray(rng.normal(size=(n, HK, D)), bf) for _ in range(2))
-    v = jnp.asarray(rng.normal(size=(n, HV, D)), bf)
-    a, b = (jnp.asarray(rng.normal(size=(n, HV)), bf) for _ in range(2))
+    q, k = (jnp.asarray(rng.normal(size=(n, hk, D)), bf) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(n, hv, D)), bf)
+    a, b = (jnp.asarray(rng.normal(size=(n, hv)), bf) for _ in range(2))
     # slow gates (g ~ -1e-3 a token): each chunk's state reaches the next chunk's outputs
-    A_log, dt_bias = jnp.log(jnp.linspace(0.01, 0.05, HV)), jnp.full(HV, -3.0)
+    A_log, dt_bias = jnp.log(jnp.linspace(0.01, 0.05, hv)), jnp.full(hv, -3.0)
     return q, k, v, a, b, A_log, dt_bias
 
 
@@ -160,19 +160,21 @@ def test_ragged_rows_through_gdn_prefill_match_the_reference():
     _check_against_reference(args, pool, qsl, slots)
 
 
-@pytest.mark.parametrize("gates", ["slow", "strong"])
-def test_fold_matches_the_reference_and_the_launch_it_replaces(gates):
-    """``gdn_prefill(fold=True)``: the serial launch makes ``Aqk`` and the rows' scalings from
-    q's and k's own rows (``chunk_scan_mgpu._fold_step``, the intra launch's vectors) on the
-    ragged rows above (chunks inside blocks, checkpoints, a padding row, poisoned slots): the
-    reference's outputs and slots, the unfolded launch's to bf16 roundings, untouched slots
-    bit for bit. ``strong`` gates (decays ~e^-5 a token): every exponent kept finite."""
+@pytest.mark.parametrize("gates, hk, hv", [("slow", HK, HV), ("strong", HK, HV), ("slow", 2, 4)])
+def test_fold_matches_the_reference_and_the_launch_it_replaces(gates, hk, hv):
+    """``gdn_prefill(fold=True)``: the serial launch makes U, ``Aqk`` and the rows' scalings
+    from v's, q's and k's own rows (``chunk_scan_mgpu._fold_step``, the intra launch's
+    vectors and ``Tm diag(beta)``) on the ragged rows above (chunks inside blocks,
+    checkpoints, a padding row, poisoned slots): the reference's outputs and slots, the
+    unfolded launch's to bf16 roundings, untouched slots bit for bit. ``strong`` gates (decays
+    ~e^-5 a token): every exponent kept finite. Two key heads of two value heads each: each
+    value head reads its own key head's rows and its own columns of v."""
     rng = np.random.default_rng(4)
     case = ragged_case([70, 3, 130])
-    args = _inputs(rng, case.num_tokens)
+    args = _inputs(rng, case.num_tokens, hk, hv)
     if gates == "strong":
-        args = (*args[:5], jnp.full(HV, np.log(4.0)), jnp.full(HV, 1.0))
-    pool = jnp.asarray(case.pool(rng, (HV, D, D), np.float32))
+        args = (*args[:5], jnp.full(hv, np.log(4.0)), jnp.full(hv, 1.0))
+    pool = jnp.asarray(case.pool(rng, (hv, D, D), np.float32))
     qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
     n = int(case.query_start_loc[-1])
     fold_o, fold_s = _check_against_reference(args, pool, qsl, slots, fold=True)
