@@ -325,9 +325,9 @@ def _body(
     ``"chain"`` copies a chunk's W, U^T, k_dec (and decays) only and runs the state's chain
     without ``o`` (nothing written to it); ``"loads"`` copies all five tiles and waits for
     them, with no products (the state passes through unchanged). ``fold_heads`` (GDN's
-    :class:`FoldRefs`, the key heads' count; 0: :class:`ChunkRefs`): the three refs after
-    ``U^T`` are q's rows, k's rows (``[Tp, Hk * Dk]``) and the scaling vectors, and ``Aqk``
-    and the rows' scalings are made here (:func:`_fold_step`)."""
+    :class:`FoldRefs`, the key heads' count; 0: :class:`ChunkRefs`): the tiles after W are
+    ``Tm diag(beta)``, v's, q's and k's rows (``[Tp, heads * D]``) and the scaling vectors,
+    and U, ``Aqk`` and the rows' scalings are made here (:func:`_fold_step`)."""
     plgpu = _plgpu()
     if fold_heads:  # (the tiles FoldRefs' order, then the same refs)
         ri_ref, meta_ref, dec_ref, w_ref, tm_ref, v_ref, qd_ref, kd_ref, aqk_ref, *rest = refs
@@ -603,8 +603,8 @@ def scan_mgpu(
     none). Two stages put one chunk's copies in flight; a prefetch gives later ones a head
     start without shared memory. No effect on the results (the interpreter skips it).
 
-    With GDN's :class:`FoldRefs` (``gdn.gpu.intra_launch(fold=True)``) ``Aqk`` and the rows'
-    scalings are made here from q's and k's rows (:func:`_fold_step`)."""
+    With GDN's :class:`FoldRefs` (``gdn.gpu.intra_launch(fold=True)``) U, ``Aqk`` and the rows'
+    scalings are made here from v's, q's and k's rows (:func:`_fold_step`)."""
     if diagnostic not in DIAGNOSTICS:
         raise ValueError(f"diagnostic={diagnostic!r}: one of {DIAGNOSTICS}")
     fold = isinstance(x, FoldRefs)

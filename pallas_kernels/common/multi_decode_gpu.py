@@ -114,9 +114,13 @@ def multi_decode_program(
     # A token past the row reads a clamped (in-bounds, finite) row and changes nothing:
     # decay 1, beta 0 leave S exactly as it was; its output and stores are masked off.
     toks = [jnp.minimum(start + t, num_tokens - 1) for t in range(max_tokens)]
+    num_ckpt = p.ck_off.shape[1]
+
+    def ckpt(m):  # checkpoint m's slot and offset
+        return p.ck_slot[r, m], p.ck_off[r, m]
+
     first = [inputs(tok, h, vs) for tok in toks] if inputs_first else None
-    ckpts = [(p.ck_slot[r, m], p.ck_off[r, m]) if inputs_first else (None, None)
-             for m in range(p.ck_off.shape[1])]  # fmt: skip
+    ckpts = [ckpt(m) for m in range(num_ckpt)] if inputs_first else None
     for t in range(max_tokens):
         valid = t < length
         tok = toks[t]
@@ -126,9 +130,8 @@ def multi_decode_program(
         o = jnp.where(too_long, jnp.nan, o)
         # Masked: a clamped token past the row is another row's (or the last) token.
         pltr.store(o_ref.at[tok, h, vs], o.astype(o_ref.dtype), mask=jnp.full((bv,), valid))
-        for m, (slot, off) in enumerate(ckpts):
-            if not inputs_first:  # read here, after this token's output store
-                slot, off = p.ck_slot[r, m], p.ck_off[r, m]
+        for m in range(num_ckpt):  # (not inputs_first: read here, after the output's store)
+            slot, off = ckpts[m] if inputs_first else ckpt(m)
             hit = valid & (slot > 0) & (off == t + 1)
             store_state(pool_out, slot, h, vs, s, hit)
         last = jnp.where(too_long, jnp.nan, s)

@@ -464,12 +464,7 @@ def _intra_kernel_blocked(
         # In the order that ends each tile's life soonest (registers: the whole chunk's launch
         # sits at the cap): the scores, q's products and rows stored (q dead after them)
         a_kk = {}
-        for bi in range(NSUB if fold else 0):  # the fold: k's scores only
-            for bj in range(bi + 1):
-                diff = gam[bi][:, None] - gam[bj][None, :]  # <= 0 where i >= j
-                e_kk = jnp.exp(jnp.where(ii > jj, diff, -1e30) if bi == bj else diff)
-                a_kk[bi, bj] = beta[bi][:, None] * pmm(k[bi], k[bj], NT) * e_kk
-        for bi in range(0 if fold else NSUB):
+        for bi in range(NSUB):  # (the fold: k's scores only; Aqk is the serial launch's)
             r, ok = rows[bi], valid[bi][:, None]
             for bj in range(NSUB):  # Aqk is inclusive lower: the blocks above it are zeros
                 a_qk = jnp.zeros((SUB, SUB), jnp.float32)
@@ -481,11 +476,14 @@ def _intra_kernel_blocked(
                     else:
                         e_kk = e_qk = jnp.exp(diff)
                     a_kk[bi, bj] = beta[bi][:, None] * pmm(k[bi], k[bj], NT) * e_kk
-                    a_qk = pmm(q[bi], k[bj], NT) * e_qk
-                cols = pl.ds(bj * SUB, SUB)
-                pltr.store(aqk_ref.at[h, r, cols], a_qk.astype(aqk_ref.dtype), mask=ok)
-            q_dec = q[bi] * jnp.exp(gam[bi])[:, None]
-            pltr.store(qd_ref.at[h, r, :], q_dec.astype(qd_ref.dtype), mask=ok)
+                    if not fold:
+                        a_qk = pmm(q[bi], k[bj], NT) * e_qk
+                if not fold:
+                    cols = pl.ds(bj * SUB, SUB)
+                    pltr.store(aqk_ref.at[h, r, cols], a_qk.astype(aqk_ref.dtype), mask=ok)
+            if not fold:
+                q_dec = q[bi] * jnp.exp(gam[bi])[:, None]
+                pltr.store(qd_ref.at[h, r, :], q_dec.astype(qd_ref.dtype), mask=ok)
         t = block_unit_lower_inverse(a_kk, NSUB, precision)
         # k's rows stored and turned into W's operand (k dead after them), then W (not in the
         # split form's first launch: Tm's blocks are stored instead)

@@ -326,8 +326,6 @@ def _diag_kernel(
         if rows_from_memory:  # k's rows unnormalised in the loop, columns scaled after it
             row = _block_row(k_ref, g_ref, w0, sb, start, length, h, neg_a_ref[h], dt_ref[h, :])
             col_scale = inv_norm
-        else:
-            row = None
         d_kk, d_qk = _diag_block(q, k * inv_norm[:, None], gam, row, col_scale)
         pltr.store(dkk_ref.at[h, r, :], d_kk, mask=ok[:, None])
         pltr.store(dqk_ref.at[h, r, :], d_qk, mask=ok[:, None])

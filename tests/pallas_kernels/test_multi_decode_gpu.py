@@ -133,7 +133,8 @@ def run_both(family, case, *, max_tokens, seed=0, **kwargs):
 @pytest.mark.parametrize(
     "family, k, ckpts, inputs_first",
     [(f, k, c, False) for f in ("gdn", "kda") for k in (1, 2, 4) for c in ("every", "some")]
-    + [(f, 4, "some", True) for f in ("gdn", "kda")],  # every load before the first store
+    # every load before the first store
+    + [(f, 4, c, True) for f in ("gdn", "kda") for c in ("every", "some")],
 )
 def test_matches_prefill_reference(family, k, ckpts, inputs_first):
     case = verify_case(LENS[k], k, ckpts)
