@@ -71,6 +71,7 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     "split_blocked": (None, None, None, dict(intra_form="split_blocked")),
     # Aqk and the rows' scalings made in the Mosaic GPU serial launch (gdn_prefill(fold=True))
     "fold": (None, None, None, dict(serial="mgpu", fold=True)),
+    "nofold": (None, None, None, dict(serial="mgpu", fold=False)),  # (the default until 11-30)
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
     "bf16ops_three": (None, jnp.bfloat16, True, {}),
     "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True, {}),
@@ -636,6 +637,8 @@ def main() -> None:
                         "an H200 (2026-11-29), which ends the process")  # fmt: skip
     p.add_argument("--sweep", action="store_true", help="prefill tuning sweep at B1 T4096")
     p.add_argument("--only", default=None, help="comma-separated name prefixes to run")
+    p.add_argument("--shapes", default=None,
+                   help="prefill shapes BxT, comma-separated (default: issue 19's)")  # fmt: skip
     p.add_argument(
         "--mgpu-scan", action="store_true",
         help="only the serial launch, Mosaic GPU against Triton on the same scratch",
@@ -664,6 +667,8 @@ def main() -> None:
         MGPU_VARIANTS = names
     prefill_shapes = [(1, 4096), (1, 16384), (8, 4096), (1, 32768)]
     decode_rows = [1, 16, 64, 256]
+    if args.shapes:
+        prefill_shapes = [tuple(int(x) for x in bt.split("x")) for bt in args.shapes.split(",")]
     if args.quick:
         prefill_shapes, decode_rows = [(1, 256)], [1, 4]
     summary = {"device": device_name(), "jax": jax.__version__, "shapes": f"Hk={HK} Hv={HV} D={D}"}

@@ -127,6 +127,19 @@ SERIAL_DEFAULT = os.environ.get("HYJAX_PREFILL_SERIAL", "mgpu")
 # ``prefetch``) when not told: 0 (none; 1 and 2 measured no gain on an H200, session 30, 168
 # against 173 / 182 us at 1x4096); HYJAX_PREFILL_PREFETCH=N for a process.
 PREFETCH = int(os.environ.get("HYJAX_PREFILL_PREFETCH", "0"))
+# Diagnostics (benchmarks/mgpu_regions.py): with a folder, every Mosaic GPU launch of this
+# module records its named regions (``jax.named_scope`` in :func:`_body`: the chunk's wait,
+# products, stores) per warpgroup, up to PROFILE_SPACE of them, into a trace file there per
+# call (Mosaic GPU's profiler, shared memory of PROFILE_SPACE * 16 bytes). APPROX_MATH: exp and
+# friends by the hardware's approximations (CompilerParams.approx_math).
+PROFILE_DIR = os.environ.get("HYJAX_MGPU_PROFILE_DIR", "")
+PROFILE_SPACE = int(os.environ.get("HYJAX_MGPU_PROFILE_SPACE", "512"))
+APPROX_MATH = os.environ.get("HYJAX_MGPU_APPROX_MATH", "0") == "1"
+# GDN's fold launch takes its exps (Aqk's decays, 32 a thread a chunk) from ex2.approx: its
+# products' wait went from 1,860 to 1,418 cycles a chunk and the launch from 5,293 to 4,768
+# (H200, benchmarks/mgpu_regions.py, 2026-11-30); the exps feed bf16 operands, whose rounding
+# (2^-9) is far above the approximation's (~2^-22).
+FOLD_APPROX_MATH = True
 
 
 class FoldRefs(NamedTuple):
@@ -374,6 +387,7 @@ def _body(
             pairs += [(qd_ref.at[head, tok], qd_s), (aqk_ref.at[head, tok], aqk_s)]
         return [*pairs, (kd_ref.at[head, tok], kd_s)]
 
+    @jax.named_scope("issue")
     def issue(i, slot):  # the row's i-th chunk's five tiles (and decays) into stage ``slot``
         for src_ref, buf in tiles(i):
             plgpu.copy_gmem_to_smem(src_ref, buf.at[slot], bars.at[slot])
@@ -400,7 +414,8 @@ def _body(
                 for src_ref, _ in tiles(i + 1 + prefetch):
                     ops.prefetch(src_ref)
 
-        plgpu.barrier_wait(bars.at[slot])
+        with jax.named_scope("wait"):
+            plgpu.barrier_wait(bars.at[slot])
         if diagnostic == "loads":
             return s
         if fold_heads:
@@ -413,33 +428,41 @@ def _body(
         finish(s, o, start, length, lead, end)
         return s
 
-    def chain_and_output(slot, ci, lead, length, s):
+    @jax.named_scope("mma1")
+    def first_product(slot, s):  # S^T W^T (and S^T kept for o)
         sb = s.astype(op)
         if diagnostic is None:
             st_t[...] = sb
         (sw,) = ops.mma((ops.zeros((BV, CHUNK)), [(sb, w_s.at[slot], True)]))
-        ut = ops.load(ut_s.at[slot]).astype(f32)
-        col = ops.iota((BV, CHUNK), 1)
-        in_chunk = (col >= lead) & (col < lead + length)
-        vt = jnp.where(in_chunk, ut - sw, 0.0).astype(op)  # V'^T, zero outside the chunk
-        if diagnostic is None:
-            vt_t[...] = vt
-            plgpu.commit_smem()
+        return sw
+
+    def chain_and_output(slot, ci, lead, length, s):
+        sw = first_product(slot, s)
+        with jax.named_scope("vt"):
+            ut = ops.load(ut_s.at[slot]).astype(f32)
+            col = ops.iota((BV, CHUNK), 1)
+            in_chunk = (col >= lead) & (col < lead + length)
+            vt = jnp.where(in_chunk, ut - sw, 0.0).astype(op)  # V'^T, zero outside the chunk
+            if diagnostic is None:
+                vt_t[...] = vt
+                plgpu.commit_smem()
         if per_channel:  # e^gam_last per key channel: S^T's columns
             vec = ops.load_row_vector(dec_s.at[slot])
             decay = jax.lax.broadcast_in_dim(vec, s.shape, (1,))
         else:
             decay = dec_s[ci // META_COLS, ci % META_COLS]
         update = (s * decay, [(vt, kd_s.at[slot], False)])  # the state's (the serial chain)
-        if diagnostic == "chain":
-            (s,) = ops.mma(update)
-            return s, None
-        return ops.mma(  # and the chunk's output
-            update,
-            (ops.zeros((CHUNK, BV)),
-             [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)]),
-        )  # fmt: skip
+        with jax.named_scope("update_o"):
+            if diagnostic == "chain":
+                (s,) = ops.mma(update)
+                return s, None
+            return ops.mma(  # and the chunk's output
+                update,
+                (ops.zeros((CHUNK, BV)),
+                 [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)]),
+            )  # fmt: skip
 
+    @jax.named_scope("finish")
     def finish(s, o, start, length, lead, end):  # checkpoints, then the chunk's output rows
         for m in range(num_ckpt):
             ck_off, ck_slot = ri_s[4 + m], ri_s[4 + num_ckpt + m]
@@ -503,43 +526,48 @@ def _fold_step(
         V'^T = v^T Tm_b^T - S^T W^T                  (one accumulator)
         QK   = q k^T                                 (issued with them)
         Aqk = QK * q_norm_i * k_norm_j * e^min(gam_i - gam_j, 0),  j <= i in the chunk, else 0
-        o   = q_out * (q S) + Aqk V'                 (Aqk made while the update runs)
+        o   = q_out * (q S) + Aqk V'                 (Aqk made while the update and q S run)
 
     Every exponent kept is <= 0 (``gam`` never increases inside a chunk); columns outside the
     chunk are selected away, never multiplied (the block's other tokens' vectors are another
     chunk's, or unwritten)."""
     op = q_s.dtype
-    st_t[...] = s.astype(op)
-    vt_f, qk = ops.mma(
-        (ops.zeros((BV, CHUNK)),
-         [(Transposed(v_s.at[slot]), tm_s.at[slot], True), ((-s).astype(op), w_s.at[slot], True)]),
-        (ops.zeros((CHUNK, CHUNK)), [(q_s.at[slot], k_s.at[slot], True)]),
-    )  # fmt: skip
-    col = ops.iota((BV, CHUNK), 1)
-    in_chunk = (col >= lead) & (col < lead + length)
-    vt_t[...] = jnp.where(in_chunk, vt_f, 0.0).astype(op)  # V'^T, zero outside the chunk
-    _plgpu().commit_smem()
+    with jax.named_scope("mma1"):
+        st_t[...] = s.astype(op)
+        vt_f, qk = ops.mma(
+            (ops.zeros((BV, CHUNK)),
+             [(Transposed(v_s.at[slot]), tm_s.at[slot], True),
+              ((-s).astype(op), w_s.at[slot], True)]),
+            (ops.zeros((CHUNK, CHUNK)), [(q_s.at[slot], k_s.at[slot], True)]),
+        )  # fmt: skip
 
     def over_tokens(i, shape, dim):  # vector i (FOLD_VECTORS) along dim ``dim`` of ``shape``
         load = ops.load_row_vector if dim == 1 else ops.load_col_vector
         return jax.lax.broadcast_in_dim(load(vec_s.at[slot, i]), shape, (dim,))
 
-    vt_c = jnp.where(in_chunk, vt_f * over_tokens(1, (BV, CHUNK), 1), 0.0).astype(op)
+    with jax.named_scope("vt"):
+        col = ops.iota((BV, CHUNK), 1)
+        in_chunk = (col >= lead) & (col < lead + length)
+        vt_t[...] = jnp.where(in_chunk, vt_f, 0.0).astype(op)  # V'^T, zero outside the chunk
+        _plgpu().commit_smem()
+        vt_c = jnp.where(in_chunk, vt_f * over_tokens(1, (BV, CHUNK), 1), 0.0).astype(op)
 
     def a_qk():
         sq = (CHUNK, CHUNK)
         ri, cj = ops.iota(sq, 0), ops.iota(sq, 1)
-        keep = (ri >= cj) & (cj >= lead) & (cj < lead + length)
+        keep = (ri >= cj) & (cj >= lead)  # (the rows past the chunk's end are never stored)
         e = jnp.exp(jnp.minimum(over_tokens(4, sq, 0) - over_tokens(4, sq, 1), 0.0))
         scores = qk * over_tokens(2, sq, 0) * over_tokens(3, sq, 1) * e
         return jnp.where(keep, scores, 0.0).astype(op)
 
-    s, o_v, o_s = ops.mma(
-        (s * decay, [(vt_c, k_s.at[slot], False)]),  # the state's (the serial chain)
-        (ops.zeros((CHUNK, BV)), [(a_qk, vt_t, True)]),
-        (ops.zeros((CHUNK, BV)), [(q_s.at[slot], st_t, True)]),
-    )
-    return s, o_v + o_s * over_tokens(0, (CHUNK, BV), 0)
+    with jax.named_scope("update_o"):  # Aqk made while the update and q S run
+        s, o_s, o_v = ops.mma(
+            (s * decay, [(vt_c, k_s.at[slot], False)]),  # the state's (the serial chain)
+            (ops.zeros((CHUNK, BV)), [(q_s.at[slot], st_t, True)]),
+            (ops.zeros((CHUNK, BV)), [(a_qk, vt_t, True)]),
+        )
+    with jax.named_scope("scale"):
+        return s, o_v + o_s * over_tokens(0, (CHUNK, BV), 0)
 
 
 def _plan_arrays(rp: RowPlan, decay: jax.Array):
@@ -671,16 +699,17 @@ def scan_mgpu(
     slots, mask = _written_slots(rp)
     o, state = pool_kernel(
         body, scratch, mesh, args, state, o_type, jnp.where(mask, slots, 0),
-        name=f"{name}_serial_mgpu", interpret=interpret,
+        name=f"{name}_serial_mgpu", interpret=interpret, approx_math=fold and FOLD_APPROX_MATH,
     )  # fmt: skip
     if live is not None:
         o = jnp.where(live[:, None, None], o[: live.shape[0]], 0)
     return o, state
 
 
-def mgpu_kernel(kernel, out_type, mesh, *, name: str, interpret: bool):
+def mgpu_kernel(kernel, out_type, mesh, *, name: str, interpret: bool, approx_math=False):
     """``pl.kernel`` of ``kernel`` over ``mesh`` in Mosaic GPU's Lane semantics, or in Pallas'
-    GPU interpreter (a CPU host)."""
+    GPU interpreter (a CPU host). ``approx_math`` (or :data:`APPROX_MATH`): exp and the like by
+    the hardware's approximations (``ex2.approx``)."""
     plgpu = _plgpu()
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -688,11 +717,18 @@ def mgpu_kernel(kernel, out_type, mesh, *, name: str, interpret: bool):
         return pl.kernel(
             kernel, out_type=out_type, mesh=mesh, interpret=InterpretGPUParams(), name=name
         )
-    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    profile = dict(profile_space=PROFILE_SPACE, profile_dir=PROFILE_DIR) if PROFILE_DIR else {}
+    params = plgpu.CompilerParams(
+        lowering_semantics=plgpu.LoweringSemantics.Lane,
+        approx_math=approx_math or APPROX_MATH,
+        **profile,
+    )
     return pl.kernel(kernel, out_type=out_type, mesh=mesh, compiler_params=params, name=name)
 
 
-def pool_kernel(body, scratch, mesh, args, state, o_type, written_slots, *, name, interpret):
+def pool_kernel(
+    body, scratch, mesh, args, state, o_type, written_slots, *, name, interpret, approx_math=False
+):  # fmt: skip
     """``body((*args refs, pool_in, pool_out, o), scratch refs)`` as one Mosaic GPU kernel over
     ``mesh`` that writes the pool in place: ``pool_in`` and ``pool_out`` are one ref, a
     ``jax.new_ref`` of ``state`` (donated). Returns ``(o, state)``.
@@ -706,7 +742,10 @@ def pool_kernel(body, scratch, mesh, args, state, o_type, written_slots, *, name
             *ins, pool_ref, o_ref = refs
             pl.run_scoped(lambda *s: body((*ins, pool_ref, pool_ref, o_ref), s), *scratch)
 
-        o = mgpu_kernel(kernel, o_type, mesh, name=name, interpret=False)(*args, pool)
+        run = mgpu_kernel(
+            kernel, o_type, mesh, name=name, interpret=False, approx_math=approx_math
+        )  # fmt: skip
+        o = run(*args, pool)
         return o, jax.freeze(pool)
 
     def kernel_i(*refs):

@@ -48,13 +48,14 @@ shorter batches).
    the four products (``W S``, then the state update) are the serial chain; the other two hang
    off it.
 
-``fold`` (opt-in until timed on a GPU: ``gdn_prefill(fold=True)``, ``HYJAX_GDN_FOLD=1``; the
-Mosaic GPU serial launch and a blocked intra form only): the intra launch reads no v and stores
-neither ``U``, ``q_dec``, ``k_dec`` nor ``Aqk`` (its q.k and U products gone) but W, U's factor
-``Tm diag(beta)`` (``[64, 64]`` a chunk) and five per-token vectors (:data:`FOLD_VECTORS`): at
-8x4096 ~0.55 GB written instead of ~1.2. The serial launch reads v's, q's and k's own rows and
-makes U (in the accumulator of ``S^T W^T``), ``Aqk`` (one more ``wgmma`` a chunk) and the rows'
-scalings itself (``chunk_scan_mgpu._fold_step``).
+``fold`` (the default where it can run, :data:`FOLD`: the Mosaic GPU serial launch and a
+blocked intra form; ``gdn_prefill(fold=False)`` or ``HYJAX_GDN_FOLD=0`` turn it off): the
+intra launch reads no v and stores neither ``U``, ``q_dec``, ``k_dec`` nor ``Aqk`` (its q.k
+and U products gone) but W, U's factor ``Tm diag(beta)`` (``[64, 64]`` a chunk) and five
+per-token vectors (:data:`FOLD_VECTORS`): at 8x4096 ~0.55 GB written instead of ~1.2. The
+serial launch reads v's, q's and k's own rows and makes U (in the accumulator of ``S^T W^T``),
+``Aqk`` (one more ``wgmma`` a chunk) and the rows' scalings itself
+(``chunk_scan_mgpu._fold_step``).
 
 ``three_launches`` moves the output out of the serial launch into a parallel one (each chunk's
 starting state stored, ``[NC, Hv, Dk, Dv]`` in the operand dtype): a shorter serial chain, for
@@ -134,9 +135,13 @@ INTRA_FORMS = (
 # The form a prefill runs when not told (``intra_form=None``; HYJAX_GDN_INTRA=<form> for a
 # process): :func:`default_intra_form`.
 INTRA_FORM = os.environ.get("HYJAX_GDN_INTRA") or None
-# gdn_prefill's fold when not told (fold=None; HYJAX_GDN_FOLD=1 for a process): off until it is
-# timed on a GPU (built in session 33: the serial launch makes Aqk and the rows' scalings).
-FOLD = os.environ.get("HYJAX_GDN_FOLD", "0") == "1"
+# gdn_prefill's fold when not told (fold=None; HYJAX_GDN_FOLD=0 for a process: off). On where
+# it can run (the Mosaic GPU serial launch, a blocked intra form): on an H200 (2026-11-30,
+# BENCHMARKS.md) the prefill at 2x4096, 4x4096 and 8x4096 took 0.615 / 1.031 / 1.978 ms
+# against the unfolded 0.640 / 1.230 / 2.338 (the intra launch 1.28 ms against 1.71 at
+# 8x4096); at one row, whose 64 serial programs leave half the SMs idle, the longer serial
+# chain and the shorter intra launch about cancel (0.417 / 0.423 ms at 1x4096).
+FOLD = os.environ.get("HYJAX_GDN_FOLD", "1") == "1"
 # Each form's (warps, stages) when not told: the fastest of the intra launch alone at 8x4096
 # on an H200 (gdn_kernels --intra-sweep, BENCHMARKS.md: blocked_bf16 1.79 ms at 4 warps, 3.03
 # at 8; the whole chunk's 3.81 at 8, 5.29 at 4; whole_bf16 2.04 at 4, 2.93 at 8;
@@ -716,8 +721,8 @@ def gdn_prefill(
         for tensor-core speed). ``operand_dtype`` is the dtype of the products' operands after the
         UT transform and of the scratch between launches (:func:`operand_dtype_for`: bf16 for bf16
         activations, float32 for float32 ones); accumulation and the running state stay float32.
-        ``fold`` (opt-in until timed on a GPU: ``gdn_prefill(fold=True)``, ``HYJAX_GDN_FOLD=1``; the
-    Mosaic GPU serial launch and a blocked intra form only): the intra launch stores neither
+        ``fold`` (the default where it can run: the Mosaic GPU serial launch and a blocked
+    intra form; :data:`FOLD`): the intra launch stores neither
     ``q_dec``, ``k_dec`` nor ``Aqk`` (0.67 GB of its 1.2 GB of writes at 8x4096, and its q.k
     products) but five per-token vectors (:data:`FOLD_VECTORS`); the serial launch reads q's and k's
     own rows and makes ``Aqk`` (one more ``wgmma`` a chunk) and the rows' scalings itself
