@@ -4,7 +4,8 @@
 
 For each shape and each variant (the unfolded prefill's serial launch, GDN's ``fold`` with its
 exps from ``ex2.approx`` (the default) and exact) one prefill runs with
-``chunk_scan_mgpu.PROFILE_DIR`` set: every warpgroup records the clock at the start and end of the named regions of its chunk loop
+``chunk_scan_mgpu.PROFILE_DIR`` set: every warpgroup records the clock at the start and end
+of the named regions of its chunk loop
 (``jax.named_scope`` in ``chunk_scan_mgpu._body``: ``issue``, ``wait``, ``mma1``, ``vt``,
 ``update_o``, ``scale``, ``finish``). The trace is summarised here (the raw one is ~MBs):
 cycles a chunk per region, averaged over the launch's warpgroups, and the whole loop's cycles
