@@ -73,8 +73,9 @@ from pallas_kernels.kda.reference import check_kda_args
 MAX_TOKENS_LIMIT = 16
 # Every token's inputs and the row's checkpoint slots read before the first store (Triton
 # issues a load written after a store after it: the intra launches gained 7-12 % from this,
-# session 33), instead of each token's after the previous token's stores. Not yet timed here:
-# HYJAX_MULTI_DECODE_INPUTS_FIRST=1 for a process, the default off until it is.
+# session 33), instead of each token's after the previous token's stores. Timed on an H200
+# (session 34, GDN, chains of 50): mixed, 0.89-1.10x of the default by k and rows
+# (BENCHMARKS.md), so off; HYJAX_MULTI_DECODE_INPUTS_FIRST=1 for a process.
 INPUTS_FIRST = os.environ.get("HYJAX_MULTI_DECODE_INPUTS_FIRST", "0") == "1"
 
 

@@ -140,7 +140,7 @@ INTRA_FORM = os.environ.get("HYJAX_GDN_INTRA") or None
 # BENCHMARKS.md) the prefill at 2x4096, 4x4096 and 8x4096 took 0.615 / 1.031 / 1.978 ms
 # against the unfolded 0.640 / 1.230 / 2.338 (the intra launch 1.28 ms against 1.71 at
 # 8x4096); at one row, whose 64 serial programs leave half the SMs idle, the longer serial
-# chain and the shorter intra launch about cancel (0.417 / 0.423 ms at 1x4096).
+# chain costs about what the intra launch saves (0.85-1.01x at 1x4096 in four processes).
 FOLD = os.environ.get("HYJAX_GDN_FOLD", "1") == "1"
 # Each form's (warps, stages) when not told: the fastest of the intra launch alone at 8x4096
 # on an H200 (gdn_kernels --intra-sweep, BENCHMARKS.md: blocked_bf16 1.79 ms at 4 warps, 3.03

@@ -102,6 +102,38 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every,
 
 
 @pytest.mark.parametrize(
+    "tuning, folds",
+    [({}, True), (dict(fold=False), False), (dict(intra_form="whole"), False),
+     (dict(serial="triton"), False)],
+    ids=["default", "fold_off", "whole_form", "triton_serial"],
+)  # fmt: skip
+def test_gdn_prefill_folds_by_default_where_it_can(monkeypatch, tuning, folds):
+    """GDN's ``fold`` is the GPU prefill's default (``gpu.FOLD``: 1.16-1.20x the unfolded
+    prefill at 4x4096 and 8x4096 on an H200) wherever it can run: the Mosaic GPU serial launch
+    and a blocked intra form. Told otherwise, or on the whole chunk's intra form or the Triton
+    serial launch, the prefill runs unfolded. Counted by the fold's chunk step being traced."""
+    from benchmarks.common import prefill_batch
+    from pallas_kernels.common import chunk_scan_mgpu
+    from pallas_kernels.gdn import gpu
+
+    traced = []
+    step = chunk_scan_mgpu._fold_step
+    monkeypatch.setattr(chunk_scan_mgpu, "_fold_step", lambda *a: traced.append(1) or step(*a))
+    qsl, slots, num_slots = prefill_batch(1, 256)
+    sd, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    acts = (sd((256, 2, 64), bf), sd((256, 2, 64), bf), sd((256, 4, 64), bf), sd((256, 4), bf),
+            sd((256, 4), bf))  # fmt: skip
+    args = (*acts, sd((4,), f32), sd((4,), f32), sd((num_slots, 4, 64, 64), f32))
+
+    def prefill(*a):
+        return gpu.gdn_prefill(*a, qsl, slots, precision=None, **tuning)
+
+    text = jax.jit(prefill, donate_argnums=7).trace(*args).lower(lowering_platforms=("cuda",))
+    assert ("custom_call @mosaic_gpu" in text.as_text()) == (tuning.get("serial") != "triton")
+    assert bool(traced) == folds
+
+
+@pytest.mark.parametrize(
     "diagnostic, prefetch", [("chain", 0), ("loads", 0), (None, 1), (None, 2), ("chain", 1)]
 )
 def test_gdn_serial_launch_variants_lower_to_mosaic_gpu(diagnostic, prefetch):
