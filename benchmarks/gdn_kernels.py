@@ -72,6 +72,8 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     # Aqk and the rows' scalings made in the Mosaic GPU serial launch (gdn_prefill(fold=True))
     "fold": (None, None, None, dict(serial="mgpu", fold=True)),
     "nofold": (None, None, None, dict(serial="mgpu", fold=False)),  # (the default until 11-30)
+    # the fold with each chunk's q k^T a chunk ahead (chunk_scan_mgpu.FOLD_PIPELINE)
+    "foldpipe": (None, None, None, dict(serial="mgpu", fold=True, fold_pipeline=True)),
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
     "bf16ops_three": (None, jnp.bfloat16, True, {}),
     "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True, {}),
@@ -710,6 +712,9 @@ def main() -> None:
     guarded("check_prefill_mgpu_aligned", lambda: check_prefill_aligned(serial="mgpu"))
     guarded("check_prefill_fold", lambda: check_prefill(None, serial="mgpu", fold=True))
     guarded("check_prefill_fold_aligned", lambda: check_prefill_aligned(serial="mgpu", fold=True))
+    pipe = dict(serial="mgpu", fold=True, fold_pipeline=True)
+    guarded("check_prefill_foldpipe", lambda: check_prefill(None, **pipe))
+    guarded("check_prefill_foldpipe_aligned", lambda: check_prefill_aligned(**pipe))
     # the baseline first: a section cut by its time limit still has it
     fla_rows = [] if args.no_fla_decode else decode_rows
     guarded("fla", lambda: time_fla(prefill_shapes, fla_rows))

@@ -37,6 +37,8 @@ VARIANTS = {  # name: (gdn_prefill's tuning, the fold launch's approx_math)
     "default": (dict(serial="mgpu", fold=False), True),  # (no exps: approx_math has no effect)
     "fold": (dict(serial="mgpu", fold=True), True),
     "fold_exact": (dict(serial="mgpu", fold=True), False),
+    # each chunk's q k^T a chunk ahead (chunk_scan_mgpu.FOLD_PIPELINE)
+    "fold_pipeline": (dict(serial="mgpu", fold=True, fold_pipeline=True), True),
 }
 
 

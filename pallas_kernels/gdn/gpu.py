@@ -705,6 +705,7 @@ def gdn_prefill(
     block_v_out: int | None = None,
     serial: str | None = None,
     fold: bool | None = None,
+    fold_pipeline: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, Hv, Dv], state)``.
@@ -738,7 +739,8 @@ def gdn_prefill(
         launch's form (:data:`INTRA_FORMS`; None: :func:`default_intra_form`). ``fold`` (None:
         :data:`FOLD`; only where the serial launch is Mosaic GPU's and the intra form a blocked
         one): the rows' scalings and ``Aqk`` made in the serial launch from q's and k's rows
-        (:func:`_intra_kernel_fold`, ``chunk_scan_mgpu.FoldRefs``).
+        (:func:`_intra_kernel_fold`, ``chunk_scan_mgpu.FoldRefs``); ``fold_pipeline`` (None:
+        ``chunk_scan_mgpu.FOLD_PIPELINE``, off) makes each chunk's ``q k^T`` a chunk ahead there.
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, _, dk = q.shape
@@ -762,8 +764,9 @@ def gdn_prefill(
     )  # fmt: skip
     if mgpu:
         return chunk_scan_mgpu.scan_mgpu(
-            rp, x, state, out_dtype=v.dtype, live=plan.live, interpret=interpret
-        )
+            rp, x, state, out_dtype=v.dtype, live=plan.live, pipeline=fold_pipeline,
+            interpret=interpret,
+        )  # fmt: skip
     bv = serial_block_v(slots.num_rows, hv, dv, block_v)
     o, state = scan_launches(
         rp, x, state, plan.start, plan.length, out_dtype=v.dtype, bv=bv, precision=precision,

@@ -179,11 +179,20 @@ def test_fold_matches_the_reference_and_the_launch_it_replaces(gates, hk, hv):
     n = int(case.query_start_loc[-1])
     fold_o, fold_s = _check_against_reference(args, pool, qsl, slots, fold=True)
     kernel = functools.partial(gpu.gdn_prefill, precision=None, serial="mgpu", interpret=True)
-    plain_o, plain_s = jax.jit(kernel)(*args, jnp.copy(pool), qsl, slots)
+    plain_o, plain_s = jax.jit(functools.partial(kernel, fold=False))(
+        *args, jnp.copy(pool), qsl, slots
+    )
     assert_rel_close(fold_o[:n], plain_o[:n], tol=1e-2, what="outputs (the unfolded launch's)")
     assert_rel_close(fold_s, plain_s, tol=1e-2, what="state pool (the unfolded launch's)")
     np.testing.assert_array_equal(np.asarray(fold_s)[0], np.asarray(pool)[0])  # NaN, unread
     assert np.isfinite(np.asarray(fold_o[:n], np.float32)).all()
+    # Aqk a chunk ahead (scan_mgpu(pipeline=True)): the same products of the same roundings
+    pipe = functools.partial(kernel, fold=True, fold_pipeline=True)
+    pipe_o, pipe_s = jax.jit(pipe)(*args, jnp.copy(pool), qsl, slots)
+    np.testing.assert_array_equal(
+        np.asarray(pipe_o[:n], np.float32), np.asarray(fold_o[:n], np.float32)
+    )
+    np.testing.assert_array_equal(np.asarray(pipe_s), np.asarray(fold_s))
 
 
 def test_fold_is_refused_where_it_cannot_run():

@@ -70,8 +70,10 @@ def test_silu_ceiling_computes_silu():
 @pytest.mark.parametrize(
     "rows, per_row, hk, hv, d, every, fold",
     [(2, 4096, 16, 32, 128, 1024, False), (3, 200, 2, 4, 64, 100, False),
-     (2, 4096, 16, 32, 128, 1024, True), (3, 200, 2, 4, 64, 100, True)],
-    ids=["80b", "embedded", "80b_fold", "embedded_fold"],
+     (2, 4096, 16, 32, 128, 1024, True), (3, 200, 2, 4, 64, 100, True),
+     (2, 4096, 16, 32, 128, 1024, "pipeline"), (3, 200, 2, 4, 64, 100, "pipeline")],
+    ids=["80b", "embedded", "80b_fold", "embedded_fold", "80b_fold_pipeline",
+         "embedded_fold_pipeline"],
 )  # fmt: skip
 def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every, fold):
     """GDN prefill's Mosaic GPU serial launch (``pallas_kernels.common.chunk_scan_mgpu``:
@@ -81,7 +83,9 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every,
     warpgroup's copy is a multiple of 128 bytes) and shared memory pass Mosaic GPU's checks,
     and the pool is aliased in and out of the kernel (written in place). ``fold``: the
     launch making ``Aqk`` and the rows' scalings from q's and k's rows (``gdn_prefill(fold=
-    True)``: its vectors' copies, the products' operands and the row / column broadcasts)."""
+    True)``: its vectors' copies, the products' operands and the row / column broadcasts),
+    ``"pipeline"`` with each chunk's ``q k^T`` a chunk ahead (its Aqk tile stored while the
+    first products run, the loop carrying ``q k^T``)."""
     from benchmarks.common import prefill_batch
     from pallas_kernels.gdn import gpu
 
@@ -93,7 +97,10 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every,
     args = (*acts, sd((hv,), f32), sd((hv,), f32), sd((num_slots, hv, d, d), f32))
 
     def prefill(*a):
-        return gpu.gdn_prefill(*a, qsl, slots, precision=None, serial="mgpu", fold=fold)
+        return gpu.gdn_prefill(
+            *a, qsl, slots, precision=None, serial="mgpu", fold=bool(fold),
+            fold_pipeline=fold == "pipeline",
+        )  # fmt: skip
 
     text = jax.jit(prefill, donate_argnums=7).trace(*args).lower(lowering_platforms=("cuda",))
     text = text.as_text()
