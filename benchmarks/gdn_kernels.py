@@ -74,6 +74,8 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     "nofold": (None, None, None, dict(serial="mgpu", fold=False)),  # (the default until 11-30)
     # the fold with each chunk's q k^T a chunk ahead (chunk_scan_mgpu.FOLD_PIPELINE)
     "foldpipe": (None, None, None, dict(serial="mgpu", fold=True, fold_pipeline=True)),
+    # the fold's intra launch with Tm diag(beta) as diag(beta) M^-1 (gpu.FOLD_BETA_ROWS)
+    "foldbeta": (None, None, None, dict(serial="mgpu", fold=True, fold_beta_rows=True)),
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
     "bf16ops_three": (None, jnp.bfloat16, True, {}),
     "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True, {}),
@@ -391,6 +393,7 @@ INTRA_CONFIGS = [
     (8, 2, "split"), (4, 2, "split"), (8, 2, "split_blocked"), (4, 2, "split_blocked"),
     (8, 2, "split_blocked_bf16"), (4, 2, "split_blocked_bf16"), (2, 1, "split_blocked_bf16"),
     (4, 2, "fold"), (8, 2, "fold"),  # blocked_bf16 as gdn_prefill(fold=True) runs it
+    (4, 2, "foldbeta"),  # and with fold_beta_rows=True
 ]  # fmt: skip
 
 
@@ -398,17 +401,17 @@ def _intra_step(batch, seq_len, nw, ns, form):
     """The default prefill's intra launch alone (``gpu.prefill_scratch`` with the Mosaic GPU
     serial launch's layout, bf16 operands) as a :func:`time_stateful` step, and its operands.
     ``form`` ``"fold"``: ``blocked_bf16`` as ``gdn_prefill(fold=True)`` runs it (its scratch
-    without the inputs it passes through)."""
+    without the inputs it passes through); ``"foldbeta"`` the same with ``fold_beta_rows``."""
     qsl, slots, _ = prefill_batch(batch, seq_len)
     acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
-    fold = form == "fold"
+    fold = form in ("fold", "foldbeta")
 
     @jax.jit  # the chain's calls share one lowering
     def scratch(acts, qsl, slots):
         _, _, x = gpu.prefill_scratch(
             *acts, qsl, slots, operand_dtype=jnp.bfloat16, precision=None, num_warps=nw,
             num_stages=ns, tma_layout=True, form="blocked_bf16" if fold else form, fold=fold,
-            interpret=INTERPRET,
+            fold_beta_rows=form == "foldbeta", interpret=INTERPRET,
         )  # fmt: skip
         return (x.w, x.tm, x.vec, x.decay) if fold else tuple(x)
 
@@ -424,7 +427,7 @@ def intra_floor(batch, seq_len, form="whole") -> dict:
     step, operands = _intra_step(batch, seq_len, 8, 2, form)
     x = jax.eval_shape(step, jnp.zeros(()), *operands)[1]
     bytes_out = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(x))
-    acts = [a for i, a in enumerate(operands[0]) if not (form == "fold" and i == 2)]  # (v)
+    acts = [a for i, a in enumerate(operands[0]) if not (form.startswith("fold") and i == 2)]
     bytes_in = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(acts))
     bw = copy_bandwidth(2**30, **(dict(iters=1, repeats=1) if INTERPRET else {}))
     return {"bytes_MB": (bytes_in + bytes_out) / 1e6, "copy_GBps": bw / 1e9,
@@ -715,6 +718,8 @@ def main() -> None:
     pipe = dict(serial="mgpu", fold=True, fold_pipeline=True)
     guarded("check_prefill_foldpipe", lambda: check_prefill(None, **pipe))
     guarded("check_prefill_foldpipe_aligned", lambda: check_prefill_aligned(**pipe))
+    beta_rows = dict(serial="mgpu", fold=True, fold_beta_rows=True)
+    guarded("check_prefill_foldbeta", lambda: check_prefill(None, **beta_rows))
     # the baseline first: a section cut by its time limit still has it
     fla_rows = [] if args.no_fla_decode else decode_rows
     guarded("fla", lambda: time_fla(prefill_shapes, fla_rows))

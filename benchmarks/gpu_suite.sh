@@ -80,6 +80,9 @@
 #             True)): its GPU check, then timed beside the default (the fold) and FLA at 1x4096,
 #             8x4096, 1x16384; foldregions benchmarks.mgpu_regions: the serial launch's
 #             cycles a chunk by region, unfolded, fold, fold_pipeline, at 1x4096 and 8x4096
+#   gdnfoldbeta  the fold's intra launch alone at 8x4096, 4 warps, as it is and with
+#             fold_beta_rows (Tm diag(beta) as diag(beta) M^-1: offline 4,720 instructions
+#             against 4,856); gdnfoldbetap its GPU check and the prefill at 8x4096 and 1x4096
 #   multidecfirst  Triton's k-token decode as it is and with every input read before its
 #             first store (multi_decode_gpu.INPUTS_FIRST), both families, k = 1, 2, 3
 #             (in chains of 50 a Mosaic GPU entry takes ~30 s: the whole section runs past one
@@ -202,6 +205,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         multidec) echo "python -m benchmarks.multi_decode --no-baselines --out $j" ;;
         gdnfold) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --only check_prefill_fold,check_prefill_mgpu,fla,prefill_B1_T4096_default,prefill_B1_T4096_fold,prefill_B8_T4096_default,prefill_B8_T4096_fold,prefill_B1_T16384_default,prefill_B1_T16384_fold --out $j" ;;
         gdnfoldpipe) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --only check_prefill_foldpipe,fla,prefill_B1_T4096_default,prefill_B1_T4096_foldpipe,prefill_B8_T4096_default,prefill_B8_T4096_foldpipe,prefill_B1_T16384_default,prefill_B1_T16384_foldpipe --out $j" ;;
+        gdnfoldbeta) echo "python -m benchmarks.gdn_kernels --intra-sweep --only intra_B8_T4096_fold_w4,intra_B8_T4096_foldbeta_w4 --out $j" ;;
+        gdnfoldbetap) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --only check_prefill_foldbeta,prefill_B8_T4096_default,prefill_B8_T4096_foldbeta,prefill_B1_T4096_default,prefill_B1_T4096_foldbeta --out $j" ;;
         foldregions) echo "python -m benchmarks.mgpu_regions --shapes 1x4096,8x4096 --variants default,fold,fold_pipeline --time-shapes '' --out $j" ;;
         gdnfoldintra) echo "python -m benchmarks.gdn_kernels --intra-sweep --only intra_B8_T4096_floor,intra_B8_T4096_fold_floor,intra_B8_T4096_blocked_bf16_w4,intra_B8_T4096_fold --out $j" ;;
         gdnfoldr128 | gdnfoldr168) echo "python -m benchmarks.gdn_kernels --intra-sweep --maxnreg ${1#gdnfoldr} --only intra_B8_T4096_fold --out $j" ;;

@@ -275,17 +275,21 @@ def operand_products(precision, operand_dtype) -> Callable:
 
 
 def store_blocked_w_u(
-    t, kb_dec, rows, valid, beta, h, v_ref, w_ref, u_ref, pmm, tma_layout, v_blocks=None
+    t, kb_dec, rows, valid, beta, h, v_ref, w_ref, u_ref, pmm, tma_layout, v_blocks=None,
+    w_row_scale=None,
 ):  # fmt: skip
     """An intra launch's ``W = Tm (beta e^gam k)`` and ``U = Tm (beta v)`` by 16-row blocks
     (GDN's blocked form, KDA's): ``t[i, j]`` the inverse's blocks (``j <= i``), ``kb_dec[j]``
     W's operand, ``rows`` / ``valid`` / ``beta`` each block's; ``pmm`` the products. v's rows
     are read for each product (from L2 after the first: no v tile kept live), or taken from
     ``v_blocks`` (each block's ``[16, Dv]`` rows, read by the caller: :func:`load_v_blocks`);
-    ``U^T`` with ``tma_layout``; ``u_ref`` None: W only."""
+    ``U^T`` with ``tma_layout``; ``u_ref`` None: W only. ``w_row_scale`` (each block's
+    ``[16]``): W's rows scaled by it before they are stored."""
     nsub = len(rows)
     for bi in range(nsub):
         w = sum(pmm(t[bi, bj], kb_dec[bj]) for bj in range(bi + 1))
+        if w_row_scale is not None:
+            w = w * w_row_scale[bi][:, None]
         pltr.store(w_ref.at[h, rows[bi], :], w.astype(w_ref.dtype), mask=valid[bi][:, None])
     if u_ref is None:
         return

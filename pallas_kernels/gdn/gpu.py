@@ -142,6 +142,16 @@ INTRA_FORM = os.environ.get("HYJAX_GDN_INTRA") or None
 # 8x4096); at one row, whose 64 serial programs leave half the SMs idle, the longer serial
 # chain costs about what the intra launch saves (0.85-1.01x at 1x4096 in four processes).
 FOLD = os.environ.get("HYJAX_GDN_FOLD", "1") == "1"
+# The fold's intra launch with beta moved to the rows: Tm diag(beta) = diag(beta) M^-1 for
+# M = I + L diag(beta) (L the chunk's strictly lower k k^T e^(gam_i - gam_j); the push-through
+# identity (I + B L)^-1 B = B (I + L B)^-1), L diag(beta)'s column scale folded into its
+# exponent (e^(gam_i - gam_j + log beta_j)) and the inverse's rows scaled by beta: no column
+# scaling of a [16, 16] block (Triton moves it between layouts). Offline (ptxas, 4 warps):
+# 4,720 SASS instructions against 4,856, 0 or 4 bytes of spills (the source's line numbers
+# alone move it; the inverse's blocks scaled once instead of where stored and in W: 4,640).
+# Not yet timed on a GPU: off by default, HYJAX_GDN_FOLD_BETA_ROWS=1 for a process
+# (gdn_kernels' "foldbeta" variant and intra sweep entry time it).
+FOLD_BETA_ROWS = os.environ.get("HYJAX_GDN_FOLD_BETA_ROWS", "0") == "1"
 # Each form's (warps, stages) when not told: the fastest of the intra launch alone at 8x4096
 # on an H200 (gdn_kernels --intra-sweep, BENCHMARKS.md: blocked_bf16 1.79 ms at 4 warps, 3.03
 # at 8; the whole chunk's 3.81 at 8, 5.29 at 4; whole_bf16 2.04 at 4, 2.93 at 8;
@@ -416,6 +426,7 @@ def _intra_kernel_blocked(
     c_start_ref, c_len_ref, live_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
     w_ref, u_ref, qd_ref, kd_ref, aqk_ref, dl_ref, tm_ref=None, vec_ref=None,
     *, ratio: int, scale: float, precision, tma_layout: bool = False, bf16_products: bool = False,
+    beta_rows: bool = False,
 ):  # fmt: skip
     """:func:`_intra_kernel`'s outputs by ``[16, 16]`` blocks of the chunk (``blocked=True``),
     as KDA's intra launch: the rows read as four 16-row sub-blocks, ``A`` and ``Aqk`` by
@@ -430,8 +441,10 @@ def _intra_kernel_blocked(
     ``"split_blocked"`` form's first launch: no ``v``, ``W``, ``U``) ``Tm``'s blocks are stored
     there instead of W and U (:func:`_intra_kernel_wu` makes them). With ``vec_ref`` (the
     ``fold`` scratch, :func:`_intra_kernel_fold`) no ``q_dec``, ``k_dec`` or ``Aqk``: the
-    rows' scalings are stored as vectors instead (:data:`FOLD_VECTORS`)."""
+    rows' scalings are stored as vectors instead (:data:`FOLD_VECTORS`); with ``beta_rows``
+    (the fold only, :data:`FOLD_BETA_ROWS`) ``Tm diag(beta)`` made as ``diag(beta) M^-1``."""
     fold = vec_ref is not None
+    beta_rows = fold and beta_rows
     ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     jj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
 
@@ -475,12 +488,19 @@ def _intra_kernel_blocked(
                 a_qk = jnp.zeros((SUB, SUB), jnp.float32)
                 if bj <= bi:
                     diff = gam[bi][:, None] - gam[bj][None, :]  # <= 0 where i >= j
+                    if beta_rows:  # L diag(beta): beta_j in the exponent (still <= 0; outside
+                        # the chunk beta is 0 and k's rows zeros: e^-69 times 0)
+                        lb = jnp.log(beta[bj] + 1e-30)
+                        diff = gam[bi][:, None] - (gam[bj] - lb)[None, :]
                     if bi == bj:
                         e_kk = jnp.exp(jnp.where(ii > jj, diff, -1e30))
                         e_qk = jnp.exp(jnp.where(ii >= jj, diff, -1e30))
                     else:
                         e_kk = e_qk = jnp.exp(diff)
-                    a_kk[bi, bj] = beta[bi][:, None] * pmm(k[bi], k[bj], NT) * e_kk
+                    if beta_rows:
+                        a_kk[bi, bj] = pmm(k[bi], k[bj], NT) * e_kk
+                    else:
+                        a_kk[bi, bj] = beta[bi][:, None] * pmm(k[bi], k[bj], NT) * e_kk
                     if not fold:
                         a_qk = pmm(q[bi], k[bj], NT) * e_qk
                 if not fold:
@@ -489,7 +509,8 @@ def _intra_kernel_blocked(
             if not fold:
                 q_dec = q[bi] * jnp.exp(gam[bi])[:, None]
                 pltr.store(qd_ref.at[h, r, :], q_dec.astype(qd_ref.dtype), mask=ok)
-        t = block_unit_lower_inverse(a_kk, NSUB, precision)
+        t = block_unit_lower_inverse(a_kk, NSUB, precision)  # (beta_rows: (I + L diag(beta))^-1,
+        # its rows scaled by beta where stored and in W: Tm diag(beta) = diag(beta) M^-1)
         # k's rows stored and turned into W's operand (k dead after them), then W (not in the
         # split form's first launch: Tm's blocks are stored instead)
         kb_dec = []
@@ -509,14 +530,18 @@ def _intra_kernel_blocked(
             else:
                 k_dec = k[bi] * jnp.exp(gam_last - gam[bi])[:, None]  # zero outside the chunk
                 pltr.store(kd_ref.at[h, r, :], k_dec.astype(kd_ref.dtype), mask=kd_ok)
-            if tm_ref is None or fold:
+            if beta_rows:  # (beta is in t's rows)
+                kb_dec.append(k[bi] * jnp.exp(gam[bi])[:, None])
+            elif tm_ref is None or fold:
                 kb_dec.append(k[bi] * (beta[bi] * jnp.exp(gam[bi]))[:, None])
         dl_ref[ci, h] = jnp.exp(gam_last)
         if tm_ref is not None:  # Tm by blocks, zeros above the diagonal ones (the fold: U's
             for bi in range(NSUB):  # factor Tm diag(beta), then W here and U in the serial launch)
                 for bj in range(NSUB):
                     blk = t[bi, bj] if bj <= bi else jnp.zeros((SUB, SUB), jnp.float32)
-                    if fold and bj <= bi:
+                    if beta_rows and bj <= bi:
+                        blk = beta[bi][:, None] * blk
+                    elif fold and bj <= bi:
                         blk = blk * beta[bj][None, :]
                     pltr.store(tm_ref.at[h, rows[bi], pl.ds(bj * SUB, SUB)],
                                blk.astype(tm_ref.dtype), mask=valid[bi][:, None])  # fmt: skip
@@ -524,7 +549,7 @@ def _intra_kernel_blocked(
                 return
         store_blocked_w_u(
             t, kb_dec, rows, valid, beta, h, v_ref, w_ref, None if fold else u_ref, pmm,
-            tma_layout, v_blocks,
+            tma_layout, v_blocks, w_row_scale=beta if beta_rows else None,
         )  # fmt: skip
 
     _chunk_program(c_start_ref, c_len_ref, k_ref.shape[0], tma_layout, body)
@@ -568,7 +593,7 @@ def _intra_kernel_blocked_scores(
 def intra_launch(
     q, k, v, a, b, A_log, dt_bias, plan, *, num_chunks: int, operand_dtype, precision,
     num_warps: int = 8, num_stages: int = 2, tma_layout: bool = False, form: str = "whole",
-    fold: bool = False, interpret: bool = False,
+    fold: bool = False, fold_beta_rows: bool | None = None, interpret: bool = False,
 ) -> ChunkRefs | chunk_scan_mgpu.FoldRefs:  # fmt: skip
     """Launch 1 (:func:`_intra_kernel`, or by 16-row blocks :func:`_intra_kernel_blocked`:
     ``form``, one of :data:`INTRA_FORMS`) over grid ``(NC, Hv)`` on inputs padded to at least
@@ -576,7 +601,8 @@ def intra_launch(
     Mosaic GPU serial launch's scratch, on a token-aligned plan; ``u`` is then
     ``U^T [Hv, Dv, Tp]`` (``Tp`` a multiple of 64: TMA's tiles). ``fold`` (with
     ``tma_layout``, a ``"blocked"`` form): :func:`_intra_kernel_fold`'s scratch,
-    :class:`~pallas_kernels.common.chunk_scan_mgpu.FoldRefs`."""
+    :class:`~pallas_kernels.common.chunk_scan_mgpu.FoldRefs`; ``fold_beta_rows`` (None:
+    :data:`FOLD_BETA_ROWS`) its ``Tm diag(beta)`` as ``diag(beta) M^-1``."""
     if fold and not (tma_layout and form.startswith("blocked")):
         raise ValueError(f"fold: the Mosaic GPU launch's scratch, a blocked form; not {form!r}")
     tp, hk, dk = q.shape
@@ -596,7 +622,10 @@ def intra_launch(
     if fold:
         vec = jax.ShapeDtypeStruct((hv, FOLD_ROWS, tp), jnp.float32)
         kernel = functools.partial(
-            _intra_kernel_fold, bf16_products=form == "blocked_bf16", **common
+            _intra_kernel_fold,
+            bf16_products=form == "blocked_bf16",
+            beta_rows=FOLD_BETA_ROWS if fold_beta_rows is None else fold_beta_rows,
+            **common,
         )
         w, tm, vec, decay = pl.pallas_call(
             kernel,
@@ -654,7 +683,7 @@ def prefill_scratch(
     q, k, v, a, b, A_log, dt_bias, query_start_loc, slots: StateSlots, *, operand_dtype,
     precision, num_warps: int | None = None, num_stages: int | None = None,
     tma_layout: bool = False, form: str | None = None, fold: bool = False,
-    interpret: bool = False,
+    fold_beta_rows: bool | None = None, interpret: bool = False,
 ):  # fmt: skip
     """The prefill up to its serial launch: the chunk plan, the plan by row and the intra
     launch's scratch (:func:`intra_launch`, on inputs padded to a 64-row window; in the Mosaic
@@ -675,7 +704,8 @@ def prefill_scratch(
     x = intra_launch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=operand_dtype,
         precision=precision, num_warps=num_warps, num_stages=num_stages,
-        tma_layout=tma_layout, form=form, fold=fold, interpret=interpret,
+        tma_layout=tma_layout, form=form, fold=fold, fold_beta_rows=fold_beta_rows,
+        interpret=interpret,
     )  # fmt: skip
     return plan, row_plan(plan, slots, nc), x
 
@@ -706,6 +736,7 @@ def gdn_prefill(
     serial: str | None = None,
     fold: bool | None = None,
     fold_pipeline: bool | None = None,
+    fold_beta_rows: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, Hv, Dv], state)``.
@@ -740,7 +771,9 @@ def gdn_prefill(
         :data:`FOLD`; only where the serial launch is Mosaic GPU's and the intra form a blocked
         one): the rows' scalings and ``Aqk`` made in the serial launch from q's and k's rows
         (:func:`_intra_kernel_fold`, ``chunk_scan_mgpu.FoldRefs``); ``fold_pipeline`` (None:
-        ``chunk_scan_mgpu.FOLD_PIPELINE``, off) makes each chunk's ``q k^T`` a chunk ahead there.
+        ``chunk_scan_mgpu.FOLD_PIPELINE``, off) makes each chunk's ``q k^T`` a chunk ahead there;
+        ``fold_beta_rows`` (None: :data:`FOLD_BETA_ROWS`, off) the intra launch's
+        ``Tm diag(beta)`` as ``diag(beta) M^-1`` (no column scaling).
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, _, dk = q.shape
@@ -760,7 +793,8 @@ def gdn_prefill(
     plan, rp, x = prefill_scratch(
         q, k, v, a, b, A_log, dt_bias, query_start_loc, slots, operand_dtype=op,
         precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
-        tma_layout=mgpu, form=form, fold=fold, interpret=interpret,
+        tma_layout=mgpu, form=form, fold=fold, fold_beta_rows=fold_beta_rows,
+        interpret=interpret,
     )  # fmt: skip
     if mgpu:
         return chunk_scan_mgpu.scan_mgpu(
