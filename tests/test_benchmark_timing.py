@@ -59,3 +59,30 @@ def test_register_counts_read_the_intra_launch(tmp_path):
             text = open(path).read()
             assert text.startswith(f"module @{name} "), text[:80]
             assert "tt.dot" in text and "loc(" not in text
+
+
+def test_region_profile_summary_reads_cycles_a_chunk(tmp_path):
+    """``benchmarks.mgpu_regions.summarise``: Mosaic GPU's trace (``ts`` the clock / 1e3, B/E
+    events per warpgroup ``tid``) read back as cycles a chunk per region, averaged over the
+    warpgroups, and the loop's span a chunk."""
+    import json
+
+    from benchmarks.mgpu_regions import summarise
+
+    events = []
+    for tid, (wait, mma) in {1: (5, 10), 2: (15, 30)}.items():
+        clock = 1000 * tid
+        for _ in range(4):  # four chunks
+            for name, cycles in (("wait", wait), ("mma1", mma)):
+                events.append({"name": name, "ph": "B", "ts": clock / 1e3, "pid": 1, "tid": tid})
+                clock += cycles
+                events.append({"name": name, "ph": "E", "ts": clock / 1e3, "pid": 1, "tid": tid})
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    got = summarise(str(path), chunks_per_row=4)
+    assert got["warpgroups"] == 2
+    assert abs(got["wait_cycles_per_chunk"] - 10.0) < 1e-6  # (5 + 15) / 2
+    assert abs(got["mma1_cycles_per_chunk"] - 20.0) < 1e-6
+    assert abs(got["loop_cycles_per_chunk"] - 30.0) < 1e-6  # (15 + 45) / 2
+    lo, hi = got["mma1_p10_p90"]
+    assert 10.0 < lo < hi < 30.0
