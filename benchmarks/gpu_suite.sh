@@ -71,7 +71,8 @@
 #   multidec  benchmarks.multi_decode: the k-token (verify) decode, Triton's and Mosaic GPU's
 #             (common/multi_decode_mgpu.py) checked, then timed at 64 / 256 rows, k = 1, 2, 4
 #   gdnfold   GDN's prefill with Aqk and the rows' scalings made in the serial launch
-#             (gdn_prefill(fold=True)): its GPU checks, then timed beside the default and FLA
+#             (gdn_prefill(fold=True), the default since session 34: nofold entries for the
+#             unfolded): its GPU checks, then timed beside the default and FLA
 #             at 1x4096, 8x4096, 1x16384 (~9 entries: SUITE_LIMIT_S >= 450); gdnfoldintra the
 #             fold's intra launch alone at 8x4096 (4 and 8 warps) beside the default's, and
 #             both floors; gdnfoldr128 / gdnfoldr168 the fold's at a register cap of 128 / 168

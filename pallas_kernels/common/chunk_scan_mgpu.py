@@ -132,11 +132,9 @@ PREFETCH = int(os.environ.get("HYJAX_PREFILL_PREFETCH", "0"))
 # Diagnostics (benchmarks/mgpu_regions.py): with a folder, every Mosaic GPU launch of this
 # module records its named regions (``jax.named_scope`` in :func:`_body`: the chunk's wait,
 # products, stores) per warpgroup, up to PROFILE_SPACE of them, into a trace file there per
-# call (Mosaic GPU's profiler, shared memory of PROFILE_SPACE * 16 bytes). APPROX_MATH: exp and
-# friends by the hardware's approximations (CompilerParams.approx_math).
+# call (Mosaic GPU's profiler, shared memory of PROFILE_SPACE * 16 bytes).
 PROFILE_DIR = os.environ.get("HYJAX_MGPU_PROFILE_DIR", "")
 PROFILE_SPACE = int(os.environ.get("HYJAX_MGPU_PROFILE_SPACE", "512"))
-APPROX_MATH = os.environ.get("HYJAX_MGPU_APPROX_MATH", "0") == "1"
 # GDN's fold launch takes its exps (Aqk's decays, 32 a thread a chunk) from ex2.approx: its
 # products' wait went from 1,860 to 1,418 cycles a chunk and the launch from 5,293 to 4,768
 # (H200, benchmarks/mgpu_regions.py, 2026-11-30); the exps feed bf16 operands, whose rounding
@@ -432,6 +430,7 @@ def _body(
                 for src_ref, _ in tiles(i + 1 + prefetch):
                     ops.prefetch(src_ref)
 
+        ahead = None
         if pipeline:  # (this chunk's tiles were waited for by the chunk before, or the start)
             nxt = (i + 1) % STAGES
 
@@ -441,26 +440,21 @@ def _body(
                 def _():
                     plgpu.barrier_wait(bars.at[nxt])
 
+            ahead = (qk, nxt, aqk_t[0], wait_next)
+        else:
+            with jax.named_scope("wait"):
+                plgpu.barrier_wait(bars.at[slot])
+            if diagnostic == "loads":
+                return s
+        if fold_heads:
             s, o, qk = _fold_step(
                 ops, s, slot, lead, length, dec_s[ci // META_COLS, ci % META_COLS],
-                w_s, tm_s, v_s, qd_s, kd_s, aqk_s, st_t, vt_t,
-                pipeline=(qk, nxt, aqk_t[0], wait_next),
-            )  # fmt: skip
-            finish(s, o, start, length, lead, end)
-            return s, qk
-        with jax.named_scope("wait"):
-            plgpu.barrier_wait(bars.at[slot])
-        if diagnostic == "loads":
-            return s
-        if fold_heads:
-            s, o = _fold_step(
-                ops, s, slot, lead, length, dec_s[ci // META_COLS, ci % META_COLS],
-                w_s, tm_s, v_s, qd_s, kd_s, aqk_s, st_t, vt_t,
+                w_s, tm_s, v_s, qd_s, kd_s, aqk_s, st_t, vt_t, pipeline=ahead,
             )  # fmt: skip
         else:
             s, o = chain_and_output(slot, ci, lead, length, s)
         finish(s, o, start, length, lead, end)
-        return s
+        return (s, qk) if pipeline else s
 
     @jax.named_scope("mma1")
     def first_product(slot, s):  # S^T W^T (and S^T kept for o)
@@ -558,7 +552,7 @@ def _fold_step(
     ops, s, slot, lead, length, decay, w_s, tm_s, v_s, q_s, k_s, vec_s, st_t, vt_t,
     pipeline=None,
 ):  # fmt: skip
-    """A chunk of GDN's ``fold`` (:class:`FoldRefs`): ``(S^T, o)`` after it. The state's chain
+    """A chunk of GDN's ``fold`` (:class:`FoldRefs`): ``(S^T, o, _)`` after it. The state's chain
     as :func:`_body`'s with ``U^T = v^T (Tm diag(beta))^T`` issued in the same accumulator as
     ``-S^T W^T``, its update's operand ``k_dec`` as ``k``'s rows with ``V'^T``'s columns
     scaled (``k_dec^T V' = k^T (c V')``, ``c`` the ``k_state`` vector), and ``o`` from q's rows::
@@ -575,7 +569,8 @@ def _fold_step(
     ``pipeline`` ``(qk, nxt, aqk_t, wait_next)`` (:data:`FOLD_PIPELINE`): this chunk's ``QK``
     made by the chunk before; its Aqk made into the tile ``aqk_t`` while the first products
     run, and the next chunk's ``QK`` (its tiles in stage ``nxt``, waited for by
-    ``wait_next``) issued with the second ones. Returns ``(S^T, o, next QK)``."""
+    ``wait_next``) issued with the second ones. Returns ``(S^T, o, next QK)`` (None without
+    ``pipeline``)."""
     op = q_s.dtype
 
     def over_tokens(i, shape, dim):  # vector i (FOLD_VECTORS) along dim ``dim`` of ``shape``
@@ -623,14 +618,14 @@ def _fold_step(
             s, o_s, o_v = ops.mma(
                 update, q_s_prod, (ops.zeros((CHUNK, BV)), [(lambda: a_qk(qk), vt_t, True)])
             )
-        with jax.named_scope("scale"):
-            return s, o_v + o_s * over_tokens(0, (CHUNK, BV), 0)
-    wait_next()
-    with jax.named_scope("update_o"):  # and the next chunk's q k^T
-        s, o_s, o_v, qk = ops.mma(
-            update, q_s_prod, (ops.zeros((CHUNK, BV)), [(aqk_t, vt_t, True)]),
-            (ops.zeros((CHUNK, CHUNK)), [(q_s.at[nxt], k_s.at[nxt], True)]),
-        )  # fmt: skip
+        qk = None
+    else:
+        wait_next()
+        with jax.named_scope("update_o"):  # and the next chunk's q k^T
+            s, o_s, o_v, qk = ops.mma(
+                update, q_s_prod, (ops.zeros((CHUNK, BV)), [(aqk_t, vt_t, True)]),
+                (ops.zeros((CHUNK, CHUNK)), [(q_s.at[nxt], k_s.at[nxt], True)]),
+            )  # fmt: skip
     with jax.named_scope("scale"):
         return s, o_v + o_s * over_tokens(0, (CHUNK, BV), 0), qk
 
@@ -780,8 +775,8 @@ def scan_mgpu(
 
 def mgpu_kernel(kernel, out_type, mesh, *, name: str, interpret: bool, approx_math=False):
     """``pl.kernel`` of ``kernel`` over ``mesh`` in Mosaic GPU's Lane semantics, or in Pallas'
-    GPU interpreter (a CPU host). ``approx_math`` (or :data:`APPROX_MATH`): exp and the like by
-    the hardware's approximations (``ex2.approx``)."""
+    GPU interpreter (a CPU host). ``approx_math``: exp and the like by the hardware's
+    approximations (``ex2.approx``)."""
     plgpu = _plgpu()
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -792,7 +787,7 @@ def mgpu_kernel(kernel, out_type, mesh, *, name: str, interpret: bool, approx_ma
     profile = dict(profile_space=PROFILE_SPACE, profile_dir=PROFILE_DIR) if PROFILE_DIR else {}
     params = plgpu.CompilerParams(
         lowering_semantics=plgpu.LoweringSemantics.Lane,
-        approx_math=approx_math or APPROX_MATH,
+        approx_math=approx_math,
         **profile,
     )
     return pl.kernel(kernel, out_type=out_type, mesh=mesh, compiler_params=params, name=name)

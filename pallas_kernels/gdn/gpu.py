@@ -753,12 +753,6 @@ def gdn_prefill(
         for tensor-core speed). ``operand_dtype`` is the dtype of the products' operands after the
         UT transform and of the scratch between launches (:func:`operand_dtype_for`: bf16 for bf16
         activations, float32 for float32 ones); accumulation and the running state stay float32.
-        ``fold`` (the default where it can run: the Mosaic GPU serial launch and a blocked
-    intra form; :data:`FOLD`): the intra launch stores neither
-    ``q_dec``, ``k_dec`` nor ``Aqk`` (0.67 GB of its 1.2 GB of writes at 8x4096, and its q.k
-    products) but five per-token vectors (:data:`FOLD_VECTORS`); the serial launch reads q's and k's
-    own rows and makes ``Aqk`` (one more ``wgmma`` a chunk) and the rows' scalings itself
-    (``chunk_scan_mgpu._fold_step``).
 
     ``three_launches`` moves the output out of the serial launch into a parallel one, at the
         cost of a scratch of every chunk's starting state (``[NC, Hv, Dk, Dv]`` in the operand
@@ -768,9 +762,10 @@ def gdn_prefill(
         :data:`INTRA_TUNING`), ``vb_first`` the serial grid's order
         (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`), ``intra_form`` the intra
         launch's form (:data:`INTRA_FORMS`; None: :func:`default_intra_form`). ``fold`` (None:
-        :data:`FOLD`; only where the serial launch is Mosaic GPU's and the intra form a blocked
-        one): the rows' scalings and ``Aqk`` made in the serial launch from q's and k's rows
-        (:func:`_intra_kernel_fold`, ``chunk_scan_mgpu.FoldRefs``); ``fold_pipeline`` (None:
+        :data:`FOLD`, on; only where the serial launch is Mosaic GPU's and the intra form a
+        blocked one): U, ``Aqk`` and the rows' scalings made in the serial launch from v's, q's
+        and k's rows (the module docstring; :func:`_intra_kernel_fold`,
+        ``chunk_scan_mgpu.FoldRefs``); ``fold_pipeline`` (None:
         ``chunk_scan_mgpu.FOLD_PIPELINE``, off) makes each chunk's ``q k^T`` a chunk ahead there;
         ``fold_beta_rows`` (None: :data:`FOLD_BETA_ROWS`, off) the intra launch's
         ``Tm diag(beta)`` as ``diag(beta) M^-1`` (no column scaling).

@@ -125,7 +125,9 @@ def test_gdn_prefill_folds_by_default_where_it_can(monkeypatch, tuning, folds):
 
     traced = []
     step = chunk_scan_mgpu._fold_step
-    monkeypatch.setattr(chunk_scan_mgpu, "_fold_step", lambda *a: traced.append(1) or step(*a))
+    monkeypatch.setattr(
+        chunk_scan_mgpu, "_fold_step", lambda *a, **k: traced.append(1) or step(*a, **k)
+    )
     qsl, slots, num_slots = prefill_batch(1, 256)
     sd, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
     acts = (sd((256, 2, 64), bf), sd((256, 2, 64), bf), sd((256, 4, 64), bf), sd((256, 4), bf),
