@@ -72,10 +72,10 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     # Aqk and the rows' scalings made in the Mosaic GPU serial launch (gdn_prefill(fold=True))
     "fold": (None, None, None, dict(serial="mgpu", fold=True)),
     "nofold": (None, None, None, dict(serial="mgpu", fold=False)),  # (the default until 11-30)
-    # the fold with each chunk's q k^T a chunk ahead (chunk_scan_mgpu.FOLD_PIPELINE)
-    "foldpipe": (None, None, None, dict(serial="mgpu", fold=True, fold_pipeline=True)),
-    # the fold's intra launch with Tm diag(beta) as diag(beta) M^-1 (gpu.FOLD_BETA_ROWS)
+    # the fold's intra launch with Tm diag(beta) as diag(beta) M^-1 (gpu.FOLD_BETA_ROWS, the
+    # default since 2026-11-30), or with Tm's columns scaled (the default before)
     "foldbeta": (None, None, None, dict(serial="mgpu", fold=True, fold_beta_rows=True)),
+    "foldcols": (None, None, None, dict(serial="mgpu", fold=True, fold_beta_rows=False)),
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
     "bf16ops_three": (None, jnp.bfloat16, True, {}),
     "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True, {}),
@@ -393,7 +393,7 @@ INTRA_CONFIGS = [
     (8, 2, "split"), (4, 2, "split"), (8, 2, "split_blocked"), (4, 2, "split_blocked"),
     (8, 2, "split_blocked_bf16"), (4, 2, "split_blocked_bf16"), (2, 1, "split_blocked_bf16"),
     (4, 2, "fold"), (8, 2, "fold"),  # blocked_bf16 as gdn_prefill(fold=True) runs it
-    (4, 2, "foldbeta"),  # and with fold_beta_rows=True
+    (4, 2, "foldbeta"), (4, 2, "foldcols"),  # with fold_beta_rows True, False
 ]  # fmt: skip
 
 
@@ -401,17 +401,19 @@ def _intra_step(batch, seq_len, nw, ns, form):
     """The default prefill's intra launch alone (``gpu.prefill_scratch`` with the Mosaic GPU
     serial launch's layout, bf16 operands) as a :func:`time_stateful` step, and its operands.
     ``form`` ``"fold"``: ``blocked_bf16`` as ``gdn_prefill(fold=True)`` runs it (its scratch
-    without the inputs it passes through); ``"foldbeta"`` the same with ``fold_beta_rows``."""
+    without the inputs it passes through, ``fold_beta_rows`` its default); ``"foldbeta"`` /
+    ``"foldcols"`` the same with ``fold_beta_rows`` True / False."""
     qsl, slots, _ = prefill_batch(batch, seq_len)
     acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
-    fold = form in ("fold", "foldbeta")
+    fold = form in ("fold", "foldbeta", "foldcols")
+    beta_rows = {"foldbeta": True, "foldcols": False}.get(form)
 
     @jax.jit  # the chain's calls share one lowering
     def scratch(acts, qsl, slots):
         _, _, x = gpu.prefill_scratch(
             *acts, qsl, slots, operand_dtype=jnp.bfloat16, precision=None, num_warps=nw,
             num_stages=ns, tma_layout=True, form="blocked_bf16" if fold else form, fold=fold,
-            fold_beta_rows=form == "foldbeta", interpret=INTERPRET,
+            fold_beta_rows=beta_rows, interpret=INTERPRET,
         )  # fmt: skip
         return (x.w, x.tm, x.vec, x.decay) if fold else tuple(x)
 
@@ -715,11 +717,8 @@ def main() -> None:
     guarded("check_prefill_mgpu_aligned", lambda: check_prefill_aligned(serial="mgpu"))
     guarded("check_prefill_fold", lambda: check_prefill(None, serial="mgpu", fold=True))
     guarded("check_prefill_fold_aligned", lambda: check_prefill_aligned(serial="mgpu", fold=True))
-    pipe = dict(serial="mgpu", fold=True, fold_pipeline=True)
-    guarded("check_prefill_foldpipe", lambda: check_prefill(None, **pipe))
-    guarded("check_prefill_foldpipe_aligned", lambda: check_prefill_aligned(**pipe))
-    beta_rows = dict(serial="mgpu", fold=True, fold_beta_rows=True)
-    guarded("check_prefill_foldbeta", lambda: check_prefill(None, **beta_rows))
+    cols = dict(serial="mgpu", fold=True, fold_beta_rows=False)
+    guarded("check_prefill_foldcols", lambda: check_prefill(None, **cols))
     # the baseline first: a section cut by its time limit still has it
     fla_rows = [] if args.no_fla_decode else decode_rows
     guarded("fla", lambda: time_fla(prefill_shapes, fla_rows))

@@ -77,13 +77,11 @@
 #             fold's intra launch alone at 8x4096 (4 and 8 warps) beside the default's, and
 #             both floors; gdnfoldr128 / gdnfoldr168 the fold's at a register cap of 128 / 168
 #             (offline: 280 / 120 B of spills at 8 warps, more programs an SM)
-#   gdnfoldpipe  the fold with each chunk's q k^T a chunk ahead (gdn_prefill(fold_pipeline=
-#             True)): its GPU check, then timed beside the default (the fold) and FLA at 1x4096,
-#             8x4096, 1x16384; foldregions benchmarks.mgpu_regions: the serial launch's
-#             cycles a chunk by region, unfolded, fold, fold_pipeline, at 1x4096 and 8x4096
-#   gdnfoldbeta  the fold's intra launch alone at 8x4096, 4 warps, as it is and with
-#             fold_beta_rows (Tm diag(beta) as diag(beta) M^-1: offline 4,720 instructions
-#             against 4,856); gdnfoldbetap its GPU check and the prefill at 8x4096 and 1x4096
+#   foldregions benchmarks.mgpu_regions: the serial launch's cycles a chunk by region,
+#             unfolded and fold, at 1x4096 and 8x4096
+#   gdnfoldbeta  the fold's intra launch alone at 8x4096, 4 warps, with fold_beta_rows (Tm
+#             diag(beta) as diag(beta) M^-1, the default since 2026-11-30) and without;
+#             gdnfoldbetap the GPU check without it and the prefill at 8x4096 and 1x4096
 #   multidecfirst  Triton's k-token decode as it is and with every input read before its
 #             first store (multi_decode_gpu.INPUTS_FIRST), both families, k = 1, 2, 3
 #             (in chains of 50 a Mosaic GPU entry takes ~30 s: the whole section runs past one
@@ -205,10 +203,9 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         mgpukda) echo "python -m benchmarks.kda_kernels --only check_prefill_default,check_prefill_triton,fla,prefill_B1_T4096_default,prefill_B1_T4096_triton,prefill_B1_T16384_default,prefill_B1_T16384_triton,prefill_B8_T4096_default,prefill_B8_T4096_triton,prefill_B8_T4096_ckpt --out $j" ;;
         multidec) echo "python -m benchmarks.multi_decode --no-baselines --out $j" ;;
         gdnfold) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --only check_prefill_fold,check_prefill_mgpu,fla,prefill_B1_T4096_default,prefill_B1_T4096_fold,prefill_B8_T4096_default,prefill_B8_T4096_fold,prefill_B1_T16384_default,prefill_B1_T16384_fold --out $j" ;;
-        gdnfoldpipe) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --only check_prefill_foldpipe,fla,prefill_B1_T4096_default,prefill_B1_T4096_foldpipe,prefill_B8_T4096_default,prefill_B8_T4096_foldpipe,prefill_B1_T16384_default,prefill_B1_T16384_foldpipe --out $j" ;;
-        gdnfoldbeta) echo "python -m benchmarks.gdn_kernels --intra-sweep --only intra_B8_T4096_fold_w4,intra_B8_T4096_foldbeta_w4 --out $j" ;;
-        gdnfoldbetap) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --only check_prefill_foldbeta,prefill_B8_T4096_default,prefill_B8_T4096_foldbeta,prefill_B1_T4096_default,prefill_B1_T4096_foldbeta --out $j" ;;
-        foldregions) echo "python -m benchmarks.mgpu_regions --shapes 1x4096,8x4096 --variants default,fold,fold_pipeline --time-shapes '' --out $j" ;;
+        gdnfoldbeta) echo "python -m benchmarks.gdn_kernels --intra-sweep --only intra_B8_T4096_foldcols_w4,intra_B8_T4096_foldbeta_w4 --out $j" ;;
+        gdnfoldbetap) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --only check_prefill_foldcols,prefill_B8_T4096_default,prefill_B8_T4096_foldcols,prefill_B1_T4096_default,prefill_B1_T4096_foldcols --out $j" ;;
+        foldregions) echo "python -m benchmarks.mgpu_regions --shapes 1x4096,8x4096 --variants default,fold --time-shapes none --out $j" ;;
         gdnfoldintra) echo "python -m benchmarks.gdn_kernels --intra-sweep --only intra_B8_T4096_floor,intra_B8_T4096_fold_floor,intra_B8_T4096_blocked_bf16_w4,intra_B8_T4096_fold --out $j" ;;
         gdnfoldr128 | gdnfoldr168) echo "python -m benchmarks.gdn_kernels --intra-sweep --maxnreg ${1#gdnfoldr} --only intra_B8_T4096_fold --out $j" ;;
         multidecfirst) echo "python -m benchmarks.multi_decode --no-baselines --kernels triton,triton_first --ks 1,2,3 --chain 50 --out $j" ;;

@@ -37,8 +37,6 @@ VARIANTS = {  # name: (gdn_prefill's tuning, the fold launch's approx_math)
     "default": (dict(serial="mgpu", fold=False), True),  # (no exps: approx_math has no effect)
     "fold": (dict(serial="mgpu", fold=True), True),
     "fold_exact": (dict(serial="mgpu", fold=True), False),
-    # each chunk's q k^T a chunk ahead (chunk_scan_mgpu.FOLD_PIPELINE)
-    "fold_pipeline": (dict(serial="mgpu", fold=True, fold_pipeline=True), True),
 }
 
 
@@ -100,7 +98,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="1x4096,8x4096", help="BxT, comma-separated")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--time-shapes", default=None, help="BxT timed (default: --shapes; none: '')")
+    p.add_argument("--time-shapes", default=None, help="BxT timed (default: --shapes), or none")
     p.add_argument("--only", default=None, help="comma-separated name prefixes to run")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -120,6 +118,8 @@ def main() -> None:
     timed_shapes = (
         shapes
         if args.time_shapes is None
+        else []
+        if args.time_shapes == "none"
         else [tuple(int(x) for x in s.split("x")) for s in args.time_shapes.split(",") if s]
     )
     if timed_shapes:

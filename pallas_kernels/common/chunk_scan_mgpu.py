@@ -97,7 +97,6 @@ def smem_bytes(
     op_dtype=jnp.bfloat16,
     per_channel_decay=False,
     fold=False,
-    pipeline=False,
 ) -> int:
     """The launch's shared memory: two stages of a chunk's five tiles (and its ``[Dk]`` decay,
     per channel; :class:`FoldRefs`' six, one of them the f32 vectors), the chunk's S^T and
@@ -111,8 +110,7 @@ def smem_bytes(
         stage += CHUNK * BV * op + 8 * CHUNK * 4 - CHUNK * CHUNK * op
     ncp = _round_up(max(num_chunks, 1), META_COLS)
     return (
-        (CHUNK * CHUNK * op if fold and pipeline else 0)  # (Aqk a chunk ahead)
-        + STAGES * stage
+        STAGES * stage
         + (BV * dk + BV * CHUNK + 2 * CHUNK * BV) * op
         + BV * dk * jnp.dtype(pool_dtype).itemsize
         + (3 if per_channel_decay else 4) * ncp * 4
@@ -140,12 +138,6 @@ PROFILE_SPACE = int(os.environ.get("HYJAX_MGPU_PROFILE_SPACE", "512"))
 # (H200, benchmarks/mgpu_regions.py, 2026-11-30); the exps feed bf16 operands, whose rounding
 # (2^-9) is far above the approximation's (~2^-22).
 FOLD_APPROX_MATH = True
-# GDN's fold with Aqk one chunk ahead (:func:`_fold_step` with ``pipeline``): chunk i+1's
-# ``q k^T`` issued with chunk i's update and o products, and chunk i's Aqk (its elementwise
-# work, 1,400 of the fold launch's 4,772 cycles a chunk, H200) made while chunk i's first
-# product runs, into a shared-memory tile. Not yet timed on a GPU: off by default,
-# HYJAX_GDN_FOLD_PIPELINE=1 for a process, ``scan_mgpu(pipeline=True)``.
-FOLD_PIPELINE = os.environ.get("HYJAX_GDN_FOLD_PIPELINE", "0") == "1"
 
 
 class FoldRefs(NamedTuple):
@@ -266,13 +258,11 @@ class GpuOps:
         _plgpu().async_prefetch(ref)
 
     @staticmethod
-    def mma(*groups, during=None):
+    def mma(*groups):
         """``acc + sum(a @ b)`` for each group ``(acc, terms)`` of ``(a, b_ref, transpose_b)``
         terms (``a`` in registers or shared memory, ``b`` in shared memory), every product
         issued before one wait; the accumulators in order. An ``a`` that is a function is
-        called when its product is issued: its work runs while the products before it do.
-        ``during`` (a function, its result dropped: it writes refs) is called after the last
-        product is issued, before the wait."""
+        called when its product is issued: its work runs while the products before it do."""
         plgpu = _plgpu()
 
         def run(acc_refs):
@@ -282,8 +272,6 @@ class GpuOps:
                     if isinstance(a, Transposed):
                         a = plgpu.transpose_ref(a.ref, (1, 0))
                     plgpu.wgmma(acc_ref, a() if callable(a) else a, b)
-            if during is not None:
-                during()
 
         return pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc, _ in groups))
 
@@ -316,9 +304,7 @@ class InterpretOps:
         pass
 
     @staticmethod
-    def mma(*groups, during=None):
-        if during is not None:  # (no product reads what it writes)
-            during()
+    def mma(*groups):
         out = []
         for acc, terms in groups:
             for a, b, transpose_b in terms:
@@ -343,7 +329,6 @@ def _body(
     diagnostic=None,
     prefetch: int = 0,
     fold_heads: int = 0,
-    pipeline: bool = False,
 ):
     """One program (module docstring). ``prefetch``: at chunk ``i``, chunk ``i + 1 +
     prefetch``'s tiles are prefetched into L2 (0: none). ``diagnostic`` (benchmarks only,
@@ -353,9 +338,7 @@ def _body(
     them, with no products (the state passes through unchanged). ``fold_heads`` (GDN's
     :class:`FoldRefs`, the key heads' count; 0: :class:`ChunkRefs`): the tiles after W are
     ``Tm diag(beta)``, v's, q's and k's rows (``[Tp, heads * D]``) and the scaling vectors,
-    and U, ``Aqk`` and the rows' scalings are made here (:func:`_fold_step`); with ``pipeline``
-    each chunk's ``q k^T`` a chunk ahead: the loop carries it, and a chunk waits for the next
-    one's tiles before its second products instead of for its own at its start."""
+    and U, ``Aqk`` and the rows' scalings are made here (:func:`_fold_step`)."""
     plgpu = _plgpu()
     if fold_heads:  # (the tiles FoldRefs' order, then the same refs)
         ri_ref, meta_ref, dec_ref, w_ref, tm_ref, v_ref, qd_ref, kd_ref, aqk_ref, *rest = refs
@@ -365,7 +348,7 @@ def _body(
         ri_ref, meta_ref, dec_ref, w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, *rest = refs
         w_s, ut_s, qd_s, kd_s, aqk_s, *more = scratch
     pool_in, pool_out, o_ref = rest
-    st_t, vt_t, o_t, o_s, st_s, ri_s, meta_s, dec_s, bars, plan_bar, state_bar, *aqk_t = more
+    st_t, vt_t, o_t, o_s, st_s, ri_s, meta_s, dec_s, bars, plan_bar, state_bar = more
     vb, head, r = jax.lax.axis_index("v"), jax.lax.axis_index("h"), jax.lax.axis_index("r")
     vs = pl.ds(vb * BV, BV)
     op = w_ref.dtype
@@ -413,8 +396,7 @@ def _body(
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(st_s, pool_out.at[slot, head, vs])
 
-    def step(i, carry):
-        s, qk = carry if pipeline else (carry, None)
+    def step(i, s):
         slot = i % STAGES
         ci, start, length, end = chunk(i)
         lead = start - window(start)  # the block's rows before the chunk
@@ -430,31 +412,19 @@ def _body(
                 for src_ref, _ in tiles(i + 1 + prefetch):
                     ops.prefetch(src_ref)
 
-        ahead = None
-        if pipeline:  # (this chunk's tiles were waited for by the chunk before, or the start)
-            nxt = (i + 1) % STAGES
-
-            @jax.named_scope("wait")
-            def wait_next():  # the next chunk's tiles, for its q k^T
-                @pl.when(i + 1 < n)
-                def _():
-                    plgpu.barrier_wait(bars.at[nxt])
-
-            ahead = (qk, nxt, aqk_t[0], wait_next)
-        else:
-            with jax.named_scope("wait"):
-                plgpu.barrier_wait(bars.at[slot])
-            if diagnostic == "loads":
-                return s
+        with jax.named_scope("wait"):
+            plgpu.barrier_wait(bars.at[slot])
+        if diagnostic == "loads":
+            return s
         if fold_heads:
-            s, o, qk = _fold_step(
+            s, o = _fold_step(
                 ops, s, slot, lead, length, dec_s[ci // META_COLS, ci % META_COLS],
-                w_s, tm_s, v_s, qd_s, kd_s, aqk_s, st_t, vt_t, pipeline=ahead,
+                w_s, tm_s, v_s, qd_s, kd_s, aqk_s, st_t, vt_t,
             )  # fmt: skip
         else:
             s, o = chain_and_output(slot, ci, lead, length, s)
         finish(s, o, start, length, lead, end)
-        return (s, qk) if pipeline else s
+        return s
 
     @jax.named_scope("mma1")
     def first_product(slot, s):  # S^T W^T (and S^T kept for o)
@@ -534,12 +504,7 @@ def _body(
         issue(0, 0)
         s = ops.load(st_s, optimized=False).astype(f32)
         s = jnp.where(src > 0, s, 0.0)  # st_s was not read into: zeros
-        if pipeline:  # the first chunk's tiles, and its q k^T
-            plgpu.barrier_wait(bars.at[0])
-            (qk,) = ops.mma((ops.zeros((CHUNK, CHUNK)), [(qd_s.at[0], kd_s.at[0], True)]))
-            s, _ = jax.lax.fori_loop(0, n, step, (s, qk))
-        else:
-            s = jax.lax.fori_loop(0, n, step, s)
+        s = jax.lax.fori_loop(0, n, step, s)
 
         @pl.when(dst > 0)
         def _():
@@ -549,10 +514,9 @@ def _body(
 
 
 def _fold_step(
-    ops, s, slot, lead, length, decay, w_s, tm_s, v_s, q_s, k_s, vec_s, st_t, vt_t,
-    pipeline=None,
+    ops, s, slot, lead, length, decay, w_s, tm_s, v_s, q_s, k_s, vec_s, st_t, vt_t
 ):  # fmt: skip
-    """A chunk of GDN's ``fold`` (:class:`FoldRefs`): ``(S^T, o, _)`` after it. The state's chain
+    """A chunk of GDN's ``fold`` (:class:`FoldRefs`): ``(S^T, o)`` after it. The state's chain
     as :func:`_body`'s with ``U^T = v^T (Tm diag(beta))^T`` issued in the same accumulator as
     ``-S^T W^T``, its update's operand ``k_dec`` as ``k``'s rows with ``V'^T``'s columns
     scaled (``k_dec^T V' = k^T (c V')``, ``c`` the ``k_state`` vector), and ``o`` from q's rows::
@@ -564,20 +528,31 @@ def _fold_step(
 
     Every exponent kept is <= 0 (``gam`` never increases inside a chunk); columns outside the
     chunk are selected away, never multiplied (the block's other tokens' vectors are another
-    chunk's, or unwritten).
-
-    ``pipeline`` ``(qk, nxt, aqk_t, wait_next)`` (:data:`FOLD_PIPELINE`): this chunk's ``QK``
-    made by the chunk before; its Aqk made into the tile ``aqk_t`` while the first products
-    run, and the next chunk's ``QK`` (its tiles in stage ``nxt``, waited for by
-    ``wait_next``) issued with the second ones. Returns ``(S^T, o, next QK)`` (None without
-    ``pipeline``)."""
+    chunk's, or unwritten). Making Aqk a chunk ahead, into a shared-memory tile while the first
+    products run, was slower: 7,969 against 4,618 cycles a chunk at 1x4096 (H200, 2026-11-30).
+    """
     op = q_s.dtype
+    with jax.named_scope("mma1"):
+        st_t[...] = s.astype(op)
+        vt_f, qk = ops.mma(
+            (ops.zeros((BV, CHUNK)),
+             [(Transposed(v_s.at[slot]), tm_s.at[slot], True),
+              ((-s).astype(op), w_s.at[slot], True)]),
+            (ops.zeros((CHUNK, CHUNK)), [(q_s.at[slot], k_s.at[slot], True)]),
+        )  # fmt: skip
 
     def over_tokens(i, shape, dim):  # vector i (FOLD_VECTORS) along dim ``dim`` of ``shape``
         load = ops.load_row_vector if dim == 1 else ops.load_col_vector
         return jax.lax.broadcast_in_dim(load(vec_s.at[slot, i]), shape, (dim,))
 
-    def a_qk(qk):
+    with jax.named_scope("vt"):
+        col = ops.iota((BV, CHUNK), 1)
+        in_chunk = (col >= lead) & (col < lead + length)
+        vt_t[...] = jnp.where(in_chunk, vt_f, 0.0).astype(op)  # V'^T, zero outside the chunk
+        _plgpu().commit_smem()
+        vt_c = jnp.where(in_chunk, vt_f * over_tokens(1, (BV, CHUNK), 1), 0.0).astype(op)
+
+    def a_qk():
         sq = (CHUNK, CHUNK)
         ri, cj = ops.iota(sq, 0), ops.iota(sq, 1)
         # (cj < lead + length matters to rows past the chunk's end only, never stored; without
@@ -587,47 +562,14 @@ def _fold_step(
         scores = qk * over_tokens(2, sq, 0) * over_tokens(3, sq, 1) * e
         return jnp.where(keep, scores, 0.0).astype(op)
 
-    first = (ops.zeros((BV, CHUNK)),
-             [(Transposed(v_s.at[slot]), tm_s.at[slot], True),
-              ((-s).astype(op), w_s.at[slot], True)])  # fmt: skip
-    with jax.named_scope("mma1"):
-        st_t[...] = s.astype(op)
-        if pipeline is None:
-            vt_f, qk = ops.mma(
-                first, (ops.zeros((CHUNK, CHUNK)), [(q_s.at[slot], k_s.at[slot], True)])
-            )
-        else:
-            qk, nxt, aqk_t, wait_next = pipeline
-
-            def make_aqk():  # (committed with V'^T below, before the products that read it)
-                aqk_t[...] = a_qk(qk)
-
-            (vt_f,) = ops.mma(first, during=make_aqk)
-
-    with jax.named_scope("vt"):
-        col = ops.iota((BV, CHUNK), 1)
-        in_chunk = (col >= lead) & (col < lead + length)
-        vt_t[...] = jnp.where(in_chunk, vt_f, 0.0).astype(op)  # V'^T, zero outside the chunk
-        _plgpu().commit_smem()
-        vt_c = jnp.where(in_chunk, vt_f * over_tokens(1, (BV, CHUNK), 1), 0.0).astype(op)
-
-    update = (s * decay, [(vt_c, k_s.at[slot], False)])  # the state's (the serial chain)
-    q_s_prod = (ops.zeros((CHUNK, BV)), [(q_s.at[slot], st_t, True)])
-    if pipeline is None:
-        with jax.named_scope("update_o"):  # Aqk made while the update and q S run
-            s, o_s, o_v = ops.mma(
-                update, q_s_prod, (ops.zeros((CHUNK, BV)), [(lambda: a_qk(qk), vt_t, True)])
-            )
-        qk = None
-    else:
-        wait_next()
-        with jax.named_scope("update_o"):  # and the next chunk's q k^T
-            s, o_s, o_v, qk = ops.mma(
-                update, q_s_prod, (ops.zeros((CHUNK, BV)), [(aqk_t, vt_t, True)]),
-                (ops.zeros((CHUNK, CHUNK)), [(q_s.at[nxt], k_s.at[nxt], True)]),
-            )  # fmt: skip
+    with jax.named_scope("update_o"):  # Aqk made while the update and q S run
+        s, o_s, o_v = ops.mma(
+            (s * decay, [(vt_c, k_s.at[slot], False)]),  # the state's (the serial chain)
+            (ops.zeros((CHUNK, BV)), [(q_s.at[slot], st_t, True)]),
+            (ops.zeros((CHUNK, BV)), [(a_qk, vt_t, True)]),
+        )
     with jax.named_scope("scale"):
-        return s, o_v + o_s * over_tokens(0, (CHUNK, BV), 0), qk
+        return s, o_v + o_s * over_tokens(0, (CHUNK, BV), 0)
 
 
 def _plan_arrays(rp: RowPlan, decay: jax.Array):
@@ -673,7 +615,6 @@ def scan_mgpu(
     live: jax.Array | None = None,
     diagnostic: str | None = None,
     prefetch: int | None = None,
-    pipeline: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The serial launch (module docstring) on the scratch of a token-aligned plan
@@ -693,14 +634,12 @@ def scan_mgpu(
     start without shared memory. No effect on the results (the interpreter skips it).
 
     With GDN's :class:`FoldRefs` (``gdn.gpu.intra_launch(fold=True)``) U, ``Aqk`` and the rows'
-    scalings are made here from v's, q's and k's rows (:func:`_fold_step`); ``pipeline`` (None:
-    :data:`FOLD_PIPELINE`; the fold only) makes each chunk's ``q k^T`` a chunk ahead."""
+    scalings are made here from v's, q's and k's rows (:func:`_fold_step`)."""
     if diagnostic not in DIAGNOSTICS:
         raise ValueError(f"diagnostic={diagnostic!r}: one of {DIAGNOSTICS}")
     fold = isinstance(x, FoldRefs)
     if fold and diagnostic is not None:
         raise ValueError(f"diagnostic={diagnostic!r}: not with FoldRefs")
-    pipeline = fold and (FOLD_PIPELINE if pipeline is None else pipeline)
     prefetch = PREFETCH if prefetch is None else prefetch
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}: a chunk count >= 0")
@@ -713,9 +652,6 @@ def scan_mgpu(
     if why := unsupported_reason(dk, dv, nc, x.w.dtype, state.dtype, per_channel):
         raise ValueError(f"the Mosaic GPU serial launch cannot take this prefill: {why}")
     op = x.w.dtype
-    pipeline = pipeline and smem_bytes(dk, nc, state.dtype, op, fold=True, pipeline=True) <= (
-        SMEM_BYTES
-    )  # (its Aqk tile is 8 KB more: past it, the fold without it)
     ri, meta, dec = _plan_arrays(rp, x.decay)
     if fold:
         tp, hk, _ = x.q.shape
@@ -753,12 +689,11 @@ def scan_mgpu(
         ),
         plgpu.Barrier(num_arrivals=2 if per_channel else 3, num_barriers=1),
         plgpu.Barrier(num_arrivals=1, num_barriers=1),
-        *((tile((CHUNK, CHUNK), 0),) if pipeline else ()),  # the chunk's Aqk, made a chunk ahead
     )
     body = functools.partial(
         _body, ops=InterpretOps if interpret else GpuOps, num_ckpt=num_ckpt,
         per_channel=per_channel, diagnostic=diagnostic, prefetch=prefetch,
-        fold_heads=x.q.shape[1] if fold else 0, pipeline=pipeline,
+        fold_heads=x.q.shape[1] if fold else 0,
     )  # fmt: skip
     mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)

@@ -149,9 +149,10 @@ FOLD = os.environ.get("HYJAX_GDN_FOLD", "1") == "1"
 # scaling of a [16, 16] block (Triton moves it between layouts). Offline (ptxas, 4 warps):
 # 4,720 SASS instructions against 4,856, 0 or 4 bytes of spills (the source's line numbers
 # alone move it; the inverse's blocks scaled once instead of where stored and in W: 4,640).
-# Not yet timed on a GPU: off by default, HYJAX_GDN_FOLD_BETA_ROWS=1 for a process
-# (gdn_kernels' "foldbeta" variant and intra sweep entry time it).
-FOLD_BETA_ROWS = os.environ.get("HYJAX_GDN_FOLD_BETA_ROWS", "0") == "1"
+# On an H200 (2026-11-30, BENCHMARKS.md) the intra launch alone took 1.178 ms against 1.256 at
+# 8x4096 and the prefill 1.855 against 1.966 (0.433 against 0.424 at 1x4096): on by default,
+# HYJAX_GDN_FOLD_BETA_ROWS=0 for the columns' scaling (gdn_kernels' "foldcols" variant).
+FOLD_BETA_ROWS = os.environ.get("HYJAX_GDN_FOLD_BETA_ROWS", "1") == "1"
 # Each form's (warps, stages) when not told: the fastest of the intra launch alone at 8x4096
 # on an H200 (gdn_kernels --intra-sweep, BENCHMARKS.md: blocked_bf16 1.79 ms at 4 warps, 3.03
 # at 8; the whole chunk's 3.81 at 8, 5.29 at 4; whole_bf16 2.04 at 4, 2.93 at 8;
@@ -735,7 +736,6 @@ def gdn_prefill(
     block_v_out: int | None = None,
     serial: str | None = None,
     fold: bool | None = None,
-    fold_pipeline: bool | None = None,
     fold_beta_rows: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -765,10 +765,8 @@ def gdn_prefill(
         :data:`FOLD`, on; only where the serial launch is Mosaic GPU's and the intra form a
         blocked one): U, ``Aqk`` and the rows' scalings made in the serial launch from v's, q's
         and k's rows (the module docstring; :func:`_intra_kernel_fold`,
-        ``chunk_scan_mgpu.FoldRefs``); ``fold_pipeline`` (None:
-        ``chunk_scan_mgpu.FOLD_PIPELINE``, off) makes each chunk's ``q k^T`` a chunk ahead there;
-        ``fold_beta_rows`` (None: :data:`FOLD_BETA_ROWS`, off) the intra launch's
-        ``Tm diag(beta)`` as ``diag(beta) M^-1`` (no column scaling).
+        ``chunk_scan_mgpu.FoldRefs``); ``fold_beta_rows`` (None: :data:`FOLD_BETA_ROWS`, on) the
+        intra launch's ``Tm diag(beta)`` as ``diag(beta) M^-1`` (no column scaling).
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, _, dk = q.shape
@@ -793,9 +791,8 @@ def gdn_prefill(
     )  # fmt: skip
     if mgpu:
         return chunk_scan_mgpu.scan_mgpu(
-            rp, x, state, out_dtype=v.dtype, live=plan.live, pipeline=fold_pipeline,
-            interpret=interpret,
-        )  # fmt: skip
+            rp, x, state, out_dtype=v.dtype, live=plan.live, interpret=interpret
+        )
     bv = serial_block_v(slots.num_rows, hv, dv, block_v)
     o, state = scan_launches(
         rp, x, state, plan.start, plan.length, out_dtype=v.dtype, bv=bv, precision=precision,

@@ -71,9 +71,8 @@ def test_silu_ceiling_computes_silu():
     "rows, per_row, hk, hv, d, every, fold",
     [(2, 4096, 16, 32, 128, 1024, False), (3, 200, 2, 4, 64, 100, False),
      (2, 4096, 16, 32, 128, 1024, True), (3, 200, 2, 4, 64, 100, True),
-     (2, 4096, 16, 32, 128, 1024, "pipeline"), (3, 200, 2, 4, 64, 100, "pipeline")],
-    ids=["80b", "embedded", "80b_fold", "embedded_fold", "80b_fold_pipeline",
-         "embedded_fold_pipeline"],
+     (2, 4096, 16, 32, 128, 1024, "cols"), (3, 200, 2, 4, 64, 100, "cols")],
+    ids=["80b", "embedded", "80b_fold", "embedded_fold", "80b_fold_cols", "embedded_fold_cols"],
 )  # fmt: skip
 def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every, fold):
     """GDN prefill's Mosaic GPU serial launch (``pallas_kernels.common.chunk_scan_mgpu``:
@@ -84,8 +83,8 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every,
     and the pool is aliased in and out of the kernel (written in place). ``fold``: the
     launch making ``Aqk`` and the rows' scalings from q's and k's rows (``gdn_prefill(fold=
     True)``: its vectors' copies, the products' operands and the row / column broadcasts),
-    ``"pipeline"`` with each chunk's ``q k^T`` a chunk ahead (its Aqk tile stored while the
-    first products run, the loop carrying ``q k^T``)."""
+    ``"cols"`` with its intra launch's ``Tm diag(beta)`` made by columns (``fold_beta_rows=
+    False``; the default makes it by rows)."""
     from benchmarks.common import prefill_batch
     from pallas_kernels.gdn import gpu
 
@@ -99,7 +98,7 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every,
     def prefill(*a):
         return gpu.gdn_prefill(
             *a, qsl, slots, precision=None, serial="mgpu", fold=bool(fold),
-            fold_pipeline=fold == "pipeline",
+            fold_beta_rows=fold != "cols",
         )  # fmt: skip
 
     text = jax.jit(prefill, donate_argnums=7).trace(*args).lower(lowering_platforms=("cuda",))
