@@ -12,7 +12,7 @@ import argparse
 import collections
 
 from benchmarks.common import guarded_entries, torch_graph_ms, write_summary
-from benchmarks.gdn_kernels import D, HK, HV
+from benchmarks.gdn_kernels import HK, HV, D
 
 
 def inputs(torch, b, t):
