@@ -76,6 +76,8 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     # default since 2026-11-30), or with Tm's columns scaled (the default before)
     "foldbeta": (None, None, None, dict(serial="mgpu", fold=True, fold_beta_rows=True)),
     "foldcols": (None, None, None, dict(serial="mgpu", fold=True, fold_beta_rows=False)),
+    # the fold's scratch by XLA and a Mosaic GPU launch (gdn.intra_mgpu, gpu.FOLD_INTRA)
+    "foldmgpu": (None, None, None, dict(serial="mgpu", fold=True, fold_intra="mgpu")),
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
     "bf16ops_three": (None, jnp.bfloat16, True, {}),
     "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True, {}),
@@ -394,6 +396,7 @@ INTRA_CONFIGS = [
     (8, 2, "split_blocked_bf16"), (4, 2, "split_blocked_bf16"), (2, 1, "split_blocked_bf16"),
     (4, 2, "fold"), (8, 2, "fold"),  # blocked_bf16 as gdn_prefill(fold=True) runs it
     (4, 2, "foldbeta"), (4, 2, "foldcols"),  # with fold_beta_rows True, False
+    (4, 2, "foldmgpu"),  # the fold's scratch by gdn.intra_mgpu (warps: not used)
 ]  # fmt: skip
 
 
@@ -402,10 +405,11 @@ def _intra_step(batch, seq_len, nw, ns, form):
     serial launch's layout, bf16 operands) as a :func:`time_stateful` step, and its operands.
     ``form`` ``"fold"``: ``blocked_bf16`` as ``gdn_prefill(fold=True)`` runs it (its scratch
     without the inputs it passes through, ``fold_beta_rows`` its default); ``"foldbeta"`` /
-    ``"foldcols"`` the same with ``fold_beta_rows`` True / False."""
+    ``"foldcols"`` the same with ``fold_beta_rows`` True / False; ``"foldmgpu"`` the fold's
+    scratch by :mod:`pallas_kernels.gdn.intra_mgpu` (XLA's vectors and its launch)."""
     qsl, slots, _ = prefill_batch(batch, seq_len)
     acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
-    fold = form in ("fold", "foldbeta", "foldcols")
+    fold = form in ("fold", "foldbeta", "foldcols", "foldmgpu")
     beta_rows = {"foldbeta": True, "foldcols": False}.get(form)
 
     @jax.jit  # the chain's calls share one lowering
@@ -413,7 +417,8 @@ def _intra_step(batch, seq_len, nw, ns, form):
         _, _, x = gpu.prefill_scratch(
             *acts, qsl, slots, operand_dtype=jnp.bfloat16, precision=None, num_warps=nw,
             num_stages=ns, tma_layout=True, form="blocked_bf16" if fold else form, fold=fold,
-            fold_beta_rows=beta_rows, interpret=INTERPRET,
+            fold_beta_rows=beta_rows, fold_intra="mgpu" if form == "foldmgpu" else "triton",
+            interpret=INTERPRET,
         )  # fmt: skip
         return (x.w, x.tm, x.vec, x.decay) if fold else tuple(x)
 
@@ -719,6 +724,9 @@ def main() -> None:
     guarded("check_prefill_fold_aligned", lambda: check_prefill_aligned(serial="mgpu", fold=True))
     cols = dict(serial="mgpu", fold=True, fold_beta_rows=False)
     guarded("check_prefill_foldcols", lambda: check_prefill(None, **cols))
+    fmg = dict(serial="mgpu", fold=True, fold_intra="mgpu")
+    guarded("check_prefill_foldmgpu", lambda: check_prefill(None, **fmg))
+    guarded("check_prefill_foldmgpu_aligned", lambda: check_prefill_aligned(**fmg))
     # the baseline first: a section cut by its time limit still has it
     fla_rows = [] if args.no_fla_decode else decode_rows
     guarded("fla", lambda: time_fla(prefill_shapes, fla_rows))

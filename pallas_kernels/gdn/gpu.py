@@ -116,6 +116,7 @@ from pallas_kernels.common.delta_rule_gpu import (
 )
 from pallas_kernels.common.delta_rule_gpu import unsupported_reason as unsupported_reason
 from pallas_kernels.common.slots import StateSlots
+from pallas_kernels.gdn import intra_mgpu
 from pallas_kernels.gdn.reference import check_gdn_args
 
 CHUNK = 64
@@ -153,6 +154,11 @@ FOLD = os.environ.get("HYJAX_GDN_FOLD", "1") == "1"
 # 8x4096 and the prefill 1.855 against 1.966 (0.433 against 0.424 at 1x4096): on by default,
 # HYJAX_GDN_FOLD_BETA_ROWS=0 for the columns' scaling (gdn_kernels' "foldcols" variant).
 FOLD_BETA_ROWS = os.environ.get("HYJAX_GDN_FOLD_BETA_ROWS", "1") == "1"
+# Who makes the fold's scratch: "triton" (this module's intra launch, _intra_kernel_fold) or
+# "mgpu" (XLA's per-token vectors and a Mosaic GPU launch, pallas_kernels.gdn.intra_mgpu: the
+# inverse by wgmma doubling steps). Not yet timed on a GPU: "triton" by default,
+# HYJAX_GDN_FOLD_INTRA=mgpu for a process.
+FOLD_INTRA = os.environ.get("HYJAX_GDN_FOLD_INTRA", "triton")
 # Each form's (warps, stages) when not told: the fastest of the intra launch alone at 8x4096
 # on an H200 (gdn_kernels --intra-sweep, BENCHMARKS.md: blocked_bf16 1.79 ms at 4 warps, 3.03
 # at 8; the whole chunk's 3.81 at 8, 5.29 at 4; whole_bf16 2.04 at 4, 2.93 at 8;
@@ -594,7 +600,8 @@ def _intra_kernel_blocked_scores(
 def intra_launch(
     q, k, v, a, b, A_log, dt_bias, plan, *, num_chunks: int, operand_dtype, precision,
     num_warps: int = 8, num_stages: int = 2, tma_layout: bool = False, form: str = "whole",
-    fold: bool = False, fold_beta_rows: bool | None = None, interpret: bool = False,
+    fold: bool = False, fold_beta_rows: bool | None = None, fold_intra: str | None = None,
+    interpret: bool = False,
 ) -> ChunkRefs | chunk_scan_mgpu.FoldRefs:  # fmt: skip
     """Launch 1 (:func:`_intra_kernel`, or by 16-row blocks :func:`_intra_kernel_blocked`:
     ``form``, one of :data:`INTRA_FORMS`) over grid ``(NC, Hv)`` on inputs padded to at least
@@ -603,7 +610,12 @@ def intra_launch(
     ``U^T [Hv, Dv, Tp]`` (``Tp`` a multiple of 64: TMA's tiles). ``fold`` (with
     ``tma_layout``, a ``"blocked"`` form): :func:`_intra_kernel_fold`'s scratch,
     :class:`~pallas_kernels.common.chunk_scan_mgpu.FoldRefs`; ``fold_beta_rows`` (None:
-    :data:`FOLD_BETA_ROWS`) its ``Tm diag(beta)`` as ``diag(beta) M^-1``."""
+    :data:`FOLD_BETA_ROWS`) its ``Tm diag(beta)`` as ``diag(beta) M^-1``; ``fold_intra``
+    (None: :data:`FOLD_INTRA`) ``"mgpu"`` makes it by :func:`.intra_mgpu.fold_scratch`
+    instead (``diag(beta) M^-1`` too)."""
+    fold_intra = FOLD_INTRA if fold_intra is None else fold_intra
+    if fold_intra not in ("triton", "mgpu"):
+        raise ValueError(f"fold_intra={fold_intra!r}: 'triton' or 'mgpu'")
     if fold and not (tma_layout and form.startswith("blocked")):
         raise ValueError(f"fold: the Mosaic GPU launch's scratch, a blocked form; not {form!r}")
     tp, hk, dk = q.shape
@@ -619,6 +631,11 @@ def intra_launch(
         return _split_intra(
             q, k, v, a, b, A_log, dt_bias, plan, live, shapes, common, num_chunks, num_warps,
             num_stages, interpret, blocked=form != "split", bf16=form.endswith("bf16"),
+        )  # fmt: skip
+    if fold and fold_intra == "mgpu":
+        return intra_mgpu.fold_scratch(
+            q, k, v, a, b, A_log, dt_bias, plan, num_chunks=num_chunks, operand_dtype=op,
+            interpret=interpret,
         )  # fmt: skip
     if fold:
         vec = jax.ShapeDtypeStruct((hv, FOLD_ROWS, tp), jnp.float32)
@@ -684,7 +701,7 @@ def prefill_scratch(
     q, k, v, a, b, A_log, dt_bias, query_start_loc, slots: StateSlots, *, operand_dtype,
     precision, num_warps: int | None = None, num_stages: int | None = None,
     tma_layout: bool = False, form: str | None = None, fold: bool = False,
-    fold_beta_rows: bool | None = None, interpret: bool = False,
+    fold_beta_rows: bool | None = None, fold_intra: str | None = None, interpret: bool = False,
 ):  # fmt: skip
     """The prefill up to its serial launch: the chunk plan, the plan by row and the intra
     launch's scratch (:func:`intra_launch`, on inputs padded to a 64-row window; in the Mosaic
@@ -706,7 +723,7 @@ def prefill_scratch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=operand_dtype,
         precision=precision, num_warps=num_warps, num_stages=num_stages,
         tma_layout=tma_layout, form=form, fold=fold, fold_beta_rows=fold_beta_rows,
-        interpret=interpret,
+        fold_intra=fold_intra, interpret=interpret,
     )  # fmt: skip
     return plan, row_plan(plan, slots, nc), x
 
@@ -737,6 +754,7 @@ def gdn_prefill(
     serial: str | None = None,
     fold: bool | None = None,
     fold_beta_rows: bool | None = None,
+    fold_intra: str | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, Hv, Dv], state)``.
@@ -766,7 +784,9 @@ def gdn_prefill(
         blocked one): U, ``Aqk`` and the rows' scalings made in the serial launch from v's, q's
         and k's rows (the module docstring; :func:`_intra_kernel_fold`,
         ``chunk_scan_mgpu.FoldRefs``); ``fold_beta_rows`` (None: :data:`FOLD_BETA_ROWS`, on) the
-        intra launch's ``Tm diag(beta)`` as ``diag(beta) M^-1`` (no column scaling).
+        intra launch's ``Tm diag(beta)`` as ``diag(beta) M^-1`` (no column scaling);
+        ``fold_intra`` (None: :data:`FOLD_INTRA`) who makes the fold's scratch: ``"triton"``
+        (that intra launch) or ``"mgpu"`` (:mod:`.intra_mgpu`: XLA and a Mosaic GPU launch).
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, _, dk = q.shape
@@ -787,7 +807,7 @@ def gdn_prefill(
         q, k, v, a, b, A_log, dt_bias, query_start_loc, slots, operand_dtype=op,
         precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
         tma_layout=mgpu, form=form, fold=fold, fold_beta_rows=fold_beta_rows,
-        interpret=interpret,
+        fold_intra=fold_intra, interpret=interpret,
     )  # fmt: skip
     if mgpu:
         return chunk_scan_mgpu.scan_mgpu(
