@@ -37,6 +37,8 @@ VARIANTS = {  # name: (gdn_prefill's tuning, the fold launch's approx_math)
     "default": (dict(serial="mgpu", fold=False), True),  # (no exps: approx_math has no effect)
     "fold": (dict(serial="mgpu", fold=True), True),
     "fold_exact": (dict(serial="mgpu", fold=True), False),
+    # the fold's scratch by gdn.intra_mgpu: its launch's regions too (a program's one block)
+    "fold_intra_mgpu": (dict(serial="mgpu", fold=True, fold_intra="mgpu"), True),
 }
 
 
@@ -83,7 +85,10 @@ def profile(b: int, t: int, tuning: dict, approx: bool, folder: str) -> dict:
     files = sorted(glob.glob(os.path.join(folder, "*-trace.json")))
     if not files:
         return {"failed": "no trace written"}
-    return summarise(files[-1], t // 64)
+    out = summarise(files[-1], t // 64)
+    for f in files[:-1]:  # other launches' (gdn.intra_mgpu's: one block a program)
+        out[os.path.basename(f)] = summarise(f, 1)
+    return out
 
 
 def timed(b: int, t: int, tuning: dict, approx: bool) -> dict:

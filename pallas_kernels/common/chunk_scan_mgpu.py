@@ -76,6 +76,7 @@ STAGES = 2  # chunks in flight
 # chunks; the shared-memory bound (unsupported_reason) stops far below that.
 META_COLS = 128
 SMEM_BYTES = 227 * 1024  # an H100 / H200 block's shared memory
+FOLD_ROWS = 8  # the rows of FoldRefs.vec a chunk's copy brings (gdn.gpu.FOLD_VECTORS, padded)
 f32 = jnp.float32
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,8 @@ class FoldRefs(NamedTuple):
     v: jax.Array  # [Tp, H, Dv]  the prefill's v (padded)
     q: jax.Array  # [Tp, Hk, Dk]  the prefill's q (padded), not normalised
     k: jax.Array  # [Tp, Hk, Dk]
-    vec: jax.Array  # f32[H, 8, Tp]  gdn.gpu.FOLD_VECTORS, then padding rows
+    vec: jax.Array  # f32[H, R, Tp]  gdn.gpu.FOLD_VECTORS, then other rows (R >= 8; the
+    # first FOLD_ROWS are read here)
     decay: jax.Array  # f32[NC, H]  e^gam_last
 
 
@@ -378,7 +380,7 @@ def _body(
             keys = pl.ds(head // (pool_in.shape[1] // fold_heads) * dk, dk)
             return [*pairs, (w_ref.at[head, tok], w_s), (tm_ref.at[head, tok], tm_s),
                     (v_ref.at[tok, pl.ds(head * dv + vb * BV, BV)], v_s),
-                    (qd_ref.at[tok, keys], qd_s), (aqk_ref.at[head, :, tok], aqk_s),
+                    (qd_ref.at[tok, keys], qd_s), (aqk_ref.at[head, pl.ds(0, FOLD_ROWS), tok], aqk_s),
                     (kd_ref.at[tok, keys], kd_s)]  # fmt: skip
         pairs += [(w_ref.at[head, tok], w_s), (ut_ref.at[head, vs, tok], ut_s)]
         if diagnostic != "chain":  # (o's operands)
@@ -672,7 +674,7 @@ def scan_mgpu(
         tile((CHUNK, dk)),  # q_dec (fold: q's rows)
         tile((CHUNK, dk)),  # k_dec (fold: k's rows)
         # Aqk (fold: the vectors, f32 rows)
-        plgpu.SMEM((STAGES, *x.vec.shape[1:2], CHUNK), f32) if fold else tile((CHUNK, CHUNK)),
+        plgpu.SMEM((STAGES, FOLD_ROWS, CHUNK), f32) if fold else tile((CHUNK, CHUNK)),
         tile((BV, dk), 0),  # the chunk's bf16 S^T (o's B)
         tile((BV, CHUNK), 0),  # the chunk's bf16 V'^T (o's B)
         plgpu.SMEM((CHUNK, BV), out_dtype, transforms=transforms),  # o of a 64-token chunk

@@ -567,7 +567,7 @@ def _intra_kernel_blocked(
 # ``Dk^-1/2 e^gam``), k_dec's (l2norm's factor times ``e^(gam_last - gam)``), q's and k's
 # l2norm factors (q's times ``Dk^-1/2``) and ``gam``, from the chunk's window start.
 FOLD_VECTORS = ("q_out", "k_state", "q_norm", "k_norm", "gam")
-FOLD_ROWS = 8  # FOLD_VECTORS padded (a TMA box's rows)
+FOLD_ROWS = chunk_scan_mgpu.FOLD_ROWS  # FOLD_VECTORS padded (a TMA box's rows)
 
 
 def _intra_kernel_fold(

@@ -10,8 +10,8 @@ and a forward substitution, small work with long latencies. Here:
   at most 64 terms), q's and k's l2norm factors, the serial launch's row scalings
   (``gdn.gpu.FOLD_VECTORS``) and the chunk decays. A few elementwise and reduction fusions
   over q, k, a, b.
-* **One warpgroup a (chunk, value head)** (:func:`_body`) reads k's 64-token block by TMA and
-  makes with ``wgmma``::
+* **One warpgroup a 64-token block** (:func:`_body`) reads k's block by TMA and makes with
+  ``wgmma``::
 
       A   = strict_lower(k_i . k_j n_i n_j beta_j e^(gam_i - gam_j))  in the chunk
             = k k^T (raw bf16 k) times e^(r_i - c_j), r = gam + log n, c = gam - log(beta n)
@@ -25,10 +25,11 @@ and a forward substitution, small work with long latencies. Here:
   inverse; a step's product is ~128 tensor-core cycles, five steps of two. The first step
   (``n = 1``) is ``X_2 = I - L_1``, no product.
 
-Rows and columns outside the chunk (the block's other chunks' tokens, or none) are masked out
-of A, so X is the identity there; the chunk's rows of Tm and W are stored (a 64-token chunk in
-one TMA store, a shorter one in runs of its length's bits, as the serial launch stores o), the
-others left to the chunks that own them.
+A program owns a 64-token block of the batch (every chunk in it: chunks lie inside blocks)
+and two value heads of one key head where there are two (their chains interleaved, k's tile
+read once). A is masked to pairs of tokens of one chunk (the token's chunk is a row of vec), so
+X is block diagonal by chunk and the identity on tokens of no chunk; the block's Tm and W are
+one TMA store each (rows of no chunk: zeros).
 """
 
 from __future__ import annotations
@@ -44,16 +45,20 @@ from pallas_kernels.common.chunking import ChunkPlan
 from pallas_kernels.common.delta_rule import softplus
 
 CHUNK = cs.CHUNK
-ROWS = 8  # vec's rows (a TMA box's): gdn.gpu.FOLD_VECTORS, then this launch's three
-R_ROW, C_ROW, BETA_ROW = 5, 6, 7  # r (A's rows' exponent), c (its columns'), beta
+# vec's rows: gdn.gpu.FOLD_VECTORS (the serial launch's, its first FOLD_ROWS), then this
+# launch's: r (A's rows' exponent), c (its columns'), beta, W's column scale n_k e^gam, and the
+# token's chunk (-1: none), padded to a TMA box's rows
+R_ROW, C_ROW, BETA_ROW, WSCALE_ROW, CHUNK_ROW = 5, 6, 7, 8, 9
+ROWS = 10
 f32, f16 = jnp.float32, jnp.float16
 
 
 def fold_vectors(q, k, a, b, A_log, dt_bias, plan: ChunkPlan, num_chunks: int):
-    """Per token, on inputs padded to ``Tp`` (a multiple of 64) tokens: f32 ``vec [Hv, 8, Tp]``
+    """Per token, on inputs padded to ``Tp`` (a multiple of 64) tokens: f32 ``vec [Hv, 10, Tp]``
     (``gdn.gpu.FOLD_VECTORS``: ``q_out``, ``k_state``, ``q_norm``, ``k_norm``, ``gam``; then
-    ``r = gam + log n_k``, ``c = gam - log(beta n_k)`` and ``beta``), zero on tokens of no
-    chunk, and f32 ``decay [NC, Hv]``: ``e^gam`` at each chunk's last token (1 where empty)."""
+    ``r = gam + log n_k``, ``c = gam - log(beta n_k)``, ``beta``, ``n_k e^gam`` and the
+    token's chunk), zero on tokens of no chunk (their chunk -1), and f32 ``decay [NC, Hv]``:
+    ``e^gam`` at each chunk's last token (1 where empty)."""
     tp, hk, dk = q.shape
     hv = a.shape[1]
     n = plan.token_chunk.shape[0]
@@ -79,8 +84,11 @@ def fold_vectors(q, k, a, b, A_log, dt_bias, plan: ChunkPlan, num_chunks: int):
         inv = jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1) + 1e-6)  # [Tp, Hk]
         return jnp.repeat(inv, hv // hk, axis=1)  # [Tp, Hv]
 
-    n_q, n_k = inv_norm(q) * float(dk) ** -0.5, inv_norm(k)
-    rows = (
+    # (materialised: fused into vec's rows, XLA recomputed the norms' sums for each of them)
+    n_q, n_k, gam, gam_last, beta = jax.lax.optimization_barrier(
+        (inv_norm(q) * float(dk) ** -0.5, inv_norm(k), gam, gam_last, beta)
+    )
+    rows = [
         n_q * jnp.exp(gam),  # q_out
         n_k * jnp.exp(gam_last[tci] - gam),  # k_state
         n_q,  # q_norm
@@ -89,82 +97,89 @@ def fold_vectors(q, k, a, b, A_log, dt_bias, plan: ChunkPlan, num_chunks: int):
         gam + jnp.log(n_k),  # r
         gam - jnp.log(beta + 1e-30) - jnp.log(n_k),  # c
         beta,
-    )
-    vec = jnp.stack([jnp.where(live[:, None], x, 0.0) for x in rows], axis=0)  # [8, Tp, Hv]
+        n_k * jnp.exp(gam),  # W's column scale
+    ]
+    rows = [jnp.where(live[:, None], x, 0.0) for x in rows]
+    rows.append(jnp.broadcast_to(jnp.where(live, tc, -1).astype(f32)[:, None], (tp, hv)))
+    vec = jnp.stack(rows, axis=0)  # [10, Tp, Hv]
     return jnp.transpose(vec, (2, 0, 1)), jnp.exp(gam_last)
 
 
-def _body(refs, scratch, *, ops, hk_ratio: int):
-    """One program: chunk ``c``, value head ``h`` (module docstring)."""
+def _body(refs, scratch, *, ops, heads: int, hk_ratio: int):
+    """One program: 64-token block ``t``, value heads ``heads * j ...`` (module docstring); the
+    heads' chains interleaved (each product of one issued with the other's)."""
     plgpu = cs._plgpu()
-    meta_ref, k_ref, vec_ref, w_ref, tm_ref = refs
-    k_s, vec_s, meta_s, tx, tp, tm_t, w_t, tm_p, w_p, plan_bar, bar = scratch
-    ci, h = jax.lax.axis_index("c"), jax.lax.axis_index("h")
+    k_ref, vec_ref, w_ref, tm_ref = refs
+    k_s, vec_s, tx, tp, tm_t, w_t, bar = scratch
+    t, j = jax.lax.axis_index("t"), jax.lax.axis_index("h")
     dk = k_s.shape[1]
-    hi, lo = ci // cs.META_COLS, ci % cs.META_COLS
-    plgpu.copy_gmem_to_smem(meta_ref.at[:, hi], meta_s, plan_bar.at[0])
-    plgpu.barrier_wait(plan_bar.at[0])
-    start, length = meta_s[0, lo], meta_s[1, lo]
-
-    @pl.when(length > 0)
-    def _():
-        win = start - start % CHUNK
-        lead = start - win
-        tok = pl.ds(win, CHUNK)
-        plgpu.copy_gmem_to_smem(k_ref.at[tok, pl.ds(h // hk_ratio * dk, dk)], k_s, bar.at[0])
-        plgpu.copy_gmem_to_smem(vec_ref.at[h, :, tok], vec_s, bar.at[0])
+    tok = pl.ds(t * CHUNK, CHUNK)
+    hs = [j * heads + i for i in range(heads)]
+    with jax.named_scope("load"):  # (named regions: benchmarks/mgpu_regions.py)
+        keys = pl.ds(hs[0] // hk_ratio * dk, dk)
+        plgpu.copy_gmem_to_smem(k_ref.at[tok, keys], k_s, bar.at[0])
+        for i, h in enumerate(hs):
+            plgpu.copy_gmem_to_smem(vec_ref.at[h, :, tok], vec_s.at[i], bar.at[0])
         plgpu.barrier_wait(bar.at[0])
-        sq = (CHUNK, CHUNK)
-        ri, cj = ops.iota(sq, 0), ops.iota(sq, 1)
+    sq = (CHUNK, CHUNK)
+    ri, cj = ops.iota(sq, 0), ops.iota(sq, 1)
+    near = ri ^ cj  # i and j in one aligned block of m rows (m a power of two): near < m
 
-        def over_rows(i):  # vec row i along A's rows / columns
-            return jax.lax.broadcast_in_dim(ops.load_col_vector(vec_s.at[i]), sq, (0,))
+    def over_rows(i, row):  # head i's vec row along A's rows / columns
+        return jax.lax.broadcast_in_dim(ops.load_col_vector(vec_s.at[i, row]), sq, (0,))
 
-        def over_cols(i):
-            return jax.lax.broadcast_in_dim(ops.load_row_vector(vec_s.at[i]), sq, (1,))
+    def over_cols(i, row):
+        return jax.lax.broadcast_in_dim(ops.load_row_vector(vec_s.at[i, row]), sq, (1,))
 
+    with jax.named_scope("scores"):
         (kk,) = ops.mma((ops.zeros(sq), [(k_s, k_s, True)]))  # k k^T, raw k
-        keep = (ri > cj) & (cj >= lead) & (ri < lead + length)
-        expo = jnp.where(keep, over_rows(R_ROW) - over_cols(C_ROW), -1e30)
-        a = jnp.where(keep, kk * jnp.exp(expo), 0.0)
         eye = jnp.where(ri == cj, 1.0, 0.0)
-        x = eye - jnp.where((ri // 2 == cj // 2), a, 0.0)  # X_2 = I - L_1
-        for n in (2, 4, 8, 16, 32):  # X_2n = X_n - X_n L_n X_n
-            low = jnp.where((ri // (2 * n) == cj // (2 * n)) & (ri // n != cj // n), a, 0.0)
-            tx[...] = x.astype(f16)
-            plgpu.commit_smem()
-            (p,) = ops.mma((ops.zeros(sq), [(low.astype(f16), tx, False)]))  # L_n X_n
-            tp[...] = p.astype(f16)
-            plgpu.commit_smem()
-            (xlx,) = ops.mma((ops.zeros(sq), [(x.astype(f16), tp, False)]))  # X_n L_n X_n
-            x = x - xlx
-        tm = over_rows(BETA_ROW) * x  # diag(beta) X
-        wscale = over_cols(3) * jnp.exp(over_cols(4))  # n_k e^gam, along Tm's columns
-        op = k_s.dtype
-        (w,) = ops.mma((ops.zeros((CHUNK, dk)), [((tm * wscale).astype(op), k_s, False)]))
+        a, x = [], []
+        for i in range(heads):  # A, and X_2 = I - L_1
+            chunk = over_cols(i, CHUNK_ROW)
+            keep = (ri > cj) & (over_rows(i, CHUNK_ROW) == chunk) & (chunk >= 0)
+            expo = jnp.where(keep, over_rows(i, R_ROW) - over_cols(i, C_ROW), -1e30)
+            a.append(jnp.where(keep, kk * jnp.exp(expo), 0.0))
+            x.append(eye - jnp.where(near < 2, a[i], 0.0))
 
-        @pl.when(length == CHUNK)
-        def _():  # one store each from the swizzled tiles
-            tm_t[...] = tm.astype(tm_t.dtype)
-            w_t[...] = w.astype(w_t.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(tm_t, tm_ref.at[h, tok])
-            plgpu.copy_smem_to_gmem(w_t, w_ref.at[h, tok])
+    def double(x, n):  # X_2n = X_n - X_n L_n X_n
+        below = (near < 2 * n) & (near >= n)
+        for i in range(heads):
+            tx[i] = x[i].astype(f16)
+        plgpu.commit_smem()
+        p = ops.mma(
+            *[
+                (ops.zeros(sq), [(jnp.where(below, a[i], 0.0).astype(f16), tx.at[i], False)])
+                for i in range(heads)
+            ]
+        )  # fmt: skip  (L_n X_n)
+        for i in range(heads):
+            tp[i] = p[i].astype(f16)
+        plgpu.commit_smem()
+        xlx = ops.mma(*[
+            (ops.zeros(sq), [(x[i].astype(f16), tp.at[i], False)]) for i in range(heads)
+        ])  # fmt: skip
+        return [x[i] - xlx[i] for i in range(heads)]
 
-        @pl.when(length < CHUNK)
-        def _():  # the chunk's rows only, in runs of its length's bits, from plain rows
-            tm_p[...] = tm.astype(tm_p.dtype)
-            w_p[...] = w.astype(w_p.dtype)
-            plgpu.commit_smem()
-            for bit in (32, 16, 8, 4, 2, 1):
-                off = length & (CHUNK - 2 * bit)
-
-                @pl.when(length & bit != 0)
-                def _(off=off, bit=bit):
-                    src, dst = pl.ds(lead + off, bit), pl.ds(start + off, bit)
-                    plgpu.copy_smem_to_gmem(tm_p.at[src], tm_ref.at[h, dst])
-                    plgpu.copy_smem_to_gmem(w_p.at[src], w_ref.at[h, dst])
-
+    for n in (2, 4, 8, 16, 32):
+        with jax.named_scope(f"double{n}"):
+            x = double(x, n)
+    op = k_s.dtype
+    with jax.named_scope("w"):
+        tm = [over_rows(i, BETA_ROW) * x[i] for i in range(heads)]  # diag(beta) X
+        w = ops.mma(*[
+            (ops.zeros((CHUNK, dk)),
+             [((tm[i] * over_cols(i, WSCALE_ROW)).astype(op), k_s, False)])
+            for i in range(heads)
+        ])  # fmt: skip
+    with jax.named_scope("store"):
+        for i in range(heads):  # the block's rows (those of no chunk: zeros)
+            tm_t[i] = tm[i].astype(op)
+            w_t[i] = w[i].astype(op)
+        plgpu.commit_smem()
+        for i, h in enumerate(hs):
+            plgpu.copy_smem_to_gmem(tm_t.at[i], tm_ref.at[h, tok])
+            plgpu.copy_smem_to_gmem(w_t.at[i], w_ref.at[h, tok])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -187,12 +202,10 @@ def fold_scratch(
     plgpu = cs._plgpu()
     tp, hk, dk = q.shape
     hv = v.shape[1]
+    ratio = hv // hk
+    heads = 2 if ratio % 2 == 0 else 1  # value heads a program (of one key head)
     op = operand_dtype
     vec, decay = fold_vectors(q, k, a, b, A_log, dt_bias, plan, num_chunks)
-    ncp = -(-num_chunks // cs.META_COLS) * cs.META_COLS
-    meta = jnp.stack([plan.start, plan.length]).astype(jnp.int32)
-    meta = jnp.pad(meta, [(0, 0), (0, ncp - num_chunks)])
-    meta = meta.reshape(2, ncp // cs.META_COLS, cs.META_COLS)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def tile(shape, dtype=op):
@@ -200,29 +213,25 @@ def fold_scratch(
 
     scratch = (
         tile((CHUNK, dk)),  # k's block
-        plgpu.SMEM((ROWS, CHUNK), f32),  # its vectors
-        plgpu.SMEM((2, cs.META_COLS), jnp.int32),  # the chunks' starts and lengths
-        tile((CHUNK, CHUNK), f16),  # X_n (a product's B)
-        tile((CHUNK, CHUNK), f16),  # L_n X_n
-        tile((CHUNK, CHUNK)),  # Tm and W of a 64-token chunk (swizzled)
-        tile((CHUNK, dk)),
-        plgpu.SMEM((CHUNK, CHUNK), op),  # of a shorter one: plain rows, stored by runs
-        plgpu.SMEM((CHUNK, dk), op),
-        plgpu.Barrier(num_arrivals=1, num_barriers=1),  # the chunk plan's copy
-        plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the block's two
+        plgpu.SMEM((heads, ROWS, CHUNK), f32),  # each head's vectors
+        tile((heads, CHUNK, CHUNK), f16),  # X_n (a product's B)
+        tile((heads, CHUNK, CHUNK), f16),  # L_n X_n
+        tile((heads, CHUNK, CHUNK)),  # Tm diag(beta)
+        tile((heads, CHUNK, dk)),  # W
+        plgpu.Barrier(num_arrivals=1 + heads, num_barriers=1),
     )
     body = functools.partial(
-        _body, ops=cs.InterpretOps if interpret else cs.GpuOps, hk_ratio=hv // hk
+        _body, ops=cs.InterpretOps if interpret else cs.GpuOps, heads=heads, hk_ratio=ratio
     )
 
     def kernel(*refs):
         pl.run_scoped(lambda *s: body(refs, s), *scratch)
 
-    mesh = plgpu.Mesh(grid=(num_chunks, hv), grid_names=("c", "h"))
+    mesh = plgpu.Mesh(grid=(tp // CHUNK, hv // heads), grid_names=("t", "h"))
     out_type = (
         jax.ShapeDtypeStruct((hv, tp, dk), op),  # W
         jax.ShapeDtypeStruct((hv, tp, CHUNK), op),  # Tm diag(beta)
     )
     run = cs.mgpu_kernel(kernel, out_type, mesh, name="gdn_prefill_fold_mgpu", interpret=interpret)
-    w, tm = run(meta, k.reshape(tp, hk * dk), vec)
+    w, tm = run(k.reshape(tp, hk * dk), vec)
     return cs.FoldRefs(w, tm, v, q, k, vec, decay)
