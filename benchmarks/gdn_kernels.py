@@ -78,6 +78,7 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     "foldcols": (None, None, None, dict(serial="mgpu", fold=True, fold_beta_rows=False)),
     # the fold's scratch by XLA and a Mosaic GPU launch (gdn.intra_mgpu, gpu.FOLD_INTRA)
     "foldmgpu": (None, None, None, dict(serial="mgpu", fold=True, fold_intra="mgpu")),
+    "foldtriton": (None, None, None, dict(serial="mgpu", fold=True, fold_intra="triton")),
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
     "bf16ops_three": (None, jnp.bfloat16, True, {}),
     "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True, {}),
@@ -411,13 +412,14 @@ def _intra_step(batch, seq_len, nw, ns, form):
     acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
     fold = form in ("fold", "foldbeta", "foldcols", "foldmgpu")
     beta_rows = {"foldbeta": True, "foldcols": False}.get(form)
+    fold_intra = "mgpu" if form == "foldmgpu" else "triton"  # (fold, foldbeta, foldcols: Triton)
 
     @jax.jit  # the chain's calls share one lowering
     def scratch(acts, qsl, slots):
         _, _, x = gpu.prefill_scratch(
             *acts, qsl, slots, operand_dtype=jnp.bfloat16, precision=None, num_warps=nw,
             num_stages=ns, tma_layout=True, form="blocked_bf16" if fold else form, fold=fold,
-            fold_beta_rows=beta_rows, fold_intra="mgpu" if form == "foldmgpu" else "triton",
+            fold_beta_rows=beta_rows, fold_intra=fold_intra,
             interpret=INTERPRET,
         )  # fmt: skip
         return (x.w, x.tm, x.vec, x.decay) if fold else tuple(x)

@@ -154,11 +154,12 @@ FOLD = os.environ.get("HYJAX_GDN_FOLD", "1") == "1"
 # 8x4096 and the prefill 1.855 against 1.966 (0.433 against 0.424 at 1x4096): on by default,
 # HYJAX_GDN_FOLD_BETA_ROWS=0 for the columns' scaling (gdn_kernels' "foldcols" variant).
 FOLD_BETA_ROWS = os.environ.get("HYJAX_GDN_FOLD_BETA_ROWS", "1") == "1"
-# Who makes the fold's scratch: "triton" (this module's intra launch, _intra_kernel_fold) or
-# "mgpu" (XLA's per-token vectors and a Mosaic GPU launch, pallas_kernels.gdn.intra_mgpu: the
-# inverse by wgmma doubling steps). Not yet timed on a GPU: "triton" by default,
-# HYJAX_GDN_FOLD_INTRA=mgpu for a process.
-FOLD_INTRA = os.environ.get("HYJAX_GDN_FOLD_INTRA", "triton")
+# Who makes the fold's scratch: "mgpu" (XLA's per-token vectors and a Mosaic GPU launch,
+# pallas_kernels.gdn.intra_mgpu: the inverse by wgmma doubling steps; shapes it cannot take
+# fall back with one log line) or "triton" (this module's intra launch, _intra_kernel_fold).
+# H200, 2026-11-30 (BENCHMARKS.md): the launch 0.50 ms against 1.05 at 8x4096, the prefill
+# 1.26 against 1.83 ms. HYJAX_GDN_FOLD_INTRA=triton for a process.
+FOLD_INTRA = os.environ.get("HYJAX_GDN_FOLD_INTRA", "mgpu")
 # Each form's (warps, stages) when not told: the fastest of the intra launch alone at 8x4096
 # on an H200 (gdn_kernels --intra-sweep, BENCHMARKS.md: blocked_bf16 1.79 ms at 4 warps, 3.03
 # at 8; the whole chunk's 3.81 at 8, 5.29 at 4; whole_bf16 2.04 at 4, 2.93 at 8;
@@ -611,11 +612,9 @@ def intra_launch(
     ``tma_layout``, a ``"blocked"`` form): :func:`_intra_kernel_fold`'s scratch,
     :class:`~pallas_kernels.common.chunk_scan_mgpu.FoldRefs`; ``fold_beta_rows`` (None:
     :data:`FOLD_BETA_ROWS`) its ``Tm diag(beta)`` as ``diag(beta) M^-1``; ``fold_intra``
-    (None: :data:`FOLD_INTRA`) ``"mgpu"`` makes it by :func:`.intra_mgpu.fold_scratch`
+    (``"mgpu"``, ``"triton"`` or None: :data:`FOLD_INTRA`, Triton's in interpret mode;
+    ``chunk_scan_mgpu.choose_mgpu``) ``"mgpu"`` makes it by :func:`.intra_mgpu.fold_scratch`
     instead (``diag(beta) M^-1`` too)."""
-    fold_intra = FOLD_INTRA if fold_intra is None else fold_intra
-    if fold_intra not in ("triton", "mgpu"):
-        raise ValueError(f"fold_intra={fold_intra!r}: 'triton' or 'mgpu'")
     if fold and not (tma_layout and form.startswith("blocked")):
         raise ValueError(f"fold: the Mosaic GPU launch's scratch, a blocked form; not {form!r}")
     tp, hk, dk = q.shape
@@ -632,7 +631,10 @@ def intra_launch(
             q, k, v, a, b, A_log, dt_bias, plan, live, shapes, common, num_chunks, num_warps,
             num_stages, interpret, blocked=form != "split", bf16=form.endswith("bf16"),
         )  # fmt: skip
-    if fold and fold_intra == "mgpu":
+    if fold and chunk_scan_mgpu.choose_mgpu(
+        "fold_intra", fold_intra, FOLD_INTRA, "HYJAX_GDN_FOLD_INTRA", interpret,
+        lambda: intra_mgpu.unsupported_reason(dk, op), "GDN fold launch",
+    ):  # fmt: skip
         return intra_mgpu.fold_scratch(
             q, k, v, a, b, A_log, dt_bias, plan, num_chunks=num_chunks, operand_dtype=op,
             interpret=interpret,
