@@ -380,7 +380,8 @@ def _body(
             keys = pl.ds(head // (pool_in.shape[1] // fold_heads) * dk, dk)
             return [*pairs, (w_ref.at[head, tok], w_s), (tm_ref.at[head, tok], tm_s),
                     (v_ref.at[tok, pl.ds(head * dv + vb * BV, BV)], v_s),
-                    (qd_ref.at[tok, keys], qd_s), (aqk_ref.at[head, pl.ds(0, FOLD_ROWS), tok], aqk_s),
+                    (qd_ref.at[tok, keys], qd_s),
+                    (aqk_ref.at[head, pl.ds(0, FOLD_ROWS), tok], aqk_s),
                     (kd_ref.at[tok, keys], kd_s)]  # fmt: skip
         pairs += [(w_ref.at[head, tok], w_s), (ut_ref.at[head, vs, tok], ut_s)]
         if diagnostic != "chain":  # (o's operands)

@@ -196,6 +196,46 @@ def test_fold_matches_the_reference_and_the_launch_it_replaces(gates, hk, hv):
     np.testing.assert_array_equal(np.asarray(cols_s)[0], np.asarray(pool)[0])
 
 
+@pytest.mark.parametrize(
+    "gates, hk, hv, heads",
+    [("slow", HK, HV, 1), ("strong", HK, HV, 1), ("slow", 2, 4, 1), ("slow", 2, 4, 2)],
+)  # fmt: skip
+def test_fold_scratch_by_mosaic_gpu_matches_the_triton_launch(monkeypatch, gates, hk, hv, heads):
+    """``gdn.intra_mgpu.fold_scratch`` (``fold_intra="mgpu"``: XLA's vectors, the inverse by
+    wgmma doubling steps in f16) on the ragged rows (two chunks in a block, checkpoints, a
+    padding row): W, ``Tm diag(beta)``, the serial launch's vectors and the chunk decays are
+    the Triton launch's to bf16 roundings on every token of a chunk, and the prefill through
+    it is the reference's. ``strong`` gates (decays ~e^-5 a token); two heads a program
+    (``HEADS``: their chains interleaved)."""
+    from pallas_kernels.gdn import intra_mgpu
+
+    monkeypatch.setattr(intra_mgpu, "HEADS", heads)
+    rng = np.random.default_rng(5)
+    case = ragged_case([70, 3, 130])
+    args = _inputs(rng, case.num_tokens, hk, hv)
+    if gates == "strong":
+        args = (*args[:5], jnp.full(hv, np.log(4.0)), jnp.full(hv, 1.0))
+    pool = jnp.asarray(case.pool(rng, (hv, D, D), np.float32))
+    qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
+    made = {}
+    for who in ("triton", "mgpu"):
+        plan, _, x = gpu.prefill_scratch(
+            *args, qsl, slots, operand_dtype=jnp.bfloat16, precision=None, tma_layout=True,
+            form="blocked_bf16", fold=True, fold_intra=who, interpret=True,
+        )  # fmt: skip
+        made[who] = x
+    live = np.flatnonzero(np.asarray(plan.live))  # every token of a chunk
+    want, got = made["triton"], made["mgpu"]
+    for name in ("w", "tm"):
+        assert_rel_close(getattr(got, name)[:, live], getattr(want, name)[:, live], tol=1e-2,
+                         what=name)  # fmt: skip
+    rows = len(gpu.FOLD_VECTORS)
+    assert_rel_close(got.vec[:, :rows, live], want.vec[:, :rows, live], tol=1e-5, what="vec")
+    nc = int(plan.num_chunks[0])
+    assert_rel_close(got.decay[:nc], want.decay[:nc], tol=1e-5, what="decays")
+    _check_against_reference(args, pool, qsl, slots, fold=True, fold_intra="mgpu")
+
+
 def test_fold_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="fold: the Mosaic GPU launch's scratch"):
         gpu.intra_launch(*([None] * 8), num_chunks=1, operand_dtype=jnp.bfloat16,
