@@ -55,7 +55,9 @@ and U products gone) but W, U's factor ``Tm diag(beta)`` (``[64, 64]`` a chunk) 
 per-token vectors (:data:`FOLD_VECTORS`): at 8x4096 ~0.55 GB written instead of ~1.2. The
 serial launch reads v's, q's and k's own rows and makes U (in the accumulator of ``S^T W^T``),
 ``Aqk`` (one more ``wgmma`` a chunk) and the rows' scalings itself
-(``chunk_scan_mgpu._fold_step``).
+(``chunk_scan_mgpu._fold_step``). By default (:data:`FOLD_INTRA`) that scratch is made not by
+this module's intra launch but by XLA and a Mosaic GPU launch (:mod:`.intra_mgpu`: the inverse
+by ``wgmma`` doubling steps), the intra launch's place taken.
 
 ``three_launches`` moves the output out of the serial launch into a parallel one (each chunk's
 starting state stored, ``[NC, Hv, Dk, Dv]`` in the operand dtype): a shorter serial chain, for
