@@ -160,6 +160,19 @@ def test_ragged_rows_through_gdn_prefill_match_the_reference():
     _check_against_reference(args, pool, qsl, slots)
 
 
+def _fold_case(seed, gates, hk, hv):
+    """The ragged rows (70, 3, 130 tokens: chunks inside blocks, checkpoints, a padding row,
+    poisoned slots) with ``hk`` / ``hv`` heads; ``strong`` gates decay ~e^-5 a token.
+    Returns ``(args, pool, qsl, slots, case)``."""
+    rng = np.random.default_rng(seed)
+    case = ragged_case([70, 3, 130])
+    args = _inputs(rng, case.num_tokens, hk, hv)
+    if gates == "strong":
+        args = (*args[:5], jnp.full(hv, np.log(4.0)), jnp.full(hv, 1.0))
+    pool = jnp.asarray(case.pool(rng, (hv, D, D), np.float32))
+    return args, pool, jnp.asarray(case.query_start_loc), case.slots(), case
+
+
 @pytest.mark.parametrize("gates, hk, hv", [("slow", HK, HV), ("strong", HK, HV), ("slow", 2, 4)])
 def test_fold_matches_the_reference_and_the_launch_it_replaces(gates, hk, hv):
     """``gdn_prefill(fold=True)``: the serial launch makes U, ``Aqk`` and the rows' scalings
@@ -169,13 +182,7 @@ def test_fold_matches_the_reference_and_the_launch_it_replaces(gates, hk, hv):
     unfolded launch's to bf16 roundings, untouched slots bit for bit. ``strong`` gates (decays
     ~e^-5 a token): every exponent kept finite. Two key heads of two value heads each: each
     value head reads its own key head's rows and its own columns of v."""
-    rng = np.random.default_rng(4)
-    case = ragged_case([70, 3, 130])
-    args = _inputs(rng, case.num_tokens, hk, hv)
-    if gates == "strong":
-        args = (*args[:5], jnp.full(hv, np.log(4.0)), jnp.full(hv, 1.0))
-    pool = jnp.asarray(case.pool(rng, (hv, D, D), np.float32))
-    qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
+    args, pool, qsl, slots, case = _fold_case(4, gates, hk, hv)
     n = int(case.query_start_loc[-1])
     fold_o, fold_s = _check_against_reference(args, pool, qsl, slots, fold=True)
     kernel = functools.partial(gpu.gdn_prefill, precision=None, serial="mgpu", interpret=True)
@@ -210,13 +217,7 @@ def test_fold_scratch_by_mosaic_gpu_matches_the_triton_launch(monkeypatch, gates
     from pallas_kernels.gdn import intra_mgpu
 
     monkeypatch.setattr(intra_mgpu, "HEADS", heads)
-    rng = np.random.default_rng(5)
-    case = ragged_case([70, 3, 130])
-    args = _inputs(rng, case.num_tokens, hk, hv)
-    if gates == "strong":
-        args = (*args[:5], jnp.full(hv, np.log(4.0)), jnp.full(hv, 1.0))
-    pool = jnp.asarray(case.pool(rng, (hv, D, D), np.float32))
-    qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
+    args, pool, qsl, slots, _ = _fold_case(5, gates, hk, hv)
     made = {}
     for who in ("triton", "mgpu"):
         plan, _, x = gpu.prefill_scratch(
