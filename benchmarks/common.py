@@ -167,7 +167,7 @@ def device_trace(run) -> dict:
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(d, create_perfetto_trace=True):
                 run()
-            summary = summarize(device_events(d), top=6)
+            summary = summarize(device_events(d), top=16)  # (XLA's fusions too)
         if summary["kernels"] or jax.default_backend() == "cpu":
             break
     return summary
