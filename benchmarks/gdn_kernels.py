@@ -79,6 +79,8 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     # the fold's scratch by XLA and a Mosaic GPU launch (gdn.intra_mgpu, gpu.FOLD_INTRA)
     "foldmgpu": (None, None, None, dict(serial="mgpu", fold=True, fold_intra="mgpu")),
     "foldtriton": (None, None, None, dict(serial="mgpu", fold=True, fold_intra="triton")),
+    # and with each chunk's Aqk made there (gpu.FOLD_AQK): no q k^T in the serial launch
+    "foldaqk": (None, None, None, dict(serial="mgpu", fold=True, fold_aqk=True)),
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
     "bf16ops_three": (None, jnp.bfloat16, True, {}),
     "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True, {}),
@@ -729,6 +731,9 @@ def main() -> None:
     fmg = dict(serial="mgpu", fold=True, fold_intra="mgpu")
     guarded("check_prefill_foldmgpu", lambda: check_prefill(None, **fmg))
     guarded("check_prefill_foldmgpu_aligned", lambda: check_prefill_aligned(**fmg))
+    faqk = dict(serial="mgpu", fold=True, fold_aqk=True)
+    guarded("check_prefill_foldaqk", lambda: check_prefill(None, **faqk))
+    guarded("check_prefill_foldaqk_aligned", lambda: check_prefill_aligned(**faqk))
     # the baseline first: a section cut by its time limit still has it
     fla_rows = [] if args.no_fla_decode else decode_rows
     guarded("fla", lambda: time_fla(prefill_shapes, fla_rows))

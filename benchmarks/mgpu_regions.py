@@ -39,6 +39,8 @@ VARIANTS = {  # name: (gdn_prefill's tuning, the fold launch's approx_math)
     "fold_exact": (dict(serial="mgpu", fold=True), False),
     # the fold's scratch by gdn.intra_mgpu: its launch's regions too (a program's one block)
     "fold_intra_mgpu": (dict(serial="mgpu", fold=True, fold_intra="mgpu"), True),
+    # and each chunk's Aqk made with the scratch (gpu.FOLD_AQK)
+    "fold_aqk": (dict(serial="mgpu", fold=True, fold_intra="mgpu", fold_aqk=True), True),
 }
 
 

@@ -98,6 +98,7 @@ def smem_bytes(
     op_dtype=jnp.bfloat16,
     per_channel_decay=False,
     fold=False,
+    fold_aqk=False,
 ) -> int:
     """The launch's shared memory: two stages of a chunk's five tiles (and its ``[Dk]`` decay,
     per channel; :class:`FoldRefs`' six, one of them the f32 vectors), the chunk's S^T and
@@ -107,8 +108,9 @@ def smem_bytes(
     stage = (3 * CHUNK * dk + BV * CHUNK + CHUNK * CHUNK) * op + (
         4 * dk if per_channel_decay else 0
     )
-    if fold:  # Tm diag(beta) and v's rows for U^T; the vectors for Aqk
+    if fold:  # Tm diag(beta) and v's rows for U^T; the vectors for Aqk (or Aqk itself)
         stage += CHUNK * BV * op + 8 * CHUNK * 4 - CHUNK * CHUNK * op
+        stage += CHUNK * CHUNK * op if fold_aqk else 0
     ncp = _round_up(max(num_chunks, 1), META_COLS)
     return (
         STAGES * stage
@@ -145,7 +147,9 @@ class FoldRefs(NamedTuple):
     """GDN's ``fold`` scratch (``gdn.gpu.intra_launch(fold=True)``): W as :class:`ChunkRefs`',
     U's factor ``Tm diag(beta)`` with v's own rows (``U = Tm diag(beta) v``, made here), q's
     and k's own rows, and per token the vectors that scale them (``gdn.gpu.FOLD_VECTORS``) in
-    place of ``q_dec``, ``k_dec`` and ``Aqk``."""
+    place of ``q_dec``, ``k_dec`` and ``Aqk``; or with ``aqk`` (``gdn.intra_mgpu``'s
+    ``with_aqk``) the chunk's ``Aqk`` made already, which this launch then reads instead of
+    making it from q's and k's rows."""
 
     w: jax.Array  # [H, Tp, Dk]  W = Tm (beta k e^gam)
     tm: jax.Array  # [H, Tp, C]  Tm diag(beta): a token's row, its 64-token block's columns
@@ -155,6 +159,7 @@ class FoldRefs(NamedTuple):
     vec: jax.Array  # f32[H, R, Tp]  gdn.gpu.FOLD_VECTORS, then other rows (R >= 8; the
     # first FOLD_ROWS are read here)
     decay: jax.Array  # f32[NC, H]  e^gam_last
+    aqk: jax.Array | None = None  # [H, Tp, C]  Aqk as ChunkRefs' (incl. lower in its chunk)
 
 
 @functools.cache
@@ -331,6 +336,7 @@ def _body(
     diagnostic=None,
     prefetch: int = 0,
     fold_heads: int = 0,
+    fold_aqk: bool = False,
 ):
     """One program (module docstring). ``prefetch``: at chunk ``i``, chunk ``i + 1 +
     prefetch``'s tiles are prefetched into L2 (0: none). ``diagnostic`` (benchmarks only,
@@ -342,9 +348,13 @@ def _body(
     ``Tm diag(beta)``, v's, q's and k's rows (``[Tp, heads * D]``) and the scaling vectors,
     and U, ``Aqk`` and the rows' scalings are made here (:func:`_fold_step`)."""
     plgpu = _plgpu()
+    fa_ref = fa_s = None  # the fold's Aqk made already (FoldRefs.aqk)
     if fold_heads:  # (the tiles FoldRefs' order, then the same refs)
         ri_ref, meta_ref, dec_ref, w_ref, tm_ref, v_ref, qd_ref, kd_ref, aqk_ref, *rest = refs
         w_s, tm_s, v_s, qd_s, kd_s, aqk_s, *more = scratch
+        if fold_aqk:
+            fa_ref, *rest = rest
+            fa_s, *more = more
         ut_ref = ut_s = None
     else:
         ri_ref, meta_ref, dec_ref, w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, *rest = refs
@@ -382,7 +392,8 @@ def _body(
                     (v_ref.at[tok, pl.ds(head * dv + vb * BV, BV)], v_s),
                     (qd_ref.at[tok, keys], qd_s),
                     (aqk_ref.at[head, pl.ds(0, FOLD_ROWS), tok], aqk_s),
-                    (kd_ref.at[tok, keys], kd_s)]  # fmt: skip
+                    (kd_ref.at[tok, keys], kd_s),
+                    *([(fa_ref.at[head, tok], fa_s)] if fold_aqk else [])]  # fmt: skip
         pairs += [(w_ref.at[head, tok], w_s), (ut_ref.at[head, vs, tok], ut_s)]
         if diagnostic != "chain":  # (o's operands)
             pairs += [(qd_ref.at[head, tok], qd_s), (aqk_ref.at[head, tok], aqk_s)]
@@ -422,7 +433,7 @@ def _body(
         if fold_heads:
             s, o = _fold_step(
                 ops, s, slot, lead, length, dec_s[ci // META_COLS, ci % META_COLS],
-                w_s, tm_s, v_s, qd_s, kd_s, aqk_s, st_t, vt_t,
+                w_s, tm_s, v_s, qd_s, kd_s, aqk_s, st_t, vt_t, fa_s,
             )  # fmt: skip
         else:
             s, o = chain_and_output(slot, ci, lead, length, s)
@@ -517,7 +528,7 @@ def _body(
 
 
 def _fold_step(
-    ops, s, slot, lead, length, decay, w_s, tm_s, v_s, q_s, k_s, vec_s, st_t, vt_t
+    ops, s, slot, lead, length, decay, w_s, tm_s, v_s, q_s, k_s, vec_s, st_t, vt_t, aqk_s=None
 ):  # fmt: skip
     """A chunk of GDN's ``fold`` (:class:`FoldRefs`): ``(S^T, o)`` after it. The state's chain
     as :func:`_body`'s with ``U^T = v^T (Tm diag(beta))^T`` issued in the same accumulator as
@@ -533,16 +544,21 @@ def _fold_step(
     chunk are selected away, never multiplied (the block's other tokens' vectors are another
     chunk's, or unwritten). Making Aqk a chunk ahead, into a shared-memory tile while the first
     products run, was slower: 7,969 against 4,618 cycles a chunk at 1x4096 (H200, 2026-11-30).
+    With ``aqk_s`` (:class:`FoldRefs`' ``aqk``: Aqk made by the scratch's launch) no ``QK``
+    and no Aqk here: the tile is o's operand as it is.
     """
     op = q_s.dtype
+    first = (ops.zeros((BV, CHUNK)),
+             [(Transposed(v_s.at[slot]), tm_s.at[slot], True),
+              ((-s).astype(op), w_s.at[slot], True)])  # fmt: skip
     with jax.named_scope("mma1"):
         st_t[...] = s.astype(op)
-        vt_f, qk = ops.mma(
-            (ops.zeros((BV, CHUNK)),
-             [(Transposed(v_s.at[slot]), tm_s.at[slot], True),
-              ((-s).astype(op), w_s.at[slot], True)]),
-            (ops.zeros((CHUNK, CHUNK)), [(q_s.at[slot], k_s.at[slot], True)]),
-        )  # fmt: skip
+        if aqk_s is None:
+            vt_f, qk = ops.mma(
+                first, (ops.zeros((CHUNK, CHUNK)), [(q_s.at[slot], k_s.at[slot], True)])
+            )
+        else:
+            (vt_f,) = ops.mma(first)
 
     def over_tokens(i, shape, dim):  # vector i (FOLD_VECTORS) along dim ``dim`` of ``shape``
         load = ops.load_row_vector if dim == 1 else ops.load_col_vector
@@ -569,7 +585,7 @@ def _fold_step(
         s, o_s, o_v = ops.mma(
             (s * decay, [(vt_c, k_s.at[slot], False)]),  # the state's (the serial chain)
             (ops.zeros((CHUNK, BV)), [(q_s.at[slot], st_t, True)]),
-            (ops.zeros((CHUNK, BV)), [(a_qk, vt_t, True)]),
+            (ops.zeros((CHUNK, BV)), [(a_qk if aqk_s is None else aqk_s.at[slot], vt_t, True)]),
         )
     with jax.named_scope("scale"):
         return s, o_v + o_s * over_tokens(0, (CHUNK, BV), 0)
@@ -641,6 +657,7 @@ def scan_mgpu(
     if diagnostic not in DIAGNOSTICS:
         raise ValueError(f"diagnostic={diagnostic!r}: one of {DIAGNOSTICS}")
     fold = isinstance(x, FoldRefs)
+    fold_aqk = fold and x.aqk is not None
     if fold and diagnostic is not None:
         raise ValueError(f"diagnostic={diagnostic!r}: not with FoldRefs")
     prefetch = PREFETCH if prefetch is None else prefetch
@@ -659,7 +676,7 @@ def scan_mgpu(
     if fold:
         tp, hk, _ = x.q.shape
         flat = [a.reshape(tp, -1) for a in (x.v, x.q, x.k)]  # a token's heads in one row
-        tiles = (x.w, x.tm, *flat, x.vec)
+        tiles = (x.w, x.tm, *flat, x.vec, *(() if x.aqk is None else (x.aqk,)))
     else:
         tiles = (x.w, x.u, x.q_dec, x.k_dec, x.a_qk)
     swizzle = 128  # bytes: 64 16-bit values a row of a tile
@@ -676,6 +693,7 @@ def scan_mgpu(
         tile((CHUNK, dk)),  # k_dec (fold: k's rows)
         # Aqk (fold: the vectors, f32 rows)
         plgpu.SMEM((STAGES, FOLD_ROWS, CHUNK), f32) if fold else tile((CHUNK, CHUNK)),
+        *((tile((CHUNK, CHUNK)),) if fold_aqk else ()),  # (the fold's Aqk made already)
         tile((BV, dk), 0),  # the chunk's bf16 S^T (o's B)
         tile((BV, CHUNK), 0),  # the chunk's bf16 V'^T (o's B)
         plgpu.SMEM((CHUNK, BV), out_dtype, transforms=transforms),  # o of a 64-token chunk
@@ -687,7 +705,7 @@ def scan_mgpu(
         plgpu.SMEM((STAGES, dk) if per_channel else dec.shape[1:], f32),
         # a stage's copies: five tiles (three without o's), and per channel its decays
         plgpu.Barrier(
-            num_arrivals=(3 if diagnostic == "chain" else 5) + per_channel + fold,
+            num_arrivals=(3 if diagnostic == "chain" else 5) + per_channel + fold + fold_aqk,
             num_barriers=STAGES,
         ),
         plgpu.Barrier(num_arrivals=2 if per_channel else 3, num_barriers=1),
@@ -696,7 +714,7 @@ def scan_mgpu(
     body = functools.partial(
         _body, ops=InterpretOps if interpret else GpuOps, num_ckpt=num_ckpt,
         per_channel=per_channel, diagnostic=diagnostic, prefetch=prefetch,
-        fold_heads=x.q.shape[1] if fold else 0,
+        fold_heads=x.q.shape[1] if fold else 0, fold_aqk=fold_aqk,
     )  # fmt: skip
     mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)

@@ -162,6 +162,11 @@ FOLD_BETA_ROWS = os.environ.get("HYJAX_GDN_FOLD_BETA_ROWS", "1") == "1"
 # H200, 2026-11-30 (BENCHMARKS.md): the launch 0.50 ms against 1.05 at 8x4096, the prefill
 # 1.26 against 1.83 ms. HYJAX_GDN_FOLD_INTRA=triton for a process.
 FOLD_INTRA = os.environ.get("HYJAX_GDN_FOLD_INTRA", "mgpu")
+# With the Mosaic GPU scratch: each chunk's Aqk made there too (one more product on q's block,
+# an 8 KB tile a chunk and head), so that the serial launch neither issues q k^T nor makes Aqk
+# (the elementwise work its profile shows unhidden, ~1,400 of 4,779 cycles a chunk). Not yet
+# timed: off by default, HYJAX_GDN_FOLD_AQK=1 for a process (gdn_kernels' "foldaqk").
+FOLD_AQK = os.environ.get("HYJAX_GDN_FOLD_AQK", "0") == "1"
 # Each form's (warps, stages) when not told: the fastest of the intra launch alone at 8x4096
 # on an H200 (gdn_kernels --intra-sweep, BENCHMARKS.md: blocked_bf16 1.79 ms at 4 warps, 3.03
 # at 8; the whole chunk's 3.81 at 8, 5.29 at 4; whole_bf16 2.04 at 4, 2.93 at 8;
@@ -604,7 +609,7 @@ def intra_launch(
     q, k, v, a, b, A_log, dt_bias, plan, *, num_chunks: int, operand_dtype, precision,
     num_warps: int = 8, num_stages: int = 2, tma_layout: bool = False, form: str = "whole",
     fold: bool = False, fold_beta_rows: bool | None = None, fold_intra: str | None = None,
-    interpret: bool = False,
+    fold_aqk: bool = False, interpret: bool = False,
 ) -> ChunkRefs | chunk_scan_mgpu.FoldRefs:  # fmt: skip
     """Launch 1 (:func:`_intra_kernel`, or by 16-row blocks :func:`_intra_kernel_blocked`:
     ``form``, one of :data:`INTRA_FORMS`) over grid ``(NC, Hv)`` on inputs padded to at least
@@ -616,7 +621,7 @@ def intra_launch(
     :data:`FOLD_BETA_ROWS`) its ``Tm diag(beta)`` as ``diag(beta) M^-1``; ``fold_intra``
     (``"mgpu"``, ``"triton"`` or None: :data:`FOLD_INTRA`, Triton's in interpret mode;
     ``chunk_scan_mgpu.choose_mgpu``) ``"mgpu"`` makes it by :func:`.intra_mgpu.fold_scratch`
-    instead (``diag(beta) M^-1`` too)."""
+    instead (``diag(beta) M^-1`` too), with ``fold_aqk`` each chunk's ``Aqk`` as well."""
     if fold and not (tma_layout and form.startswith("blocked")):
         raise ValueError(f"fold: the Mosaic GPU launch's scratch, a blocked form; not {form!r}")
     tp, hk, dk = q.shape
@@ -639,7 +644,7 @@ def intra_launch(
     ):  # fmt: skip
         return intra_mgpu.fold_scratch(
             q, k, v, a, b, A_log, dt_bias, plan, num_chunks=num_chunks, operand_dtype=op,
-            interpret=interpret,
+            with_aqk=fold_aqk, interpret=interpret,
         )  # fmt: skip
     if fold:
         vec = jax.ShapeDtypeStruct((hv, FOLD_ROWS, tp), jnp.float32)
@@ -705,7 +710,8 @@ def prefill_scratch(
     q, k, v, a, b, A_log, dt_bias, query_start_loc, slots: StateSlots, *, operand_dtype,
     precision, num_warps: int | None = None, num_stages: int | None = None,
     tma_layout: bool = False, form: str | None = None, fold: bool = False,
-    fold_beta_rows: bool | None = None, fold_intra: str | None = None, interpret: bool = False,
+    fold_beta_rows: bool | None = None, fold_intra: str | None = None, fold_aqk: bool = False,
+    interpret: bool = False,
 ):  # fmt: skip
     """The prefill up to its serial launch: the chunk plan, the plan by row and the intra
     launch's scratch (:func:`intra_launch`, on inputs padded to a 64-row window; in the Mosaic
@@ -727,7 +733,7 @@ def prefill_scratch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=operand_dtype,
         precision=precision, num_warps=num_warps, num_stages=num_stages,
         tma_layout=tma_layout, form=form, fold=fold, fold_beta_rows=fold_beta_rows,
-        fold_intra=fold_intra, interpret=interpret,
+        fold_intra=fold_intra, fold_aqk=fold_aqk, interpret=interpret,
     )  # fmt: skip
     return plan, row_plan(plan, slots, nc), x
 
@@ -759,6 +765,7 @@ def gdn_prefill(
     fold: bool | None = None,
     fold_beta_rows: bool | None = None,
     fold_intra: str | None = None,
+    fold_aqk: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, Hv, Dv], state)``.
@@ -790,7 +797,9 @@ def gdn_prefill(
         ``chunk_scan_mgpu.FoldRefs``); ``fold_beta_rows`` (None: :data:`FOLD_BETA_ROWS`, on) the
         intra launch's ``Tm diag(beta)`` as ``diag(beta) M^-1`` (no column scaling);
         ``fold_intra`` (None: :data:`FOLD_INTRA`) who makes the fold's scratch: ``"triton"``
-        (that intra launch) or ``"mgpu"`` (:mod:`.intra_mgpu`: XLA and a Mosaic GPU launch).
+        (that intra launch) or ``"mgpu"`` (:mod:`.intra_mgpu`: XLA and a Mosaic GPU launch);
+        ``fold_aqk`` (None: :data:`FOLD_AQK`, off; the Mosaic GPU scratch only) each chunk's
+        ``Aqk`` made with that scratch instead of in the serial launch.
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, _, dk = q.shape
@@ -807,11 +816,17 @@ def gdn_prefill(
     fold = fold and chunk_scan_mgpu.smem_bytes(dk, nc, state.dtype, op, fold=True) <= (
         chunk_scan_mgpu.SMEM_BYTES
     )  # (its stage is 2 KB larger: past it, the unfolded launch)
+    fold_aqk = fold and (FOLD_AQK if fold_aqk is None else fold_aqk)
+    fold_aqk = (
+        fold_aqk
+        and chunk_scan_mgpu.smem_bytes(dk, nc, state.dtype, op, fold=True, fold_aqk=True)
+        <= chunk_scan_mgpu.SMEM_BYTES
+    )  # (an 8 KB tile a stage more: past it, Aqk made there)
     plan, rp, x = prefill_scratch(
         q, k, v, a, b, A_log, dt_bias, query_start_loc, slots, operand_dtype=op,
         precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
         tma_layout=mgpu, form=form, fold=fold, fold_beta_rows=fold_beta_rows,
-        fold_intra=fold_intra, interpret=interpret,
+        fold_intra=fold_intra, fold_aqk=fold_aqk, interpret=interpret,
     )  # fmt: skip
     if mgpu:
         return chunk_scan_mgpu.scan_mgpu(

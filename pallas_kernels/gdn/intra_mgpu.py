@@ -29,7 +29,10 @@ A program owns a 64-token block of the batch (every chunk in it: chunks lie insi
 and two value heads of one key head where there are two (their chains interleaved, k's tile
 read once). A is masked to pairs of tokens of one chunk (the token's chunk is a row of vec), so
 X is block diagonal by chunk and the identity on tokens of no chunk; the block's Tm and W are
-one TMA store each (rows of no chunk: zeros).
+one TMA store each (rows of no chunk: zeros). With ``with_aqk`` (``gdn.gpu.FOLD_AQK``, opt-in,
+not yet timed) it reads q's block too and makes each chunk's ``Aqk`` (``q k^T`` scaled by the
+norms and decays, inclusive lower in its chunk), which the serial launch then reads instead of
+issuing ``q k^T`` and making Aqk itself.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ CHUNK = cs.CHUNK
 # vec's rows: gdn.gpu.FOLD_VECTORS (the serial launch's, its first FOLD_ROWS), then this
 # launch's: r (A's rows' exponent), c (its columns'), beta, W's column scale n_k e^gam, and the
 # token's chunk (-1: none), padded to a TMA box's rows
+QNORM_ROW, KNORM_ROW, GAM_ROW = 2, 3, 4  # (of FOLD_VECTORS)
 R_ROW, C_ROW, BETA_ROW, WSCALE_ROW, CHUNK_ROW = 5, 6, 7, 8, 9
 ROWS = 10
 # Value heads a program: 2 (their chains interleaved, k's tile read once) or 1 (half the
@@ -110,12 +114,16 @@ def fold_vectors(q, k, a, b, A_log, dt_bias, plan: ChunkPlan, num_chunks: int):
     return jnp.transpose(vec, (2, 0, 1)), jnp.exp(gam_last)
 
 
-def _body(refs, scratch, *, ops, heads: int, hk_ratio: int):
+def _body(refs, scratch, *, ops, heads: int, hk_ratio: int, with_aqk: bool = False):
     """One program: 64-token block ``t``, value heads ``heads * j ...`` (module docstring); the
     heads' chains interleaved (each product of one issued with the other's)."""
     plgpu = cs._plgpu()
-    k_ref, vec_ref, w_ref, tm_ref = refs
-    k_s, vec_s, tx, tm_t, w_t, bar = scratch
+    if with_aqk:  # (q's block, Aqk's output and its tile too)
+        k_ref, q_ref, vec_ref, w_ref, tm_ref, aqk_ref = refs
+        k_s, q_s, vec_s, tx, tm_t, w_t, aqk_t, bar = scratch
+    else:
+        k_ref, vec_ref, w_ref, tm_ref = refs
+        k_s, vec_s, tx, tm_t, w_t, bar = scratch
     t, j = jax.lax.axis_index("t"), jax.lax.axis_index("h")
     dk = k_s.shape[1]
     tok = pl.ds(t * CHUNK, CHUNK)
@@ -123,6 +131,8 @@ def _body(refs, scratch, *, ops, heads: int, hk_ratio: int):
     with jax.named_scope("load"):  # (named regions: benchmarks/mgpu_regions.py)
         keys = pl.ds(hs[0] // hk_ratio * dk, dk)
         plgpu.copy_gmem_to_smem(k_ref.at[tok, keys], k_s, bar.at[0])
+        if with_aqk:
+            plgpu.copy_gmem_to_smem(q_ref.at[tok, keys], q_s, bar.at[0])
         for i, h in enumerate(hs):
             plgpu.copy_gmem_to_smem(vec_ref.at[h, :, tok], vec_s.at[i], bar.at[0])
         plgpu.barrier_wait(bar.at[0])
@@ -177,14 +187,29 @@ def _body(refs, scratch, *, ops, heads: int, hk_ratio: int):
              [((tm[i] * over_cols(i, WSCALE_ROW)).astype(op), k_s, False)])
             for i in range(heads)
         ])  # fmt: skip
+    if with_aqk:  # Aqk = incl_lower(q k^T n_q n_k e^(gam_i - gam_j)) in the chunk, raw q, k
+        with jax.named_scope("aqk"):
+            (qk,) = ops.mma((ops.zeros(sq), [(q_s, k_s, True)]))
+            aqk = []
+            for i in range(heads):
+                chunk = over_cols(i, CHUNK_ROW)
+                keep = (ri >= cj) & (over_rows(i, CHUNK_ROW) == chunk) & (chunk >= 0)
+                gam_i, gam_j = over_rows(i, GAM_ROW), over_cols(i, GAM_ROW)
+                e = jnp.exp(jnp.where(keep, gam_i - gam_j, -1e30))
+                scale = over_rows(i, QNORM_ROW) * over_cols(i, KNORM_ROW)
+                aqk.append(jnp.where(keep, qk * scale * e, 0.0))
     with jax.named_scope("store"):
         for i in range(heads):  # the block's rows (those of no chunk: zeros)
             tm_t[i] = tm[i].astype(op)
             w_t[i] = w[i].astype(op)
+            if with_aqk:
+                aqk_t[i] = aqk[i].astype(op)
         plgpu.commit_smem()
         for i, h in enumerate(hs):
             plgpu.copy_smem_to_gmem(tm_t.at[i], tm_ref.at[h, tok])
             plgpu.copy_smem_to_gmem(w_t.at[i], w_ref.at[h, tok])
+            if with_aqk:
+                plgpu.copy_smem_to_gmem(aqk_t.at[i], aqk_ref.at[h, tok])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -199,9 +224,11 @@ def unsupported_reason(dk: int, op_dtype) -> str | None:
 
 def fold_scratch(
     q, k, v, a, b, A_log, dt_bias, plan: ChunkPlan, *, num_chunks: int, operand_dtype,
-    interpret: bool = False,
+    with_aqk: bool = False, interpret: bool = False,
 ) -> cs.FoldRefs:  # fmt: skip
-    """The fold's scratch (module docstring) on inputs padded to a multiple of 64 tokens."""
+    """The fold's scratch (module docstring) on inputs padded to a multiple of 64 tokens;
+    ``with_aqk``: and each chunk's ``Aqk`` (``FoldRefs.aqk``: ``q k^T`` on q's block, one
+    more product, so that the serial launch makes neither)."""
     if why := unsupported_reason(q.shape[2], operand_dtype):
         raise ValueError(f"the Mosaic GPU fold launch cannot take this prefill: {why}")
     plgpu = cs._plgpu()
@@ -218,14 +245,20 @@ def fold_scratch(
 
     scratch = (
         tile((CHUNK, dk)),  # k's block
+        *((tile((CHUNK, dk)),) if with_aqk else ()),  # q's
         plgpu.SMEM((heads, ROWS, CHUNK), f32),  # each head's vectors
         tile((heads, CHUNK, CHUNK), f16),  # X_n, then L_n X_n (a product's B)
         tile((heads, CHUNK, CHUNK)),  # Tm diag(beta)
         tile((heads, CHUNK, dk)),  # W
-        plgpu.Barrier(num_arrivals=1 + heads, num_barriers=1),
+        *((tile((heads, CHUNK, CHUNK)),) if with_aqk else ()),  # Aqk
+        plgpu.Barrier(num_arrivals=1 + with_aqk + heads, num_barriers=1),
     )
     body = functools.partial(
-        _body, ops=cs.InterpretOps if interpret else cs.GpuOps, heads=heads, hk_ratio=ratio
+        _body,
+        ops=cs.InterpretOps if interpret else cs.GpuOps,
+        heads=heads,
+        hk_ratio=ratio,
+        with_aqk=with_aqk,
     )
 
     def kernel(*refs):
@@ -235,10 +268,14 @@ def fold_scratch(
     out_type = (
         jax.ShapeDtypeStruct((hv, tp, dk), op),  # W
         jax.ShapeDtypeStruct((hv, tp, CHUNK), op),  # Tm diag(beta)
+        *((jax.ShapeDtypeStruct((hv, tp, CHUNK), op),) if with_aqk else ()),  # Aqk
     )
     run = cs.mgpu_kernel(
         kernel, out_type, mesh, name="gdn_prefill_fold_mgpu", interpret=interpret,
         approx_math=True,  # (exps into A's f16 operands: ex2.approx's 2^-22 far below)
     )  # fmt: skip
+    if with_aqk:
+        w, tm, aqk = run(k.reshape(tp, hk * dk), q.reshape(tp, hk * dk), vec)
+        return cs.FoldRefs(w, tm, v, q, k, vec, decay, aqk)
     w, tm = run(k.reshape(tp, hk * dk), vec)
     return cs.FoldRefs(w, tm, v, q, k, vec, decay)
