@@ -59,6 +59,12 @@ ROWS = 10
 # shared memory: twice the programs an SM). H200, 8x4096, Mosaic GPU's profiler: with 2, two
 # programs an SM, each doubling step ~3,700 cycles for ~260 of tensor-core work.
 HEADS = int(os.environ.get("HYJAX_GDN_FOLD_MGPU_HEADS", "1"))
+# The launch as a persistent one (_body_persistent; one head a program): PERSIST programs (0:
+# not persistent), each taking items a stride apart with the next one's copies in flight. Not
+# yet timed: off by default; HYJAX_GDN_FOLD_MGPU_PERSIST=528 (four an SM of an H200) for a
+# process. Its shared memory, 53 KB a program (W stored from its own stage's k tile), lets four
+# run an SM as the plain launch's 50.5 KB does.
+PERSIST = int(os.environ.get("HYJAX_GDN_FOLD_MGPU_PERSIST", "0"))
 f32, f16 = jnp.float32, jnp.float16
 
 
@@ -114,28 +120,13 @@ def fold_vectors(q, k, a, b, A_log, dt_bias, plan: ChunkPlan, num_chunks: int):
     return jnp.transpose(vec, (2, 0, 1)), jnp.exp(gam_last)
 
 
-def _body(refs, scratch, *, ops, heads: int, hk_ratio: int, with_aqk: bool = False):
-    """One program: 64-token block ``t``, value heads ``heads * j ...`` (module docstring); the
-    heads' chains interleaved (each product of one issued with the other's)."""
+def _products(ops, k_s, q_s, vec_s, tx, *, heads: int, after_scores=None):
+    """A block's ``Tm diag(beta)``, W and (with ``q_s``) Aqk, one list entry a head, from its
+    tiles in shared memory (k's and q's blocks, each head's vectors; ``tx`` a head's f16 tile
+    a doubling step's operands pass through). ``after_scores()`` runs once ``k k^T`` is
+    made (the persistent launch's next copies)."""
     plgpu = cs._plgpu()
-    if with_aqk:  # (q's block, Aqk's output and its tile too)
-        k_ref, q_ref, vec_ref, w_ref, tm_ref, aqk_ref = refs
-        k_s, q_s, vec_s, tx, tm_t, w_t, aqk_t, bar = scratch
-    else:
-        k_ref, vec_ref, w_ref, tm_ref = refs
-        k_s, vec_s, tx, tm_t, w_t, bar = scratch
-    t, j = jax.lax.axis_index("t"), jax.lax.axis_index("h")
     dk = k_s.shape[1]
-    tok = pl.ds(t * CHUNK, CHUNK)
-    hs = [j * heads + i for i in range(heads)]
-    with jax.named_scope("load"):  # (named regions: benchmarks/mgpu_regions.py)
-        keys = pl.ds(hs[0] // hk_ratio * dk, dk)
-        plgpu.copy_gmem_to_smem(k_ref.at[tok, keys], k_s, bar.at[0])
-        if with_aqk:
-            plgpu.copy_gmem_to_smem(q_ref.at[tok, keys], q_s, bar.at[0])
-        for i, h in enumerate(hs):
-            plgpu.copy_gmem_to_smem(vec_ref.at[h, :, tok], vec_s.at[i], bar.at[0])
-        plgpu.barrier_wait(bar.at[0])
     sq = (CHUNK, CHUNK)
     ri, cj = ops.iota(sq, 0), ops.iota(sq, 1)
     near = ri ^ cj  # i and j in one aligned block of m rows (m a power of two): near < m
@@ -146,13 +137,18 @@ def _body(refs, scratch, *, ops, heads: int, hk_ratio: int, with_aqk: bool = Fal
     def over_cols(i, row):
         return jax.lax.broadcast_in_dim(ops.load_row_vector(vec_s.at[i, row]), sq, (1,))
 
+    def in_chunk(i, keep):  # pairs of one chunk (tokens of none: -1)
+        chunk = over_cols(i, CHUNK_ROW)
+        return keep & (over_rows(i, CHUNK_ROW) == chunk) & (chunk >= 0)
+
     with jax.named_scope("scores"):
         (kk,) = ops.mma((ops.zeros(sq), [(k_s, k_s, True)]))  # k k^T, raw k
+        if after_scores is not None:
+            after_scores()
         eye = jnp.where(ri == cj, 1.0, 0.0)
         a, x = [], []
         for i in range(heads):  # A, and X_2 = I - L_1
-            chunk = over_cols(i, CHUNK_ROW)
-            keep = (ri > cj) & (over_rows(i, CHUNK_ROW) == chunk) & (chunk >= 0)
+            keep = in_chunk(i, ri > cj)
             expo = jnp.where(keep, over_rows(i, R_ROW) - over_cols(i, C_ROW), -1e30)
             a.append(jnp.where(keep, kk * jnp.exp(expo), 0.0))
             x.append(eye - jnp.where(near < 2, a[i], 0.0))
@@ -187,17 +183,44 @@ def _body(refs, scratch, *, ops, heads: int, hk_ratio: int, with_aqk: bool = Fal
              [((tm[i] * over_cols(i, WSCALE_ROW)).astype(op), k_s, False)])
             for i in range(heads)
         ])  # fmt: skip
-    if with_aqk:  # Aqk = incl_lower(q k^T n_q n_k e^(gam_i - gam_j)) in the chunk, raw q, k
+    aqk = None
+    if q_s is not None:  # Aqk = incl_lower(q k^T n_q n_k e^(gam_i - gam_j)) in the chunk
         with jax.named_scope("aqk"):
-            (qk,) = ops.mma((ops.zeros(sq), [(q_s, k_s, True)]))
+            (qk,) = ops.mma((ops.zeros(sq), [(q_s, k_s, True)]))  # raw q, k
             aqk = []
             for i in range(heads):
-                chunk = over_cols(i, CHUNK_ROW)
-                keep = (ri >= cj) & (over_rows(i, CHUNK_ROW) == chunk) & (chunk >= 0)
-                gam_i, gam_j = over_rows(i, GAM_ROW), over_cols(i, GAM_ROW)
-                e = jnp.exp(jnp.where(keep, gam_i - gam_j, -1e30))
+                keep = in_chunk(i, ri >= cj)
+                e = jnp.exp(jnp.where(keep, over_rows(i, GAM_ROW) - over_cols(i, GAM_ROW), -1e30))
                 scale = over_rows(i, QNORM_ROW) * over_cols(i, KNORM_ROW)
                 aqk.append(jnp.where(keep, qk * scale * e, 0.0))
+    return tm, w, aqk
+
+
+def _body(refs, scratch, *, ops, heads: int, hk_ratio: int, with_aqk: bool = False):
+    """One program: 64-token block ``t``, value heads ``heads * j ...`` (module docstring); the
+    heads' chains interleaved (each product of one issued with the other's)."""
+    plgpu = cs._plgpu()
+    if with_aqk:  # (q's block, Aqk's output and its tile too)
+        k_ref, q_ref, vec_ref, w_ref, tm_ref, aqk_ref = refs
+        k_s, q_s, vec_s, tx, tm_t, w_t, aqk_t, bar = scratch
+    else:
+        k_ref, vec_ref, w_ref, tm_ref = refs
+        k_s, vec_s, tx, tm_t, w_t, bar = scratch
+        q_s = None
+    t, j = jax.lax.axis_index("t"), jax.lax.axis_index("h")
+    dk = k_s.shape[1]
+    tok = pl.ds(t * CHUNK, CHUNK)
+    hs = [j * heads + i for i in range(heads)]
+    with jax.named_scope("load"):  # (named regions: benchmarks/mgpu_regions.py)
+        keys = pl.ds(hs[0] // hk_ratio * dk, dk)
+        plgpu.copy_gmem_to_smem(k_ref.at[tok, keys], k_s, bar.at[0])
+        if with_aqk:
+            plgpu.copy_gmem_to_smem(q_ref.at[tok, keys], q_s, bar.at[0])
+        for i, h in enumerate(hs):
+            plgpu.copy_gmem_to_smem(vec_ref.at[h, :, tok], vec_s.at[i], bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+    tm, w, aqk = _products(ops, k_s, q_s, vec_s, tx, heads=heads)
+    op = k_s.dtype
     with jax.named_scope("store"):
         for i in range(heads):  # the block's rows (those of no chunk: zeros)
             tm_t[i] = tm[i].astype(op)
@@ -210,6 +233,76 @@ def _body(refs, scratch, *, ops, heads: int, hk_ratio: int, with_aqk: bool = Fal
             plgpu.copy_smem_to_gmem(w_t.at[i], w_ref.at[h, tok])
             if with_aqk:
                 plgpu.copy_smem_to_gmem(aqk_t.at[i], aqk_ref.at[h, tok])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _body_persistent(
+    refs, scratch, *, ops, hk_ratio: int, hv: int, items: int, programs: int, with_aqk: bool
+):  # fmt: skip
+    """:func:`_body` for one head a program as a persistent launch (:data:`PERSIST`): program
+    ``p`` of ``P`` takes items ``p, p + P, ...`` (item = block * Hv + head), the next item's
+    copies in flight in the other of two stages while this one's products run (issued once
+    its ``k k^T`` is made, by when the last item's stores have left the stage), W stored from
+    its own stage's k tile (k read for the last time by W's product) and the stores waited for
+    only before the tiles are written again."""
+    plgpu = cs._plgpu()
+    if with_aqk:
+        k_ref, q_ref, vec_ref, w_ref, tm_ref, aqk_ref = refs
+        k_s, q_s, vec_s, tx, tm_t, aqk_t, bars = scratch
+    else:
+        k_ref, vec_ref, w_ref, tm_ref = refs
+        k_s, vec_s, tx, tm_t, bars = scratch
+        q_s = aqk_t = None
+    p = jax.lax.axis_index("p")
+    mine = (items - p + programs - 1) // programs
+    dk = k_s.shape[2]
+
+    def item(m):  # (its 64-token block's rows, its head)
+        it = p + m * programs
+        return pl.ds(it // hv * CHUNK, CHUNK), it % hv
+
+    def issue(m, slot):
+        tok, h = item(m)
+        keys = pl.ds(h // hk_ratio * dk, dk)
+        plgpu.copy_gmem_to_smem(k_ref.at[tok, keys], k_s.at[slot], bars.at[slot])
+        if with_aqk:
+            plgpu.copy_gmem_to_smem(q_ref.at[tok, keys], q_s.at[slot], bars.at[slot])
+        plgpu.copy_gmem_to_smem(vec_ref.at[h, :, tok], vec_s.at[slot, 0], bars.at[slot])
+
+    def step(m, carry):
+        slot = m % 2
+
+        def next_copies():  # (the other stage's k tile held the last item's W: read by now)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            @pl.when(m + 1 < mine)
+            def _():
+                issue(m + 1, 1 - slot)
+
+        with jax.named_scope("load"):
+            plgpu.barrier_wait(bars.at[slot])
+        tm, w, aqk = _products(
+            ops, k_s.at[slot], None if q_s is None else q_s.at[slot], vec_s.at[slot], tx,
+            heads=1, after_scores=next_copies,
+        )  # fmt: skip
+        op = k_s.dtype
+        tok, h = item(m)
+        with jax.named_scope("store"):
+            tm_t[...] = tm[0].astype(op)
+            k_s.at[slot][...] = w[0].astype(op)  # (W's product has read k)
+            if with_aqk:
+                aqk_t[...] = aqk[0].astype(op)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(tm_t, tm_ref.at[h, tok])
+            plgpu.copy_smem_to_gmem(k_s.at[slot], w_ref.at[h, tok])
+            if with_aqk:
+                plgpu.copy_smem_to_gmem(aqk_t, aqk_ref.at[h, tok])
+        return carry
+
+    @pl.when(mine > 0)
+    def _():
+        issue(0, 0)
+        jax.lax.fori_loop(0, mine, step, 0)
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -243,28 +336,43 @@ def fold_scratch(
     def tile(shape, dtype=op):
         return plgpu.SMEM(shape, dtype, transforms=transforms)
 
-    scratch = (
-        tile((CHUNK, dk)),  # k's block
-        *((tile((CHUNK, dk)),) if with_aqk else ()),  # q's
-        plgpu.SMEM((heads, ROWS, CHUNK), f32),  # each head's vectors
-        tile((heads, CHUNK, CHUNK), f16),  # X_n, then L_n X_n (a product's B)
-        tile((heads, CHUNK, CHUNK)),  # Tm diag(beta)
-        tile((heads, CHUNK, dk)),  # W
-        *((tile((heads, CHUNK, CHUNK)),) if with_aqk else ()),  # Aqk
-        plgpu.Barrier(num_arrivals=1 + with_aqk + heads, num_barriers=1),
-    )
-    body = functools.partial(
-        _body,
-        ops=cs.InterpretOps if interpret else cs.GpuOps,
-        heads=heads,
-        hk_ratio=ratio,
-        with_aqk=with_aqk,
-    )
+    items = tp // CHUNK * hv
+    programs = min(PERSIST, items) if heads == 1 else 0
+    if programs:
+        scratch = (
+            tile((2, CHUNK, dk)),  # k's blocks, two stages (W stored from them)
+            *((tile((2, CHUNK, dk)),) if with_aqk else ()),  # q's
+            plgpu.SMEM((2, 1, ROWS, CHUNK), f32),  # the vectors
+            tile((1, CHUNK, CHUNK), f16),  # X_n, then L_n X_n (a product's B)
+            tile((CHUNK, CHUNK)),  # Tm diag(beta)
+            *((tile((CHUNK, CHUNK)),) if with_aqk else ()),  # Aqk
+            plgpu.Barrier(num_arrivals=2 + with_aqk, num_barriers=2),
+        )
+        body = functools.partial(
+            _body_persistent, ops=cs.InterpretOps if interpret else cs.GpuOps, hk_ratio=ratio,
+            hv=hv, items=items, programs=programs, with_aqk=with_aqk,
+        )  # fmt: skip
+        mesh = plgpu.Mesh(grid=(programs,), grid_names=("p",))
+    else:
+        scratch = (
+            tile((CHUNK, dk)),  # k's block
+            *((tile((CHUNK, dk)),) if with_aqk else ()),  # q's
+            plgpu.SMEM((heads, ROWS, CHUNK), f32),  # each head's vectors
+            tile((heads, CHUNK, CHUNK), f16),  # X_n, then L_n X_n (a product's B)
+            tile((heads, CHUNK, CHUNK)),  # Tm diag(beta)
+            tile((heads, CHUNK, dk)),  # W
+            *((tile((heads, CHUNK, CHUNK)),) if with_aqk else ()),  # Aqk
+            plgpu.Barrier(num_arrivals=1 + with_aqk + heads, num_barriers=1),
+        )
+        body = functools.partial(
+            _body, ops=cs.InterpretOps if interpret else cs.GpuOps, heads=heads,
+            hk_ratio=ratio, with_aqk=with_aqk,
+        )  # fmt: skip
+        mesh = plgpu.Mesh(grid=(tp // CHUNK, hv // heads), grid_names=("t", "h"))
 
     def kernel(*refs):
         pl.run_scoped(lambda *s: body(refs, s), *scratch)
 
-    mesh = plgpu.Mesh(grid=(tp // CHUNK, hv // heads), grid_names=("t", "h"))
     out_type = (
         jax.ShapeDtypeStruct((hv, tp, dk), op),  # W
         jax.ShapeDtypeStruct((hv, tp, CHUNK), op),  # Tm diag(beta)

@@ -73,12 +73,13 @@ def test_silu_ceiling_computes_silu():
      (2, 4096, 16, 32, 128, 1024, True), (3, 200, 2, 4, 64, 100, True),
      (2, 4096, 16, 32, 128, 1024, "triton"), (3, 200, 2, 4, 64, 100, "triton"),
      (2, 4096, 16, 32, 128, 1024, "cols"), (3, 200, 2, 4, 64, 100, "cols"),
-     (2, 4096, 16, 32, 128, 1024, "aqk"), (3, 200, 2, 4, 64, 100, "aqk")],
+     (2, 4096, 16, 32, 128, 1024, "aqk"), (3, 200, 2, 4, 64, 100, "aqk"),
+     (2, 4096, 16, 32, 128, 1024, "persist"), (2, 4096, 16, 32, 128, 1024, "persist_aqk")],
     ids=["80b", "embedded", "80b_fold", "embedded_fold", "80b_fold_triton",
          "embedded_fold_triton", "80b_fold_cols", "embedded_fold_cols", "80b_fold_aqk",
-         "embedded_fold_aqk"],
+         "embedded_fold_aqk", "80b_fold_persist", "80b_fold_persist_aqk"],
 )  # fmt: skip
-def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every, fold):
+def test_gdn_serial_launch_lowers_to_mosaic_gpu(monkeypatch, rows, per_row, hk, hv, d, every, fold):
     """GDN prefill's Mosaic GPU serial launch (``pallas_kernels.common.chunk_scan_mgpu``:
     TMA copies, ``wgmma`` products, the state the accumulator), the GPU prefill's default: at
     the 80B's GDN heads, two rows of 4096 tokens, and at the embedded model's (``Dk = Dv = 64``),
@@ -90,9 +91,14 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every,
     its scratch by ``gdn.intra_mgpu``'s launch (the default: two Mosaic GPU kernels, no
     Triton one), ``"triton"`` by the Triton intra launch, ``"cols"`` by it with ``Tm
     diag(beta)`` made by columns (``fold_beta_rows=False``), ``"aqk"`` by the Mosaic GPU one
-    with each chunk's ``Aqk`` (``fold_aqk=True``: one more tile a stage in the serial launch)."""
+    with each chunk's ``Aqk`` (``fold_aqk=True``: one more tile a stage in the serial launch),
+    ``"persist"`` by it as a persistent launch (``intra_mgpu.PERSIST``: two stages, W from
+    its stage's k tile), with Aqk or not."""
     from benchmarks.common import prefill_batch
-    from pallas_kernels.gdn import gpu
+    from pallas_kernels.gdn import gpu, intra_mgpu
+
+    if str(fold).startswith("persist"):
+        monkeypatch.setattr(intra_mgpu, "PERSIST", 528)
 
     qsl, slots, num_slots = prefill_batch(rows, per_row, ckpt_every=every)
     n = rows * per_row
@@ -104,13 +110,13 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(rows, per_row, hk, hv, d, every,
     def prefill(*a):
         return gpu.gdn_prefill(
             *a, qsl, slots, precision=None, serial="mgpu", fold=bool(fold),
-            fold_beta_rows=fold != "cols", fold_aqk=fold == "aqk",
+            fold_beta_rows=fold != "cols", fold_aqk=str(fold).endswith("aqk"),
             fold_intra="triton" if fold in ("triton", "cols") else None,
         )  # fmt: skip
 
     text = jax.jit(prefill, donate_argnums=7).trace(*args).lower(lowering_platforms=("cuda",))
     text = text.as_text()
-    by_mosaic_gpu = fold in (True, "aqk")  # (the fold's scratch by gdn.intra_mgpu's launch)
+    by_mosaic_gpu = fold in (True, "aqk", "persist", "persist_aqk")  # (gdn.intra_mgpu's scratch)
     assert text.count("custom_call @mosaic_gpu") == (2 if by_mosaic_gpu else 1)
     assert ("triton" in text) != by_mosaic_gpu  # the intra launch: Triton's, or none
     assert "tf.aliasing_output" in text  # the donated pool is the kernel's output
