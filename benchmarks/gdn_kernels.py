@@ -81,6 +81,15 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     "foldtriton": (None, None, None, dict(serial="mgpu", fold=True, fold_intra="triton")),
     # and with each chunk's Aqk made there (gpu.FOLD_AQK): no q k^T in the serial launch
     "foldaqk": (None, None, None, dict(serial="mgpu", fold=True, fold_aqk=True)),
+    # the scratch's launch persistent (intra_mgpu.PERSIST): 528 programs (4 an SM), 396 (3)
+    "foldpers": (None, None, None, dict(serial="mgpu", fold=True, fold_persist=528)),
+    "foldpers3": (None, None, None, dict(serial="mgpu", fold=True, fold_persist=396)),
+    "foldpersaqk": (
+        None,
+        None,
+        None,
+        dict(serial="mgpu", fold=True, fold_persist=528, fold_aqk=True),
+    ),
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
     "bf16ops_three": (None, jnp.bfloat16, True, {}),
     "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True, {}),

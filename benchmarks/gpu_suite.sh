@@ -80,6 +80,8 @@
 #   gdnfoldaqk  each chunk's Aqk made with the fold's Mosaic GPU scratch (gdn_prefill(
 #             fold_aqk=True), not yet timed): its GPU checks, then timed beside the default
 #             and FLA at 1x4096, 8x4096, 1x16384; foldaqkregions both launches by region
+#   gdnfoldpers the fold's Mosaic GPU scratch as a persistent launch (gdn_prefill(
+#             fold_persist=528 / 396), not yet timed), with Aqk and without, at 8x4096 and 1x4096
 #   gpucheckbf16 benchmarks.gpu_check's bf16 Qwen3-Next with GDN head dims of 64 against
 #             transformers (the bf16 default path: the fold, gdn.intra_mgpu's scratch)
 #   foldregions benchmarks.mgpu_regions: the serial launch's cycles a chunk by region,
@@ -212,6 +214,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdnfoldbeta) echo "python -m benchmarks.gdn_kernels --intra-sweep --only intra_B8_T4096_foldcols_w4,intra_B8_T4096_foldbeta_w4 --out $j" ;;
         gdnfoldbetap) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --only check_prefill_foldcols,prefill_B8_T4096_default,prefill_B8_T4096_foldcols,prefill_B1_T4096_default,prefill_B1_T4096_foldcols --out $j" ;;
         gdnfoldaqk) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --only check_prefill_foldaqk,fla,prefill_B1_T4096_default,prefill_B1_T4096_foldaqk,prefill_B8_T4096_default,prefill_B8_T4096_foldaqk,prefill_B1_T16384_default,prefill_B1_T16384_foldaqk --out $j" ;;
+        gdnfoldpers) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --only prefill_B8_T4096_default,prefill_B8_T4096_foldpers,prefill_B8_T4096_foldpers3,prefill_B8_T4096_foldpersaqk,prefill_B8_T4096_foldaqk,prefill_B1_T4096_default,prefill_B1_T4096_foldpers --out $j" ;;
         foldaqkregions) echo "python -m benchmarks.mgpu_regions --shapes 1x4096,8x4096 --variants fold_intra_mgpu,fold_aqk --time-shapes none --out $j" ;;
         gpucheckbf16) echo "python -m benchmarks.gpu_check --only qwen3_next_bf16_gdn_dims_64 --out $j" ;;
         foldregions) echo "python -m benchmarks.mgpu_regions --shapes 1x4096,8x4096 --variants default,fold,fold_intra_mgpu --time-shapes none --out $j" ;;

@@ -609,7 +609,7 @@ def intra_launch(
     q, k, v, a, b, A_log, dt_bias, plan, *, num_chunks: int, operand_dtype, precision,
     num_warps: int = 8, num_stages: int = 2, tma_layout: bool = False, form: str = "whole",
     fold: bool = False, fold_beta_rows: bool | None = None, fold_intra: str | None = None,
-    fold_aqk: bool = False, interpret: bool = False,
+    fold_aqk: bool = False, fold_persist: int | None = None, interpret: bool = False,
 ) -> ChunkRefs | chunk_scan_mgpu.FoldRefs:  # fmt: skip
     """Launch 1 (:func:`_intra_kernel`, or by 16-row blocks :func:`_intra_kernel_blocked`:
     ``form``, one of :data:`INTRA_FORMS`) over grid ``(NC, Hv)`` on inputs padded to at least
@@ -644,7 +644,7 @@ def intra_launch(
     ):  # fmt: skip
         return intra_mgpu.fold_scratch(
             q, k, v, a, b, A_log, dt_bias, plan, num_chunks=num_chunks, operand_dtype=op,
-            with_aqk=fold_aqk, interpret=interpret,
+            with_aqk=fold_aqk, persist=fold_persist, interpret=interpret,
         )  # fmt: skip
     if fold:
         vec = jax.ShapeDtypeStruct((hv, FOLD_ROWS, tp), jnp.float32)
@@ -711,7 +711,7 @@ def prefill_scratch(
     precision, num_warps: int | None = None, num_stages: int | None = None,
     tma_layout: bool = False, form: str | None = None, fold: bool = False,
     fold_beta_rows: bool | None = None, fold_intra: str | None = None, fold_aqk: bool = False,
-    interpret: bool = False,
+    fold_persist: int | None = None, interpret: bool = False,
 ):  # fmt: skip
     """The prefill up to its serial launch: the chunk plan, the plan by row and the intra
     launch's scratch (:func:`intra_launch`, on inputs padded to a 64-row window; in the Mosaic
@@ -733,7 +733,7 @@ def prefill_scratch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=operand_dtype,
         precision=precision, num_warps=num_warps, num_stages=num_stages,
         tma_layout=tma_layout, form=form, fold=fold, fold_beta_rows=fold_beta_rows,
-        fold_intra=fold_intra, fold_aqk=fold_aqk, interpret=interpret,
+        fold_intra=fold_intra, fold_aqk=fold_aqk, fold_persist=fold_persist, interpret=interpret,
     )  # fmt: skip
     return plan, row_plan(plan, slots, nc), x
 
@@ -766,6 +766,7 @@ def gdn_prefill(
     fold_beta_rows: bool | None = None,
     fold_intra: str | None = None,
     fold_aqk: bool | None = None,
+    fold_persist: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, Hv, Dv], state)``.
@@ -799,7 +800,9 @@ def gdn_prefill(
         ``fold_intra`` (None: :data:`FOLD_INTRA`) who makes the fold's scratch: ``"triton"``
         (that intra launch) or ``"mgpu"`` (:mod:`.intra_mgpu`: XLA and a Mosaic GPU launch);
         ``fold_aqk`` (None: :data:`FOLD_AQK`, off; the Mosaic GPU scratch only) each chunk's
-        ``Aqk`` made with that scratch instead of in the serial launch.
+        ``Aqk`` made with that scratch instead of in the serial launch; ``fold_persist``
+        (None: ``intra_mgpu.PERSIST``, 0) that scratch's launch as a persistent one of so many
+        programs.
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, _, dk = q.shape
@@ -826,7 +829,8 @@ def gdn_prefill(
         q, k, v, a, b, A_log, dt_bias, query_start_loc, slots, operand_dtype=op,
         precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
         tma_layout=mgpu, form=form, fold=fold, fold_beta_rows=fold_beta_rows,
-        fold_intra=fold_intra, fold_aqk=fold_aqk, interpret=interpret,
+        fold_intra=fold_intra, fold_aqk=fold_aqk, fold_persist=fold_persist,
+        interpret=interpret,
     )  # fmt: skip
     if mgpu:
         return chunk_scan_mgpu.scan_mgpu(

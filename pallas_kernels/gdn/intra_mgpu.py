@@ -317,11 +317,12 @@ def unsupported_reason(dk: int, op_dtype) -> str | None:
 
 def fold_scratch(
     q, k, v, a, b, A_log, dt_bias, plan: ChunkPlan, *, num_chunks: int, operand_dtype,
-    with_aqk: bool = False, interpret: bool = False,
+    with_aqk: bool = False, persist: int | None = None, interpret: bool = False,
 ) -> cs.FoldRefs:  # fmt: skip
     """The fold's scratch (module docstring) on inputs padded to a multiple of 64 tokens;
     ``with_aqk``: and each chunk's ``Aqk`` (``FoldRefs.aqk``: ``q k^T`` on q's block, one
-    more product, so that the serial launch makes neither)."""
+    more product, so that the serial launch makes neither); ``persist`` (None: :data:`PERSIST`)
+    programs of the persistent launch (0: the plain one)."""
     if why := unsupported_reason(q.shape[2], operand_dtype):
         raise ValueError(f"the Mosaic GPU fold launch cannot take this prefill: {why}")
     plgpu = cs._plgpu()
@@ -337,7 +338,7 @@ def fold_scratch(
         return plgpu.SMEM(shape, dtype, transforms=transforms)
 
     items = tp // CHUNK * hv
-    programs = min(PERSIST, items) if heads == 1 else 0
+    programs = min(PERSIST if persist is None else persist, items) if heads == 1 else 0
     if programs:
         scratch = (
             tile((2, CHUNK, dk)),  # k's blocks, two stages (W stored from them)
