@@ -26,8 +26,9 @@ and a forward substitution, small work with long latencies. Here:
   (``n = 1``) is ``X_2 = I - L_1``, no product.
 
 A program owns a 64-token block of the batch (every chunk in it: chunks lie inside blocks)
-and two value heads of one key head where there are two (their chains interleaved, k's tile
-read once). A is masked to pairs of tokens of one chunk (the token's chunk is a row of vec), so
+and one value head (:data:`HEADS`: two of one key head, their chains interleaved, was slower).
+On an H200 at 8x4096 the launch takes ~0.41 ms where the Triton one took 1.05 (BENCHMARKS.md,
+session 35). A is masked to pairs of tokens of one chunk (the token's chunk is a row of vec), so
 X is block diagonal by chunk and the identity on tokens of no chunk; the block's Tm and W are
 one TMA store each (rows of no chunk: zeros). With ``with_aqk`` (``gdn.gpu.FOLD_AQK``, opt-in,
 not yet timed) it reads q's block too and makes each chunk's ``Aqk`` (``q k^T`` scaled by the
@@ -56,8 +57,9 @@ QNORM_ROW, KNORM_ROW, GAM_ROW = 2, 3, 4  # (of FOLD_VECTORS)
 R_ROW, C_ROW, BETA_ROW, WSCALE_ROW, CHUNK_ROW = 5, 6, 7, 8, 9
 ROWS = 10
 # Value heads a program: 2 (their chains interleaved, k's tile read once) or 1 (half the
-# shared memory: twice the programs an SM). H200, 8x4096, Mosaic GPU's profiler: with 2, two
-# programs an SM, each doubling step ~3,700 cycles for ~260 of tensor-core work.
+# shared memory: twice the programs an SM). H200, 8x4096: the prefill 1.262 / 1.265 ms with 1
+# against 1.355 with 2 (Mosaic GPU's profiler: a doubling step ~1,050 cycles against ~3,700
+# for two heads' ~260 of tensor-core work).
 HEADS = int(os.environ.get("HYJAX_GDN_FOLD_MGPU_HEADS", "1"))
 # The launch as a persistent one (_body_persistent; one head a program): PERSIST programs (0:
 # not persistent), each taking items a stride apart with the next one's copies in flight. Not
