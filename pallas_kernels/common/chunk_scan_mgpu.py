@@ -679,11 +679,9 @@ def scan_mgpu(
         tiles = (x.w, x.tm, *flat, x.vec, *(() if x.aqk is None else (x.aqk,)))
     else:
         tiles = (x.w, x.u, x.q_dec, x.k_dec, x.a_qk)
-    swizzle = 128  # bytes: 64 16-bit values a row of a tile
-    transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
     def tile(shape, stages=STAGES):
-        return plgpu.SMEM(((stages,) if stages else ()) + shape, op, transforms=transforms)
+        return swizzled(((stages,) if stages else ()) + shape, op)
 
     scratch = (
         tile((CHUNK, dk)),  # w
@@ -696,7 +694,7 @@ def scan_mgpu(
         *((tile((CHUNK, CHUNK)),) if fold_aqk else ()),  # (the fold's Aqk made already)
         tile((BV, dk), 0),  # the chunk's bf16 S^T (o's B)
         tile((BV, CHUNK), 0),  # the chunk's bf16 V'^T (o's B)
-        plgpu.SMEM((CHUNK, BV), out_dtype, transforms=transforms),  # o of a 64-token chunk
+        swizzled((CHUNK, BV), out_dtype),  # o of a 64-token chunk
         plgpu.SMEM((CHUNK, BV), out_dtype),  # o of a shorter one: plain rows, sliced by runs
         plgpu.SMEM((BV, dk), state.dtype),  # the state in and out
         plgpu.SMEM(ri.shape[1:], jnp.int32),
@@ -727,6 +725,14 @@ def scan_mgpu(
     if live is not None:
         o = jnp.where(live[:, None, None], o[: live.shape[0]], 0)
     return o, state
+
+
+def swizzled(shape, dtype):
+    """A shared-memory tile of 16-bit rows as TMA copies and ``wgmma`` read them: tiles of 8
+    rows of 64 values, swizzled by 128 bytes."""
+    plgpu = _plgpu()
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
 def mgpu_kernel(kernel, out_type, mesh, *, name: str, interpret: bool, approx_math=False):

@@ -26,7 +26,8 @@ and a forward substitution, small work with long latencies. Here:
   (``n = 1``) is ``X_2 = I - L_1``, no product.
 
 A program owns a 64-token block of the batch (every chunk in it: chunks lie inside blocks)
-and one value head (:data:`HEADS`: two of one key head, their chains interleaved, was slower).
+and one value head (two of one key head, their chains interleaved, was slower: the prefill
+1.355 against 1.262 ms at 8x4096, a doubling step ~3,700 cycles against ~1,050).
 On an H200 at 8x4096 the launch takes ~0.41 ms where the Triton one took 1.05 (BENCHMARKS.md,
 session 35). A is masked to pairs of tokens of one chunk (the token's chunk is a row of vec), so
 X is block diagonal by chunk and the identity on tokens of no chunk; the block's Tm and W are
@@ -47,7 +48,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import chunk_scan_mgpu as cs
 from pallas_kernels.common.chunking import ChunkPlan
-from pallas_kernels.common.delta_rule import softplus
+from pallas_kernels.gdn.reference import gdn_gates
 
 CHUNK = cs.CHUNK
 # vec's rows: gdn.gpu.FOLD_VECTORS (the serial launch's, its first FOLD_ROWS), then this
@@ -56,11 +57,6 @@ CHUNK = cs.CHUNK
 QNORM_ROW, KNORM_ROW, GAM_ROW = 2, 3, 4  # (of FOLD_VECTORS)
 R_ROW, C_ROW, BETA_ROW, WSCALE_ROW, CHUNK_ROW = 5, 6, 7, 8, 9
 ROWS = 10
-# Value heads a program: 2 (their chains interleaved, k's tile read once) or 1 (half the
-# shared memory: twice the programs an SM). H200, 8x4096: the prefill 1.262 / 1.265 ms with 1
-# against 1.355 with 2 (Mosaic GPU's profiler: a doubling step ~1,050 cycles against ~3,700
-# for two heads' ~260 of tensor-core work).
-HEADS = int(os.environ.get("HYJAX_GDN_FOLD_MGPU_HEADS", "1"))
 # The launch as a persistent one (_body_persistent; one head a program): PERSIST programs (0:
 # not persistent), each taking items a stride apart with the next one's copies in flight. Not
 # yet timed: off by default; HYJAX_GDN_FOLD_MGPU_PERSIST=528 (four an SM of an H200) for a
@@ -83,8 +79,7 @@ def fold_vectors(q, k, a, b, A_log, dt_bias, plan: ChunkPlan, num_chunks: int):
     tc = jnp.pad(plan.token_chunk, (0, tp - n), constant_values=num_chunks)
     live = jnp.pad(plan.live, (0, tp - n)) & (tc < num_chunks)
     tci = jnp.minimum(tc, num_chunks - 1)
-    g = -jnp.exp(A_log.astype(f32)) * softplus(a.astype(f32) + dt_bias.astype(f32))
-    beta = jax.nn.sigmoid(b.astype(f32))
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
     g = jnp.where(live[:, None], g, 0.0)
     beta = jnp.where(live[:, None], beta, 0.0)
     # gam: g summed from the chunk's first token; a chunk lies inside its 64-token block, so the
@@ -122,154 +117,142 @@ def fold_vectors(q, k, a, b, A_log, dt_bias, plan: ChunkPlan, num_chunks: int):
     return jnp.transpose(vec, (2, 0, 1)), jnp.exp(gam_last)
 
 
-def _products(ops, k_s, q_s, vec_s, tx, *, heads: int, after_scores=None):
-    """A block's ``Tm diag(beta)``, W and (with ``q_s``) Aqk, one list entry a head, from its
-    tiles in shared memory (k's and q's blocks, each head's vectors; ``tx`` a head's f16 tile
-    a doubling step's operands pass through). ``after_scores()`` runs once ``k k^T`` is
-    made (the persistent launch's next copies)."""
+def _products(ops, k_s, q_s, vec_s, tx, after_scores=None):
+    """A block's ``Tm diag(beta)``, W and (with ``q_s``) Aqk from its tiles in shared memory
+    (k's and q's blocks, the head's vectors; ``tx`` the f16 tile a doubling step's operands
+    pass through). ``after_scores()`` runs once ``k k^T`` is made (the persistent launch's
+    next copies)."""
     plgpu = cs._plgpu()
-    dk = k_s.shape[1]
     sq = (CHUNK, CHUNK)
     ri, cj = ops.iota(sq, 0), ops.iota(sq, 1)
     near = ri ^ cj  # i and j in one aligned block of m rows (m a power of two): near < m
 
-    def over_rows(i, row):  # head i's vec row along A's rows / columns
-        return jax.lax.broadcast_in_dim(ops.load_col_vector(vec_s.at[i, row]), sq, (0,))
+    def over_rows(row):  # vec row ``row`` along A's rows / columns
+        return jax.lax.broadcast_in_dim(ops.load_col_vector(vec_s.at[row]), sq, (0,))
 
-    def over_cols(i, row):
-        return jax.lax.broadcast_in_dim(ops.load_row_vector(vec_s.at[i, row]), sq, (1,))
+    def over_cols(row):
+        return jax.lax.broadcast_in_dim(ops.load_row_vector(vec_s.at[row]), sq, (1,))
 
-    def in_chunk(i, keep):  # pairs of one chunk (tokens of none: -1)
-        chunk = over_cols(i, CHUNK_ROW)
-        return keep & (over_rows(i, CHUNK_ROW) == chunk) & (chunk >= 0)
+    def in_chunk(keep):  # pairs of one chunk (tokens of none: -1)
+        chunk = over_cols(CHUNK_ROW)
+        return keep & (over_rows(CHUNK_ROW) == chunk) & (chunk >= 0)
 
     with jax.named_scope("scores"):
         (kk,) = ops.mma((ops.zeros(sq), [(k_s, k_s, True)]))  # k k^T, raw k
         if after_scores is not None:
             after_scores()
-        eye = jnp.where(ri == cj, 1.0, 0.0)
-        a, x = [], []
-        for i in range(heads):  # A, and X_2 = I - L_1
-            keep = in_chunk(i, ri > cj)
-            expo = jnp.where(keep, over_rows(i, R_ROW) - over_cols(i, C_ROW), -1e30)
-            a.append(jnp.where(keep, kk * jnp.exp(expo), 0.0))
-            x.append(eye - jnp.where(near < 2, a[i], 0.0))
+        keep = in_chunk(ri > cj)
+        a = jnp.where(keep, kk * jnp.exp(jnp.where(keep, over_rows(R_ROW) - over_cols(C_ROW),
+                                                   -1e30)), 0.0)  # fmt: skip
+        x = jnp.where(ri == cj, 1.0, 0.0) - jnp.where(near < 2, a, 0.0)  # X_2 = I - L_1
 
     def double(x, n):  # X_2n = X_n - X_n L_n X_n
-        below = (near < 2 * n) & (near >= n)
-        for i in range(heads):
-            tx[i] = x[i].astype(f16)
+        tx[...] = x.astype(f16)
         plgpu.commit_smem()
-        p = ops.mma(
-            *[
-                (ops.zeros(sq), [(jnp.where(below, a[i], 0.0).astype(f16), tx.at[i], False)])
-                for i in range(heads)
-            ]
-        )  # fmt: skip  (L_n X_n)
-        for i in range(heads):  # (X_n's tile read: it takes L_n X_n)
-            tx[i] = p[i].astype(f16)
+        low = jnp.where((near < 2 * n) & (near >= n), a, 0.0).astype(f16)
+        (p,) = ops.mma((ops.zeros(sq), [(low, tx, False)]))  # L_n X_n
+        tx[...] = p.astype(f16)  # (X_n's tile read: it takes L_n X_n)
         plgpu.commit_smem()
-        xlx = ops.mma(*[
-            (ops.zeros(sq), [(x[i].astype(f16), tx.at[i], False)]) for i in range(heads)
-        ])  # fmt: skip
-        return [x[i] - xlx[i] for i in range(heads)]
+        (xlx,) = ops.mma((ops.zeros(sq), [(x.astype(f16), tx, False)]))
+        return x - xlx
 
     for n in (2, 4, 8, 16, 32):
         with jax.named_scope(f"double{n}"):
             x = double(x, n)
-    op = k_s.dtype
     with jax.named_scope("w"):
-        tm = [over_rows(i, BETA_ROW) * x[i] for i in range(heads)]  # diag(beta) X
-        w = ops.mma(*[
-            (ops.zeros((CHUNK, dk)),
-             [((tm[i] * over_cols(i, WSCALE_ROW)).astype(op), k_s, False)])
-            for i in range(heads)
-        ])  # fmt: skip
+        tm = over_rows(BETA_ROW) * x  # diag(beta) X
+        wa = (tm * over_cols(WSCALE_ROW)).astype(k_s.dtype)
+        (w,) = ops.mma((ops.zeros((CHUNK, k_s.shape[1])), [(wa, k_s, False)]))
     aqk = None
     if q_s is not None:  # Aqk = incl_lower(q k^T n_q n_k e^(gam_i - gam_j)) in the chunk
         with jax.named_scope("aqk"):
             (qk,) = ops.mma((ops.zeros(sq), [(q_s, k_s, True)]))  # raw q, k
-            aqk = []
-            for i in range(heads):
-                keep = in_chunk(i, ri >= cj)
-                e = jnp.exp(jnp.where(keep, over_rows(i, GAM_ROW) - over_cols(i, GAM_ROW), -1e30))
-                scale = over_rows(i, QNORM_ROW) * over_cols(i, KNORM_ROW)
-                aqk.append(jnp.where(keep, qk * scale * e, 0.0))
+            keep = in_chunk(ri >= cj)
+            e = jnp.exp(jnp.where(keep, over_rows(GAM_ROW) - over_cols(GAM_ROW), -1e30))
+            aqk = jnp.where(keep, qk * over_rows(QNORM_ROW) * over_cols(KNORM_ROW) * e, 0.0)
     return tm, w, aqk
 
 
-def _body(refs, scratch, *, ops, heads: int, hk_ratio: int, with_aqk: bool = False):
-    """One program: 64-token block ``t``, value heads ``heads * j ...`` (module docstring); the
-    heads' chains interleaved (each product of one issued with the other's)."""
+def _copies(k_ref, q_ref, vec_ref, tok, h, hk_ratio, k_s, q_s, vec_s, bar):
+    """An item's tiles (block ``tok``, head ``h``) into shared memory, on barrier ``bar``: k's
+    block (and q's, with ``q_ref``) and the head's vectors."""
     plgpu = cs._plgpu()
-    if with_aqk:  # (q's block, Aqk's output and its tile too)
+    keys = pl.ds(h // hk_ratio * k_s.shape[-1], k_s.shape[-1])
+    plgpu.copy_gmem_to_smem(k_ref.at[tok, keys], k_s, bar)
+    if q_ref is not None:
+        plgpu.copy_gmem_to_smem(q_ref.at[tok, keys], q_s, bar)
+    plgpu.copy_gmem_to_smem(vec_ref.at[h, :, tok], vec_s, bar)
+
+
+def _stores(outs, tiles, refs, tok, h):
+    """An item's outputs (``None`` skipped) through their tiles to ``refs[h, tok]``: the
+    block's rows (those of no chunk: zeros), one TMA store each."""
+    plgpu = cs._plgpu()
+    kept = [(o, t, r) for o, t, r in zip(outs, tiles, refs, strict=True) if o is not None]
+    for o, t, _ in kept:
+        t[...] = o.astype(t.dtype)
+    plgpu.commit_smem()
+    for _, t, r in kept:
+        plgpu.copy_smem_to_gmem(t, r.at[h, tok])
+
+
+def _split(refs, scratch, with_aqk: bool, stored: int):
+    """``(k, q, vec, w, tm, aqk)`` refs and the scratch's tiles with ``None`` where there is no
+    Aqk (q's tile and Aqk's output); ``stored`` tiles after the vectors' and X's."""
+    if with_aqk:
         k_ref, q_ref, vec_ref, w_ref, tm_ref, aqk_ref = refs
-        k_s, q_s, vec_s, tx, tm_t, w_t, aqk_t, bar = scratch
+        k_s, q_s, vec_s, tx, *rest = scratch
     else:
-        k_ref, vec_ref, w_ref, tm_ref = refs
-        k_s, vec_s, tx, tm_t, w_t, bar = scratch
-        q_s = None
-    t, j = jax.lax.axis_index("t"), jax.lax.axis_index("h")
-    dk = k_s.shape[1]
+        (k_ref, vec_ref, w_ref, tm_ref), q_ref, aqk_ref = refs, None, None
+        (k_s, vec_s, tx, *rest), q_s = scratch, None
+    outs = rest[:stored] + ([rest[stored]] if with_aqk else [None])
+    return (k_ref, q_ref, vec_ref, w_ref, tm_ref, aqk_ref), (k_s, q_s, vec_s, tx, outs, rest[-1])
+
+
+def _body(refs, scratch, *, ops, hk_ratio: int, with_aqk: bool = False):
+    """One program: 64-token block ``t``, value head ``h`` (module docstring)."""
+    plgpu = cs._plgpu()
+    (k_ref, q_ref, vec_ref, w_ref, tm_ref, aqk_ref), (k_s, q_s, vec_s, tx, outs, bar) = _split(
+        refs, scratch, with_aqk, stored=2
+    )
+    t, h = jax.lax.axis_index("t"), jax.lax.axis_index("h")
     tok = pl.ds(t * CHUNK, CHUNK)
-    hs = [j * heads + i for i in range(heads)]
     with jax.named_scope("load"):  # (named regions: benchmarks/mgpu_regions.py)
-        keys = pl.ds(hs[0] // hk_ratio * dk, dk)
-        plgpu.copy_gmem_to_smem(k_ref.at[tok, keys], k_s, bar.at[0])
-        if with_aqk:
-            plgpu.copy_gmem_to_smem(q_ref.at[tok, keys], q_s, bar.at[0])
-        for i, h in enumerate(hs):
-            plgpu.copy_gmem_to_smem(vec_ref.at[h, :, tok], vec_s.at[i], bar.at[0])
+        _copies(k_ref, q_ref, vec_ref, tok, h, hk_ratio, k_s, q_s, vec_s, bar.at[0])
         plgpu.barrier_wait(bar.at[0])
-    tm, w, aqk = _products(ops, k_s, q_s, vec_s, tx, heads=heads)
-    op = k_s.dtype
+    tm, w, aqk = _products(ops, k_s, q_s, vec_s, tx)
     with jax.named_scope("store"):
-        for i in range(heads):  # the block's rows (those of no chunk: zeros)
-            tm_t[i] = tm[i].astype(op)
-            w_t[i] = w[i].astype(op)
-            if with_aqk:
-                aqk_t[i] = aqk[i].astype(op)
-        plgpu.commit_smem()
-        for i, h in enumerate(hs):
-            plgpu.copy_smem_to_gmem(tm_t.at[i], tm_ref.at[h, tok])
-            plgpu.copy_smem_to_gmem(w_t.at[i], w_ref.at[h, tok])
-            if with_aqk:
-                plgpu.copy_smem_to_gmem(aqk_t.at[i], aqk_ref.at[h, tok])
+        tm_t, w_t, aqk_t = outs
+        _stores((tm, w, aqk), (tm_t, w_t, aqk_t), (tm_ref, w_ref, aqk_ref), tok, h)
         plgpu.wait_smem_to_gmem(0)
 
 
 def _body_persistent(
     refs, scratch, *, ops, hk_ratio: int, hv: int, items: int, programs: int, with_aqk: bool
 ):  # fmt: skip
-    """:func:`_body` for one head a program as a persistent launch (:data:`PERSIST`): program
-    ``p`` of ``P`` takes items ``p, p + P, ...`` (item = block * Hv + head), the next item's
-    copies in flight in the other of two stages while this one's products run (issued once
-    its ``k k^T`` is made, by when the last item's stores have left the stage), W stored from
-    its own stage's k tile (k read for the last time by W's product) and the stores waited for
-    only before the tiles are written again."""
+    """:func:`_body` as a persistent launch (:data:`PERSIST`): program ``p`` of ``P`` takes
+    items ``p, p + P, ...`` (item = block * Hv + head), the next item's copies in flight in
+    the other of two stages while this one's products run (issued once its ``k k^T`` is made,
+    by when the last item's stores have left the stage), W stored from its own stage's k tile
+    (k read for the last time by W's product) and the stores waited for only before the tiles
+    are written again."""
     plgpu = cs._plgpu()
-    if with_aqk:
-        k_ref, q_ref, vec_ref, w_ref, tm_ref, aqk_ref = refs
-        k_s, q_s, vec_s, tx, tm_t, aqk_t, bars = scratch
-    else:
-        k_ref, vec_ref, w_ref, tm_ref = refs
-        k_s, vec_s, tx, tm_t, bars = scratch
-        q_s = aqk_t = None
+    (k_ref, q_ref, vec_ref, w_ref, tm_ref, aqk_ref), (k_s, q_s, vec_s, tx, outs, bars) = _split(
+        refs, scratch, with_aqk, stored=1
+    )
+    tm_t, aqk_t = outs
     p = jax.lax.axis_index("p")
     mine = (items - p + programs - 1) // programs
-    dk = k_s.shape[2]
 
     def item(m):  # (its 64-token block's rows, its head)
         it = p + m * programs
         return pl.ds(it // hv * CHUNK, CHUNK), it % hv
 
+    def stage(slot):  # (q's tile: None without Aqk)
+        return k_s.at[slot], None if q_s is None else q_s.at[slot], vec_s.at[slot]
+
     def issue(m, slot):
-        tok, h = item(m)
-        keys = pl.ds(h // hk_ratio * dk, dk)
-        plgpu.copy_gmem_to_smem(k_ref.at[tok, keys], k_s.at[slot], bars.at[slot])
-        if with_aqk:
-            plgpu.copy_gmem_to_smem(q_ref.at[tok, keys], q_s.at[slot], bars.at[slot])
-        plgpu.copy_gmem_to_smem(vec_ref.at[h, :, tok], vec_s.at[slot, 0], bars.at[slot])
+        _copies(k_ref, q_ref, vec_ref, *item(m), hk_ratio, *stage(slot), bars.at[slot])
 
     def step(m, carry):
         slot = m % 2
@@ -283,22 +266,10 @@ def _body_persistent(
 
         with jax.named_scope("load"):
             plgpu.barrier_wait(bars.at[slot])
-        tm, w, aqk = _products(
-            ops, k_s.at[slot], None if q_s is None else q_s.at[slot], vec_s.at[slot], tx,
-            heads=1, after_scores=next_copies,
-        )  # fmt: skip
-        op = k_s.dtype
-        tok, h = item(m)
-        with jax.named_scope("store"):
-            tm_t[...] = tm[0].astype(op)
-            k_s.at[slot][...] = w[0].astype(op)  # (W's product has read k)
-            if with_aqk:
-                aqk_t[...] = aqk[0].astype(op)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(tm_t, tm_ref.at[h, tok])
-            plgpu.copy_smem_to_gmem(k_s.at[slot], w_ref.at[h, tok])
-            if with_aqk:
-                plgpu.copy_smem_to_gmem(aqk_t, aqk_ref.at[h, tok])
+        k_t, q_t, vec_t = stage(slot)
+        tm, w, aqk = _products(ops, k_t, q_t, vec_t, tx, after_scores=next_copies)
+        with jax.named_scope("store"):  # (W's product has read k: W leaves from k's tile)
+            _stores((tm, w, aqk), (tm_t, k_t, aqk_t), (tm_ref, w_ref, aqk_ref), *item(m))
         return carry
 
     @pl.when(mine > 0)
@@ -331,22 +302,20 @@ def fold_scratch(
     tp, hk, dk = q.shape
     hv = v.shape[1]
     ratio = hv // hk
-    heads = HEADS if ratio % HEADS == 0 else 1  # value heads a program (of one key head)
     op = operand_dtype
     vec, decay = fold_vectors(q, k, a, b, A_log, dt_bias, plan, num_chunks)
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def tile(shape, dtype=op):
-        return plgpu.SMEM(shape, dtype, transforms=transforms)
+        return cs.swizzled(shape, dtype)
 
     items = tp // CHUNK * hv
-    programs = min(PERSIST if persist is None else persist, items) if heads == 1 else 0
+    programs = min(PERSIST if persist is None else persist, items)
     if programs:
         scratch = (
             tile((2, CHUNK, dk)),  # k's blocks, two stages (W stored from them)
             *((tile((2, CHUNK, dk)),) if with_aqk else ()),  # q's
-            plgpu.SMEM((2, 1, ROWS, CHUNK), f32),  # the vectors
-            tile((1, CHUNK, CHUNK), f16),  # X_n, then L_n X_n (a product's B)
+            plgpu.SMEM((2, ROWS, CHUNK), f32),  # the vectors
+            tile((CHUNK, CHUNK), f16),  # X_n, then L_n X_n (a product's B)
             tile((CHUNK, CHUNK)),  # Tm diag(beta)
             *((tile((CHUNK, CHUNK)),) if with_aqk else ()),  # Aqk
             plgpu.Barrier(num_arrivals=2 + with_aqk, num_barriers=2),
@@ -360,18 +329,18 @@ def fold_scratch(
         scratch = (
             tile((CHUNK, dk)),  # k's block
             *((tile((CHUNK, dk)),) if with_aqk else ()),  # q's
-            plgpu.SMEM((heads, ROWS, CHUNK), f32),  # each head's vectors
-            tile((heads, CHUNK, CHUNK), f16),  # X_n, then L_n X_n (a product's B)
-            tile((heads, CHUNK, CHUNK)),  # Tm diag(beta)
-            tile((heads, CHUNK, dk)),  # W
-            *((tile((heads, CHUNK, CHUNK)),) if with_aqk else ()),  # Aqk
-            plgpu.Barrier(num_arrivals=1 + with_aqk + heads, num_barriers=1),
+            plgpu.SMEM((ROWS, CHUNK), f32),  # the head's vectors
+            tile((CHUNK, CHUNK), f16),  # X_n, then L_n X_n (a product's B)
+            tile((CHUNK, CHUNK)),  # Tm diag(beta)
+            tile((CHUNK, dk)),  # W
+            *((tile((CHUNK, CHUNK)),) if with_aqk else ()),  # Aqk
+            plgpu.Barrier(num_arrivals=2 + with_aqk, num_barriers=1),
         )
         body = functools.partial(
-            _body, ops=cs.InterpretOps if interpret else cs.GpuOps, heads=heads,
-            hk_ratio=ratio, with_aqk=with_aqk,
+            _body, ops=cs.InterpretOps if interpret else cs.GpuOps, hk_ratio=ratio,
+            with_aqk=with_aqk,
         )  # fmt: skip
-        mesh = plgpu.Mesh(grid=(tp // CHUNK, hv // heads), grid_names=("t", "h"))
+        mesh = plgpu.Mesh(grid=(tp // CHUNK, hv), grid_names=("t", "h"))
 
     def kernel(*refs):
         pl.run_scoped(lambda *s: body(refs, s), *scratch)

@@ -204,23 +204,21 @@ def test_fold_matches_the_reference_and_the_launch_it_replaces(gates, hk, hv):
 
 
 @pytest.mark.parametrize(
-    "gates, hk, hv, heads, persist",
-    [("slow", HK, HV, 1, 0), ("strong", HK, HV, 1, 0), ("slow", 2, 4, 1, 0), ("slow", 2, 4, 2, 0),
-     ("slow", 2, 4, 1, 3), ("strong", HK, HV, 1, 5)],
+    "gates, hk, hv, persist",
+    [("slow", HK, HV, 0), ("strong", HK, HV, 0), ("slow", 2, 4, 0), ("slow", 2, 4, 3),
+     ("strong", HK, HV, 5)],
 )  # fmt: skip
 def test_fold_scratch_by_mosaic_gpu_matches_the_triton_launch(
-    monkeypatch, gates, hk, hv, heads, persist
+    monkeypatch, gates, hk, hv, persist
 ):  # fmt: skip
     """``gdn.intra_mgpu.fold_scratch`` (``fold_intra="mgpu"``: XLA's vectors, the inverse by
     wgmma doubling steps in f16) on the ragged rows (two chunks in a block, checkpoints, a
     padding row): W, ``Tm diag(beta)``, the serial launch's vectors and the chunk decays are
     the Triton launch's to bf16 roundings on every token of a chunk, and the prefill through
-    it is the reference's. ``strong`` gates (decays ~e^-5 a token); two heads a program
-    (``HEADS``: their chains interleaved); ``persist`` programs of the persistent launch
-    (``PERSIST``: each taking several items, two stages)."""
+    it is the reference's. ``strong`` gates (decays ~e^-5 a token); ``persist`` programs of
+    the persistent launch (``PERSIST``: each taking several items, two stages)."""
     from pallas_kernels.gdn import intra_mgpu
 
-    monkeypatch.setattr(intra_mgpu, "HEADS", heads)
     monkeypatch.setattr(intra_mgpu, "PERSIST", persist)
     args, pool, qsl, slots, _ = _fold_case(5, gates, hk, hv)
     made = {}
