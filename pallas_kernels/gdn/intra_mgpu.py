@@ -28,8 +28,9 @@ and a forward substitution, small work with long latencies. Here:
 A program owns a 64-token block of the batch (every chunk in it: chunks lie inside blocks)
 and one value head (two of one key head, their chains interleaved, was slower: the prefill
 1.355 against 1.262 ms at 8x4096, a doubling step ~3,700 cycles against ~1,050).
-On an H200 at 8x4096 the launch takes ~0.41 ms where the Triton one took 1.05 (BENCHMARKS.md,
-session 35). A is masked to pairs of tokens of one chunk (the token's chunk is a row of vec), so
+On an H200 at 8x4096 the two-head launch traced 0.50 ms where the Triton one took 1.05, and
+the one-head form took the prefill 0.09 ms less (BENCHMARKS.md, session 35). A is masked to
+pairs of tokens of one chunk (the token's chunk is a row of vec), so
 X is block diagonal by chunk and the identity on tokens of no chunk; the block's Tm and W are
 one TMA store each (rows of no chunk: zeros). With ``with_aqk`` (``gdn.gpu.FOLD_AQK``, opt-in,
 not yet timed) it reads q's block too and makes each chunk's ``Aqk`` (``q k^T`` scaled by the
