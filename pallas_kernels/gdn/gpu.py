@@ -159,8 +159,8 @@ FOLD_BETA_ROWS = os.environ.get("HYJAX_GDN_FOLD_BETA_ROWS", "1") == "1"
 # Who makes the fold's scratch: "mgpu" (XLA's per-token vectors and a Mosaic GPU launch,
 # pallas_kernels.gdn.intra_mgpu: the inverse by wgmma doubling steps; shapes it cannot take
 # fall back with one log line) or "triton" (this module's intra launch, _intra_kernel_fold).
-# H200, 2026-11-30 (BENCHMARKS.md): the launch 0.50 ms against 1.05 at 8x4096, the prefill
-# 1.26 against 1.83 ms. HYJAX_GDN_FOLD_INTRA=triton for a process.
+# H200, 2026-11-30 (BENCHMARKS.md): the launch 0.50 ms (traced, two heads a program) against
+# 1.05 at 8x4096, the prefill 1.23 against 1.83 ms. HYJAX_GDN_FOLD_INTRA=triton for a process.
 FOLD_INTRA = os.environ.get("HYJAX_GDN_FOLD_INTRA", "mgpu")
 # With the Mosaic GPU scratch: each chunk's Aqk made there too (one more product on q's block,
 # an 8 KB tile a chunk and head), so that the serial launch neither issues q k^T nor makes Aqk
