@@ -90,6 +90,16 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
         None,
         dict(serial="mgpu", fold=True, fold_persist=528, fold_aqk=True),
     ),
+    # the fold's serial launch by pairs (chunk_scan_mgpu.PAIR: a (head, row) a program, its two
+    # Dv blocks a warpgroup each), forced on / off (off by default)
+    "pair": (None, None, None, dict(serial="mgpu", fold=True, serial_pair=True)),
+    "nopair": (None, None, None, dict(serial="mgpu", fold=True, serial_pair="0")),
+    "pairpers": (
+        None,
+        None,
+        None,
+        dict(serial="mgpu", fold=True, serial_pair=True, fold_persist=528),
+    ),
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
     "bf16ops_three": (None, jnp.bfloat16, True, {}),
     "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True, {}),
@@ -743,6 +753,9 @@ def main() -> None:
     faqk = dict(serial="mgpu", fold=True, fold_aqk=True)
     guarded("check_prefill_foldaqk", lambda: check_prefill(None, **faqk))
     guarded("check_prefill_foldaqk_aligned", lambda: check_prefill_aligned(**faqk))
+    fpair = dict(serial="mgpu", fold=True, serial_pair=True)
+    guarded("check_prefill_pair", lambda: check_prefill(None, **fpair))
+    guarded("check_prefill_pair_aligned", lambda: check_prefill_aligned(**fpair))
     # the baseline first: a section cut by its time limit still has it
     fla_rows = [] if args.no_fla_decode else decode_rows
     guarded("fla", lambda: time_fla(prefill_shapes, fla_rows))

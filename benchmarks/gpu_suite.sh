@@ -80,6 +80,9 @@
 #   gdnfoldaqk  each chunk's Aqk made with the fold's Mosaic GPU scratch (gdn_prefill(
 #             fold_aqk=True), not yet timed): its GPU checks, then timed beside the default
 #             and FLA at 1x4096, 8x4096, 1x16384; foldaqkregions both launches by region
+#   gdnpair    the fold's serial launch by pairs (gdn_prefill(serial_pair=True): a program a
+#             (head, row), a warpgroup a Dv block) checked, and timed against one warpgroup a
+#             program at 2, 4 and 8 rows of 4096, with FLA; the default at 1x4096, 1x16384
 #   gdnfoldpers the fold's Mosaic GPU scratch as a persistent launch (gdn_prefill(
 #             fold_persist=528 / 396), not yet timed), with Aqk and without, at 8x4096 and 1x4096
 #   gpucheckbf16 benchmarks.gpu_check's bf16 Qwen3-Next with GDN head dims of 64 against
@@ -214,6 +217,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         gdnfoldbeta) echo "python -m benchmarks.gdn_kernels --intra-sweep --only intra_B8_T4096_foldcols_w4,intra_B8_T4096_foldbeta_w4 --out $j" ;;
         gdnfoldbetap) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --only check_prefill_foldcols,prefill_B8_T4096_default,prefill_B8_T4096_foldcols,prefill_B1_T4096_default,prefill_B1_T4096_foldcols --out $j" ;;
         gdnfoldaqk) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --only check_prefill_foldaqk,fla,prefill_B1_T4096_default,prefill_B1_T4096_foldaqk,prefill_B8_T4096_default,prefill_B8_T4096_foldaqk,prefill_B1_T16384_default,prefill_B1_T16384_foldaqk --out $j" ;;
+        gdnpair) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --shapes 8x4096,4x4096,2x4096,1x4096,1x16384 --only check_prefill_pair,check_prefill_pair_aligned,fla,prefill_B8_T4096_nopair,prefill_B8_T4096_pair,prefill_B8_T4096_pairpers,prefill_B4_T4096_nopair,prefill_B4_T4096_pair,prefill_B2_T4096_nopair,prefill_B2_T4096_pair,prefill_B1_T4096_default,prefill_B1_T16384_default --out $j" ;;
         gdnfoldpers) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --only prefill_B8_T4096_default,prefill_B8_T4096_foldpers,prefill_B8_T4096_foldpers3,prefill_B8_T4096_foldpersaqk,prefill_B8_T4096_foldaqk,prefill_B1_T4096_default,prefill_B1_T4096_foldpers --out $j" ;;
         foldaqkregions) echo "python -m benchmarks.mgpu_regions --shapes 1x4096,8x4096 --variants fold_intra_mgpu,fold_aqk --time-shapes none --out $j" ;;
         gpucheckbf16) echo "python -m benchmarks.gpu_check --only qwen3_next_bf16_gdn_dims_64 --out $j" ;;

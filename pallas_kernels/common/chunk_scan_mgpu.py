@@ -66,7 +66,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common.chunk_scan_gpu import ChunkRefs
-from pallas_kernels.common.delta_rule_gpu import RowPlan
+from pallas_kernels.common.delta_rule_gpu import RowPlan, resident_programs
 from pallas_kernels.common.slots import ROUND_EVERY
 
 CHUNK = 64
@@ -99,11 +99,13 @@ def smem_bytes(
     per_channel_decay=False,
     fold=False,
     fold_aqk=False,
+    pair=False,
 ) -> int:
     """The launch's shared memory: two stages of a chunk's five tiles (and its ``[Dk]`` decay,
     per channel; :class:`FoldRefs`' six, one of them the f32 vectors), the chunk's S^T and
     V'^T, two output tiles, the state in and out, the chunk plan and (one per head) the
-    decays."""
+    decays. ``pair`` (:data:`PAIR`): a stage has both Dv blocks' v rows, and each warpgroup's
+    own tiles share one union (the largest of them)."""
     op = jnp.dtype(op_dtype).itemsize
     stage = (3 * CHUNK * dk + BV * CHUNK + CHUNK * CHUNK) * op + (
         4 * dk if per_channel_decay else 0
@@ -112,13 +114,15 @@ def smem_bytes(
         stage += CHUNK * BV * op + 8 * CHUNK * 4 - CHUNK * CHUNK * op
         stage += CHUNK * CHUNK * op if fold_aqk else 0
     ncp = _round_up(max(num_chunks, 1), META_COLS)
-    return (
-        STAGES * stage
-        + (BV * dk + BV * CHUNK + 2 * CHUNK * BV) * op
-        + BV * dk * jnp.dtype(pool_dtype).itemsize
-        + (3 if per_channel_decay else 4) * ncp * 4
-        + 1024
-    )
+    state = BV * dk * jnp.dtype(pool_dtype).itemsize
+    if pair:
+        stage += CHUNK * BV * op
+        own = 2 * max(state, (BV * dk + BV * CHUNK + CHUNK * BV) * op, CHUNK * BV * op)
+    else:
+        own = (BV * dk + BV * CHUNK + 2 * CHUNK * BV) * op + state
+    # (+ 2.5 KB: the barriers' and alignments'; Mosaic GPU's count was 1,080 bytes above a
+    # 1 KB allowance at 80B's heads, where fold_aqk at 1x16384 then failed to lower)
+    return STAGES * stage + own + (3 if per_channel_decay else 4) * ncp * 4 + 2560
 
 
 # The serial launch a GPU prefill runs when not told (``serial=None``): Mosaic GPU's, the shapes
@@ -141,6 +145,18 @@ PROFILE_SPACE = int(os.environ.get("HYJAX_MGPU_PROFILE_SPACE", "512"))
 # (H200, benchmarks/mgpu_regions.py, 2026-11-30); the exps feed bf16 operands, whose rounding
 # (2^-9) is far above the approximation's (~2^-22).
 FOLD_APPROX_MATH = True
+# GDN's fold launch runs the two Dv blocks of a (head, row) (Dv = 128) in one program, a
+# warpgroup each (``scan_mgpu(pair=...)``): the tiles both read (W, Tm, q's and k's rows, the
+# vectors) copied once, two chains an SM, half the programs. Measured on an H200 (session 36,
+# BENCHMARKS.md): 1.07x the unpaired launch's prefill at 8x4096 and 4x4096 (1.176 against
+# 1.259 ms, 0.713 against 0.761), 0.81x at 2x4096 (0.560 against 0.453: 64 programs on 132
+# SMs). Two chains on an SM run ~1.7x slower each, so a pair only pays once the unpaired
+# programs fill more than a wave, and that is not known from a step's static shape: an engine
+# step pads its rows to a power of two, and one long prefill row among many decode rows would
+# run at the 2x4096 figure. Hence off by default; "auto" pairs where the unpaired programs
+# (heads x rows x 2) outnumber the SMs (a batch of equal long rows), "1" always.
+# HYJAX_PREFILL_SERIAL_PAIR.
+PAIR = os.environ.get("HYJAX_PREFILL_SERIAL_PAIR", "0")
 
 
 class FoldRefs(NamedTuple):
@@ -224,6 +240,35 @@ def unsupported_reason(
     if smem_bytes(dk, num_chunks, pool_dtype, op_dtype, per_channel_decay) > SMEM_BYTES:
         return f"{num_chunks} chunks: shared memory over {SMEM_BYTES} bytes"
     return None
+
+
+def use_pair(pair, fold, fold_aqk, dk, dv, heads, rows, num_chunks, pool_dtype, op_dtype):
+    """Whether :func:`scan_mgpu` runs pairs (:data:`PAIR`): ``pair`` True / False / "auto", or
+    None (:data:`PAIR`'s). Asked for (True, "1"), a launch it cannot take is a ``ValueError``
+    naming why; "auto" pairs where it can and the unpaired programs outnumber the SMs."""
+    pair = PAIR if pair is None else pair
+    if pair not in (True, False, "auto", "1", "0"):
+        raise ValueError(f"pair={pair!r}: True, False, 'auto', '1' or '0'")
+    if pair in (False, "0"):
+        return False
+    why = None
+    if not fold or fold_aqk:
+        why = "a launch other than GDN's fold without Aqk"
+    elif dv != 2 * BV:
+        why = f"Dv={dv} (two Dv blocks of {BV})"
+    elif smem_bytes(dk, num_chunks, pool_dtype, op_dtype, fold=True, pair=True) > SMEM_BYTES:
+        why = f"{num_chunks} chunks: shared memory over {SMEM_BYTES} bytes"
+    if pair in (True, "1"):
+        if why:
+            raise ValueError(f"pair={pair!r}: the paired serial launch cannot take {why}")
+        return True
+    return why is None and heads * rows * (dv // BV) > resident_programs()
+
+
+def _union(interpret, *trees):
+    """Shared-memory tiles whose lifetimes never overlap, in one allocation (Mosaic GPU's
+    ``RefUnion``; Pallas' GPU interpreter has none and allocates each apart)."""
+    return trees if interpret else _plgpu().RefUnion(*trees)
 
 
 class Transposed(NamedTuple):
@@ -337,6 +382,7 @@ def _body(
     prefetch: int = 0,
     fold_heads: int = 0,
     fold_aqk: bool = False,
+    pair: bool = False,
 ):
     """One program (module docstring). ``prefetch``: at chunk ``i``, chunk ``i + 1 +
     prefetch``'s tiles are prefetched into L2 (0: none). ``diagnostic`` (benchmarks only,
@@ -346,12 +392,18 @@ def _body(
     them, with no products (the state passes through unchanged). ``fold_heads`` (GDN's
     :class:`FoldRefs`, the key heads' count; 0: :class:`ChunkRefs`): the tiles after W are
     ``Tm diag(beta)``, v's, q's and k's rows (``[Tp, heads * D]``) and the scaling vectors,
-    and U, ``Aqk`` and the rows' scalings are made here (:func:`_fold_step`)."""
+    and U, ``Aqk`` and the rows' scalings are made here (:func:`_fold_step`). ``pair`` (the
+    fold): a program a (head, row), its two Dv blocks a warpgroup each (:data:`PAIR`):
+    warpgroup 0 issues the copies of the tiles both read, warpgroup 1 arrives at ``consumed``
+    once it has read a stage, and each warpgroup's own tiles share one union (the state's f32
+    tile, the chunk's products' tiles, the short chunk's rows: never live at once)."""
     plgpu = _plgpu()
-    fa_ref = fa_s = None  # the fold's Aqk made already (FoldRefs.aqk)
+    fa_ref = fa_s = None  # (fa: the fold's Aqk made already, FoldRefs.aqk)
     if fold_heads:  # (the tiles FoldRefs' order, then the same refs)
         ri_ref, meta_ref, dec_ref, w_ref, tm_ref, v_ref, qd_ref, kd_ref, aqk_ref, *rest = refs
-        w_s, tm_s, v_s, qd_s, kd_s, aqk_s, *more = scratch
+        w_s, tm_s, *more = scratch
+        v_bufs, more = (more[:2], more[2:]) if pair else (more[:1], more[1:])  # v's, a Dv block's
+        qd_s, kd_s, aqk_s, *more = more
         if fold_aqk:
             fa_ref, *rest = rest
             fa_s, *more = more
@@ -359,172 +411,219 @@ def _body(
     else:
         ri_ref, meta_ref, dec_ref, w_ref, ut_ref, qd_ref, kd_ref, aqk_ref, *rest = refs
         w_s, ut_s, qd_s, kd_s, aqk_s, *more = scratch
+        v_bufs = (None,)
     pool_in, pool_out, o_ref = rest
-    st_t, vt_t, o_t, o_s, st_s, ri_s, meta_s, dec_s, bars, plan_bar, state_bar = more
-    vb, head, r = jax.lax.axis_index("v"), jax.lax.axis_index("h"), jax.lax.axis_index("r")
-    vs = pl.ds(vb * BV, BV)
+    if pair:  # each warpgroup's tiles: one union (_union) a warpgroup
+        own, ri_s, meta_s, dec_s, bars, plan_bar, state_bar, consumed = more
+    else:
+        st_t, vt_t, o_t, o_s, st_s, ri_s, meta_s, dec_s, bars, plan_bar, state_bar = more
+    head, r = jax.lax.axis_index("h"), jax.lax.axis_index("r")
+    wg = jax.lax.axis_index("wg") if pair else None
     op = w_ref.dtype
 
-    # this row's plan, every chunk's start / length / end and (one per head) this head's decays
-    plgpu.copy_gmem_to_smem(ri_ref.at[r], ri_s, plan_bar.at[0])
-    plgpu.copy_gmem_to_smem(meta_ref, meta_s, plan_bar.at[0])
-    if not per_channel:
-        plgpu.copy_gmem_to_smem(dec_ref.at[head], dec_s, plan_bar.at[0])
+    def load_plan():  # this row's plan, every chunk's start / length / end, this head's decays
+        plgpu.copy_gmem_to_smem(ri_ref.at[r], ri_s, plan_bar.at[0])
+        plgpu.copy_gmem_to_smem(meta_ref, meta_s, plan_bar.at[0])
+        if not per_channel:
+            plgpu.copy_gmem_to_smem(dec_ref.at[head], dec_s, plan_bar.at[0])
+
+    if pair:
+        pl.when(wg == 0)(load_plan)  # (warpgroup 0 issues every copy of the program's)
+    else:
+        load_plan()
     plgpu.barrier_wait(plan_bar.at[0])
-    first, n, src, dst = ri_s[0], ri_s[1], ri_s[2], ri_s[3]
 
-    def chunk(i):  # the row's i-th chunk: start, length, end (tokens of its row after it)
-        ci = first + i
-        hi, lo = ci // META_COLS, ci % META_COLS
-        return ci, meta_s[0, hi, lo], meta_s[1, hi, lo], meta_s[2, hi, lo]
+    def program(w, vb, st_t, vt_t, o_t, o_s, st_s, v_s, sbar):
+        """The rest, for Dv block ``vb``: warpgroup ``w`` of a pair (None: the program's one
+        warpgroup) with its own tiles, state barrier and (the fold) v tile."""
+        vs = pl.ds(vb * BV, BV)
+        issues = w in (None, 0)  # (the copies' issuer)
+        first, n, src, dst = ri_s[0], ri_s[1], ri_s[2], ri_s[3]
 
-    def window(start):  # the 64-token block of the batch the chunk lies in
-        return start - start % CHUNK
+        def chunk(i):  # the row's i-th chunk: start, length, end (tokens of its row after it)
+            ci = first + i
+            hi, lo = ci // META_COLS, ci % META_COLS
+            return ci, meta_s[0, hi, lo], meta_s[1, hi, lo], meta_s[2, hi, lo]
 
-    def tiles(i):  # the row's i-th chunk's tiles (and decays): (global slice, stage buffers)
-        ci, start, _, _ = chunk(i)
-        tok = pl.ds(window(start), CHUNK)
-        pairs = [(dec_ref.at[head, ci], dec_s)] if per_channel else []
-        if fold_heads:  # (qd_ref, kd_ref, aqk_ref: q's rows, k's rows, the vectors)
-            dk, dv = w_ref.shape[-1], pool_in.shape[2]
-            keys = pl.ds(head // (pool_in.shape[1] // fold_heads) * dk, dk)
-            return [*pairs, (w_ref.at[head, tok], w_s), (tm_ref.at[head, tok], tm_s),
-                    (v_ref.at[tok, pl.ds(head * dv + vb * BV, BV)], v_s),
-                    (qd_ref.at[tok, keys], qd_s),
-                    (aqk_ref.at[head, pl.ds(0, FOLD_ROWS), tok], aqk_s),
-                    (kd_ref.at[tok, keys], kd_s),
-                    *([(fa_ref.at[head, tok], fa_s)] if fold_aqk else [])]  # fmt: skip
-        pairs += [(w_ref.at[head, tok], w_s), (ut_ref.at[head, vs, tok], ut_s)]
-        if diagnostic != "chain":  # (o's operands)
-            pairs += [(qd_ref.at[head, tok], qd_s), (aqk_ref.at[head, tok], aqk_s)]
-        return [*pairs, (kd_ref.at[head, tok], kd_s)]
+        def window(start):  # the 64-token block of the batch the chunk lies in
+            return start - start % CHUNK
 
-    @jax.named_scope("issue")
-    def issue(i, slot):  # the row's i-th chunk's five tiles (and decays) into stage ``slot``
-        for src_ref, buf in tiles(i):
-            plgpu.copy_gmem_to_smem(src_ref, buf.at[slot], bars.at[slot])
+        def tiles(i):  # the row's i-th chunk's tiles (and decays): (global slice, stage buffers)
+            ci, start, _, _ = chunk(i)
+            tok = pl.ds(window(start), CHUNK)
+            pairs = [(dec_ref.at[head, ci], dec_s)] if per_channel else []
+            if fold_heads:  # (qd_ref, kd_ref, aqk_ref: q's rows, k's rows, the vectors)
+                dk, dv = w_ref.shape[-1], pool_in.shape[2]
+                keys = pl.ds(head // (pool_in.shape[1] // fold_heads) * dk, dk)
+                return [*pairs, (w_ref.at[head, tok], w_s), (tm_ref.at[head, tok], tm_s),
+                        *[(v_ref.at[tok, pl.ds(head * dv + b * BV, BV)], buf)
+                      for b, buf in (enumerate(v_bufs) if pair else [(vb, v_s)])],
+                        (qd_ref.at[tok, keys], qd_s),
+                        (aqk_ref.at[head, pl.ds(0, FOLD_ROWS), tok], aqk_s),
+                        (kd_ref.at[tok, keys], kd_s),
+                        *([(fa_ref.at[head, tok], fa_s)] if fold_aqk else [])]  # fmt: skip
+            pairs += [(w_ref.at[head, tok], w_s), (ut_ref.at[head, vs, tok], ut_s)]
+            if diagnostic != "chain":  # (o's operands)
+                pairs += [(qd_ref.at[head, tok], qd_s), (aqk_ref.at[head, tok], aqk_s)]
+            return [*pairs, (kd_ref.at[head, tok], kd_s)]
 
-    def store_state(s, slot):  # S^T to pool[slot, head, vs] (rounded to the pool's dtype)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        st_s[...] = s.astype(pool_out.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(st_s, pool_out.at[slot, head, vs])
+        @jax.named_scope("issue")
+        def issue(i, slot):  # the row's i-th chunk's five tiles (and decays) into stage ``slot``
+            for src_ref, buf in tiles(i):
+                plgpu.copy_gmem_to_smem(src_ref, buf.at[slot], bars.at[slot])
 
-    def step(i, s):
-        slot = i % STAGES
-        ci, start, length, end = chunk(i)
-        lead = start - window(start)  # the block's rows before the chunk
+        def store_state(s, slot):  # S^T to pool[slot, head, vs] (rounded to the pool's dtype)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            st_s[...] = s.astype(pool_out.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(st_s, pool_out.at[slot, head, vs])
 
-        @pl.when(i + 1 < n)
-        def _():
-            issue(i + 1, (i + 1) % STAGES)
+        def step(i, s):
+            slot = i % STAGES
+            ci, start, length, end = chunk(i)
+            lead = start - window(start)  # the block's rows before the chunk
 
-        if prefetch:
+            if issues:
 
-            @pl.when(i + 1 + prefetch < n)
-            def _():  # a later chunk's tiles on their way into L2
-                for src_ref, _ in tiles(i + 1 + prefetch):
-                    ops.prefetch(src_ref)
+                @pl.when(i + 1 < n)
+                def _():
+                    if pair:  # (the stage's last chunk read by the other warpgroup too)
 
-        with jax.named_scope("wait"):
-            plgpu.barrier_wait(bars.at[slot])
-        if diagnostic == "loads":
+                        @pl.when(i >= 1)
+                        def _():
+                            plgpu.barrier_wait(consumed.at[(i + 1) % STAGES])
+
+                    issue(i + 1, (i + 1) % STAGES)
+
+            if prefetch:
+
+                @pl.when(i + 1 + prefetch < n)
+                def _():  # a later chunk's tiles on their way into L2
+                    for src_ref, _ in tiles(i + 1 + prefetch):
+                        ops.prefetch(src_ref)
+
+            with jax.named_scope("wait"):
+                plgpu.barrier_wait(bars.at[slot])
+            if diagnostic == "loads":
+                return s
+            if fold_heads:
+                s, o = _fold_step(
+                    ops, s, slot, lead, length, dec_s[ci // META_COLS, ci % META_COLS],
+                    w_s, tm_s, v_s, qd_s, kd_s, aqk_s, st_t, vt_t, fa_s,
+                )  # fmt: skip
+                if w == 1:  # this stage read: warpgroup 0 may refill it
+                    plgpu.barrier_arrive(consumed.at[slot])
+            else:
+                s, o = chain_and_output(slot, ci, lead, length, s)
+            finish(s, o, start, length, lead, end)
             return s
-        if fold_heads:
-            s, o = _fold_step(
-                ops, s, slot, lead, length, dec_s[ci // META_COLS, ci % META_COLS],
-                w_s, tm_s, v_s, qd_s, kd_s, aqk_s, st_t, vt_t, fa_s,
-            )  # fmt: skip
-        else:
-            s, o = chain_and_output(slot, ci, lead, length, s)
-        finish(s, o, start, length, lead, end)
-        return s
 
-    @jax.named_scope("mma1")
-    def first_product(slot, s):  # S^T W^T (and S^T kept for o)
-        sb = s.astype(op)
-        if diagnostic is None:
-            st_t[...] = sb
-        (sw,) = ops.mma((ops.zeros((BV, CHUNK)), [(sb, w_s.at[slot], True)]))
-        return sw
-
-    def chain_and_output(slot, ci, lead, length, s):
-        sw = first_product(slot, s)
-        with jax.named_scope("vt"):
-            ut = ops.load(ut_s.at[slot]).astype(f32)
-            col = ops.iota((BV, CHUNK), 1)
-            in_chunk = (col >= lead) & (col < lead + length)
-            vt = jnp.where(in_chunk, ut - sw, 0.0).astype(op)  # V'^T, zero outside the chunk
+        @jax.named_scope("mma1")
+        def first_product(slot, s):  # S^T W^T (and S^T kept for o)
+            sb = s.astype(op)
             if diagnostic is None:
-                vt_t[...] = vt
+                st_t[...] = sb
+            (sw,) = ops.mma((ops.zeros((BV, CHUNK)), [(sb, w_s.at[slot], True)]))
+            return sw
+
+        def chain_and_output(slot, ci, lead, length, s):
+            sw = first_product(slot, s)
+            with jax.named_scope("vt"):
+                ut = ops.load(ut_s.at[slot]).astype(f32)
+                col = ops.iota((BV, CHUNK), 1)
+                in_chunk = (col >= lead) & (col < lead + length)
+                vt = jnp.where(in_chunk, ut - sw, 0.0).astype(op)  # V'^T, zero outside the chunk
+                if diagnostic is None:
+                    vt_t[...] = vt
+                    plgpu.commit_smem()
+            if per_channel:  # e^gam_last per key channel: S^T's columns
+                vec = ops.load_row_vector(dec_s.at[slot])
+                decay = jax.lax.broadcast_in_dim(vec, s.shape, (1,))
+            else:
+                decay = dec_s[ci // META_COLS, ci % META_COLS]
+            update = (s * decay, [(vt, kd_s.at[slot], False)])  # the state's (the serial chain)
+            with jax.named_scope("update_o"):
+                if diagnostic == "chain":
+                    (s,) = ops.mma(update)
+                    return s, None
+                return ops.mma(  # and the chunk's output
+                    update,
+                    (ops.zeros((CHUNK, BV)),
+                     [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)]),
+                )  # fmt: skip
+
+        @jax.named_scope("finish")
+        def finish(s, o, start, length, lead, end):  # checkpoints, then the chunk's output rows
+            for m in range(num_ckpt):
+                ck_off, ck_slot = ri_s[4 + m], ri_s[4 + num_ckpt + m]
+
+                @pl.when((ck_slot > 0) & (ck_off == end))
+                def _(ck_slot=ck_slot):
+                    store_state(s, ck_slot)
+
+            if o is None:
+                return
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's o has left
+            o = o.astype(o_ref.dtype)
+
+            @pl.when(length == CHUNK)
+            def _():  # one store from the swizzled tile
+                o_t[...] = o
                 plgpu.commit_smem()
-        if per_channel:  # e^gam_last per key channel: S^T's columns
-            vec = ops.load_row_vector(dec_s.at[slot])
-            decay = jax.lax.broadcast_in_dim(vec, s.shape, (1,))
-        else:
-            decay = dec_s[ci // META_COLS, ci % META_COLS]
-        update = (s * decay, [(vt, kd_s.at[slot], False)])  # the state's (the serial chain)
-        with jax.named_scope("update_o"):
-            if diagnostic == "chain":
-                (s,) = ops.mma(update)
-                return s, None
-            return ops.mma(  # and the chunk's output
-                update,
-                (ops.zeros((CHUNK, BV)),
-                 [(qd_s.at[slot], st_t, True), (aqk_s.at[slot], vt_t, True)]),
-            )  # fmt: skip
+                plgpu.copy_smem_to_gmem(o_t, o_ref.at[pl.ds(start, CHUNK), head, vs])
 
-    @jax.named_scope("finish")
-    def finish(s, o, start, length, lead, end):  # checkpoints, then the chunk's output rows
-        for m in range(num_ckpt):
-            ck_off, ck_slot = ri_s[4 + m], ri_s[4 + num_ckpt + m]
+            @pl.when(length < CHUNK)
+            def _():  # the chunk's rows only, in runs of its length's bits, from plain rows
+                o_s[...] = o
+                plgpu.commit_smem()
+                for bit in (32, 16, 8, 4, 2, 1):
+                    off = length & (CHUNK - 2 * bit)
 
-            @pl.when((ck_slot > 0) & (ck_off == end))
-            def _(ck_slot=ck_slot):
-                store_state(s, ck_slot)
+                    @pl.when(length & bit != 0)
+                    def _(off=off, bit=bit):
+                        plgpu.copy_smem_to_gmem(
+                            o_s.at[pl.ds(lead + off, bit)],
+                            o_ref.at[pl.ds(start + off, bit), head, vs],
+                        )
 
-        if o is None:
-            return
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's o has left
-        o = o.astype(o_ref.dtype)
+                if pair:  # (o_s's memory is the next chunk's S^T and V'^T tiles')
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        @pl.when(length == CHUNK)
-        def _():  # one store from the swizzled tile
-            o_t[...] = o
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_t, o_ref.at[pl.ds(start, CHUNK), head, vs])
-
-        @pl.when(length < CHUNK)
-        def _():  # the chunk's rows only, in runs of its length's bits, from plain rows
-            o_s[...] = o
-            plgpu.commit_smem()
-            for bit in (32, 16, 8, 4, 2, 1):
-                off = length & (CHUNK - 2 * bit)
-
-                @pl.when(length & bit != 0)
-                def _(off=off, bit=bit):
-                    plgpu.copy_smem_to_gmem(
-                        o_s.at[pl.ds(lead + off, bit)],
-                        o_ref.at[pl.ds(start + off, bit), head, vs],
-                    )
-
-    @pl.when(n > 0)
-    def _():
-        @pl.when(src > 0)
+        @pl.when(n > 0)
         def _():
-            plgpu.copy_gmem_to_smem(pool_in.at[src, head, vs], st_s, state_bar.at[0])
-            plgpu.barrier_wait(state_bar.at[0])
+            @pl.when(src > 0)
+            def _():
+                plgpu.copy_gmem_to_smem(pool_in.at[src, head, vs], st_s, sbar)
+                plgpu.barrier_wait(sbar)
 
-        issue(0, 0)
-        s = ops.load(st_s, optimized=False).astype(f32)
-        s = jnp.where(src > 0, s, 0.0)  # st_s was not read into: zeros
-        s = jax.lax.fori_loop(0, n, step, s)
+            if issues:
+                issue(0, 0)
+            s = ops.load(st_s, optimized=False).astype(f32)
+            s = jnp.where(src > 0, s, 0.0)  # st_s was not read into: zeros
+            if pair:  # (every thread's read of st_s done before the first chunk's tiles)
+                plgpu.commit_smem()
+            s = jax.lax.fori_loop(0, n, step, s)
 
-        @pl.when(dst > 0)
-        def _():
-            store_state(s, dst)
+            @pl.when(dst > 0)
+            def _():
+                store_state(s, dst)
 
-        plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0)
+            if w == 0:  # the last two chunks' stages read by warpgroup 1 (no wait left behind)
+                for back in (2, 1):
+
+                    @pl.when(n >= back)
+                    def _(back=back):
+                        plgpu.barrier_wait(consumed.at[(n - back) % STAGES])
+
+    if not pair:
+        vb = jax.lax.axis_index("v")
+        program(None, vb, st_t, vt_t, o_t, o_s, st_s, v_bufs[0], state_bar.at[0])
+        return
+    for w in range(2):
+        st_s, (st_t, vt_t, o_t), o_s = own[w]
+        args = (w, w, st_t, vt_t, o_t, o_s, st_s, v_bufs[w], state_bar.at[w])
+        pl.when(wg == w)(functools.partial(program, *args))
 
 
 def _fold_step(
@@ -634,6 +733,7 @@ def scan_mgpu(
     live: jax.Array | None = None,
     diagnostic: str | None = None,
     prefetch: int | None = None,
+    pair: bool | str | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The serial launch (module docstring) on the scratch of a token-aligned plan
@@ -653,7 +753,9 @@ def scan_mgpu(
     start without shared memory. No effect on the results (the interpreter skips it).
 
     With GDN's :class:`FoldRefs` (``gdn.gpu.intra_launch(fold=True)``) U, ``Aqk`` and the rows'
-    scalings are made here from v's, q's and k's rows (:func:`_fold_step`)."""
+    scalings are made here from v's, q's and k's rows (:func:`_fold_step`); ``pair`` (None:
+    :data:`PAIR`; :func:`use_pair`) runs its two Dv blocks of a (head, row) in one program, a
+    warpgroup each."""
     if diagnostic not in DIAGNOSTICS:
         raise ValueError(f"diagnostic={diagnostic!r}: one of {DIAGNOSTICS}")
     fold = isinstance(x, FoldRefs)
@@ -672,6 +774,7 @@ def scan_mgpu(
     if why := unsupported_reason(dk, dv, nc, x.w.dtype, state.dtype, per_channel):
         raise ValueError(f"the Mosaic GPU serial launch cannot take this prefill: {why}")
     op = x.w.dtype
+    pair = use_pair(pair, fold, fold_aqk, dk, dv, h, rows, nc, state.dtype, op)
     ri, meta, dec = _plan_arrays(rp, x.decay)
     if fold:
         tp, hk, _ = x.q.shape
@@ -683,44 +786,63 @@ def scan_mgpu(
     def tile(shape, stages=STAGES):
         return swizzled(((stages,) if stages else ()) + shape, op)
 
-    scratch = (
-        tile((CHUNK, dk)),  # w
-        *((tile((CHUNK, CHUNK)), tile((CHUNK, BV))) if fold else (tile((BV, CHUNK)),)),  # (fold:
-        # Tm diag(beta) and v's rows) U^T
-        tile((CHUNK, dk)),  # q_dec (fold: q's rows)
-        tile((CHUNK, dk)),  # k_dec (fold: k's rows)
-        # Aqk (fold: the vectors, f32 rows)
-        plgpu.SMEM((STAGES, FOLD_ROWS, CHUNK), f32) if fold else tile((CHUNK, CHUNK)),
-        *((tile((CHUNK, CHUNK)),) if fold_aqk else ()),  # (the fold's Aqk made already)
+    own = (
         tile((BV, dk), 0),  # the chunk's bf16 S^T (o's B)
         tile((BV, CHUNK), 0),  # the chunk's bf16 V'^T (o's B)
         swizzled((CHUNK, BV), out_dtype),  # o of a 64-token chunk
         plgpu.SMEM((CHUNK, BV), out_dtype),  # o of a shorter one: plain rows, sliced by runs
         plgpu.SMEM((BV, dk), state.dtype),  # the state in and out
+    )
+    if pair:  # (the state's tile | the chunk's products' and full o's tiles | o's rows)
+        st_t, vt_t, o_t, o_s, st_s = own
+        own = ((_union(interpret, st_s, (st_t, vt_t, o_t), o_s), _union(
+            interpret, st_s, (st_t, vt_t, o_t), o_s)),)  # fmt: skip
+    scratch = (
+        tile((CHUNK, dk)),  # w
+        # (fold: Tm diag(beta) and v's rows, a tile each Dv block a program runs) U^T
+        *(
+            (tile((CHUNK, CHUNK)), *[tile((CHUNK, BV))] * (1 + pair))
+            if fold
+            else (tile((BV, CHUNK)),)
+        ),  # fmt: skip
+        tile((CHUNK, dk)),  # q_dec (fold: q's rows)
+        tile((CHUNK, dk)),  # k_dec (fold: k's rows)
+        # Aqk (fold: the vectors, f32 rows)
+        plgpu.SMEM((STAGES, FOLD_ROWS, CHUNK), f32) if fold else tile((CHUNK, CHUNK)),
+        *((tile((CHUNK, CHUNK)),) if fold_aqk else ()),  # (the fold's Aqk made already)
+        *own,
         plgpu.SMEM(ri.shape[1:], jnp.int32),
         plgpu.SMEM(meta.shape, jnp.int32),
         # the decays: this head's for every chunk, or a stage's chunk's per key channel
         plgpu.SMEM((STAGES, dk) if per_channel else dec.shape[1:], f32),
         # a stage's copies: five tiles (three without o's), and per channel its decays
         plgpu.Barrier(
-            num_arrivals=(3 if diagnostic == "chain" else 5) + per_channel + fold + fold_aqk,
+            num_arrivals=(3 if diagnostic == "chain" else 5) + per_channel + fold + fold_aqk + pair,
             num_barriers=STAGES,
-        ),
+        ),  # fmt: skip
         plgpu.Barrier(num_arrivals=2 if per_channel else 3, num_barriers=1),
-        plgpu.Barrier(num_arrivals=1, num_barriers=1),
+        plgpu.Barrier(num_arrivals=1, num_barriers=1 + pair),  # the state's, a warpgroup's
+        # (pair) a stage read by warpgroup 1
+        *((plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),) if pair else ()),
     )
     body = functools.partial(
         _body, ops=InterpretOps if interpret else GpuOps, num_ckpt=num_ckpt,
         per_channel=per_channel, diagnostic=diagnostic, prefetch=prefetch,
-        fold_heads=x.q.shape[1] if fold else 0, fold_aqk=fold_aqk,
+        fold_heads=x.q.shape[1] if fold else 0, fold_aqk=fold_aqk, pair=pair,
     )  # fmt: skip
-    mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
+    if pair:
+        mesh = plgpu.Mesh(
+            grid=(h, rows), grid_names=("h", "r"), num_threads=2, thread_name="wg"
+        )  # fmt: skip
+    else:
+        mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)
     args = (ri, meta, dec, *tiles)
     slots, mask = _written_slots(rp)
     o, state = pool_kernel(
         body, scratch, mesh, args, state, o_type, jnp.where(mask, slots, 0),
         name=f"{name}_serial_mgpu", interpret=interpret, approx_math=fold and FOLD_APPROX_MATH,
+        collective_axes="wg" if pair else (),
     )  # fmt: skip
     if live is not None:
         o = jnp.where(live[:, None, None], o[: live.shape[0]], 0)
@@ -756,7 +878,8 @@ def mgpu_kernel(kernel, out_type, mesh, *, name: str, interpret: bool, approx_ma
 
 
 def pool_kernel(
-    body, scratch, mesh, args, state, o_type, written_slots, *, name, interpret, approx_math=False
+    body, scratch, mesh, args, state, o_type, written_slots, *, name, interpret, approx_math=False,
+    collective_axes=(),
 ):  # fmt: skip
     """``body((*args refs, pool_in, pool_out, o), scratch refs)`` as one Mosaic GPU kernel over
     ``mesh`` that writes the pool in place: ``pool_in`` and ``pool_out`` are one ref, a
@@ -769,7 +892,10 @@ def pool_kernel(
 
         def kernel(*refs):  # the pool is read and written through one ref
             *ins, pool_ref, o_ref = refs
-            pl.run_scoped(lambda *s: body((*ins, pool_ref, pool_ref, o_ref), s), *scratch)
+            pl.run_scoped(
+                lambda *s: body((*ins, pool_ref, pool_ref, o_ref), s), *scratch,
+                collective_axes=collective_axes,
+            )  # fmt: skip
 
         run = mgpu_kernel(
             kernel, o_type, mesh, name=name, interpret=False, approx_math=approx_math
@@ -779,7 +905,10 @@ def pool_kernel(
 
     def kernel_i(*refs):
         *ins, pool_in, o_ref, pool_out = refs
-        pl.run_scoped(lambda *s: body((*ins, pool_in, pool_out, o_ref), s), *scratch)
+        pl.run_scoped(
+            lambda *s: body((*ins, pool_in, pool_out, o_ref), s), *scratch,
+            collective_axes=collective_axes,
+        )  # fmt: skip
 
     out_type = (o_type, jax.ShapeDtypeStruct(state.shape, state.dtype))
     o, written = mgpu_kernel(kernel_i, out_type, mesh, name=name, interpret=True)(*args, state)

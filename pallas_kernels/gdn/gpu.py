@@ -767,6 +767,7 @@ def gdn_prefill(
     fold_intra: str | None = None,
     fold_aqk: bool | None = None,
     fold_persist: int | None = None,
+    serial_pair: bool | str | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, Hv, Dv], state)``.
@@ -802,7 +803,9 @@ def gdn_prefill(
         ``fold_aqk`` (None: :data:`FOLD_AQK`, off; the Mosaic GPU scratch only) each chunk's
         ``Aqk`` made with that scratch instead of in the serial launch; ``fold_persist``
         (None: ``intra_mgpu.PERSIST``, 0) that scratch's launch as a persistent one of so many
-        programs.
+        programs. ``serial_pair`` (None: ``chunk_scan_mgpu.PAIR``, off; the fold without
+        ``fold_aqk``, ``Dv`` 128) the serial launch's two Dv blocks of a (head, row) in one
+        program, a warpgroup each (``chunk_scan_mgpu.use_pair``).
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, _, dk = q.shape
@@ -834,8 +837,9 @@ def gdn_prefill(
     )  # fmt: skip
     if mgpu:
         return chunk_scan_mgpu.scan_mgpu(
-            rp, x, state, out_dtype=v.dtype, live=plan.live, interpret=interpret
-        )
+            rp, x, state, out_dtype=v.dtype, live=plan.live, pair=serial_pair,
+            interpret=interpret,
+        )  # fmt: skip
     bv = serial_block_v(slots.num_rows, hv, dv, block_v)
     o, state = scan_launches(
         rp, x, state, plan.start, plan.length, out_dtype=v.dtype, bv=bv, precision=precision,

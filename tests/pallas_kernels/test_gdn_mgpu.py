@@ -11,6 +11,7 @@ shows (the tiled TMA copies need windows at multiples of 64 tokens) is
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -246,6 +247,57 @@ def test_fold_scratch_by_mosaic_gpu_matches_the_triton_launch(
     n = int(qsl[-1])
     assert_rel_close(o_a[:n], o[:n], tol=1e-2, what="outputs (Aqk made in the serial launch)")
     assert_rel_close(s_a, s, tol=1e-2, what="state pool (Aqk made in the serial launch)")
+
+
+@pytest.mark.skipif(
+    (os.cpu_count() or 1) < 4,
+    reason="Pallas' GPU interpreter runs each warpgroup as an XLA execution on the host's pool: "
+    "with fewer than 4 CPUs one warpgroup waiting for the other's copies holds the last thread",
+)
+def test_fold_by_pairs_matches_the_reference_and_the_unpaired_launch():
+    """``gdn_prefill(serial_pair=True)`` (``chunk_scan_mgpu.PAIR``: a program a (head, row), its
+    two Dv blocks a warpgroup each; warpgroup 0 copies the tiles both read, warpgroup 1 frees
+    a stage by ``consumed``) on the ragged rows (chunks inside blocks, short chunks' rows,
+    checkpoints, a padding row, poisoned slots) at ``Dv = 128``: the reference's outputs and
+    slots, the unpaired launch's to bf16 roundings, untouched slots bit for bit."""
+    rng = np.random.default_rng(6)
+    case = ragged_case([70, 3, 130])
+    hk, hv, dv = 1, 2, 2 * chunk_scan_mgpu.BV
+    q, k, _, a, b, A_log, dt_bias = _inputs(rng, case.num_tokens, hk, hv)
+    v = jnp.asarray(rng.normal(size=(case.num_tokens, hv, dv)), jnp.bfloat16)
+    args = (q, k, v, a, b, A_log, dt_bias)
+    pool = jnp.asarray(case.pool(rng, (hv, dv, D), np.float32))
+    qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
+    n = case.num_tokens
+    pair_o, pair_s = _check_against_reference(args, pool, qsl, slots, fold=True, serial_pair=True)
+    kernel = functools.partial(gpu.gdn_prefill, precision=None, serial="mgpu", interpret=True)
+    one_o, one_s = jax.jit(functools.partial(kernel, fold=True, serial_pair=False))(
+        *args, jnp.copy(pool), qsl, slots
+    )
+    assert_rel_close(pair_o[:n], one_o[:n], tol=1e-2, what="outputs (one warpgroup a program)")
+    assert_rel_close(pair_s, one_s, tol=1e-2, what="state pool (one warpgroup a program)")
+    np.testing.assert_array_equal(np.asarray(pair_s)[0], np.asarray(pool)[0])  # NaN, unread
+
+
+def test_pairs_are_chosen_past_one_wave_and_refused_where_they_cannot_run(monkeypatch):
+    """``chunk_scan_mgpu.use_pair``: "auto" pairs GDN's fold at Dv 128 once its one-warpgroup
+    programs outnumber the SMs (two rows of the 80B's 32 value heads: 128 programs, one wave
+    of an H200's 132; four rows: 256), never another launch; asked for, a launch it cannot
+    take is an error naming why."""
+    monkeypatch.setattr(chunk_scan_mgpu, "resident_programs", lambda: 132)
+    use = chunk_scan_mgpu.use_pair
+    common = dict(fold=True, fold_aqk=False, dk=128, dv=128, heads=32, num_chunks=600,
+                  pool_dtype=jnp.float32, op_dtype=jnp.bfloat16)  # fmt: skip
+    assert not use("auto", **common, rows=2) and use("auto", **common, rows=4)
+    assert not use("auto", **{**common, "fold_aqk": True}, rows=8)
+    assert not use("auto", **{**common, "dv": 64}, rows=8)
+    assert not use("0", **common, rows=8) and use(True, **common, rows=1)
+    with pytest.raises(ValueError, match="Dv=64"):
+        use(True, **{**common, "dv": 64}, rows=8)
+    with pytest.raises(ValueError, match="4000 chunks: shared memory"):
+        use("1", **{**common, "num_chunks": 4000}, rows=8)
+    with pytest.raises(ValueError, match="pair='yes'"):
+        use("yes", **common, rows=8)
 
 
 def test_fold_is_refused_where_it_cannot_run():

@@ -74,10 +74,12 @@ def test_silu_ceiling_computes_silu():
      (2, 4096, 16, 32, 128, 1024, "triton"), (3, 200, 2, 4, 64, 100, "triton"),
      (2, 4096, 16, 32, 128, 1024, "cols"), (3, 200, 2, 4, 64, 100, "cols"),
      (2, 4096, 16, 32, 128, 1024, "aqk"), (3, 200, 2, 4, 64, 100, "aqk"),
-     (2, 4096, 16, 32, 128, 1024, "persist"), (2, 4096, 16, 32, 128, 1024, "persist_aqk")],
+     (2, 4096, 16, 32, 128, 1024, "persist"), (2, 4096, 16, 32, 128, 1024, "persist_aqk"),
+     (8, 4096, 16, 32, 128, 1024, "pair"), (3, 200, 2, 4, 64, 100, "pair_dk64")],
     ids=["80b", "embedded", "80b_fold", "embedded_fold", "80b_fold_triton",
          "embedded_fold_triton", "80b_fold_cols", "embedded_fold_cols", "80b_fold_aqk",
-         "embedded_fold_aqk", "80b_fold_persist", "80b_fold_persist_aqk"],
+         "embedded_fold_aqk", "80b_fold_persist", "80b_fold_persist_aqk", "80b_8x4096_pair",
+         "dk64_pair"],
 )  # fmt: skip
 def test_gdn_serial_launch_lowers_to_mosaic_gpu(monkeypatch, rows, per_row, hk, hv, d, every, fold):
     """GDN prefill's Mosaic GPU serial launch (``pallas_kernels.common.chunk_scan_mgpu``:
@@ -93,7 +95,10 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(monkeypatch, rows, per_row, hk, 
     diag(beta)`` made by columns (``fold_beta_rows=False``), ``"aqk"`` by the Mosaic GPU one
     with each chunk's ``Aqk`` (``fold_aqk=True``: one more tile a stage in the serial launch),
     ``"persist"`` by it as a persistent launch (``intra_mgpu.PERSIST``: two stages, W from
-    its stage's k tile), with Aqk or not."""
+    its stage's k tile), with Aqk or not; ``"pair"`` its serial launch's two Dv blocks in one
+    program, a warpgroup each (``serial_pair=True``: two threads, each one's tiles in a
+    ``RefUnion``), at eight rows of 4096 (its chunk plan's shared memory near the bound), and
+    with ``Dk = 64`` (the embedded model's key dim, Dv 128)."""
     from benchmarks.common import prefill_batch
     from pallas_kernels.gdn import gpu, intra_mgpu
 
@@ -102,21 +107,24 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(monkeypatch, rows, per_row, hk, 
 
     qsl, slots, num_slots = prefill_batch(rows, per_row, ckpt_every=every)
     n = rows * per_row
+    pair = str(fold).startswith("pair")
+    dv = 128 if pair else d
     sd, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
-    acts = (sd((n, hk, d), bf), sd((n, hk, d), bf), sd((n, hv, d), bf), sd((n, hv), bf),
+    acts = (sd((n, hk, d), bf), sd((n, hk, d), bf), sd((n, hv, dv), bf), sd((n, hv), bf),
             sd((n, hv), bf))  # fmt: skip
-    args = (*acts, sd((hv,), f32), sd((hv,), f32), sd((num_slots, hv, d, d), f32))
+    args = (*acts, sd((hv,), f32), sd((hv,), f32), sd((num_slots, hv, dv, d), f32))
 
     def prefill(*a):
         return gpu.gdn_prefill(
             *a, qsl, slots, precision=None, serial="mgpu", fold=bool(fold),
             fold_beta_rows=fold != "cols", fold_aqk=str(fold).endswith("aqk"),
             fold_intra="triton" if fold in ("triton", "cols") else None,
+            serial_pair=True if pair else "0",
         )  # fmt: skip
 
     text = jax.jit(prefill, donate_argnums=7).trace(*args).lower(lowering_platforms=("cuda",))
     text = text.as_text()
-    by_mosaic_gpu = fold in (True, "aqk", "persist", "persist_aqk")  # (gdn.intra_mgpu's scratch)
+    by_mosaic_gpu = fold in (True, "aqk", "persist", "persist_aqk") or pair  # (intra_mgpu's)
     assert text.count("custom_call @mosaic_gpu") == (2 if by_mosaic_gpu else 1)
     assert ("triton" in text) != by_mosaic_gpu  # the intra launch: Triton's, or none
     assert "tf.aliasing_output" in text  # the donated pool is the kernel's output
