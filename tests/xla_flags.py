@@ -12,7 +12,8 @@
 from importlib.metadata import version
 
 
-def _jaxlib_before(major: int, minor: int) -> bool:
+def jaxlib_before(major: int, minor: int) -> bool:
+    """Whether the installed jaxlib is older than ``major.minor``."""
     return tuple(int(p) for p in version("jaxlib").split(".")[:2]) < (major, minor)
 
 
@@ -20,7 +21,7 @@ def _jaxlib_before(major: int, minor: int) -> bool:
 TEST_XLA_FLAGS = (
     "--xla_cpu_multi_thread_eigen=false --xla_backend_optimization_level=0 "
     "--xla_llvm_disable_expensive_passes=true"
-    + (" --xla_cpu_use_fusion_emitters=false" if _jaxlib_before(0, 11) else "")
+    + (" --xla_cpu_use_fusion_emitters=false" if jaxlib_before(0, 11) else "")
 )
 
 

@@ -31,11 +31,12 @@ SLOTS_ARG = abstract_slots(ROWS, M)
 def as_tpu(request):
     """The CPU device kind stands for the given chip while lowering."""
     chip = tpu_info.ChipVersion(request.param)
-    tpu_info.registry["cpu"] = lambda: tpu_info._get_tpu_info_impl(chip, 1)
-    tpu_info.get_tpu_info.cache_clear()
+    tpu_info.registry["cpu"] = lambda: tpu_info.get_tpu_info_for_chip(chip, 1)
+    clear = getattr(tpu_info.get_tpu_info, "cache_clear", lambda: None)  # (cached in jax 0.10)
+    clear()
     yield
     del tpu_info.registry["cpu"]
-    tpu_info.get_tpu_info.cache_clear()
+    clear()
 
 
 def _gdn_args(t, prefill, state=F32):
