@@ -84,6 +84,8 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     # the scratch's launch persistent (intra_mgpu.PERSIST): 528 programs (4 an SM), 396 (3)
     "foldpers": (None, None, None, dict(serial="mgpu", fold=True, fold_persist=528)),
     "foldpers3": (None, None, None, dict(serial="mgpu", fold=True, fold_persist=396)),
+    # (the persistent launch is the default since session 36: the plain one, for A / B)
+    "foldplain": (None, None, None, dict(serial="mgpu", fold=True, fold_persist=0)),
     "foldpersaqk": (
         None,
         None,
@@ -753,6 +755,9 @@ def main() -> None:
     faqk = dict(serial="mgpu", fold=True, fold_aqk=True)
     guarded("check_prefill_foldaqk", lambda: check_prefill(None, **faqk))
     guarded("check_prefill_foldaqk_aligned", lambda: check_prefill_aligned(**faqk))
+    fpers = dict(serial="mgpu", fold=True, fold_persist=528)  # (the persistent scratch)
+    guarded("check_prefill_foldpers", lambda: check_prefill(None, **fpers))
+    guarded("check_prefill_foldpers_aligned", lambda: check_prefill_aligned(**fpers))
     fpair = dict(serial="mgpu", fold=True, serial_pair=True)
     guarded("check_prefill_pair", lambda: check_prefill(None, **fpair))
     guarded("check_prefill_pair_aligned", lambda: check_prefill_aligned(**fpair))

@@ -802,10 +802,11 @@ def gdn_prefill(
         (that intra launch) or ``"mgpu"`` (:mod:`.intra_mgpu`: XLA and a Mosaic GPU launch);
         ``fold_aqk`` (None: :data:`FOLD_AQK`, off; the Mosaic GPU scratch only) each chunk's
         ``Aqk`` made with that scratch instead of in the serial launch; ``fold_persist``
-        (None: ``intra_mgpu.PERSIST``, 0) that scratch's launch as a persistent one of so many
-        programs. ``serial_pair`` (None: ``chunk_scan_mgpu.PAIR``, off; the fold without
-        ``fold_aqk``, ``Dv`` 128) the serial launch's two Dv blocks of a (head, row) in one
-        program, a warpgroup each (``chunk_scan_mgpu.use_pair``).
+        (None: ``intra_mgpu.persist_programs``, four an SM; 0: the plain launch) that scratch's
+        launch as a persistent one of so many programs. ``serial_pair`` (None:
+        ``chunk_scan_mgpu.PAIR``, off; the fold without ``fold_aqk``, ``Dv`` 128) the serial
+        launch's two Dv blocks of a (head, row) in one program, a warpgroup each
+        (``chunk_scan_mgpu.use_pair``).
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, _, dk = q.shape

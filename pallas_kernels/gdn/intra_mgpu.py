@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import chunk_scan_mgpu as cs
 from pallas_kernels.common.chunking import ChunkPlan
+from pallas_kernels.common.delta_rule_gpu import resident_programs
 from pallas_kernels.gdn.reference import gdn_gates
 
 CHUNK = cs.CHUNK
@@ -59,11 +60,24 @@ QNORM_ROW, KNORM_ROW, GAM_ROW = 2, 3, 4  # (of FOLD_VECTORS)
 R_ROW, C_ROW, BETA_ROW, WSCALE_ROW, CHUNK_ROW = 5, 6, 7, 8, 9
 ROWS = 10
 # The launch as a persistent one (_body_persistent; one head a program): PERSIST programs (0:
-# not persistent), each taking items a stride apart with the next one's copies in flight. Not
-# yet timed: off by default; HYJAX_GDN_FOLD_MGPU_PERSIST=528 (four an SM of an H200) for a
-# process. Its shared memory, 53 KB a program (W stored from its own stage's k tile), lets four
-# run an SM as the plain launch's 50.5 KB does.
-PERSIST = int(os.environ.get("HYJAX_GDN_FOLD_MGPU_PERSIST", "0"))
+# not persistent; None, the default: four an SM), each taking items a stride apart with the
+# next one's copies in flight. Its shared memory, 53 KB a program (W stored from its own
+# stage's k tile), lets four run an SM as the plain launch's 50.5 KB does. Measured on an H200
+# (session 36, 528 programs): the launch 336 against 379 us at 8x4096 (traced), the prefill
+# 1.198 against 1.235 ms there and 0.339 against 0.343 at 1x4096; three an SM (396) slower
+# (1.342). Checked on the GPU against the reference as the plain launch (error ratios 3.70e-3 /
+# 2.32e-3). HYJAX_GDN_FOLD_MGPU_PERSIST=N for N programs (0: the plain launch).
+_PERSIST_ENV = os.environ.get("HYJAX_GDN_FOLD_MGPU_PERSIST")
+PERSIST = None if _PERSIST_ENV is None else int(_PERSIST_ENV)
+
+
+def persist_programs(persist: int | None = None) -> int:
+    """The persistent launch's programs: ``persist``, else :data:`PERSIST`, else four an SM
+    (``delta_rule_gpu.resident_programs``); 0: the plain launch."""
+    n = PERSIST if persist is None else persist
+    return 4 * resident_programs() if n is None else n
+
+
 f32, f16 = jnp.float32, jnp.float16
 
 
@@ -295,8 +309,9 @@ def fold_scratch(
 ) -> cs.FoldRefs:  # fmt: skip
     """The fold's scratch (module docstring) on inputs padded to a multiple of 64 tokens;
     ``with_aqk``: and each chunk's ``Aqk`` (``FoldRefs.aqk``: ``q k^T`` on q's block, one
-    more product, so that the serial launch makes neither); ``persist`` (None: :data:`PERSIST`)
-    programs of the persistent launch (0: the plain one)."""
+    more product, so that the serial launch makes neither); ``persist`` (None:
+    :func:`persist_programs`, four an SM) programs of the persistent launch (0: the plain
+    one)."""
     if why := unsupported_reason(q.shape[2], operand_dtype):
         raise ValueError(f"the Mosaic GPU fold launch cannot take this prefill: {why}")
     plgpu = cs._plgpu()
@@ -310,7 +325,7 @@ def fold_scratch(
         return cs.swizzled(shape, dtype)
 
     items = tp // CHUNK * hv
-    programs = min(PERSIST if persist is None else persist, items)
+    programs = min(persist_programs(persist), items)
     if programs:
         scratch = (
             tile((2, CHUNK, dk)),  # k's blocks, two stages (W stored from them)

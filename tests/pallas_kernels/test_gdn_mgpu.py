@@ -300,6 +300,20 @@ def test_pairs_are_chosen_past_one_wave_and_refused_where_they_cannot_run(monkey
         use("yes", **common, rows=8)
 
 
+def test_the_fold_scratch_launch_is_persistent_by_default(monkeypatch):
+    """``intra_mgpu.persist_programs``: four programs an SM by default (the persistent launch,
+    1.13x the plain one's time at 8x4096 on an H200), the environment's or the call's count
+    otherwise, 0 the plain launch."""
+    from pallas_kernels.gdn import intra_mgpu
+
+    monkeypatch.setattr(intra_mgpu, "resident_programs", lambda: 132)
+    monkeypatch.setattr(intra_mgpu, "PERSIST", None)
+    assert intra_mgpu.persist_programs() == 528
+    assert intra_mgpu.persist_programs(0) == 0 and intra_mgpu.persist_programs(3) == 3
+    monkeypatch.setattr(intra_mgpu, "PERSIST", 0)
+    assert intra_mgpu.persist_programs() == 0 and intra_mgpu.persist_programs(5) == 5
+
+
 def test_fold_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="fold: the Mosaic GPU launch's scratch"):
         gpu.intra_launch(*([None] * 8), num_chunks=1, operand_dtype=jnp.bfloat16,

@@ -78,11 +78,11 @@ def test_silu_ceiling_computes_silu():
      (2, 4096, 16, 32, 128, 1024, "triton"), (3, 200, 2, 4, 64, 100, "triton"),
      (2, 4096, 16, 32, 128, 1024, "cols"), (3, 200, 2, 4, 64, 100, "cols"),
      (2, 4096, 16, 32, 128, 1024, "aqk"), (3, 200, 2, 4, 64, 100, "aqk"),
-     (2, 4096, 16, 32, 128, 1024, "persist"), (2, 4096, 16, 32, 128, 1024, "persist_aqk"),
+     (2, 4096, 16, 32, 128, 1024, "plain"), (2, 4096, 16, 32, 128, 1024, "plain_aqk"),
      (8, 4096, 16, 32, 128, 1024, "pair"), (3, 200, 2, 4, 64, 100, "pair_dk64")],
     ids=["80b", "embedded", "80b_fold", "embedded_fold", "80b_fold_triton",
          "embedded_fold_triton", "80b_fold_cols", "embedded_fold_cols", "80b_fold_aqk",
-         "embedded_fold_aqk", "80b_fold_persist", "80b_fold_persist_aqk", "80b_8x4096_pair",
+         "embedded_fold_aqk", "80b_fold_plain", "80b_fold_plain_aqk", "80b_8x4096_pair",
          "dk64_pair"],
 )  # fmt: skip
 def test_gdn_serial_launch_lowers_to_mosaic_gpu(monkeypatch, rows, per_row, hk, hv, d, every, fold):
@@ -98,16 +98,17 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(monkeypatch, rows, per_row, hk, 
     Triton one), ``"triton"`` by the Triton intra launch, ``"cols"`` by it with ``Tm
     diag(beta)`` made by columns (``fold_beta_rows=False``), ``"aqk"`` by the Mosaic GPU one
     with each chunk's ``Aqk`` (``fold_aqk=True``: one more tile a stage in the serial launch),
-    ``"persist"`` by it as a persistent launch (``intra_mgpu.PERSIST``: two stages, W from
-    its stage's k tile), with Aqk or not; ``"pair"`` its serial launch's two Dv blocks in one
-    program, a warpgroup each (``serial_pair=True``: two threads, each one's tiles in a
-    ``RefUnion``), at eight rows of 4096 (its chunk plan's shared memory near the bound), and
-    with ``Dk = 64`` (the embedded model's key dim, Dv 128)."""
+    ``"plain"`` by it as the plain launch (``intra_mgpu.PERSIST = 0``; the persistent one,
+    two stages and W from its stage's k tile, is the default), with Aqk or not; ``"pair"``
+    its serial launch's two Dv blocks in one program, a warpgroup each (``serial_pair=True``:
+    two threads, each one's tiles in a ``RefUnion``), at eight rows of 4096 (its chunk plan's
+    shared memory near the bound), and with ``Dk = 64`` (the embedded model's key dim, Dv
+    128)."""
     from benchmarks.common import prefill_batch
     from pallas_kernels.gdn import gpu, intra_mgpu
 
-    if str(fold).startswith("persist"):
-        monkeypatch.setattr(intra_mgpu, "PERSIST", 528)
+    # (the persistent scratch launch is the default: "plain" cases lower the plain one)
+    monkeypatch.setattr(intra_mgpu, "PERSIST", 0 if str(fold).startswith("plain") else None)
 
     qsl, slots, num_slots = prefill_batch(rows, per_row, ckpt_every=every)
     n = rows * per_row
@@ -128,7 +129,7 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(monkeypatch, rows, per_row, hk, 
 
     text = jax.jit(prefill, donate_argnums=7).trace(*args).lower(lowering_platforms=("cuda",))
     text = text.as_text()
-    by_mosaic_gpu = fold in (True, "aqk", "persist", "persist_aqk") or pair  # (intra_mgpu's)
+    by_mosaic_gpu = fold in (True, "aqk", "plain", "plain_aqk") or pair  # (intra_mgpu's)
     assert text.count("custom_call @mosaic_gpu") == (2 if by_mosaic_gpu else 1)
     assert ("triton" in text) != by_mosaic_gpu  # the intra launch: Triton's, or none
     assert "tf.aliasing_output" in text  # the donated pool is the kernel's output
