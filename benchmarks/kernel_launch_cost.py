@@ -31,7 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import device_name, device_trace
+from benchmarks.common import device_name, device_trace, write_summary
 
 SHAPE = (64, 128)
 
@@ -139,9 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         except Exception as e:  # (one kind failing leaves the others' figures)
             summary[kind] = {"failed": f"{type(e).__name__}: {e}"[:400]}
         print(kind, json.dumps(summary[kind]), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=1)
+    write_summary(summary, args.out)
     return summary
 
 
