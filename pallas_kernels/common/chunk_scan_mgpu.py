@@ -37,6 +37,13 @@ so ``o`` leaves as ``[C, BV]`` token rows, the engine's ``[T, H, Dv]`` layout. A
 at most six, of 32, 16, ..., 1 rows (its length's bits), so no program writes a token it does
 not own.
 
+**Pairs** (GDN's fold, ``Dv = 128``; :data:`PAIR`, opt-in): one program a (head, row), its two
+Dv blocks a warpgroup each (``plgpu.Mesh(num_threads=2)``). Warpgroup 0 copies the tiles both
+read into the shared stages; warpgroup 1 arrives at a ``consumed`` barrier once it has read a
+stage, which warpgroup 0 waits for before refilling it (and drains at the end); each
+warpgroup's own tiles (its f32 state tile, the chunk's S^T, V'^T and o tiles, a short chunk's
+rows: never live at once) share one ``RefUnion``.
+
 The intra launch leaves the scratch for it (``gdn.gpu.intra_launch(tma_layout=True)``): ``U``
 transposed (``[H, Dv, Tp]``, a block of ``U^T`` is one TMA box) and ``k_dec`` zero on the rows
 after the batch's last token (the last block multiplies them by the zero columns of ``V'^T``:
@@ -244,8 +251,11 @@ def unsupported_reason(
 
 def use_pair(pair, fold, fold_aqk, dk, dv, heads, rows, num_chunks, pool_dtype, op_dtype):
     """Whether :func:`scan_mgpu` runs pairs (:data:`PAIR`): ``pair`` True / False / "auto", or
-    None (:data:`PAIR`'s). Asked for (True, "1"), a launch it cannot take is a ``ValueError``
-    naming why; "auto" pairs where it can and the unpaired programs outnumber the SMs."""
+    None (:data:`PAIR`'s). Asked for by the argument (True, "1"), a launch it cannot take is a
+    ``ValueError`` naming why; by the environment, one log line and the unpaired launch (so a
+    process-wide setting never fails KDA's launch, or GDN's at shapes a pair cannot take);
+    "auto" pairs where it can and the unpaired programs outnumber the SMs."""
+    by_env = pair is None
     pair = PAIR if pair is None else pair
     if pair not in (True, False, "auto", "1", "0"):
         raise ValueError(f"pair={pair!r}: True, False, 'auto', '1' or '0'")
@@ -259,10 +269,18 @@ def use_pair(pair, fold, fold_aqk, dk, dv, heads, rows, num_chunks, pool_dtype, 
     elif smem_bytes(dk, num_chunks, pool_dtype, op_dtype, fold=True, pair=True) > SMEM_BYTES:
         why = f"{num_chunks} chunks: shared memory over {SMEM_BYTES} bytes"
     if pair in (True, "1"):
+        if why and by_env:
+            _log_unpaired(why)
+            return False
         if why:
             raise ValueError(f"pair={pair!r}: the paired serial launch cannot take {why}")
         return True
     return why is None and heads * rows * (dv // BV) > resident_programs()
+
+
+@functools.cache
+def _log_unpaired(why: str) -> None:
+    log.warning("prefill serial launch: unpaired (HYJAX_PREFILL_SERIAL_PAIR=1 cannot take %s)", why)
 
 
 def _union(interpret, *trees):

@@ -298,6 +298,13 @@ def test_pairs_are_chosen_past_one_wave_and_refused_where_they_cannot_run(monkey
         use("1", **{**common, "num_chunks": 4000}, rows=8)
     with pytest.raises(ValueError, match="pair='yes'"):
         use("yes", **common, rows=8)
+    # set for the process, it never fails a launch it cannot take (KDA's, Dv 64): unpaired
+    monkeypatch.setattr(chunk_scan_mgpu, "PAIR", "1")
+    assert use(None, **common, rows=1)
+    assert not use(None, **{**common, "fold": False}, rows=8)
+    assert not use(None, **{**common, "dv": 64}, rows=8)
+    with pytest.raises(ValueError, match="other than GDN's fold"):
+        use(True, **{**common, "fold": False}, rows=8)
 
 
 def test_the_fold_scratch_launch_is_persistent_by_default(monkeypatch):
