@@ -24,6 +24,8 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 # A Qwen-style ChatML template (written for these tests): optional system prompt, a
 # reasoning_content block for assistant turns, and an optional generation prompt.
+# (``tool_calls`` tested for a value, not only defined: transformers 5.17 hands the template a
+# message's ``tool_calls: None`` as it is, 5.24 drops it; the reference render failed on 5.17)
 CHATML_TEMPLATE = """\
 {%- if messages and messages[0]['role'] == 'system' %}
 {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
@@ -40,7 +42,7 @@ CHATML_TEMPLATE = """\
 {{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}
 {%- endif %}
 {{- message['content'] }}
-{%- if message.tool_calls is defined %}
+{%- if message.tool_calls is defined and message.tool_calls %}
 {%- for call in message.tool_calls %}
 {{- '\\n<tool_call>\\n' + call | tojson + '\\n</tool_call>' }}
 {%- endfor %}
