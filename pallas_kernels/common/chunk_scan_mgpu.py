@@ -473,10 +473,10 @@ def _body(
             if fold_heads:  # (qd_ref, kd_ref, aqk_ref: q's rows, k's rows, the vectors)
                 dk, dv = w_ref.shape[-1], pool_in.shape[2]
                 keys = pl.ds(head // (pool_in.shape[1] // fold_heads) * dk, dk)
+                blocks = enumerate(v_bufs) if pair else [(vb, v_s)]  # (a pair: both Dv blocks)
+                v_rows = [(v_ref.at[tok, pl.ds(head * dv + b * BV, BV)], buf) for b, buf in blocks]
                 return [*pairs, (w_ref.at[head, tok], w_s), (tm_ref.at[head, tok], tm_s),
-                        *[(v_ref.at[tok, pl.ds(head * dv + b * BV, BV)], buf)
-                      for b, buf in (enumerate(v_bufs) if pair else [(vb, v_s)])],
-                        (qd_ref.at[tok, keys], qd_s),
+                        *v_rows, (qd_ref.at[tok, keys], qd_s),
                         (aqk_ref.at[head, pl.ds(0, FOLD_ROWS), tok], aqk_s),
                         (kd_ref.at[tok, keys], kd_s),
                         *([(fa_ref.at[head, tok], fa_s)] if fold_aqk else [])]  # fmt: skip
@@ -513,7 +513,7 @@ def _body(
 
                     issue(i + 1, (i + 1) % STAGES)
 
-            if prefetch:
+            if prefetch and issues:
 
                 @pl.when(i + 1 + prefetch < n)
                 def _():  # a later chunk's tiles on their way into L2
@@ -813,8 +813,7 @@ def scan_mgpu(
     )
     if pair:  # (the state's tile | the chunk's products' and full o's tiles | o's rows)
         st_t, vt_t, o_t, o_s, st_s = own
-        own = ((_union(interpret, st_s, (st_t, vt_t, o_t), o_s), _union(
-            interpret, st_s, (st_t, vt_t, o_t), o_s)),)  # fmt: skip
+        own = (tuple(_union(interpret, st_s, (st_t, vt_t, o_t), o_s) for _ in range(2)),)
     scratch = (
         tile((CHUNK, dk)),  # w
         # (fold: Tm diag(beta) and v's rows, a tile each Dv block a program runs) U^T
