@@ -174,12 +174,17 @@ def device_trace(run) -> dict:
 
 
 def stateful_chain(step, iters: int):
-    """:func:`time_stateful`'s program: ``chain(state, operand_sets) -> (state, acc)``, call
-    ``i`` of ``step`` on ``operand_sets[i]`` (the state donated)."""
+    """:func:`time_stateful`'s program: ``chain(state, operand_sets, acc) -> (state, acc)``,
+    call ``i`` of ``step`` on ``operand_sets[i]``, its outputs summed into ``acc``. The state
+    and ``acc`` are donated, so every buffer the program writes stays where the last run left
+    it: a new output buffer a run moves an allocation that XLA's CUDA graph (the whole program,
+    one command buffer) then re-records before its launch (on an H200 the 1x4096 prefill's
+    launch took ~1 ms of host before the device started, a third of its ten calls' kernels,
+    2026-11-30); a kernel timed from a CUDA graph (FLA's) pays nothing of that."""
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def chain(state, operand_sets):
-        acc = jnp.zeros((), jnp.float32)
+    @functools.partial(jax.jit, donate_argnums=(0, 2))
+    def chain(state, operand_sets, acc):
+        acc = acc * 0
         for i in range(iters):
             state, out = step(state, *operand_sets[i])
             for leaf in jax.tree_util.tree_leaves(out):
@@ -189,9 +194,18 @@ def stateful_chain(step, iters: int):
     return chain
 
 
+# Programs launched back to back a measurement (:func:`time_stateful`). XLA runs a jitted
+# program as one CUDA graph whose launch takes the host ~0.7-0.9 ms before the device starts
+# (the 245-kernel 1x4096 prefill chain on an H200, 2026-11-30: 0.38 ms a call alone, 0.28 with
+# five back to back); in a run of several the next launch overlaps the last one's kernels, as
+# an async engine's steps do and as FLA's graph replays (:func:`torch_graph_ms`) are timed.
+RUNS = 5
+
+
 def time_stateful(
-    step, state, operands, *, iters: int, repeats: int = 3, trace: dict | None = None
-) -> float:
+    step, state, operands, *, iters: int, repeats: int = 3, trace: dict | None = None,
+    runs: int = RUNS,
+) -> float:  # fmt: skip
     """Median seconds of one ``state, out = step(state, *operands)`` on a donated state.
 
     One jitted program of ``iters`` calls, unrolled (an XLA while loop syncs with the host on
@@ -201,6 +215,9 @@ def time_stateful(
     call reads its own copy of the operands (:func:`distinct_copies`), so a part that does not
     read the state is computed in every call, not once.
 
+    ``runs`` (:data:`RUNS`) programs are launched back to back a measurement, so the host's
+    launch of a program (its CUDA graph) overlaps the device's work on the last one.
+
     ``trace``: a dict filled with :func:`device_trace` of one more run of the program after
     the timing (what the device ran in the timed figure, and whether it waited between its
     kernels).
@@ -208,19 +225,20 @@ def time_stateful(
 
     chain = stateful_chain(step, iters)
     operands = distinct_copies(operands, iters)
-    state, acc = chain(state, operands)  # compile + warm up
+    state, acc = chain(state, operands, jnp.zeros((), jnp.float32))  # compile + warm up
     jax.block_until_ready((state, acc))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        state, acc = chain(state, operands)
+        for _ in range(runs):
+            state, acc = chain(state, operands, acc)
         jax.block_until_ready((state, acc))
-        times.append((time.perf_counter() - t0) / iters)
+        times.append((time.perf_counter() - t0) / (iters * runs))
     if trace is not None:
 
         def run():
             nonlocal state, acc
-            state, acc = chain(state, operands)
+            state, acc = chain(state, operands, acc)
             jax.block_until_ready((state, acc))
 
         trace.update(device_trace(run))
@@ -318,10 +336,11 @@ def sweep_launches(kernel, intra, operands, make_pool, *, intra_sweep, serial_va
     return out
 
 
-def torch_graph_ms(torch, fn, iters: int) -> tuple[float, str]:
+def torch_graph_ms(torch, fn, iters: int, runs: int = RUNS) -> tuple[float, str]:
     """Device ms per call of a torch ``fn``: ``iters`` calls replayed from one CUDA graph (no
-    Python launch overhead, like the jitted chains of :func:`time_stateful`), and the mode
-    (``"cuda_graph"``; ``"eager"``, back-to-back calls, if the capture fails)."""
+    Python launch overhead, like the jitted chains of :func:`time_stateful`), ``runs`` replays
+    back to back between the two events, and the mode (``"cuda_graph"``; ``"eager"``,
+    back-to-back calls, if the capture fails)."""
     fn()
     torch.cuda.synchronize()
     try:
@@ -347,10 +366,11 @@ def torch_graph_ms(torch, fn, iters: int) -> tuple[float, str]:
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    run()
+    for _ in range(runs):  # back to back, as time_stateful's programs
+        run()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters, mode
+    return start.elapsed_time(end) / (iters * runs), mode
 
 
 def add_engine_workload_args(p, *, layers: int, prefill_requests: int, output_len: int,

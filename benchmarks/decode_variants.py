@@ -217,8 +217,9 @@ def time_chain(step, state, operands, *, iters: int, chains: int, repeats: int =
     one element of every output summed into a returned scalar, each call on its own copy of
     the operands, as :func:`benchmarks.common.time_stateful`), then one sync."""
 
-    @functools.partial(jax.jit, donate_argnums=0)
+    @functools.partial(jax.jit, donate_argnums=(0, 1))  # acc too: no graph re-recorded
     def chain(state, acc, operand_sets):
+        acc = acc * 0
         for i in range(iters):
             state, out = step(state, *operand_sets[i])
             for leaf in jax.tree_util.tree_leaves(out):

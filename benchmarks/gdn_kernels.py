@@ -153,7 +153,7 @@ def _time_stateful(step, state, operands, *, iters: int, trace: dict | None = No
     ``trace`` filled (with ``--trace``) with what the device ran in the timed program."""
     trace = trace if TRACE else None
     if INTERPRET:  # CPU smoke run: exercise the code path only
-        return time_stateful(step, state, operands, iters=1, repeats=1, trace=trace)
+        return time_stateful(step, state, operands, iters=1, repeats=1, trace=trace, runs=1)
     return time_stateful(step, state, operands, iters=iters, trace=trace)
 
 

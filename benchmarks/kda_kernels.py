@@ -84,7 +84,7 @@ def _kv(states):
 def _time_stateful(step, state, operands, *, iters: int) -> float:
     """:func:`benchmarks.common.time_stateful`: every output consumed, no loop round trips."""
     if INTERPRET:  # CPU smoke run: exercise the code path only
-        return time_stateful(step, state, operands, iters=1, repeats=1)
+        return time_stateful(step, state, operands, iters=1, repeats=1, runs=1)
     return time_stateful(step, state, operands, iters=iters)
 
 

@@ -126,7 +126,7 @@ def verify_slots(rows: int, k: int):
 
 def _time_stateful(step, state, operands, *, iters: int) -> float:
     if INTERPRET:  # CPU smoke run: exercise the code path only
-        return time_stateful(step, state, operands, iters=1, repeats=1)
+        return time_stateful(step, state, operands, iters=1, repeats=1, runs=1)
     return time_stateful(step, state, operands, iters=iters)
 
 
