@@ -102,11 +102,6 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
         None,
         dict(serial="mgpu", fold=True, serial_pair=True, fold_persist=528),
     ),
-    # the l2norm factors by XLA (fold_norms=False) instead of the fold's Mosaic GPU launch
-    # (intra_mgpu.KERNEL_NORMS, the default since session 37): k's, and q's with fold_aqk
-    "nonorms": (None, None, None, dict(fold_norms=False)),
-    "pairnonorms": (None, None, None, dict(serial_pair=True, fold_norms=False)),
-    "foldaqknonorms": (None, None, None, dict(fold_aqk=True, fold_norms=False)),
     "bf16ops_serial": (None, jnp.bfloat16, False, {}),
     "bf16ops_three": (None, jnp.bfloat16, True, {}),
     "tf32_f32ops_three": (jax.lax.Precision.DEFAULT, jnp.float32, True, {}),

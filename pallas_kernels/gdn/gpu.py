@@ -609,8 +609,7 @@ def intra_launch(
     q, k, v, a, b, A_log, dt_bias, plan, *, num_chunks: int, operand_dtype, precision,
     num_warps: int = 8, num_stages: int = 2, tma_layout: bool = False, form: str = "whole",
     fold: bool = False, fold_beta_rows: bool | None = None, fold_intra: str | None = None,
-    fold_aqk: bool = False, fold_persist: int | None = None, fold_norms: bool | None = None,
-    interpret: bool = False,
+    fold_aqk: bool = False, fold_persist: int | None = None, interpret: bool = False,
 ) -> ChunkRefs | chunk_scan_mgpu.FoldRefs:  # fmt: skip
     """Launch 1 (:func:`_intra_kernel`, or by 16-row blocks :func:`_intra_kernel_blocked`:
     ``form``, one of :data:`INTRA_FORMS`) over grid ``(NC, Hv)`` on inputs padded to at least
@@ -645,7 +644,7 @@ def intra_launch(
     ):  # fmt: skip
         return intra_mgpu.fold_scratch(
             q, k, v, a, b, A_log, dt_bias, plan, num_chunks=num_chunks, operand_dtype=op,
-            with_aqk=fold_aqk, persist=fold_persist, norms=fold_norms, interpret=interpret,
+            with_aqk=fold_aqk, persist=fold_persist, interpret=interpret,
         )  # fmt: skip
     if fold:
         vec = jax.ShapeDtypeStruct((hv, FOLD_ROWS, tp), jnp.float32)
@@ -712,7 +711,7 @@ def prefill_scratch(
     precision, num_warps: int | None = None, num_stages: int | None = None,
     tma_layout: bool = False, form: str | None = None, fold: bool = False,
     fold_beta_rows: bool | None = None, fold_intra: str | None = None, fold_aqk: bool = False,
-    fold_persist: int | None = None, fold_norms: bool | None = None, interpret: bool = False,
+    fold_persist: int | None = None, interpret: bool = False,
 ):  # fmt: skip
     """The prefill up to its serial launch: the chunk plan, the plan by row and the intra
     launch's scratch (:func:`intra_launch`, on inputs padded to a 64-row window; in the Mosaic
@@ -734,8 +733,7 @@ def prefill_scratch(
         q, k, v, a, b, A_log, dt_bias, plan, num_chunks=nc, operand_dtype=operand_dtype,
         precision=precision, num_warps=num_warps, num_stages=num_stages,
         tma_layout=tma_layout, form=form, fold=fold, fold_beta_rows=fold_beta_rows,
-        fold_intra=fold_intra, fold_aqk=fold_aqk, fold_persist=fold_persist,
-        fold_norms=fold_norms, interpret=interpret,
+        fold_intra=fold_intra, fold_aqk=fold_aqk, fold_persist=fold_persist, interpret=interpret,
     )  # fmt: skip
     return plan, row_plan(plan, slots, nc), x
 
@@ -769,7 +767,6 @@ def gdn_prefill(
     fold_intra: str | None = None,
     fold_aqk: bool | None = None,
     fold_persist: int | None = None,
-    fold_norms: bool | None = None,
     serial_pair: bool | str | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
@@ -806,9 +803,7 @@ def gdn_prefill(
         ``fold_aqk`` (None: :data:`FOLD_AQK`, off; the Mosaic GPU scratch only) each chunk's
         ``Aqk`` made with that scratch instead of in the serial launch; ``fold_persist``
         (None: ``intra_mgpu.persist_programs``, four an SM; 0: the plain launch) that scratch's
-        launch as a persistent one of so many programs; ``fold_norms`` (None:
-        ``intra_mgpu.KERNEL_NORMS``, on) q's and k's l2norm factors made by that launch (k's
-        from its ``k k^T``, q's with ``fold_aqk``) instead of by XLA. ``serial_pair`` (None:
+        launch as a persistent one of so many programs. ``serial_pair`` (None:
         ``chunk_scan_mgpu.PAIR``, off; the fold without ``fold_aqk``, ``Dv`` 128) the serial
         launch's two Dv blocks of a (head, row) in one program, a warpgroup each
         (``chunk_scan_mgpu.use_pair``).
@@ -839,7 +834,7 @@ def gdn_prefill(
         precision=precision, num_warps=intra_num_warps, num_stages=intra_num_stages,
         tma_layout=mgpu, form=form, fold=fold, fold_beta_rows=fold_beta_rows,
         fold_intra=fold_intra, fold_aqk=fold_aqk, fold_persist=fold_persist,
-        fold_norms=fold_norms, interpret=interpret,
+        interpret=interpret,
     )  # fmt: skip
     if mgpu:
         return chunk_scan_mgpu.scan_mgpu(

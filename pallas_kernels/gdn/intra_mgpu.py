@@ -69,13 +69,6 @@ ROWS = 10
 # 2.32e-3). HYJAX_GDN_FOLD_MGPU_PERSIST=N for N programs (0: the plain launch).
 _PERSIST_ENV = os.environ.get("HYJAX_GDN_FOLD_MGPU_PERSIST")
 PERSIST = None if _PERSIST_ENV is None else int(_PERSIST_ENV)
-# The l2norm factors made here (on by default; HYJAX_GDN_FOLD_MGPU_NORMS=0: by XLA, as before):
-# k's from the diagonal of the k k^T this launch makes anyway (no read of k by XLA: its sum of
-# squares took 37 us a call at 8x4096 on an H200, q's as much), q's from q q^T's where the
-# launch reads q's block (with Aqk). The rows that carry a factor are scaled in shared memory
-# before they are used, and the serial launch's rows leave from there (its ``vec``).
-KERNEL_NORMS = os.environ.get("HYJAX_GDN_FOLD_MGPU_NORMS", "1") != "0"
-Q_OUT_ROW, K_STATE_ROW = 0, 1  # (of FOLD_VECTORS)
 
 
 def persist_programs(persist: int | None = None) -> int:
@@ -88,17 +81,12 @@ def persist_programs(persist: int | None = None) -> int:
 f32, f16 = jnp.float32, jnp.float16
 
 
-def fold_vectors(
-    q, k, a, b, A_log, dt_bias, plan: ChunkPlan, num_chunks: int, *, q_norms: bool = True,
-    k_norms: bool = True,
-):  # fmt: skip
+def fold_vectors(q, k, a, b, A_log, dt_bias, plan: ChunkPlan, num_chunks: int):
     """Per token, on inputs padded to ``Tp`` (a multiple of 64) tokens: f32 ``vec [Hv, 10, Tp]``
     (``gdn.gpu.FOLD_VECTORS``: ``q_out``, ``k_state``, ``q_norm``, ``k_norm``, ``gam``; then
     ``r = gam + log n_k``, ``c = gam - log(beta n_k)``, ``beta``, ``n_k e^gam`` and the
     token's chunk), zero on tokens of no chunk (their chunk -1), and f32 ``decay [NC, Hv]``:
-    ``e^gam`` at each chunk's last token (1 where empty). Without ``q_norms`` / ``k_norms``
-    the rows leave out q's / k's l2norm factor ``n`` (taken as 1: the launch scales them,
-    :data:`KERNEL_NORMS`); q's keeps its ``Dk^-1/2``."""
+    ``e^gam`` at each chunk's last token (1 where empty)."""
     tp, hk, dk = q.shape
     hv = a.shape[1]
     n = plan.token_chunk.shape[0]
@@ -124,14 +112,9 @@ def fold_vectors(
         return jnp.repeat(inv, hv // hk, axis=1)  # [Tp, Hv]
 
     # (materialised: fused into vec's rows, XLA recomputed the norms' sums for each of them)
-    ones = jnp.ones((tp, hv), f32)
     n_q, n_k, gam, gam_last, beta = jax.lax.optimization_barrier(
-        (
-            (inv_norm(q) if q_norms else ones) * float(dk) ** -0.5,
-            inv_norm(k) if k_norms else ones,
-            gam, gam_last, beta,
-        )
-    )  # fmt: skip
+        (inv_norm(q) * float(dk) ** -0.5, inv_norm(k), gam, gam_last, beta)
+    )
     rows = [
         n_q * jnp.exp(gam),  # q_out
         n_k * jnp.exp(gam_last[tci] - gam),  # k_state
@@ -149,43 +132,11 @@ def fold_vectors(
     return jnp.transpose(vec, (2, 0, 1)), jnp.exp(gam_last)
 
 
-def _norm_factor(ops, gram):
-    """``rsqrt(diag(gram) + 1e-6)`` along the rows: the l2norm factor of the rows whose Gram
-    matrix (of raw rows, f32 accumulation) ``gram`` is, its diagonal their sums of squares as
-    XLA's l2norm sums them in f32."""
-    sq = gram.shape
-    diag = jnp.sum(jnp.where(ops.iota(sq, 0) == ops.iota(sq, 1), gram, 0.0), axis=1)
-    return jax.lax.rsqrt(diag + 1e-6)
-
-
-def _put_norms(ops, vec_s, kk, qq=None):
-    """k's l2norm factor ``n`` (and q's, with ``qq``) into the head's rows in shared memory:
-    ``k_state``, ``k_norm`` and W's column scale times ``n``, ``r`` plus and ``c`` minus
-    ``log n``; ``q_out`` and ``q_norm`` times q's. Every row is read before any is written (a
-    row's elements are held by several threads)."""
-    plgpu = cs._plgpu()
-    n_k = _norm_factor(ops, kk)
-    log_n = jnp.log(n_k)
-    scales = [(K_STATE_ROW, n_k), (KNORM_ROW, n_k), (WSCALE_ROW, n_k)]
-    if qq is not None:
-        n_q = _norm_factor(ops, qq)
-        scales += [(Q_OUT_ROW, n_q), (QNORM_ROW, n_q)]
-    new = [(row, ops.load_col_vector(vec_s.at[row]) * f) for row, f in scales]
-    new += [(row, ops.load_col_vector(vec_s.at[row]) + sign * log_n)
-            for row, sign in ((R_ROW, 1.0), (C_ROW, -1.0))]  # fmt: skip
-    plgpu.commit_smem()  # (a barrier: every thread's reads done)
-    for row, x in new:
-        vec_s.at[row][...] = x
-    plgpu.commit_smem()  # (read along the other axis below; stored from here by TMA)
-
-
-def _products(ops, k_s, q_s, vec_s, tx, after_scores=None, *, norms: bool = False):
+def _products(ops, k_s, q_s, vec_s, tx, after_scores=None):
     """A block's ``Tm diag(beta)``, W and (with ``q_s``) Aqk from its tiles in shared memory
     (k's and q's blocks, the head's vectors; ``tx`` the f16 tile a doubling step's operands
     pass through). ``after_scores()`` runs once ``k k^T`` is made (the persistent launch's
-    next copies). ``norms`` (:data:`KERNEL_NORMS`): the vectors came without k's l2norm
-    factor (and q's, with ``q_s``), which are made here from ``k k^T``'s (``q q^T``'s)
-    diagonal and put into the rows in shared memory first."""
+    next copies)."""
     plgpu = cs._plgpu()
     sq = (CHUNK, CHUNK)
     ri, cj = ops.iota(sq, 0), ops.iota(sq, 1)
@@ -202,17 +153,9 @@ def _products(ops, k_s, q_s, vec_s, tx, after_scores=None, *, norms: bool = Fals
         return keep & (over_rows(CHUNK_ROW) == chunk) & (chunk >= 0)
 
     with jax.named_scope("scores"):
-        if norms and q_s is not None:  # k k^T and q q^T, raw rows
-            kk, qq = ops.mma(
-                (ops.zeros(sq), [(k_s, k_s, True)]), (ops.zeros(sq), [(q_s, q_s, True)])
-            )
-        else:
-            (kk,) = ops.mma((ops.zeros(sq), [(k_s, k_s, True)]))  # k k^T, raw k
+        (kk,) = ops.mma((ops.zeros(sq), [(k_s, k_s, True)]))  # k k^T, raw k
         if after_scores is not None:
             after_scores()
-        if norms:
-            with jax.named_scope("norms"):
-                _put_norms(ops, vec_s, kk, qq if q_s is not None else None)
         keep = in_chunk(ri > cj)
         a = jnp.where(keep, kk * jnp.exp(jnp.where(keep, over_rows(R_ROW) - over_cols(C_ROW),
                                                    -1e30)), 0.0)  # fmt: skip
@@ -268,12 +211,9 @@ def _stores(outs, tiles, refs, tok, h):
         plgpu.copy_smem_to_gmem(t, r.at[h, tok])
 
 
-def _split(refs, scratch, with_aqk: bool, stored: int, norms: bool):
-    """``(k, q, vec, w, tm, aqk, vec_out)`` refs and the scratch's tiles with ``None`` where
-    there is no Aqk (q's tile and Aqk's output) and, without ``norms``, no ``vec_out``;
-    ``stored`` tiles after the vectors' and X's."""
-    refs = list(refs)
-    vo_ref = refs.pop() if norms else None
+def _split(refs, scratch, with_aqk: bool, stored: int):
+    """``(k, q, vec, w, tm, aqk)`` refs and the scratch's tiles with ``None`` where there is no
+    Aqk (q's tile and Aqk's output); ``stored`` tiles after the vectors' and X's."""
     if with_aqk:
         k_ref, q_ref, vec_ref, w_ref, tm_ref, aqk_ref = refs
         k_s, q_s, vec_s, tx, *rest = scratch
@@ -281,38 +221,29 @@ def _split(refs, scratch, with_aqk: bool, stored: int, norms: bool):
         (k_ref, vec_ref, w_ref, tm_ref), q_ref, aqk_ref = refs, None, None
         (k_s, vec_s, tx, *rest), q_s = scratch, None
     outs = rest[:stored] + ([rest[stored]] if with_aqk else [None])
-    refs = (k_ref, q_ref, vec_ref, w_ref, tm_ref, aqk_ref, vo_ref)
-    return refs, (k_s, q_s, vec_s, tx, outs, rest[-1])
+    return (k_ref, q_ref, vec_ref, w_ref, tm_ref, aqk_ref), (k_s, q_s, vec_s, tx, outs, rest[-1])
 
 
-def _store_vectors(vec_s, vo_ref, tok, h):
-    """The serial launch's rows (the first ``FOLD_ROWS`` of the head's vectors, their norms
-    put in here) from shared memory to ``vo_ref[h, :, tok]`` (``None``: nothing to store)."""
-    if vo_ref is not None:
-        cs._plgpu().copy_smem_to_gmem(vec_s.at[pl.ds(0, cs.FOLD_ROWS)], vo_ref.at[h, :, tok])
-
-
-def _body(refs, scratch, *, ops, hk_ratio: int, with_aqk: bool = False, norms: bool = False):
+def _body(refs, scratch, *, ops, hk_ratio: int, with_aqk: bool = False):
     """One program: 64-token block ``t``, value head ``h`` (module docstring)."""
     plgpu = cs._plgpu()
-    refs, (k_s, q_s, vec_s, tx, outs, bar) = _split(refs, scratch, with_aqk, 2, norms)
-    k_ref, q_ref, vec_ref, w_ref, tm_ref, aqk_ref, vo_ref = refs
+    (k_ref, q_ref, vec_ref, w_ref, tm_ref, aqk_ref), (k_s, q_s, vec_s, tx, outs, bar) = _split(
+        refs, scratch, with_aqk, stored=2
+    )
     t, h = jax.lax.axis_index("t"), jax.lax.axis_index("h")
     tok = pl.ds(t * CHUNK, CHUNK)
     with jax.named_scope("load"):  # (named regions: benchmarks/mgpu_regions.py)
         _copies(k_ref, q_ref, vec_ref, tok, h, hk_ratio, k_s, q_s, vec_s, bar.at[0])
         plgpu.barrier_wait(bar.at[0])
-    tm, w, aqk = _products(ops, k_s, q_s, vec_s, tx, norms=norms)
+    tm, w, aqk = _products(ops, k_s, q_s, vec_s, tx)
     with jax.named_scope("store"):
         tm_t, w_t, aqk_t = outs
         _stores((tm, w, aqk), (tm_t, w_t, aqk_t), (tm_ref, w_ref, aqk_ref), tok, h)
-        _store_vectors(vec_s, vo_ref, tok, h)
         plgpu.wait_smem_to_gmem(0)
 
 
 def _body_persistent(
-    refs, scratch, *, ops, hk_ratio: int, hv: int, items: int, programs: int, with_aqk: bool,
-    norms: bool = False,
+    refs, scratch, *, ops, hk_ratio: int, hv: int, items: int, programs: int, with_aqk: bool
 ):  # fmt: skip
     """:func:`_body` as a persistent launch (:data:`PERSIST`): program ``p`` of ``P`` takes
     items ``p, p + P, ...`` (item = block * Hv + head), the next item's copies in flight in
@@ -321,8 +252,9 @@ def _body_persistent(
     (k read for the last time by W's product) and the stores waited for only before the tiles
     are written again."""
     plgpu = cs._plgpu()
-    refs, (k_s, q_s, vec_s, tx, outs, bars) = _split(refs, scratch, with_aqk, 1, norms)
-    k_ref, q_ref, vec_ref, w_ref, tm_ref, aqk_ref, vo_ref = refs
+    (k_ref, q_ref, vec_ref, w_ref, tm_ref, aqk_ref), (k_s, q_s, vec_s, tx, outs, bars) = _split(
+        refs, scratch, with_aqk, stored=1
+    )
     tm_t, aqk_t = outs
     p = jax.lax.axis_index("p")
     mine = (items - p + programs - 1) // programs
@@ -350,10 +282,9 @@ def _body_persistent(
         with jax.named_scope("load"):
             plgpu.barrier_wait(bars.at[slot])
         k_t, q_t, vec_t = stage(slot)
-        tm, w, aqk = _products(ops, k_t, q_t, vec_t, tx, after_scores=next_copies, norms=norms)
+        tm, w, aqk = _products(ops, k_t, q_t, vec_t, tx, after_scores=next_copies)
         with jax.named_scope("store"):  # (W's product has read k: W leaves from k's tile)
             _stores((tm, w, aqk), (tm_t, k_t, aqk_t), (tm_ref, w_ref, aqk_ref), *item(m))
-            _store_vectors(vec_t, vo_ref, *item(m))
         return carry
 
     @pl.when(mine > 0)
@@ -374,15 +305,13 @@ def unsupported_reason(dk: int, op_dtype) -> str | None:
 
 def fold_scratch(
     q, k, v, a, b, A_log, dt_bias, plan: ChunkPlan, *, num_chunks: int, operand_dtype,
-    with_aqk: bool = False, persist: int | None = None, norms: bool | None = None,
-    interpret: bool = False,
+    with_aqk: bool = False, persist: int | None = None, interpret: bool = False,
 ) -> cs.FoldRefs:  # fmt: skip
     """The fold's scratch (module docstring) on inputs padded to a multiple of 64 tokens;
     ``with_aqk``: and each chunk's ``Aqk`` (``FoldRefs.aqk``: ``q k^T`` on q's block, one
     more product, so that the serial launch makes neither); ``persist`` (None:
     :func:`persist_programs`, four an SM) programs of the persistent launch (0: the plain
-    one); ``norms`` (None: :data:`KERNEL_NORMS`) the l2norm factors made here, k's always,
-    q's with ``with_aqk`` (the serial launch's vectors then this launch's output)."""
+    one)."""
     if why := unsupported_reason(q.shape[2], operand_dtype):
         raise ValueError(f"the Mosaic GPU fold launch cannot take this prefill: {why}")
     plgpu = cs._plgpu()
@@ -390,11 +319,7 @@ def fold_scratch(
     hv = v.shape[1]
     ratio = hv // hk
     op = operand_dtype
-    norms = KERNEL_NORMS if norms is None else norms
-    vec, decay = fold_vectors(
-        q, k, a, b, A_log, dt_bias, plan, num_chunks, q_norms=not (norms and with_aqk),
-        k_norms=not norms,
-    )  # fmt: skip
+    vec, decay = fold_vectors(q, k, a, b, A_log, dt_bias, plan, num_chunks)
 
     def tile(shape, dtype=op):
         return cs.swizzled(shape, dtype)
@@ -413,7 +338,7 @@ def fold_scratch(
         )
         body = functools.partial(
             _body_persistent, ops=cs.InterpretOps if interpret else cs.GpuOps, hk_ratio=ratio,
-            hv=hv, items=items, programs=programs, with_aqk=with_aqk, norms=norms,
+            hv=hv, items=items, programs=programs, with_aqk=with_aqk,
         )  # fmt: skip
         mesh = plgpu.Mesh(grid=(programs,), grid_names=("p",))
     else:
@@ -429,7 +354,7 @@ def fold_scratch(
         )
         body = functools.partial(
             _body, ops=cs.InterpretOps if interpret else cs.GpuOps, hk_ratio=ratio,
-            with_aqk=with_aqk, norms=norms,
+            with_aqk=with_aqk,
         )  # fmt: skip
         mesh = plgpu.Mesh(grid=(tp // CHUNK, hv), grid_names=("t", "h"))
 
@@ -440,15 +365,13 @@ def fold_scratch(
         jax.ShapeDtypeStruct((hv, tp, dk), op),  # W
         jax.ShapeDtypeStruct((hv, tp, CHUNK), op),  # Tm diag(beta)
         *((jax.ShapeDtypeStruct((hv, tp, CHUNK), op),) if with_aqk else ()),  # Aqk
-        # the serial launch's vectors, their norms put in here
-        *((jax.ShapeDtypeStruct((hv, cs.FOLD_ROWS, tp), f32),) if norms else ()),
     )
     run = cs.mgpu_kernel(
         kernel, out_type, mesh, name="gdn_prefill_fold_mgpu", interpret=interpret,
         approx_math=True,  # (exps into A's f16 operands: ex2.approx's 2^-22 far below)
     )  # fmt: skip
-    ins = (k.reshape(tp, hk * dk), *((q.reshape(tp, hk * dk),) if with_aqk else ()), vec)
-    w, tm, *more = run(*ins)
-    aqk = more.pop(0) if with_aqk else None
-    vec = more.pop(0) if norms else vec
-    return cs.FoldRefs(w, tm, v, q, k, vec, decay, aqk)
+    if with_aqk:
+        w, tm, aqk = run(k.reshape(tp, hk * dk), q.reshape(tp, hk * dk), vec)
+        return cs.FoldRefs(w, tm, v, q, k, vec, decay, aqk)
+    w, tm = run(k.reshape(tp, hk * dk), vec)
+    return cs.FoldRefs(w, tm, v, q, k, vec, decay)
