@@ -106,3 +106,23 @@ def test_region_profile_summary_reads_cycles_a_chunk(tmp_path):
     assert abs(got["loop_cycles_per_chunk"] - 30.0) < 1e-6  # (15 + 45) / 2
     lo, hi = got["mma1_p10_p90"]
     assert 10.0 < lo < hi < 30.0
+
+
+def test_prefill_gaps_timeline_names_the_kernels_around_each_gap():
+    # benchmarks.prefill_gaps: where a device waits between kernels, and between which
+    from benchmarks.prefill_gaps import timeline
+
+    events = [  # (overlapping kernels: no gap; a kernel inside another's span: none either)
+        {"name": "a", "ts": 0.0, "dur": 10.0},
+        {"name": "b", "ts": 15.0, "dur": 5.0},  # 5 us after a
+        {"name": "c", "ts": 18.0, "dur": 1.0},  # inside b's span
+        {"name": "a", "ts": 30.0, "dur": 2.0},  # 10 us after b's end
+        {"name": "b", "ts": 40.0, "dur": 1.0},  # 8 us after a
+    ]
+    tl = timeline(events)
+    assert tl["kernels"] == 5
+    assert tl["span_us"] == 41.0 and tl["busy_us"] == 19.0 and tl["gaps_us"] == 23.0
+    by_pair = {(g["before"], g["after"]): g["us"] for g in tl["gaps_by_pair"]}
+    assert by_pair[("a", "b")] == 13.0  # 5 + 8
+    assert by_pair[("c", "a")] == 10.0
+    assert by_pair[("b", "c")] == 0.0
