@@ -157,7 +157,8 @@ FOLD_APPROX_MATH = True
 # vectors) copied once, two chains an SM, half the programs. Measured on an H200 (session 36,
 # BENCHMARKS.md): 1.07x the unpaired launch's prefill at 8x4096 and 4x4096 (1.176 against
 # 1.259 ms, 0.713 against 0.761), 0.81x at 2x4096 (0.560 against 0.453: 64 programs on 132
-# SMs). Two chains on an SM run ~1.7x slower each, so a pair only pays once the unpaired
+# SMs); timed back to back (session 37) 1.08x at 8x4096 (1.043 against 1.129), 1.02x at
+# 4x4096, 0.79x at 2x4096. Two chains on an SM run ~1.7x slower each, so a pair only pays once the unpaired
 # programs fill more than a wave, and that is not known from a step's static shape: an engine
 # step pads its rows to a power of two, and one long prefill row among many decode rows would
 # run at the 2x4096 figure. Hence off by default; "auto" pairs where the unpaired programs
