@@ -19,6 +19,7 @@ import gzip
 import itertools
 import json
 import os
+import re
 import tempfile
 import time
 
@@ -139,9 +140,48 @@ def host_events(trace_dir: str, top: int = 25) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])[:top]
 
 
+def fusion_index(hlo: str) -> dict:
+    """The optimized HLO text's fusions by kernel name (a trace names a fusion's kernel after
+    its instruction, ``.`` and ``-`` as ``_``): each one's kind, the opcodes of the
+    computation it calls, counted, and the jax ops it came from (their ``op_name``s' last
+    parts), counted."""
+    bodies = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"^%([\w.\-]+) \(.*?\{\n(.*?)^\}", hlo, re.S | re.M)
+    }
+    out = {}
+    for m in re.finditer(r"%([\w.\-]+) = .*? fusion\(.*?\), kind=(\w+), calls=%([\w.\-]+)", hlo):
+        body = bodies.get(m.group(3), "")
+        ops = collections.Counter(re.findall(r"= \S+ ([a-z][\w-]*)\(", body))
+        ops.pop("parameter", None)
+        names = collections.Counter(
+            "/".join(n.split("/")[-2:]) for n in re.findall(r'op_name="([^"]+)"', body)
+        )
+        out[re.sub(r"[.\-]", "_", m.group(1))] = {
+            "kind": m.group(2),
+            "ops": dict(ops.most_common(8)),
+            "from": dict(names.most_common(6)),
+        }
+    return out
+
+
+def kernels_by_name(events: list[dict], hlo: str, top: int = 16) -> list[dict]:
+    """The traced kernels' device time by name, longest first, each with its
+    :func:`fusion_index` entry (which of XLA's ops and of jax's a fusion's time is)."""
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        by_name[e["name"]][0] += 1
+        by_name[e["name"]][1] += e.get("dur", 0.0)
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    index = fusion_index(hlo)
+    return [{"name": n, "calls": c, "us": round(us, 1), **index.get(n, {})}
+            for n, (c, us) in rows]  # fmt: skip
+
+
 def measure(batch: int, seq_len: int, donate_acc: bool) -> dict:
     chain, pool, operands = _program(batch, seq_len, donate_acc)
     acc = jnp.zeros((), jnp.float32)
+    hlo = chain.lower(pool, operands, acc).compile().as_text() or ""
     pool, acc = jax.block_until_ready(chain(pool, operands, acc))  # compile + warm up
     times = []
     for _ in range(5):
@@ -166,6 +206,7 @@ def measure(batch: int, seq_len: int, donate_acc: bool) -> dict:
         cut = starts[len(starts) // 2]
         events = [e for e in events if e["ts"] >= cut]
     out["timeline"] = timeline(events)
+    out["kernels_by_name"] = kernels_by_name(events, hlo)
     out["host_events"] = hosts
     out["milestones_us"] = marks
     # back to back: the next run launched while the last one runs (as async serving steps
@@ -213,6 +254,9 @@ def main() -> None:
         )
         for h in r["host_events"][:6]:
             print(f"   host event: {h['us']:8.1f} us x{h['calls']}  {h['name']}")
+        for k in r["kernels_by_name"][:12]:
+            print(f"   kernel {k['us']:8.1f} us x{k['calls']}  {k['name'][:50]}  "
+                  f"{k.get('kind', '')} {k.get('from', '')}")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -126,3 +126,19 @@ def test_prefill_gaps_timeline_names_the_kernels_around_each_gap():
     assert by_pair[("a", "b")] == 13.0  # 5 + 8
     assert by_pair[("c", "a")] == 10.0
     assert by_pair[("b", "c")] == 0.0
+
+
+def test_prefill_gaps_names_the_jax_ops_of_each_fusion():
+    # benchmarks.prefill_gaps: which jax ops an XLA kernel of the trace computes, from the
+    # optimized HLO (the same text format on every backend)
+    from benchmarks.prefill_gaps import fusion_index
+
+    def f(x, y):
+        return jnp.exp(y).T.sum(1) + (jnp.tanh(x) * 2 + y).sum(0)
+
+    hlo = jax.jit(f).lower(jnp.ones((64, 64)), jnp.ones((64, 64))).compile().as_text()
+    index = fusion_index(hlo)
+    assert index and all("." not in name for name in index)  # as a trace names kernels
+    made = [e for e in index.values() if "tanh" in e["ops"]]
+    assert len(made) == 1 and "parameter" not in made[0]["ops"]
+    assert any(k.endswith("/tanh") for k in made[0]["from"])
