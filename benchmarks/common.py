@@ -245,20 +245,22 @@ def time_stateful(
     return float(np.median(times))
 
 
-def prefill_batch(batch, seq_len, max_ckpt=2, ckpt_every=None):
+def prefill_batch(batch, seq_len, max_ckpt=2, ckpt_every=None, short_rows: int = 0):
     """``batch`` sequences of ``seq_len`` tokens for a prefill kernel: ``(query_start_loc,
     slots, num_slots)``; slots 1..B are src (even rows; odd rows start from zeros) and dst,
     and with ``ckpt_every`` each row checkpoints at its multiples (up to ``max_ckpt``) into
-    slots of its own."""
-    s = batch
-    qsl = jnp.arange(s + 1, dtype=jnp.int32) * seq_len
+    slots of its own. ``short_rows`` more rows of one token each after them (a mixed step's
+    decode rows; ``batch * seq_len + short_rows`` tokens in all), slots as the others'."""
+    s = batch + short_rows
+    lens = jnp.asarray([seq_len] * batch + [1] * short_rows, jnp.int32)
+    qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(lens)]).astype(jnp.int32)
     src = jnp.where(jnp.arange(s) % 2 == 0, 1 + jnp.arange(s), 0).astype(jnp.int32)
     dst = (1 + jnp.arange(s)).astype(jnp.int32)
     ck_off = jnp.zeros((s, max_ckpt), jnp.int32)
     ck_slot = jnp.zeros((s, max_ckpt), jnp.int32)
     if ckpt_every:
         offs = jnp.arange(1, max_ckpt + 1, dtype=jnp.int32) * ckpt_every
-        ck_off = jnp.broadcast_to(jnp.where(offs <= seq_len, offs, 0), (s, max_ckpt))
+        ck_off = jnp.where(offs[None, :] <= lens[:, None], offs[None, :], 0)
         slots = s + 1 + jnp.arange(s * max_ckpt, dtype=jnp.int32).reshape(s, max_ckpt)
         ck_slot = jnp.where(ck_off > 0, slots, 0)
     num_slots = 1 + s + s * max_ckpt

@@ -96,6 +96,11 @@ PREFILL_VARIANTS = {  # name: (precision, operand dtype, three launches, more tu
     # Dv blocks a warpgroup each), forced on / off (off by default)
     "pair": (None, None, None, dict(serial="mgpu", fold=True, serial_pair=True)),
     "nopair": (None, None, None, dict(serial="mgpu", fold=True, serial_pair="0")),
+    # both launches, the plan picking one on the device (chunk_scan_mgpu.pair_mode); and with
+    # 63 one-token rows after the long ones (a mixed step's decode rows), the default beside
+    "pairdyn": (None, None, None, dict(serial="mgpu", fold=True, serial_pair="dynamic")),
+    "mixed63": (None, None, None, dict(short_rows=63)),
+    "pairdynmixed63": (None, None, None, dict(short_rows=63, serial_pair="dynamic")),
     "pairpers": (
         None,
         None,
@@ -235,6 +240,19 @@ def check_prefill_aligned(pool_dtype=jnp.float32, **tuning) -> dict:
     return _against_reference(args, kernel, sum(lens), range(1, 5), range(5, 8), **tuning)
 
 
+def check_prefill_rows(batch: int = 8, seq_len: int = 512, **tuning) -> dict:
+    """Against the reference on ``batch`` equal rows (:func:`prefill_batch`: every other row
+    from its slot's state, the others from zeros): eight rows of 512 tokens make a dynamic
+    pair pick the paired launch (``chunk_scan_mgpu.pair_mode``), which the ragged checks'
+    rows do not."""
+    qsl, slots, num_slots = prefill_batch(batch, seq_len)
+    acts = _activations(jax.random.PRNGKey(8), batch * seq_len, slow_gates=True)
+    pool = _pool(jax.random.PRNGKey(9), num_slots).at[0].set(jnp.nan)
+    kernel = functools.partial(gpu.gdn_prefill, precision=None)
+    args = (*acts, pool, qsl, slots)
+    return _against_reference(args, kernel, batch * seq_len, range(1, batch + 1), [0], **tuning)
+
+
 def check_decode() -> dict:
     rows = 16
     acts = _activations(jax.random.PRNGKey(2), rows)
@@ -261,10 +279,11 @@ def time_prefill(
 ) -> dict:
     """``checkpoints`` per sequence at multiples of 64 tokens inside it (the default path)."""
     every = (seq_len // (checkpoints + 1)) // 64 * 64 if checkpoints else None
+    short = tuning.pop("short_rows", 0)  # a mixed step: one-token rows after the long ones
     qsl, slot_args, num_slots = prefill_batch(
-        batch, seq_len, max_ckpt=checkpoints or 2, ckpt_every=every
+        batch, seq_len, max_ckpt=checkpoints or 2, ckpt_every=every, short_rows=short
     )
-    acts = _activations(jax.random.PRNGKey(4), batch * seq_len)
+    acts = _activations(jax.random.PRNGKey(4), batch * seq_len + short)
     pool = _pool(jax.random.PRNGKey(5), num_slots)
     slots = (qsl, slot_args)
     out = {}
@@ -761,6 +780,10 @@ def main() -> None:
     fpair = dict(serial="mgpu", fold=True, serial_pair=True)
     guarded("check_prefill_pair", lambda: check_prefill(None, **fpair))
     guarded("check_prefill_pair_aligned", lambda: check_prefill_aligned(**fpair))
+    fdyn = dict(serial="mgpu", fold=True, serial_pair="dynamic")
+    guarded("check_prefill_pairdyn", lambda: check_prefill(None, **fdyn))
+    guarded("check_prefill_pairdyn_aligned", lambda: check_prefill_aligned(**fdyn))
+    guarded("check_prefill_pairdyn_rows8", lambda: check_prefill_rows(**fdyn))  # (paired)
     # the baseline first: a section cut by its time limit still has it
     fla_rows = [] if args.no_fla_decode else decode_rows
     guarded("fla", lambda: time_fla(prefill_shapes, fla_rows))

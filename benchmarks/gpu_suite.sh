@@ -56,6 +56,10 @@
 #             tree's, for an A/B in one call)
 #   gdnintra2 gdnintra's floor, the default (blocked_bf16 at 4 warps) and the two forms with
 #             bf16 products first timed in session 32 (whole_bf16, split_blocked_bf16): 7 entries
+#   gdnpairdyn the dynamic pair (gdn_prefill(serial_pair="dynamic"): both serial launches,
+#             the plan picking one on the device) checked (ragged rows: unpaired; eight rows
+#             of 512: paired), then against the default and the pair at 8 and 4 rows of 4096,
+#             and at 2 and 1 rows of 4096 with 63 one-token rows after them (a mixed step)
 #   gaps      benchmarks.prefill_gaps: the default GDN prefill's timed program traced at 1x4096
 #             and 8x4096, its scalar donated or not: the device's gaps between kernels, the
 #             host's thunks and graph launch, one program alone against five back to back
@@ -211,6 +215,7 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         kdaintra2) echo "python -m benchmarks.kda_kernels --intra-sweep --only intra_B8_T4096_columns_w2,intra_B8_T4096_launch_w8,intra_B8_T4096_launch_rows_w8 --out $j" ;;
         kdareal2) echo "python -m benchmarks.kda_kernels --no-fla-decode --only check_prefill_default,fla,prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default --out $j" ;;
         gdnintra3) echo "python -m benchmarks.gdn_kernels --intra-sweep --only intra_B8_T4096_floor,intra_B8_T4096_blocked_bf16_w4 --out $j" ;;
+        gdnpairdyn) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --shapes 8x4096,4x4096,2x4096,1x4096 --only check_prefill_pairdyn,check_prefill_pair,fla,prefill_B8_T4096_default,prefill_B8_T4096_pair,prefill_B8_T4096_pairdyn,prefill_B4_T4096_default,prefill_B4_T4096_pairdyn,prefill_B2_T4096_mixed63,prefill_B2_T4096_pairdynmixed63,prefill_B1_T4096_mixed63,prefill_B1_T4096_pairdynmixed63 --out $j" ;;
         gaps) echo "python -m benchmarks.prefill_gaps --shapes 1x4096,8x4096 --out $j" ;;
         mgputrace) echo "python -m benchmarks.gdn_kernels --mgpu-scan --trace --mgpu-variants chain_only,loads_only --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;
         gdntrace) echo "python -m benchmarks.gdn_kernels --trace --skip-floors --only prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default --out $j" ;;

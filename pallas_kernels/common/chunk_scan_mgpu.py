@@ -158,12 +158,13 @@ FOLD_APPROX_MATH = True
 # BENCHMARKS.md): 1.07x the unpaired launch's prefill at 8x4096 and 4x4096 (1.176 against
 # 1.259 ms, 0.713 against 0.761), 0.81x at 2x4096 (0.560 against 0.453: 64 programs on 132
 # SMs); timed back to back (session 37) 1.08x at 8x4096 (1.043 against 1.129), 1.02x at
-# 4x4096, 0.79x at 2x4096. Two chains on an SM run ~1.7x slower each, so a pair only pays once the unpaired
-# programs fill more than a wave, and that is not known from a step's static shape: an engine
-# step pads its rows to a power of two, and one long prefill row among many decode rows would
-# run at the 2x4096 figure. Hence off by default; "auto" pairs where the unpaired programs
-# (heads x rows x 2) outnumber the SMs (a batch of equal long rows), "1" always.
-# HYJAX_PREFILL_SERIAL_PAIR.
+# 4x4096, 0.79x at 2x4096. Two chains on an SM run ~1.7x slower each, so a pair only pays
+# once the unpaired programs fill more than a wave, and that is not known from a step's
+# static shape: an engine step pads its rows to a power of two, and one long prefill row among
+# many decode rows would run at the 2x4096 figure. Hence off by default; "auto" pairs where
+# the unpaired programs (heads x rows x 2) outnumber the SMs (a batch of equal long rows), "1"
+# always, "dynamic" (not yet timed) runs both launches and lets the plan pick on the device
+# (use_pair, pair_mode). HYJAX_PREFILL_SERIAL_PAIR.
 PAIR = os.environ.get("HYJAX_PREFILL_SERIAL_PAIR", "0")
 
 
@@ -255,11 +256,14 @@ def use_pair(pair, fold, fold_aqk, dk, dv, heads, rows, num_chunks, pool_dtype, 
     None (:data:`PAIR`'s). Asked for by the argument (True, "1"), a launch it cannot take is a
     ``ValueError`` naming why; by the environment, one log line and the unpaired launch (so a
     process-wide setting never fails KDA's launch, or GDN's at shapes a pair cannot take);
-    "auto" pairs where it can and the unpaired programs outnumber the SMs."""
+    "auto" pairs where it can and the unpaired programs outnumber the SMs; "dynamic" (returned
+    as is) runs both launches where "auto" would pair, each program exiting unless the plan's
+    mode (:func:`pair_mode`, made on the device from the rows' chunk counts) is its launch's,
+    the pair writing ``o`` in place of the unpaired launch's."""
     by_env = pair is None
     pair = PAIR if pair is None else pair
-    if pair not in (True, False, "auto", "1", "0"):
-        raise ValueError(f"pair={pair!r}: True, False, 'auto', '1' or '0'")
+    if pair not in (True, False, "auto", "dynamic", "1", "0"):
+        raise ValueError(f"pair={pair!r}: True, False, 'auto', 'dynamic', '1' or '0'")
     if pair in (False, "0"):
         return False
     why = None
@@ -276,6 +280,9 @@ def use_pair(pair, fold, fold_aqk, dk, dv, heads, rows, num_chunks, pool_dtype, 
         if why:
             raise ValueError(f"pair={pair!r}: the paired serial launch cannot take {why}")
         return True
+    if pair == "dynamic":  # (both launches where the static shape allows a pair's win)
+        dynamic = why is None and heads * rows * (dv // BV) > resident_programs()
+        return "dynamic" if dynamic else False
     return why is None and heads * rows * (dv // BV) > resident_programs()
 
 
@@ -402,9 +409,12 @@ def _body(
     fold_heads: int = 0,
     fold_aqk: bool = False,
     pair: bool = False,
+    mode: int | None = None,
 ):
-    """One program (module docstring). ``prefetch``: at chunk ``i``, chunk ``i + 1 +
-    prefetch``'s tiles are prefetched into L2 (0: none). ``diagnostic`` (benchmarks only,
+    """One program (module docstring). ``mode``: the program runs its row only where the
+    plan's mode column is ``mode`` (a dynamic pair's two launches), else nothing.
+    ``prefetch``: at chunk ``i``, chunk ``i + 1 + prefetch``'s tiles are prefetched into L2
+    (0: none). ``diagnostic`` (benchmarks only,
     :func:`scan_mgpu`):
     ``"chain"`` copies a chunk's W, U^T, k_dec (and decays) only and runs the state's chain
     without ``o`` (nothing written to it); ``"loads"`` copies all five tiles and waits for
@@ -458,6 +468,8 @@ def _body(
         vs = pl.ds(vb * BV, BV)
         issues = w in (None, 0)  # (the copies' issuer)
         first, n, src, dst = ri_s[0], ri_s[1], ri_s[2], ri_s[3]
+        if mode is not None:  # (the other launch runs this row)
+            n = jnp.where(ri_s[_mode_column(num_ckpt)] == mode, n, 0)
 
         def chunk(i):  # the row's i-th chunk: start, length, end (tokens of its row after it)
             ci = first + i
@@ -709,9 +721,27 @@ def _fold_step(
         return s, o_v + o_s * over_tokens(0, (CHUNK, BV), 0)
 
 
-def _plan_arrays(rp: RowPlan, decay: jax.Array):
+def _mode_column(num_ckpt: int) -> int:
+    """The column of :func:`_plan_arrays`' row scalars that holds the launch's mode."""
+    return 4 + 2 * num_ckpt
+
+
+def pair_mode(rp: RowPlan, heads: int, dv: int) -> jax.Array:
+    """A dynamic pair's mode (:func:`use_pair`), i32 1 (paired) or 0, from the plan: paired
+    where the rows with at least half the longest row's chunks (and two) would run more than
+    one and a half waves of unpaired programs (``heads x rows x Dv / BV``). Measured on an
+    H200 (session 37): pairs 0.79x the unpaired launch's prefill at 2x4096 (128 programs),
+    1.02x at 4x4096 (256), 1.08x at 8x4096 (512); one long row among short ones runs as
+    the one row it is."""
+    chunks = rp.row_chunks
+    long = chunks >= jnp.maximum(jnp.max(chunks) // 2, 2)
+    programs = jnp.sum(long.astype(jnp.int32)) * heads * (dv // BV)
+    return (2 * programs > 3 * resident_programs()).astype(jnp.int32)
+
+
+def _plan_arrays(rp: RowPlan, decay: jax.Array, dv: int):
     """The kernel's scalars: each row's ``[first chunk, chunks, src, dst, ckpt offsets,
-    ckpt slots]`` (i32 ``[S, K]``, K padded to 128 bytes: a warpgroup's copy), every chunk's
+    ckpt slots, mode]`` (i32 ``[S, K]``, K padded to 128 bytes: a warpgroup's copy), every chunk's
     start / length / end (i32 ``[3, NCP / 128, 128]``) and each head's chunk decays (f32
     ``[H, NCP / 128, 128]``, or per key channel ``[H, NC, Dk]``)."""
     nc, h = decay.shape[:2]
@@ -719,7 +749,10 @@ def _plan_arrays(rp: RowPlan, decay: jax.Array):
     m = rp.ck_off.shape[1]
     cols = [rp.row_first, rp.row_chunks, rp.src, rp.dst]
     ri = jnp.concatenate([jnp.stack(cols, 1), rp.ck_off, rp.ck_slot], axis=1).astype(jnp.int32)
-    ri = jnp.pad(ri, [(0, 0), (0, _round_up(4 + 2 * m, 32) - (4 + 2 * m))])
+    # then the launch's mode (:func:`pair_mode`, every row the same), zeros after it
+    mode = jnp.broadcast_to(pair_mode(rp, decay.shape[1], dv), (ri.shape[0], 1))
+    ri = jnp.concatenate([ri, mode], axis=1)
+    ri = jnp.pad(ri, [(0, 0), (0, _round_up(5 + 2 * m, 32) - (5 + 2 * m))])
     meta = jnp.stack([rp.c_start, rp.c_len, rp.c_end]).astype(jnp.int32)
     meta = jnp.pad(meta, [(0, 0), (0, ncp - nc)]).reshape(3, ncp // META_COLS, META_COLS)
     if decay.ndim == 3:
@@ -794,7 +827,7 @@ def scan_mgpu(
         raise ValueError(f"the Mosaic GPU serial launch cannot take this prefill: {why}")
     op = x.w.dtype
     pair = use_pair(pair, fold, fold_aqk, dk, dv, h, rows, nc, state.dtype, op)
-    ri, meta, dec = _plan_arrays(rp, x.decay)
+    ri, meta, dec = _plan_arrays(rp, x.decay, dv)
     if fold:
         tp, hk, _ = x.q.shape
         flat = [a.reshape(tp, -1) for a in (x.v, x.q, x.k)]  # a token's heads in one row
@@ -805,63 +838,88 @@ def scan_mgpu(
     def tile(shape, stages=STAGES):
         return swizzled(((stages,) if stages else ()) + shape, op)
 
-    own = (
-        tile((BV, dk), 0),  # the chunk's bf16 S^T (o's B)
-        tile((BV, CHUNK), 0),  # the chunk's bf16 V'^T (o's B)
-        swizzled((CHUNK, BV), out_dtype),  # o of a 64-token chunk
-        plgpu.SMEM((CHUNK, BV), out_dtype),  # o of a shorter one: plain rows, sliced by runs
-        plgpu.SMEM((BV, dk), state.dtype),  # the state in and out
-    )
-    if pair:  # (the state's tile | the chunk's products' and full o's tiles | o's rows)
-        st_t, vt_t, o_t, o_s, st_s = own
-        own = (tuple(_union(interpret, st_s, (st_t, vt_t, o_t), o_s) for _ in range(2)),)
-    scratch = (
-        tile((CHUNK, dk)),  # w
-        # (fold: Tm diag(beta) and v's rows, a tile each Dv block a program runs) U^T
-        *(
-            (tile((CHUNK, CHUNK)), *[tile((CHUNK, BV))] * (1 + pair))
-            if fold
-            else (tile((BV, CHUNK)),)
-        ),  # fmt: skip
-        tile((CHUNK, dk)),  # q_dec (fold: q's rows)
-        tile((CHUNK, dk)),  # k_dec (fold: k's rows)
-        # Aqk (fold: the vectors, f32 rows)
-        plgpu.SMEM((STAGES, FOLD_ROWS, CHUNK), f32) if fold else tile((CHUNK, CHUNK)),
-        *((tile((CHUNK, CHUNK)),) if fold_aqk else ()),  # (the fold's Aqk made already)
-        *own,
-        plgpu.SMEM(ri.shape[1:], jnp.int32),
-        plgpu.SMEM(meta.shape, jnp.int32),
-        # the decays: this head's for every chunk, or a stage's chunk's per key channel
-        plgpu.SMEM((STAGES, dk) if per_channel else dec.shape[1:], f32),
-        # a stage's copies: five tiles (three without o's), and per channel its decays
-        plgpu.Barrier(
-            num_arrivals=(3 if diagnostic == "chain" else 5) + per_channel + fold + fold_aqk + pair,
-            num_barriers=STAGES,
-        ),  # fmt: skip
-        plgpu.Barrier(num_arrivals=2 if per_channel else 3, num_barriers=1),
-        plgpu.Barrier(num_arrivals=1, num_barriers=1 + pair),  # the state's, a warpgroup's
-        # (pair) a stage read by warpgroup 1
-        *((plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),) if pair else ()),
-    )
-    body = functools.partial(
-        _body, ops=InterpretOps if interpret else GpuOps, num_ckpt=num_ckpt,
-        per_channel=per_channel, diagnostic=diagnostic, prefetch=prefetch,
-        fold_heads=x.q.shape[1] if fold else 0, fold_aqk=fold_aqk, pair=pair,
-    )  # fmt: skip
-    if pair:
-        mesh = plgpu.Mesh(
-            grid=(h, rows), grid_names=("h", "r"), num_threads=2, thread_name="wg"
-        )  # fmt: skip
-    else:
-        mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
-    o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)
-    args = (ri, meta, dec, *tiles)
     slots, mask = _written_slots(rp)
-    o, state = pool_kernel(
-        body, scratch, mesh, args, state, o_type, jnp.where(mask, slots, 0),
-        name=f"{name}_serial_mgpu", interpret=interpret, approx_math=fold and FOLD_APPROX_MATH,
-        collective_axes="wg" if pair else (),
-    )  # fmt: skip
+
+    def launch(state, pair: bool, mode: int | None = None, o_in=None):
+        """The launch, paired or not; with ``mode`` its programs run only the rows of a
+        launch whose plan's mode column (:func:`_plan_arrays`) is ``mode``, writing into
+        ``o_in``'s ``o`` (a dynamic pair: :func:`use_pair`)."""
+        own = (
+            tile((BV, dk), 0),  # the chunk's bf16 S^T (o's B)
+            tile((BV, CHUNK), 0),  # the chunk's bf16 V'^T (o's B)
+            swizzled((CHUNK, BV), out_dtype),  # o of a 64-token chunk
+            plgpu.SMEM((CHUNK, BV), out_dtype),  # o of a shorter one: plain rows, by runs
+            plgpu.SMEM((BV, dk), state.dtype),  # the state in and out
+        )
+        if pair:  # (the state's tile | the chunk's products' and full o's tiles | o's rows)
+            st_t, vt_t, o_t, o_s, st_s = own
+            own = (tuple(_union(interpret, st_s, (st_t, vt_t, o_t), o_s) for _ in range(2)),)
+        scratch = (
+            tile((CHUNK, dk)),  # w
+            # (fold: Tm diag(beta) and v's rows, a tile each Dv block a program runs) U^T
+            *(
+                (tile((CHUNK, CHUNK)), *[tile((CHUNK, BV))] * (1 + pair))
+                if fold
+                else (tile((BV, CHUNK)),)
+            ),  # fmt: skip
+            tile((CHUNK, dk)),  # q_dec (fold: q's rows)
+            tile((CHUNK, dk)),  # k_dec (fold: k's rows)
+            # Aqk (fold: the vectors, f32 rows)
+            plgpu.SMEM((STAGES, FOLD_ROWS, CHUNK), f32) if fold else tile((CHUNK, CHUNK)),
+            *((tile((CHUNK, CHUNK)),) if fold_aqk else ()),  # (the fold's Aqk made already)
+            *own,
+            plgpu.SMEM(ri.shape[1:], jnp.int32),
+            plgpu.SMEM(meta.shape, jnp.int32),
+            # the decays: this head's for every chunk, or a stage's chunk's per key channel
+            plgpu.SMEM((STAGES, dk) if per_channel else dec.shape[1:], f32),
+            # a stage's copies: five tiles (three without o's), and per channel its decays
+            plgpu.Barrier(
+                num_arrivals=(3 if diagnostic == "chain" else 5)
+                + per_channel
+                + fold
+                + fold_aqk
+                + pair,
+                num_barriers=STAGES,
+            ),  # fmt: skip
+            plgpu.Barrier(num_arrivals=2 if per_channel else 3, num_barriers=1),
+            plgpu.Barrier(num_arrivals=1, num_barriers=1 + pair),  # the state's, a warpgroup's
+            # (pair) a stage read by warpgroup 1
+            *((plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),) if pair else ()),
+        )
+        body = functools.partial(
+            _body, ops=InterpretOps if interpret else GpuOps, num_ckpt=num_ckpt,
+            per_channel=per_channel, diagnostic=diagnostic, prefetch=prefetch,
+            fold_heads=x.q.shape[1] if fold else 0, fold_aqk=fold_aqk, pair=pair, mode=mode,
+        )  # fmt: skip
+        if pair:
+            mesh = plgpu.Mesh(
+                grid=(h, rows), grid_names=("h", "r"), num_threads=2, thread_name="wg"
+            )  # fmt: skip
+        else:
+            mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
+        written = mask if mode is None else mask & (ri[0, _mode_column(num_ckpt)] == mode)
+        return pool_kernel(
+            body, scratch, mesh, (ri, meta, dec, *tiles), state, o_type,
+            jnp.where(written, slots, 0), name=f"{name}_serial_mgpu", interpret=interpret,
+            approx_math=fold and FOLD_APPROX_MATH, collective_axes="wg" if pair else (),
+            o_in=o_in, mode_on=None if mode is None else ri[0, _mode_column(num_ckpt)] == mode,
+        )  # fmt: skip
+
+    o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)
+    if pair == "dynamic":  # both launches, each running the rows of the mode the plan picks
+        o, state = launch(state, False, mode=0)
+        if interpret:  # (the pair's launch only where it runs rows: in Pallas' GPU interpreter
+            # its warpgroups wait for each other's plan copies, which on a 2-CPU host can hold
+            # the last thread; on a GPU its programs read the plan and exit)
+            paired = ri[0, _mode_column(num_ckpt)] == 1
+            o, state = jax.lax.cond(
+                paired, lambda o, s: launch(s, True, mode=1, o_in=o), lambda o, s: (o, s),
+                o, state,
+            )  # fmt: skip
+        else:
+            o, state = launch(state, True, mode=1, o_in=o)
+    else:
+        o, state = launch(state, pair)
     if live is not None:
         o = jnp.where(live[:, None, None], o[: live.shape[0]], 0)
     return o, state
@@ -897,29 +955,35 @@ def mgpu_kernel(kernel, out_type, mesh, *, name: str, interpret: bool, approx_ma
 
 def pool_kernel(
     body, scratch, mesh, args, state, o_type, written_slots, *, name, interpret, approx_math=False,
-    collective_axes=(),
+    collective_axes=(), o_in=None, mode_on=None,
 ):  # fmt: skip
     """``body((*args refs, pool_in, pool_out, o), scratch refs)`` as one Mosaic GPU kernel over
     ``mesh`` that writes the pool in place: ``pool_in`` and ``pool_out`` are one ref, a
-    ``jax.new_ref`` of ``state`` (donated). Returns ``(o, state)``.
+    ``jax.new_ref`` of ``state`` (donated). Returns ``(o, state)``. With ``o_in``, ``o`` is
+    written in place of it too (a ref), where the kernel writes it.
 
     In Pallas' GPU interpreter (which takes no ref arguments) ``pool_out`` is an output of the
-    pool's shape instead, and its ``written_slots`` (i32, 0: none) are copied into the pool."""
+    pool's shape instead, and its ``written_slots`` (i32, 0: none) are copied into the pool;
+    with ``o_in``, ``o`` is the kernel's where ``mode_on`` (a bool scalar), else ``o_in``."""
     if not interpret:
         pool = jax.new_ref(state)
+        o_ref_in = None if o_in is None else jax.new_ref(o_in)
 
-        def kernel(*refs):  # the pool is read and written through one ref
-            *ins, pool_ref, o_ref = refs
+        def kernel(*refs):  # the pool (and o_in's o) read and written through one ref
+            *ins, pool_ref, o_ref = refs  # (o: the output, or o_in's ref)
             pl.run_scoped(
                 lambda *s: body((*ins, pool_ref, pool_ref, o_ref), s), *scratch,
                 collective_axes=collective_axes,
             )  # fmt: skip
 
+        out_type = o_type if o_in is None else ()
         run = mgpu_kernel(
-            kernel, o_type, mesh, name=name, interpret=False, approx_math=approx_math
+            kernel, out_type, mesh, name=name, interpret=False, approx_math=approx_math
         )  # fmt: skip
-        o = run(*args, pool)
-        return o, jax.freeze(pool)
+        if o_in is None:
+            return run(*args, pool), jax.freeze(pool)
+        run(*args, pool, o_ref_in)
+        return jax.freeze(o_ref_in), jax.freeze(pool)
 
     def kernel_i(*refs):
         *ins, pool_in, o_ref, pool_out = refs
@@ -930,6 +994,8 @@ def pool_kernel(
 
     out_type = (o_type, jax.ShapeDtypeStruct(state.shape, state.dtype))
     o, written = mgpu_kernel(kernel_i, out_type, mesh, name=name, interpret=True)(*args, state)
+    if o_in is not None:
+        o = jnp.where(mode_on, o, o_in)
     n = state.shape[0]
     to = jnp.where(written_slots > 0, written_slots, n).reshape(-1)  # out of range: dropped
     return o, state.at[to].set(written[jnp.minimum(to, n - 1)], mode="drop")

@@ -806,7 +806,8 @@ def gdn_prefill(
         launch as a persistent one of so many programs. ``serial_pair`` (None:
         ``chunk_scan_mgpu.PAIR``, off; the fold without ``fold_aqk``, ``Dv`` 128) the serial
         launch's two Dv blocks of a (head, row) in one program, a warpgroup each
-        (``chunk_scan_mgpu.use_pair``).
+        (``chunk_scan_mgpu.use_pair``; ``"dynamic"``: both launches, the plan picking one on
+        the device by its long rows, ``chunk_scan_mgpu.pair_mode``).
     """
     check_gdn_args(q, k, v, a, b, A_log, dt_bias, state, slots, query_start_loc)
     n, _, dk = q.shape

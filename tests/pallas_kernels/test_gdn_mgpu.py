@@ -279,6 +279,71 @@ def test_fold_by_pairs_matches_the_reference_and_the_unpaired_launch():
     np.testing.assert_array_equal(np.asarray(pair_s)[0], np.asarray(pool)[0])  # NaN, unread
 
 
+def _dynamic_case(monkeypatch, resident: int):
+    """The pair test's ragged rows (2, 1 and 3 chunks, a padding row) through a dynamic pair
+    (``serial_pair="dynamic"``) and through the launch ``resident`` SMs would pick, bit for
+    bit: two long rows of two heads' two Dv blocks are 8 unpaired programs, a pair past 1.5
+    waves (``resident`` < 6)."""
+    monkeypatch.setattr(chunk_scan_mgpu, "resident_programs", lambda: resident)
+    rng = np.random.default_rng(7)
+    case = ragged_case([70, 3, 130])
+    hk, hv, dv = 1, 2, 2 * chunk_scan_mgpu.BV
+    q, k, _, a, b, A_log, dt_bias = _inputs(rng, case.num_tokens, hk, hv)
+    v = jnp.asarray(rng.normal(size=(case.num_tokens, hv, dv)), jnp.bfloat16)
+    args = (q, k, v, a, b, A_log, dt_bias)
+    pool = jnp.asarray(case.pool(rng, (hv, dv, D), np.float32))
+    qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
+    kernel = functools.partial(gpu.gdn_prefill, precision=None, serial="mgpu", fold=True,
+                               interpret=True)  # fmt: skip
+    got = jax.jit(functools.partial(kernel, serial_pair="dynamic"))(
+        *args, jnp.copy(pool), qsl, slots
+    )
+    want = jax.jit(functools.partial(kernel, serial_pair=resident < 6))(
+        *args, jnp.copy(pool), qsl, slots
+    )
+    for g, w, what in zip(got, want, ("outputs", "state pool"), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=what)
+
+
+def test_a_dynamic_pair_runs_the_unpaired_launch_where_the_plan_says_so(monkeypatch):
+    """``serial_pair="dynamic"`` (``chunk_scan_mgpu.pair_mode``): both launches run, and where
+    the plan's long rows fill no more than 1.5 waves of unpaired programs each pair program
+    exits at once and the unpaired launch's outputs and slots are the result (its ``o`` taken
+    in place by the pair's launch)."""
+    _dynamic_case(monkeypatch, resident=10)
+
+
+@pytest.mark.skipif(
+    (os.cpu_count() or 1) < 4,
+    reason="Pallas' GPU interpreter runs each warpgroup as an XLA execution on the host's pool: "
+    "with fewer than 4 CPUs one warpgroup waiting for the other's copies holds the last thread",
+)
+def test_a_dynamic_pair_runs_the_paired_launch_where_the_plan_says_so(monkeypatch):
+    """The same where the long rows fill more than 1.5 waves: the unpaired programs exit and
+    the pair's launch writes every row's ``o`` into the unpaired launch's buffer."""
+    _dynamic_case(monkeypatch, resident=1)
+
+
+def test_a_dynamic_pair_picks_by_the_rows_that_run_long(monkeypatch):
+    """``pair_mode`` at the 80B's 32 value heads on an H200's 132 SMs: paired from four rows
+    of 4096 (256 unpaired programs, measured 1.02x) and eight (1.08x); unpaired at two or three
+    rows (0.79x at two), and for one long row among 63 rows of one chunk (a step's decode
+    rows), whatever the step's static row count."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(chunk_scan_mgpu, "resident_programs", lambda: 132)
+
+    def mode(*chunks):
+        rp = SimpleNamespace(row_chunks=jnp.asarray(chunks, jnp.int32))
+        return int(chunk_scan_mgpu.pair_mode(rp, 32, 128))
+
+    assert mode(*[64] * 8) == 1 and mode(*[64] * 4, *[0] * 4) == 1
+    assert mode(64, 64, 0, 0) == 0 and mode(64, 64, 64, 0) == 0
+    assert mode(64, *[1] * 63) == 0 and mode(*[1] * 64) == 0
+    assert mode(64, 40, 33, 32, 1, 1, 1, 1) == 1  # (rows of half the longest's chunks count)
+    assert mode(64, 40, 33, 31, 1, 1, 1, 1) == 0
+
+
 def test_pairs_are_chosen_past_one_wave_and_refused_where_they_cannot_run(monkeypatch):
     """``chunk_scan_mgpu.use_pair``: "auto" pairs GDN's fold at Dv 128 once its one-warpgroup
     programs outnumber the SMs (two rows of the 80B's 32 value heads: 128 programs, one wave
@@ -292,6 +357,10 @@ def test_pairs_are_chosen_past_one_wave_and_refused_where_they_cannot_run(monkey
     assert not use("auto", **{**common, "fold_aqk": True}, rows=8)
     assert not use("auto", **{**common, "dv": 64}, rows=8)
     assert not use("0", **common, rows=8) and use(True, **common, rows=1)
+    # "dynamic": both launches where "auto" would pair (the plan picks on the device)
+    assert use("dynamic", **common, rows=4) == "dynamic"
+    assert use("dynamic", **common, rows=2) is False
+    assert use("dynamic", **{**common, "dv": 64}, rows=8) is False
     with pytest.raises(ValueError, match="Dv=64"):
         use(True, **{**common, "dv": 64}, rows=8)
     with pytest.raises(ValueError, match="4000 chunks: shared memory"):

@@ -79,11 +79,12 @@ def test_silu_ceiling_computes_silu():
      (2, 4096, 16, 32, 128, 1024, "cols"), (3, 200, 2, 4, 64, 100, "cols"),
      (2, 4096, 16, 32, 128, 1024, "aqk"), (3, 200, 2, 4, 64, 100, "aqk"),
      (2, 4096, 16, 32, 128, 1024, "plain"), (2, 4096, 16, 32, 128, 1024, "plain_aqk"),
-     (8, 4096, 16, 32, 128, 1024, "pair"), (3, 200, 2, 4, 64, 100, "pair_dk64")],
+     (8, 4096, 16, 32, 128, 1024, "pair"), (3, 200, 2, 4, 64, 100, "pair_dk64"),
+     (8, 4096, 16, 32, 128, 1024, "pair_dynamic")],
     ids=["80b", "embedded", "80b_fold", "embedded_fold", "80b_fold_triton",
          "embedded_fold_triton", "80b_fold_cols", "embedded_fold_cols", "80b_fold_aqk",
          "embedded_fold_aqk", "80b_fold_plain", "80b_fold_plain_aqk", "80b_8x4096_pair",
-         "dk64_pair"],
+         "dk64_pair", "80b_8x4096_pair_dynamic"],
 )  # fmt: skip
 def test_gdn_serial_launch_lowers_to_mosaic_gpu(monkeypatch, rows, per_row, hk, hv, d, every, fold):
     """GDN prefill's Mosaic GPU serial launch (``pallas_kernels.common.chunk_scan_mgpu``:
@@ -103,7 +104,8 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(monkeypatch, rows, per_row, hk, 
     its serial launch's two Dv blocks in one program, a warpgroup each (``serial_pair=True``:
     two threads, each one's tiles in a ``RefUnion``), at eight rows of 4096 (its chunk plan's
     shared memory near the bound), and with ``Dk = 64`` (the embedded model's key dim, Dv
-    128)."""
+    128); ``"pair_dynamic"`` both serial launches, the plan picking one on the device
+    (``serial_pair="dynamic"``)."""
     from benchmarks.common import prefill_batch
     from pallas_kernels.gdn import gpu, intra_mgpu
 
@@ -124,13 +126,15 @@ def test_gdn_serial_launch_lowers_to_mosaic_gpu(monkeypatch, rows, per_row, hk, 
             *a, qsl, slots, precision=None, serial="mgpu", fold=bool(fold),
             fold_beta_rows=fold != "cols", fold_aqk=str(fold).endswith("aqk"),
             fold_intra="triton" if fold in ("triton", "cols") else None,
-            serial_pair=True if pair else "0",
+            serial_pair=("dynamic" if fold.endswith("dynamic") else True) if pair else "0",
         )  # fmt: skip
 
     text = jax.jit(prefill, donate_argnums=7).trace(*args).lower(lowering_platforms=("cuda",))
     text = text.as_text()
     by_mosaic_gpu = fold in (True, "aqk", "plain", "plain_aqk") or pair  # (intra_mgpu's)
-    assert text.count("custom_call @mosaic_gpu") == (2 if by_mosaic_gpu else 1)
+    # (a dynamic pair: both serial launches, the pair writing o in place of the other's)
+    serial = 2 if str(fold).endswith("dynamic") else 1
+    assert text.count("custom_call @mosaic_gpu") == (1 + serial if by_mosaic_gpu else serial)
     assert ("triton" in text) != by_mosaic_gpu  # the intra launch: Triton's, or none
     assert "tf.aliasing_output" in text  # the donated pool is the kernel's output
 
