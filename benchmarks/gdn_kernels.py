@@ -795,6 +795,9 @@ def main() -> None:
                     b, t, prec, reference=False, operand_dtype=op, three_launches=three, **more
                 ),
             )
+    # FLA once more after hyjax's entries: how far its figure drifts within a process (two
+    # calls on two machines of one kind differed by 8-11 %, session 37)
+    guarded("again_fla", lambda: time_fla(prefill_shapes, []))
     b, t = prefill_shapes[-1] if args.quick else (8, 4096)
     for n_ckpt in (0, 1, 4):  # checkpoints inside each sequence (multiples of 64 tokens)
         guarded(
