@@ -56,6 +56,10 @@
 #             tree's, for an A/B in one call)
 #   gdnintra2 gdnintra's floor, the default (blocked_bf16 at 4 warps) and the two forms with
 #             bf16 products first timed in session 32 (whole_bf16, split_blocked_bf16): 7 entries
+#   kdamid    KDA's diagonal blocks by two products through each block's middle row (kda.gpu
+#             DIAG_FORMS "mid", the column loop where a block's decay is past MID_SPAN)
+#             checked, then against the default and FLA at three shapes; kdamidintra the
+#             intra launches alone at 8x4096, the default's form against it
 #   gdnpairdyn the dynamic pair (gdn_prefill(serial_pair="dynamic"): both serial launches,
 #             the plan picking one on the device) checked (ragged rows: unpaired; eight rows
 #             of 512: paired), then against the default and the pair at 8 and 4 rows of 4096,
@@ -215,6 +219,8 @@ command_of() {  # section -> its command line (results to $scratch/NAME.json)
         kdaintra2) echo "python -m benchmarks.kda_kernels --intra-sweep --only intra_B8_T4096_columns_w2,intra_B8_T4096_launch_w8,intra_B8_T4096_launch_rows_w8 --out $j" ;;
         kdareal2) echo "python -m benchmarks.kda_kernels --no-fla-decode --only check_prefill_default,fla,prefill_B1_T4096_default,prefill_B8_T4096_default,prefill_B1_T16384_default --out $j" ;;
         gdnintra3) echo "python -m benchmarks.gdn_kernels --intra-sweep --only intra_B8_T4096_floor,intra_B8_T4096_blocked_bf16_w4 --out $j" ;;
+        kdamid) echo "python -m benchmarks.kda_kernels --no-fla-decode --only check_prefill_default,check_prefill_mid,fla,prefill_B8_T4096_default,prefill_B8_T4096_mid,prefill_B1_T4096_default,prefill_B1_T4096_mid,prefill_B1_T16384_default,prefill_B1_T16384_mid --out $j" ;;
+        kdamidintra) echo "python -m benchmarks.kda_kernels --intra-sweep --only intra_B8_T4096_launch_rows_w8_s2,intra_B8_T4096_mid_w8_s2 --out $j" ;;
         gdnpairdyn) echo "python -m benchmarks.gdn_kernels --skip-floors --no-fla-decode --shapes 8x4096,4x4096,2x4096,1x4096 --only check_prefill_pairdyn,check_prefill_pair,fla,prefill_B8_T4096_default,prefill_B8_T4096_pair,prefill_B8_T4096_pairdyn,prefill_B4_T4096_default,prefill_B4_T4096_pairdyn,prefill_B2_T4096_mixed63,prefill_B2_T4096_pairdynmixed63,prefill_B1_T4096_mixed63,prefill_B1_T4096_pairdynmixed63,again_fla --out $j" ;;
         gaps) echo "python -m benchmarks.prefill_gaps --shapes 1x4096,8x4096 --out $j" ;;
         mgputrace) echo "python -m benchmarks.gdn_kernels --mgpu-scan --trace --mgpu-variants chain_only,loads_only --only mgpu_scan_B1_T4096,mgpu_scan_B8_T4096 --out $j" ;;

@@ -55,6 +55,9 @@ VARIANTS = {
     # the serial launch in Mosaic GPU (TMA, wgmma; a token-aligned chunk plan)
     "mgpu": {"precision": None, "serial": "mgpu"},
     "f32ops_tf32": {"precision": jax.lax.Precision.DEFAULT, "operand_dtype": jnp.float32},
+    # the diagonal blocks by two products through each block's middle row where its decay
+    # allows (gpu.DIAG_FORMS "mid", the column loop elsewhere)
+    "mid": {"precision": None, "diag_form": "mid"},
 }
 
 
@@ -263,7 +266,7 @@ INTRA_SWEEP = [(4, 2), (8, 1), (8, 2), (8, 3)]
 # the column loop in a launch of its own)
 INTRA_CONFIGS = [(2, 1, "columns"), (4, 2, "columns"), (2, 1, "launch"), (4, 2, "launch"),
                  (8, 2, "launch"), (8, 1, "launch"), (8, 2, "launch_rows"),
-                 (4, 2, "launch_rows")]  # fmt: skip
+                 (4, 2, "launch_rows"), (8, 2, "mid")]  # fmt: skip
 
 
 def _intra_step(n, nw, ns, tma_layout=False, diag_form=None):

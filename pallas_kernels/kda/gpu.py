@@ -115,15 +115,21 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2(e))
 # Measured slower and removed: the diagonal blocks by dots through the middle rows (15.8 ms
 # against 12.1, session 31), and every score block in a launch of its own, a program a
 # 16-row block (8.85 ms against 7.68, session 32).
-DIAG_FORMS = ("columns", "launch", "launch_rows")
+# "mid" (opt-in, not yet timed): "launch_rows"' launch with each block made by two products
+# through its middle row (_mid_block) where the block's decay allows it, else the column loop.
+DIAG_FORMS = ("columns", "launch", "launch_rows", "mid")
+# "mid": a block's largest decay over its 16 rows (natural log, any key channel) up to which
+# its products go through the middle row: every factor then stays within e^+-MID_SPAN, far
+# inside f32's and bf16's range (e^88); past it, the column loop.
+MID_SPAN = 40.0
 DIAG_FORM = os.environ.get("HYJAX_KDA_DIAG") or "launch_rows"
 # The diagonal launch's warps by form (HYJAX_KDA_DIAG_WARPS for a process), the fastest above.
-DIAG_WARPS = {"launch": 2, "launch_rows": 4}
+DIAG_WARPS = {"launch": 2, "launch_rows": 4, "mid": 4}
 DIAG_NUM_WARPS = int(os.environ.get("HYJAX_KDA_DIAG_WARPS") or 0) or None
 # The intra launch's warps when not told (kda_prefill's intra_num_warps None;
 # HYJAX_KDA_INTRA_WARPS for a process), by diagonal form: the fastest at 8x4096 on an H200
 # (columns: 2 warps 10.4 ms, 4 12.1, 8 12.2; launch: 2 8.69, 4 8.95, 8 7.52, session 32)
-INTRA_WARPS = {"columns": 2, "launch": 8, "launch_rows": 8}
+INTRA_WARPS = {"columns": 2, "launch": 8, "launch_rows": 8, "mid": 8}
 INTRA_NUM_WARPS = int(os.environ.get("HYJAX_KDA_INTRA_WARPS") or 0) or None
 NSUB = CHUNK // SUB
 
@@ -273,6 +279,23 @@ def _diag_block(q, k, gam, row=None, col_scale=None):
     return jnp.where(ii > cj, a_kk, 0.0), jnp.where(ii >= cj, a_qk, 0.0)
 
 
+def _mid_block(q, k, gam, prod):
+    """:func:`_diag_block`'s blocks by two products through the block's middle row ``m``:
+    ``sum_d k_id k_jd e^(gam_id - gam_jd) = (k_i e^(gam_i - gam_m)) . (k_j e^(gam_m -
+    gam_j))``, and the same with q's rows. Where ``i >= j`` each term is the true one, the
+    factors' exponents bounded by the block's decay (the caller's :data:`MID_SPAN`); above
+    the diagonal the product may overflow, and is selected away. ``prod``: the intra launch's
+    products (``operand_products``)."""
+    ii = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    cj = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+    gam_m = _row(gam, SUB // 2)[None, :]
+    to_mid, from_mid = jnp.exp(gam - gam_m), jnp.exp(gam_m - gam)  # [16, Dk]
+    k_j = k * from_mid
+    a_kk = prod(k * to_mid, k_j, NT)
+    a_qk = prod(q * to_mid, k_j, NT)
+    return jnp.where(ii > cj, a_kk, 0.0), jnp.where(ii >= cj, a_qk, 0.0)
+
+
 def _block_row(k_ref, g_ref, w0, b: int, start, length, h, neg_a, dt):
     """``row`` of :func:`_diag_block` for 16-row block ``b`` of the window at ``w0``
     (``"launch_rows"``): row ``j``'s k (not normalised: :func:`_diag_block` scales its
@@ -299,7 +322,8 @@ def _diag_kernel(
     neg_a_ref, dt_ref,  # f32[H], f32[H, Dk]
     q_ref, k_ref, g_ref,  # [Tp, H, Dk]
     dkk_ref, dqk_ref,  # f32[H, Tp, 16]  out: the diagonal blocks' rows (valid rows only)
-    *, scale: float, tma_layout: bool, rows_from_memory: bool = False,
+    *, scale: float, tma_layout: bool, rows_from_memory: bool = False, mid: bool = False,
+    precision=None, operand_dtype=jnp.float32,
 ):  # fmt: skip
     """``diag_form="launch"`` or ``"launch_rows"``: the diagonal blocks of Akk (before beta;
     diagonal and above unused) and Aqk (:func:`_diag_block`, a column at a time) in a launch of
@@ -307,7 +331,9 @@ def _diag_kernel(
     small program, many of them resident, out of the intra launch's register-capped one. The
     blocks' decays are differences within a block, so ``gam`` restarts at each.
     ``rows_from_memory`` (``"launch_rows"``): each column's row of k and of the gates read from
-    memory."""
+    memory. ``mid`` (``"mid"``): a block whose decay over its rows is at most
+    :data:`MID_SPAN` by :func:`_mid_block`'s two products (``operand_dtype`` operands at
+    ``precision``, as the intra launch's), another by the column loop read from memory."""
     ci, sb, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, length = c_start_ref[ci], c_len_ref[ci]
     w0 = window(start, length, q_ref.shape[0], CHUNK, aligned=tma_layout).rows.start
@@ -326,7 +352,17 @@ def _diag_kernel(
         if rows_from_memory:  # k's rows unnormalised in the loop, columns scaled after it
             row = _block_row(k_ref, g_ref, w0, sb, start, length, h, neg_a_ref[h], dt_ref[h, :])
             col_scale = inv_norm
-        d_kk, d_qk = _diag_block(q, k * inv_norm[:, None], gam, row, col_scale)
+        kn = k * inv_norm[:, None]
+        if mid:  # (gam never increases: its first row less its last is the block's decay)
+            span = jnp.max(_row(gam, 0) - _row(gam, SUB - 1))
+            prod = operand_products(precision, operand_dtype)
+            d_kk, d_qk = jax.lax.cond(
+                span <= MID_SPAN,
+                lambda: _mid_block(q, kn, gam, prod),
+                lambda: _diag_block(q, kn, gam, row, col_scale),
+            )
+        else:
+            d_kk, d_qk = _diag_block(q, kn, gam, row, col_scale)
         pltr.store(dkk_ref.at[h, r, :], d_kk, mask=ok[:, None])
         pltr.store(dqk_ref.at[h, r, :], d_qk, mask=ok[:, None])
 
@@ -483,13 +519,16 @@ def intra_launch(
     live = live_end(plan) if tma_layout else jnp.zeros(1, jnp.int32)
     diag = ()
     if diag_form != "columns":
-        rows_from_memory = diag_form == "launch_rows"
+        rows_from_memory = diag_form in ("launch_rows", "mid")
         diag = pl.pallas_call(
             functools.partial(
                 _diag_kernel,
                 scale=float(dk) ** -0.5,
                 tma_layout=tma_layout,
                 rows_from_memory=rows_from_memory,
+                mid=diag_form == "mid",
+                precision=precision,
+                operand_dtype=op,
             ),
             grid=(num_chunks, NSUB, h),
             out_shape=[jax.ShapeDtypeStruct((h, tp, SUB), jnp.float32)] * 2,
@@ -532,6 +571,7 @@ def kda_prefill(
     three_launches: bool = False,
     block_v_out: int | None = None,
     serial: str | None = None,
+    diag_form: str | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked ragged prefill; see the module docstring. Returns ``(o [T, H, Dv], state)``.
@@ -551,7 +591,8 @@ def kda_prefill(
     size), ``num_warps`` and ``num_stages`` tune the serial launch, ``intra_num_warps`` /
     ``intra_num_stages`` the intra launch (None warps: :func:`intra_launch`'s), ``vb_first``
     the serial grid's order
-    (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`).
+    (:func:`~pallas_kernels.common.delta_rule_gpu.serial_grid`), ``diag_form`` how the
+    diagonal blocks' scores are made (:data:`DIAG_FORMS`; None: :data:`DIAG_FORM`).
     """
     _check(q, k, v, g, b, A_log, dt_bias, state, slots, query_start_loc)
     n, h, dk = q.shape
@@ -573,7 +614,7 @@ def kda_prefill(
         q, k, v, g, b, neg_a, dt, plan, num_chunks=nc, operand_dtype=op, precision=precision,
         num_warps=intra_num_warps,
         num_stages=intra_num_stages,
-        tma_layout=mgpu, interpret=interpret,
+        tma_layout=mgpu, diag_form=diag_form, interpret=interpret,
     )  # fmt: skip
     if mgpu:
         return chunk_scan_mgpu.scan_mgpu(

@@ -69,14 +69,18 @@ def test_prefill_matches_reference(lens, h, dk, dv, dtype, bv, path):
     _check_prefill(lens, h, dk, dv, dtype, bv, path)
 
 
-@pytest.mark.parametrize("form,case", [("columns", 3), ("launch_rows", 3), ("launch_rows", 2)])
+@pytest.mark.parametrize(
+    "form,case",
+    [("columns", 3), ("launch_rows", 3), ("launch_rows", 2), ("mid", 3), ("mid", 2)],
+)
 def test_prefill_diagonal_blocks_other_forms(form, case, monkeypatch):
     """The diagonal blocks' other forms (the default makes them in a launch of their own,
     each column's row taken out of the tiles, which the other prefill tests run):
-    ``"columns"``, the column loop inside the intra launch, and ``"launch_rows"``, each
-    column's row of k and of the gates read from memory, on the ragged case whose chunks
-    fill all four 16-row blocks, and one shorter than a block; the second also on bf16
-    inputs."""
+    ``"columns"``, the column loop inside the intra launch, ``"launch_rows"``, each
+    column's row of k and of the gates read from memory, and ``"mid"``, two products through
+    each block's middle row (these gates' decays allow it everywhere; the strong gates' test
+    runs its column loop), on the ragged case whose chunks fill all four 16-row blocks, and
+    one shorter than a block; the second also on bf16 inputs."""
     monkeypatch.setattr(gpu, "DIAG_FORM", form)
     lens, h, dk, dv, dtype, bv = PREFILL_CASES[case]
     _check_prefill(lens, h, dk, dv, dtype, bv, "two")
@@ -157,7 +161,12 @@ def test_rejects_bad_blocks():
         )  # fmt: skip
 
 
-def test_kernels_lower_to_triton_at_48b_shapes():
+@pytest.mark.parametrize("diag_form", [None, "mid"])
+def test_kernels_lower_to_triton_at_48b_shapes(diag_form, monkeypatch):
+    """The prefill (its default diagonal form, and ``"mid"``: a branch between two products
+    and the column loop) and the decode lower at Kimi-Linear-48B's heads."""
+    if diag_form:
+        monkeypatch.setattr(gpu, "DIAG_FORM", diag_form)
     h, d, n, rows, m = 32, 128, 256, 4, 2
     sd = jax.ShapeDtypeStruct
     bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
