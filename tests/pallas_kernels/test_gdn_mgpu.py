@@ -249,6 +249,20 @@ def test_fold_scratch_by_mosaic_gpu_matches_the_triton_launch(
     assert_rel_close(s_a, s, tol=1e-2, what="state pool (Aqk made in the serial launch)")
 
 
+def _pair_case(seed: int):
+    """The pairs' ragged rows (70, 3 and 130 tokens: chunks inside blocks, short chunks' rows,
+    checkpoints, a padding row, poisoned slots) at ``Dv = 128``: ``(args, pool, qsl, slots,
+    tokens)``."""
+    rng = np.random.default_rng(seed)
+    case = ragged_case([70, 3, 130])
+    hk, hv, dv = 1, 2, 2 * chunk_scan_mgpu.BV
+    q, k, _, a, b, A_log, dt_bias = _inputs(rng, case.num_tokens, hk, hv)
+    v = jnp.asarray(rng.normal(size=(case.num_tokens, hv, dv)), jnp.bfloat16)
+    pool = jnp.asarray(case.pool(rng, (hv, dv, D), np.float32))
+    qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
+    return (q, k, v, a, b, A_log, dt_bias), pool, qsl, slots, case.num_tokens
+
+
 @pytest.mark.skipif(
     (os.cpu_count() or 1) < 4,
     reason="Pallas' GPU interpreter runs each warpgroup as an XLA execution on the host's pool: "
@@ -260,15 +274,7 @@ def test_fold_by_pairs_matches_the_reference_and_the_unpaired_launch():
     a stage by ``consumed``) on the ragged rows (chunks inside blocks, short chunks' rows,
     checkpoints, a padding row, poisoned slots) at ``Dv = 128``: the reference's outputs and
     slots, the unpaired launch's to bf16 roundings, untouched slots bit for bit."""
-    rng = np.random.default_rng(6)
-    case = ragged_case([70, 3, 130])
-    hk, hv, dv = 1, 2, 2 * chunk_scan_mgpu.BV
-    q, k, _, a, b, A_log, dt_bias = _inputs(rng, case.num_tokens, hk, hv)
-    v = jnp.asarray(rng.normal(size=(case.num_tokens, hv, dv)), jnp.bfloat16)
-    args = (q, k, v, a, b, A_log, dt_bias)
-    pool = jnp.asarray(case.pool(rng, (hv, dv, D), np.float32))
-    qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
-    n = case.num_tokens
+    args, pool, qsl, slots, n = _pair_case(6)
     pair_o, pair_s = _check_against_reference(args, pool, qsl, slots, fold=True, serial_pair=True)
     kernel = functools.partial(gpu.gdn_prefill, precision=None, serial="mgpu", interpret=True)
     one_o, one_s = jax.jit(functools.partial(kernel, fold=True, serial_pair=False))(
@@ -285,14 +291,7 @@ def _dynamic_case(monkeypatch, resident: int):
     bit: two long rows of two heads' two Dv blocks are 8 unpaired programs, a pair past 1.5
     waves (``resident`` < 6)."""
     monkeypatch.setattr(chunk_scan_mgpu, "resident_programs", lambda: resident)
-    rng = np.random.default_rng(7)
-    case = ragged_case([70, 3, 130])
-    hk, hv, dv = 1, 2, 2 * chunk_scan_mgpu.BV
-    q, k, _, a, b, A_log, dt_bias = _inputs(rng, case.num_tokens, hk, hv)
-    v = jnp.asarray(rng.normal(size=(case.num_tokens, hv, dv)), jnp.bfloat16)
-    args = (q, k, v, a, b, A_log, dt_bias)
-    pool = jnp.asarray(case.pool(rng, (hv, dv, D), np.float32))
-    qsl, slots = jnp.asarray(case.query_start_loc), case.slots()
+    args, pool, qsl, slots, _ = _pair_case(7)
     kernel = functools.partial(gpu.gdn_prefill, precision=None, serial="mgpu", fold=True,
                                interpret=True)  # fmt: skip
     got = jax.jit(functools.partial(kernel, serial_pair="dynamic"))(
