@@ -54,9 +54,8 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from benchmarks.common import device_name, distinct_copies
+from benchmarks.common import device_name, time_stateful
 from pallas_kernels.common.slots import StateSlots
 from pallas_kernels.conv1d.reference import causal_conv1d_update_reference
 from pallas_kernels.gdn import fused_decode, gpu
@@ -213,31 +212,9 @@ def check_slots(rows: int) -> StateSlots:
 
 def time_chain(step, state, operands, *, iters: int, chains: int, repeats: int = 3) -> float:
     """Median seconds of one ``state, out = step(state, *operands)``: ``chains`` dispatches of
-    one jitted program of ``iters`` unrolled calls (state donated, passed from call to call,
-    one element of every output summed into a returned scalar, each call on its own copy of
-    the operands, as :func:`benchmarks.common.time_stateful`), then one sync."""
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))  # acc too: no graph re-recorded
-    def chain(state, acc, operand_sets):
-        acc = acc * 0
-        for i in range(iters):
-            state, out = step(state, *operand_sets[i])
-            for leaf in jax.tree_util.tree_leaves(out):
-                acc = acc + leaf.reshape(-1)[0].astype(jnp.float32)
-        return state, acc
-
-    acc = jnp.zeros((), jnp.float32)
-    operands = distinct_copies(operands, iters)  # each call its own (no call computed once)
-    state, acc = chain(state, acc, operands)  # compile + warm up
-    jax.block_until_ready((state, acc))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(chains):
-            state, acc = chain(state, acc, operands)
-        jax.block_until_ready((state, acc))
-        times.append((time.perf_counter() - t0) / (iters * chains))
-    return float(np.median(times))
+    one jitted program of ``iters`` unrolled calls, then one sync
+    (:func:`benchmarks.common.time_stateful`'s program, ``chains`` its ``runs``)."""
+    return time_stateful(step, state, operands, iters=iters, repeats=repeats, runs=chains)
 
 
 def _swap(fn):

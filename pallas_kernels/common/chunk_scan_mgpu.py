@@ -739,7 +739,7 @@ def pair_mode(rp: RowPlan, heads: int, dv: int) -> jax.Array:
     return (2 * programs > 3 * resident_programs()).astype(jnp.int32)
 
 
-def _plan_arrays(rp: RowPlan, decay: jax.Array, dv: int):
+def _plan_arrays(rp: RowPlan, decay: jax.Array, mode: jax.Array):
     """The kernel's scalars: each row's ``[first chunk, chunks, src, dst, ckpt offsets,
     ckpt slots, mode]`` (i32 ``[S, K]``, K padded to 128 bytes: a warpgroup's copy), every chunk's
     start / length / end (i32 ``[3, NCP / 128, 128]``) and each head's chunk decays (f32
@@ -749,9 +749,8 @@ def _plan_arrays(rp: RowPlan, decay: jax.Array, dv: int):
     m = rp.ck_off.shape[1]
     cols = [rp.row_first, rp.row_chunks, rp.src, rp.dst]
     ri = jnp.concatenate([jnp.stack(cols, 1), rp.ck_off, rp.ck_slot], axis=1).astype(jnp.int32)
-    # then the launch's mode (:func:`pair_mode`, every row the same), zeros after it
-    mode = jnp.broadcast_to(pair_mode(rp, decay.shape[1], dv), (ri.shape[0], 1))
-    ri = jnp.concatenate([ri, mode], axis=1)
+    # then the launch's mode (i32 ``mode``: a dynamic pair's, :func:`pair_mode`), zeros after
+    ri = jnp.concatenate([ri, jnp.broadcast_to(mode, (ri.shape[0], 1)).astype(jnp.int32)], 1)
     ri = jnp.pad(ri, [(0, 0), (0, _round_up(5 + 2 * m, 32) - (5 + 2 * m))])
     meta = jnp.stack([rp.c_start, rp.c_len, rp.c_end]).astype(jnp.int32)
     meta = jnp.pad(meta, [(0, 0), (0, ncp - nc)]).reshape(3, ncp // META_COLS, META_COLS)
@@ -827,7 +826,9 @@ def scan_mgpu(
         raise ValueError(f"the Mosaic GPU serial launch cannot take this prefill: {why}")
     op = x.w.dtype
     pair = use_pair(pair, fold, fold_aqk, dk, dv, h, rows, nc, state.dtype, op)
-    ri, meta, dec = _plan_arrays(rp, x.decay, dv)
+    # (a dynamic pair's mode, made on the device; 0 for any other launch, which never reads it)
+    mode = pair_mode(rp, h, dv) if pair == "dynamic" else jnp.zeros((), jnp.int32)
+    ri, meta, dec = _plan_arrays(rp, x.decay, mode)
     if fold:
         tp, hk, _ = x.q.shape
         flat = [a.reshape(tp, -1) for a in (x.v, x.q, x.k)]  # a token's heads in one row
@@ -840,10 +841,10 @@ def scan_mgpu(
 
     slots, mask = _written_slots(rp)
 
-    def launch(state, pair: bool, mode: int | None = None, o_in=None):
-        """The launch, paired or not; with ``mode`` its programs run only the rows of a
-        launch whose plan's mode column (:func:`_plan_arrays`) is ``mode``, writing into
-        ``o_in``'s ``o`` (a dynamic pair: :func:`use_pair`)."""
+    def launch(state, pair: bool, runs_in: int | None = None, o_in=None):
+        """The launch, paired or not; with ``runs_in`` its programs run their rows only where
+        the plan's ``mode`` is ``runs_in``, writing into ``o_in``'s ``o`` (a dynamic pair:
+        :func:`use_pair`)."""
         own = (
             tile((BV, dk), 0),  # the chunk's bf16 S^T (o's B)
             tile((BV, CHUNK), 0),  # the chunk's bf16 V'^T (o's B)
@@ -889,7 +890,7 @@ def scan_mgpu(
         body = functools.partial(
             _body, ops=InterpretOps if interpret else GpuOps, num_ckpt=num_ckpt,
             per_channel=per_channel, diagnostic=diagnostic, prefetch=prefetch,
-            fold_heads=x.q.shape[1] if fold else 0, fold_aqk=fold_aqk, pair=pair, mode=mode,
+            fold_heads=x.q.shape[1] if fold else 0, fold_aqk=fold_aqk, pair=pair, mode=runs_in,
         )  # fmt: skip
         if pair:
             mesh = plgpu.Mesh(
@@ -897,27 +898,26 @@ def scan_mgpu(
             )  # fmt: skip
         else:
             mesh = plgpu.Mesh(grid=(dv // BV, h, rows), grid_names=("v", "h", "r"))
-        written = mask if mode is None else mask & (ri[0, _mode_column(num_ckpt)] == mode)
+        on = None if runs_in is None else mode == runs_in
         return pool_kernel(
             body, scratch, mesh, (ri, meta, dec, *tiles), state, o_type,
-            jnp.where(written, slots, 0), name=f"{name}_serial_mgpu", interpret=interpret,
-            approx_math=fold and FOLD_APPROX_MATH, collective_axes="wg" if pair else (),
-            o_in=o_in, mode_on=None if mode is None else ri[0, _mode_column(num_ckpt)] == mode,
+            jnp.where(mask if on is None else mask & on, slots, 0), name=f"{name}_serial_mgpu",
+            interpret=interpret, approx_math=fold and FOLD_APPROX_MATH,
+            collective_axes="wg" if pair else (), o_in=o_in, mode_on=on,
         )  # fmt: skip
 
     o_type = jax.ShapeDtypeStruct((num_tokens, h, dv), out_dtype)
     if pair == "dynamic":  # both launches, each running the rows of the mode the plan picks
-        o, state = launch(state, False, mode=0)
+        o, state = launch(state, False, runs_in=0)
         if interpret:  # (the pair's launch only where it runs rows: in Pallas' GPU interpreter
             # its warpgroups wait for each other's plan copies, which on a 2-CPU host can hold
             # the last thread; on a GPU its programs read the plan and exit)
-            paired = ri[0, _mode_column(num_ckpt)] == 1
             o, state = jax.lax.cond(
-                paired, lambda o, s: launch(s, True, mode=1, o_in=o), lambda o, s: (o, s),
+                mode == 1, lambda o, s: launch(s, True, runs_in=1, o_in=o), lambda o, s: (o, s),
                 o, state,
             )  # fmt: skip
         else:
-            o, state = launch(state, True, mode=1, o_in=o)
+            o, state = launch(state, True, runs_in=1, o_in=o)
     else:
         o, state = launch(state, pair)
     if live is not None:

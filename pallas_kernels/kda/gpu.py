@@ -112,8 +112,9 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x log2(e))
 # (BENCHMARKS.md, session 33, one process): launch_rows 6.65 ms (diagonal launch at 4 warps;
 # 6.80 at 2, 10.27 at 8), launch 6.79 (2 warps; 7.53 at 4, 9.84 at 8), columns 9.66 (intra
 # launch at 2 warps, its fastest). HYJAX_KDA_DIAG=<form> for a process.
-# Measured slower and removed: the diagonal blocks by dots through the middle rows (15.8 ms
-# against 12.1, session 31), and every score block in a launch of its own, a program a
+# Measured slower and removed: the diagonal blocks by four f32 dots a block through each
+# pair's middle row with the rows' gam gathered by a product ("levels": 15.8 ms against 12.1,
+# session 31), and every score block in a launch of its own, a program a
 # 16-row block (8.85 ms against 7.68, session 32).
 # "mid" (opt-in, not yet timed): "launch_rows"' launch with each block made by two products
 # through its middle row (_mid_block) where the block's decay allows it, else the column loop.
